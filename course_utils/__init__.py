@@ -1,0 +1,25 @@
+"""course_utils: the package behind the course notebooks.
+
+Every number a notebook shows is computed here (memory, comm, plan) or measured by a run
+started here (launch, train). One concept per module; each public function names the
+notebook that introduces it. Import cost is kept low: submodules are loaded on first use.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_SUBMODULES = {
+    "errors", "units", "memory", "comm", "plan", "launch", "dist", "models", "data",
+    "instrument", "train", "ddp", "zero", "fsdp", "checkpoint", "widgets", "plots",
+    "rehearse", "bench", "examples", "colab",
+}
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name == "launch":  # pragma: no cover - handled above, kept for clarity
+        return importlib.import_module(f"{__name__}.launch")
+    raise AttributeError(f"module 'course_utils' has no attribute {name!r}")

@@ -1,0 +1,163 @@
+"""The worker side of every run: one switch for backend and device (introduced in notebook 00).
+
+A worker function calls ``init()`` first and gets a ``DistInfo``. The same call works
+
+- under ``course_utils.launch`` (which sets ``COURSE_BACKEND`` and ``COURSE_TIMEOUT_S``),
+- under plain ``torchrun`` (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT),
+- in a plain single process with none of those set (world size 1, an in-memory store),
+
+so worker code is identical at world size 1 and N. The rule for the backend, in one place:
+NCCL with one GPU per local rank when there are at least that many GPUs, gloo on CPU otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import CourseInputError
+
+DEFAULT_TIMEOUT_S = 300.0
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def pick_backend(nproc_per_node: int, requested: str = "auto") -> tuple[str, str]:
+    """Return ``(backend, device_type)`` for ``nproc_per_node`` local ranks (notebook 00).
+
+    "auto" chooses ("nccl", "cuda") when ``torch.cuda.device_count() >= nproc_per_node``
+    and ("gloo", "cpu") otherwise. "nccl" with too few GPUs is an error that says so.
+    """
+    if requested not in BACKENDS:
+        raise CourseInputError(f"backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "gloo":
+        return "gloo", "cpu"
+    if requested == "nccl":
+        if gpus < nproc_per_node:
+            raise CourseInputError(
+                f"backend='nccl' needs one GPU per rank: {nproc_per_node} ranks but {gpus} GPU(s) here; "
+                "use backend='auto' (gloo on CPU) or fewer ranks")
+        return "nccl", "cuda"
+    return ("nccl", "cuda") if gpus >= nproc_per_node and gpus > 0 else ("gloo", "cpu")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Who this process is in the run (notebook 00)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+    restart_count: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo:
+    """Join the process group (or create a world of one) and pick this rank's device (notebook 00).
+
+    Args:
+        backend: "auto", "gloo" or "nccl"; default from ``COURSE_BACKEND``, else "auto".
+        timeout_s: how long a collective may wait for the other ranks before it raises;
+            default from ``COURSE_TIMEOUT_S``, else 300 s. This is what turns a hang
+            (a rank that never arrives) into an error.
+    """
+    rank = _env_int("RANK", 0)
+    world = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    requested = backend or os.environ.get("COURSE_BACKEND", "auto")
+    backend_name, device_type = pick_backend(local_world, requested)
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=float(timeout_s or os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+        if "MASTER_ADDR" in os.environ:  # torchrun / elastic agent: rendezvous through env://
+            dist.init_process_group(backend_name, rank=rank, world_size=world, timeout=timeout,
+                                    device_id=device if device_type == "cuda" else None)
+        else:  # a plain process: a world of one, so the same collectives still run
+            dist.init_process_group(backend_name, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                    local_world_size=local_world, backend=backend_name, device=device,
+                    restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def shutdown() -> None:
+    """Leave the process group if this process joined one (notebook 00)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def check_mesh_shape(world_size: int, mesh_shape) -> tuple[int, ...]:
+    """Validate a device-mesh shape against the world size (notebook 04)."""
+    shape = tuple(int(s) for s in mesh_shape)
+    if not shape or any(s < 1 for s in shape):
+        raise CourseInputError(f"mesh shape {mesh_shape!r} must be positive integers, e.g. (2, 2)")
+    prod = 1
+    for s in shape:
+        prod *= s
+    if prod != world_size:
+        raise CourseInputError(
+            f"mesh shape {shape} holds {prod} ranks but the world has {world_size}; "
+            f"choose sizes whose product is {world_size} (e.g. ({max(world_size // 2, 1)}, {min(2, world_size)}))")
+    return shape
+
+
+def init_mesh(info: DistInfo, mesh_shape, names: tuple[str, ...]):
+    """A DeviceMesh over all ranks on this run's device type (notebook 04)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = check_mesh_shape(info.world_size, mesh_shape)
+    return init_device_mesh(info.device.type, shape, mesh_dim_names=names)
+
+
+def log(*parts) -> None:
+    """Print one line prefixed with this rank, flushed at once so it shows up live (notebook 00)."""
+    rank = dist.get_rank() if dist.is_initialized() else _env_int("RANK", 0)
+    print(f"[rank {rank}]", *parts, flush=True)
+
+
+def report_progress(step: int, total: int, **fields) -> None:
+    """Tell ``course_utils.launch`` how far this rank has got (no-op under plain torchrun).
+
+    Written atomically (temp file + rename) to ``$COURSE_PROGRESS_DIR/rank<r>.json``; the
+    launcher reads it to draw a live per-rank status line (notebook 00).
+    """
+    folder = os.environ.get("COURSE_PROGRESS_DIR")
+    if not folder:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else _env_int("RANK", 0)
+    payload = {"rank": rank, "step": int(step), "total": int(total), "pid": os.getpid(), **fields}
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".rank{rank}-")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(payload, fh)
+    os.replace(tmp, os.path.join(folder, f"rank{rank}.json"))
+
+
+def is_torchrun() -> bool:
+    """True when this process was started by torchrun or the elastic agent (notebook 00)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "MASTER_ADDR" in os.environ
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
