@@ -1,0 +1,157 @@
+"""The course model: a small GPT-style transformer every notebook trains (introduced in notebook 00).
+
+It is deliberately ordinary (token + position embeddings, pre-norm blocks of causal
+self-attention and an MLP, a final norm, an output head tied to the token embedding, as in
+GPT-2) so that what the course measures on it carries over to real models. Sizes are
+configurable; the defaults are tiny so that 4 CPU processes train it in seconds.
+
+``build_model(cfg, seed)`` gives the same weights for the same seed in every process, which
+is what lets the notebooks compare strategies bit for bit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import CourseInputError
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the course model (notebook 00). Ψ is ``param_count(cfg)``."""
+
+    vocab: int = 256      # tokens in the vocabulary
+    seq: int = 32         # context length (tokens per sample)
+    layers: int = 2       # transformer blocks (L)
+    width: int = 64       # hidden size (h)
+    heads: int = 4        # attention heads; must divide width
+    mlp_ratio: int = 4    # MLP hidden size = mlp_ratio * width
+    tie_weights: bool = True  # output head shares the token embedding (GPT-2 style)
+
+    def __post_init__(self):
+        for name in ("vocab", "seq", "layers", "width", "heads", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise CourseInputError(f"model {name} must be a positive integer, got {value!r}")
+        if self.width % self.heads:
+            raise CourseInputError(
+                f"model width {self.width} is not divisible by heads {self.heads}; pick heads that divide it")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+#: Named sizes. "tiny" is what the notebooks' defaults train on a 2-core CPU.
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(),
+    "small": GPTConfig(vocab=512, seq=64, layers=4, width=128, heads=4),
+    "medium": GPTConfig(vocab=1024, seq=128, layers=6, width=256, heads=8),
+}
+
+
+def get_config(model: str | GPTConfig = "tiny", **overrides) -> GPTConfig:
+    """A preset by name ("tiny", "small", "medium") or a config, with field overrides (notebook 00)."""
+    if isinstance(model, GPTConfig):
+        cfg = model
+    elif model in PRESETS:
+        cfg = PRESETS[model]
+    else:
+        raise CourseInputError(f"unknown model {model!r}; choose one of {', '.join(PRESETS)}")
+    return replace(cfg, **overrides) if overrides else cfg
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """One transformer block: the unit FSDP and ZeRO-3 gather at a time (notebook 03)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.width)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.width)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """The course model (notebook 00). ``model(idx, targets)`` returns the mean cross-entropy loss."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.width)
+        self.pos_emb = nn.Embedding(cfg.seq, cfg.width)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.width)
+        self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)
+        if cfg.tie_weights:
+            self.head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.zeros_(p) if not name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")) else nn.init.ones_(p)
+            else:
+                std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build_model(cfg: GPTConfig | str = "tiny", seed: int = 0, device="cpu") -> GPT:
+    """The course model with weights fixed by ``seed`` alone, identical in every process (notebook 00).
+
+    The global RNG is left as it was (the initialisation uses a forked RNG state).
+    """
+    cfg = get_config(cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT(cfg)
+    return model.to(device)
+
+
+def param_count(model_or_cfg) -> int:
+    """Ψ: the number of distinct parameters (a tied weight counts once) (notebook 01)."""
+    model = model_or_cfg if isinstance(model_or_cfg, nn.Module) else GPT(get_config(model_or_cfg)).to("meta")
+    return sum(p.numel() for p in model.parameters())
