@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -100,6 +101,19 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                     local_world_size=local_world, backend=backend_name, device=device,
                     restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+@contextmanager
+def session(backend: str | None = None, timeout_s: float | None = None):
+    """``with session() as info:`` joins the group and leaves it when the block ends (notebook 00).
+
+    On an exception the group is *not* torn down first: the error is recorded (torch's
+    ``@record`` error file) before this process's sockets close, so the launcher can tell the
+    rank that failed first from the peers whose collectives then lost it.
+    """
+    info = init(backend, timeout_s)
+    yield info
+    shutdown()
 
 
 def shutdown() -> None:

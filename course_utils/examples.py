@@ -19,52 +19,53 @@ def all_reduce_demo(n: int = 4) -> dict:
 
     After the call every rank holds ``1 + 2 + ... + N = N(N+1)/2`` in every slot.
     """
-    info = cdist.init()
-    try:
+    with cdist.session() as info:
         x = torch.full((n,), float(info.rank + 1), device=info.device)
         dist.all_reduce(x)  # default op: SUM
         return {"rank": info.rank, "world_size": info.world_size, "backend": info.backend,
                 "device": str(info.device), "pid": os.getpid(), "result": x.cpu().tolist()}
-    finally:
-        cdist.shutdown()
 
 
 def fail_on_rank(bad_rank: int = 1) -> int:
     """Rank ``bad_rank`` raises; the others wait in a barrier it never reaches (notebook 00)."""
-    info = cdist.init()
-    try:
+    with cdist.session() as info:
         if info.rank == bad_rank:
             raise RuntimeError(f"rank {info.rank} fails on purpose to show how errors surface")
         dist.barrier()
         return info.rank
-    finally:
-        cdist.shutdown()
 
 
 def hang_on_rank(stuck_rank: int = 1, seconds: float = 3600.0) -> int:
     """Rank ``stuck_rank`` never joins the all-reduce; the others' collective times out (notebook 00)."""
-    info = cdist.init()
-    if info.rank == stuck_rank:
-        time.sleep(seconds)
-    x = torch.ones(1, device=info.device)
-    dist.all_reduce(x)
-    cdist.shutdown()
-    return info.rank
+    with cdist.session() as info:
+        if info.rank == stuck_rank:
+            time.sleep(seconds)
+        x = torch.ones(1, device=info.device)
+        dist.all_reduce(x)
+        return info.rank
 
 
 def count_with_progress(steps: int = 10, delay_s: float = 0.3) -> int:
     """A slow loop that reports its progress, to show the launcher's live status (notebook 00)."""
-    info = cdist.init()
-    try:
+    with cdist.session():
         for step in range(1, steps + 1):
             time.sleep(delay_s)
             cdist.report_progress(step, steps)
         dist.barrier()
         return steps
-    finally:
-        cdist.shutdown()
 
 
 def pid_of_rank() -> int:
     """The worker's process id, so a test can check no worker outlives a run (notebook 00)."""
     return os.getpid()
+
+
+def fail_after_progress(bad_rank: int = 1) -> int:
+    """Every rank reports progress (with its pid), then ``bad_rank`` dies hard (notebook 00)."""
+    with cdist.session() as info:
+        cdist.report_progress(1, 2)
+        dist.barrier()
+        if info.rank == bad_rank:
+            os._exit(1)  # no clean-up, no error file: like a lost GPU
+        dist.barrier()
+        return info.rank

@@ -21,11 +21,11 @@ The same worker runs outside the notebook with plain torchrun; ``result.command`
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
 import pickle
-import select
 import shlex
 import signal
 import subprocess
@@ -37,8 +37,12 @@ from pathlib import Path
 from .dist import check_mesh_shape, pick_backend
 from .errors import CourseInputError
 
-#: Extra seconds the kernel waits beyond ``timeout_s`` for the workers' own timeout errors.
+#: Extra seconds (at most) the kernel waits beyond ``timeout_s`` for the workers' own timeout errors.
 GRACE_S = 20.0
+
+
+def _grace(timeout_s: float) -> float:
+    return min(GRACE_S, max(2.0, float(timeout_s)))
 
 
 class LaunchError(RuntimeError):
@@ -164,21 +168,91 @@ class _Progress:
             print(text, file=sys.stderr)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the agent and all its workers: SIGTERM to the group, then SIGKILL after 3 s."""
-    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - a recycled id owned by someone else
+        return False
+
+
+def _kill_group(pgid: int, grace_s: float = 3.0) -> None:
+    """End an agent and all its workers: SIGTERM to the group, then SIGKILL after ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(proc.pid, sig)
+            os.killpg(pgid, sig)
         except ProcessLookupError:
             return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_alive(pgid):
+            _reap()
+            time.sleep(0.02)
+        if not _group_alive(pgid):
+            return
+
+
+class _AgentServer:
+    """The forking agent server of ``course_utils._agent`` (Linux), started on first use."""
+
+    proc: subprocess.Popen | None = None
+
+    @classmethod
+    def start_agent(cls, spec_path: Path, result_path: Path, log_path: Path, env: dict) -> int:
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.proc = subprocess.Popen([sys.executable, "-m", "course_utils._agent", "--serve"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                        start_new_session=True)
+            atexit.register(cls.stop)
+        cls.proc.stdin.write(f"{spec_path}\t{result_path}\t{log_path}\n".encode())
+        cls.proc.stdin.flush()
+        line = cls.proc.stdout.readline()
+        if not line:
+            cls.proc = None
+            raise LaunchError("the launcher's agent server ended unexpectedly; run the cell again")
+        return int(line)
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.proc is not None and cls.proc.poll() is None:
+            cls.proc.stdin.close()
             try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                return
-            proc.poll()
-            time.sleep(0.05)
+                cls.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                cls.proc.kill()
+        cls.proc = None
+
+
+_popen_agents: list[subprocess.Popen] = []
+
+
+def _reap() -> None:
+    for p in list(_popen_agents):
+        if p.poll() is not None:
+            _popen_agents.remove(p)
+
+
+def _start_agent(spec_path: Path, result_path: Path, log_path: Path, env: dict, use_server: bool) -> int:
+    """Start one launch's agent in its own session; return its pid (= its process group id)."""
+    if use_server:
+        pid = _AgentServer.start_agent(spec_path, result_path, log_path, env)
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", "course_utils._agent", str(spec_path),
+                                 str(result_path), str(log_path)], env=env, stdin=subprocess.DEVNULL)
+        _popen_agents.append(proc)
+        pid = proc.pid
+    # The agent calls setsid() first thing; wait until it leads its own process group.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if os.getpgid(pid) == pid:
+                break
+        except ProcessLookupError:
+            break
+        _reap()
+        time.sleep(0.005)
+    return pid
 
 
 def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeout_s: float = 120.0,
@@ -194,7 +268,7 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
         backend: "auto" (NCCL with one GPU per rank if there are enough GPUs, else gloo on
             CPU), "gloo" or "nccl".
         timeout_s: a collective waiting longer than this raises in the worker; the kernel
-            gives up ``GRACE_S`` later and ends every process of the run.
+            gives up a grace period later (``timeout_s``, at most ``GRACE_S``) and ends every process of the run.
         max_restarts: how many times the elastic agent restarts the whole group after a
             worker failure (torchrun's ``--max-restarts``).
         mesh_shape: optional device-mesh shape; its product must equal ``nproc``. Workers
@@ -225,36 +299,39 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
 
     run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="course-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    progress_dir = Path(tempfile.mkdtemp(prefix="progress-", dir=run_dir))
+    progress_dir = Path(tempfile.mkdtemp(prefix="launch-", dir=run_dir))
     spec_path, result_path = progress_dir / "spec.pkl", progress_dir / "result.pkl"
+    agent_log = progress_dir / "agent.log"
     log_dir = run_dir / "logs"
+    worker_env = {k: str(v) for k, v in (env or {}).items()}
+    worker_env.update(COURSE_BACKEND=backend_name, COURSE_TIMEOUT_S=str(timeout_s),
+                      COURSE_PROGRESS_DIR=str(progress_dir), PYTHONUNBUFFERED="1")
+    if mesh_shape is not None:
+        worker_env["COURSE_MESH_SHAPE"] = ",".join(map(str, mesh_shape))
+    # fork is milliseconds and safe on CPU; CUDA must not be forked, so GPU runs spawn.
+    start_method = "spawn" if device_type == "cuda" or not sys.platform.startswith("linux") else "fork"
     with open(spec_path, "wb") as fh:
         pickle.dump({"target": target, "args": tuple(args), "kwargs": kwargs, "nproc": nproc,
-                     "max_restarts": max_restarts, "log_dir": str(log_dir)}, fh)
-
-    child_env = dict(os.environ, **(env or {}))
-    child_env.update(COURSE_BACKEND=backend_name, COURSE_TIMEOUT_S=str(timeout_s),
-                     COURSE_PROGRESS_DIR=str(progress_dir), PYTHONUNBUFFERED="1")
-    if mesh_shape is not None:
-        child_env["COURSE_MESH_SHAPE"] = ",".join(map(str, mesh_shape))
+                     "max_restarts": max_restarts, "log_dir": str(log_dir), "env": worker_env,
+                     "cwd": os.getcwd(), "start_method": start_method}, fh)
+    agent_log.touch()
     # Workers must import the same course_utils the kernel uses, even from a source checkout.
+    base_env = dict(os.environ)
     pkg_root = str(Path(__file__).resolve().parent.parent)
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, child_env.get("PYTHONPATH")) if p)
+    base_env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, base_env.get("PYTHONPATH")) if p)
 
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "course_utils._agent", str(spec_path), str(result_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env,
-                            start_new_session=True, cwd=os.getcwd())
     status = _Progress(progress_dir, nproc, progress)
     tail: list[str] = []
-    buffer = b""
+    pgid = None
     try:
-        while True:
-            ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-            if ready:
-                chunk = os.read(proc.stdout.fileno(), 65536)
-                if not chunk and proc.poll() is not None:
-                    break
+        pgid = _start_agent(spec_path, result_path, agent_log, base_env,
+                            use_server=start_method == "fork")
+        with open(agent_log, "rb") as log:
+            buffer = b""
+            while True:
+                finished = result_path.exists() or not _group_alive(pgid)
+                chunk = log.read()
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for raw in lines:
@@ -262,38 +339,43 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
                     tail = (tail + [line])[-200:]
                     if echo:
                         print(line, flush=True)
-            elif proc.poll() is not None:
-                break
-            elapsed = time.monotonic() - start
-            status.update(elapsed)
-            if elapsed > timeout_s + GRACE_S:
-                last = status.line(elapsed)
-                _kill_group(proc)
-                raise LaunchTimeout(
-                    f"the run did not finish within {timeout_s:g} s (+{GRACE_S:g} s grace) and every "
-                    f"process was stopped. Last progress: {last}. A collective was probably waiting for a "
-                    "rank that never arrived (mismatched collectives, or a rank stuck or dead); "
-                    f"logs: {log_dir}")
-        proc.wait()
+                if finished:
+                    break
+                elapsed = time.monotonic() - start
+                status.update(elapsed)
+                if elapsed > timeout_s + _grace(timeout_s):
+                    last = status.line(elapsed)
+                    _kill_group(pgid)
+                    raise LaunchTimeout(
+                        f"the run did not finish within {timeout_s:g} s (+{_grace(timeout_s):g} s grace) and every "
+                        f"process was stopped. Last progress: {last}. A collective was probably waiting "
+                        "for a rank that never arrived (mismatched collectives, or a rank stuck or dead); "
+                        f"logs: {log_dir}")
+                _reap()
+                time.sleep(0.05)
     except KeyboardInterrupt:
-        _kill_group(proc)
+        if pgid is not None:
+            _kill_group(pgid)
         raise KeyboardInterrupt(f"launch interrupted: all {nproc} worker processes were stopped") from None
     finally:
-        _kill_group(proc)  # normally a no-op: nothing of this run may outlive it
-        if proc.stdout:
-            proc.stdout.close()
+        if pgid is not None:  # nothing of this run may outlive it
+            deadline = time.monotonic() + 2.0
+            while _group_alive(pgid) and time.monotonic() < deadline:
+                _reap()
+                time.sleep(0.02)
+            _kill_group(pgid, grace_s=1.0)
+        _reap()
     status.update(time.monotonic() - start, final=True)
 
     if not result_path.exists():
-        raise LaunchError(f"the launcher process ended (exit {proc.returncode}) without a result; "
-                          "its last output:\n" + "\n".join(tail[-30:]))
+        raise LaunchError("the launcher's agent ended without a result; its last output:\n" + "\n".join(tail[-30:]))
     with open(result_path, "rb") as fh:
         outcome = pickle.load(fh)
     if not outcome["ok"]:
         rank = outcome["rank"]
         head = f"rank {rank} failed" if rank is not None else "the launch failed"
         if max_restarts:
-            head += f" (after {max_restarts} restart(s) of the whole group)"
+            head += f" (the group was restarted up to {max_restarts} time(s) first)"
         raise WorkerFailed(f"{head}; logs: {log_dir}\n{outcome['message']}", rank=rank,
                            exitcode=outcome["exitcode"])
     result = RunResult(sorted(outcome["values"].items()))
