@@ -57,6 +57,7 @@ def run_agent(spec: dict, result_path: str) -> None:
         monitor_interval=0.1,
         start_method=spec["start_method"],
         logs_specs=DefaultLogsSpecs(log_dir=spec["log_dir"], tee=Std.ALL),
+        log_line_prefix_template="[rank${rank}]:",
     )
     try:
         values = elastic_launch(config, call)(spec["target"], spec["args"], spec["kwargs"])

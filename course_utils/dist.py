@@ -90,6 +90,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+        # N processes on a few cores: split the cores instead of oversubscribing them
+        # (torchrun sets OMP_NUM_THREADS=1 for the same reason).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     if not dist.is_initialized():
         timeout = timedelta(seconds=float(timeout_s or os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
         if "MASTER_ADDR" in os.environ:  # torchrun / elastic agent: rendezvous through env://

@@ -1,0 +1,181 @@
+"""Counting what a run holds and what it sends, the same way for every strategy (notebook 02).
+
+- ``held_bytes``: bytes of the real local tensors a rank holds (parameters, gradients,
+  optimizer state), a tensor shared by two names (a tied weight) counted once, a DTensor
+  counted by its local shard.
+- ``CommCounter``: a ``TorchDispatchMode`` that sees every c10d collective this process
+  issues, from hand-built code, ``DistributedDataParallel``'s reducer or FSDP alike, and
+  records calls and bytes by kind. It is the course's own small cousin of
+  ``torch.distributed.tensor.debug.CommDebugMode``, which counts calls but not bytes.
+
+Bytes are reported two ways. ``payload`` is the size of the tensor the collective is about
+(the gradient all-reduced, the full parameter gathered, the full gradient scattered). ``sent``
+is what one rank puts on the wire in a ring algorithm over a group of N ranks:
+
+    all-reduce      2(N-1)/N × payload   (a reduce-scatter followed by an all-gather)
+    all-gather       (N-1)/N × payload   (payload = the gathered output)
+    reduce-scatter   (N-1)/N × payload   (payload = the full input)
+    broadcast              1 × payload   (pipelined ring; the root sends it once)
+
+which is the accounting behind the ZeRO paper's 2Ψ (stages 1, 2) against 3Ψ (stage 3).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# c10d op name -> (kind, index of the tensor argument whose size is the payload)
+_C10D = {
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "allgather_": ("all_gather", 0),
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "broadcast_": ("broadcast", 0),
+    "reduce_": ("reduce", 0),
+    "alltoall_base_": ("all_to_all", 1),
+    "alltoall_": ("all_to_all", 1),
+    "barrier": ("barrier", None),
+}
+# functional collectives (torch.ops._c10d_functional): (kind, payload from input × factor)
+_FUNCTIONAL = {
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast": "broadcast", "broadcast_": "broadcast", "all_to_all_single": "all_to_all",
+}
+
+RING_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+    "reduce": lambda n: 1.0 if n > 1 else 0.0,
+    "all_to_all": lambda n: (n - 1) / n,
+    "barrier": lambda n: 0.0,
+}
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+def _group_size(args) -> int:
+    import torch.distributed as dist
+
+    for a in args:
+        if isinstance(a, torch._C.ScriptObject):
+            try:
+                return int(a.size())
+            except Exception:  # not a ProcessGroup
+                continue
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def ring_bytes_sent(kind: str, payload_bytes: float, group_size: int) -> float:
+    """Bytes one rank sends for one collective in the ring model above (notebook 02)."""
+    return RING_FACTOR[kind](group_size) * payload_bytes
+
+
+class CommCounter(TorchDispatchMode):
+    """Count collectives by kind: calls, payload bytes and ring bytes sent (notebook 02).
+
+    Use as ``with CommCounter() as comm: ...``; then ``comm.summary(steps)`` gives per-step
+    numbers for this rank. ``comm.events`` keeps (kind, payload, group size) in issue order.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[str, int, int]] = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.paused:
+            ns, name = func.namespace, func._overloadpacket.__name__
+            if ns == "c10d" and name in _C10D:
+                kind, idx = _C10D[name]
+                payload = 0 if idx is None else _nbytes(args[idx])
+                if kind == "all_gather" and name == "allgather_":
+                    payload = _nbytes(args[0])  # list of lists of outputs
+                self.events.append((kind, payload, _group_size(args)))
+            elif ns == "_c10d_functional" and name in _FUNCTIONAL:
+                kind = _FUNCTIONAL[name]
+                group_size = next((a for a in args[1:] if isinstance(a, int)), None)
+                payload = _nbytes(args[0])
+                if kind == "all_gather":
+                    payload *= group_size or 1
+                self.events.append((kind, payload, group_size or _group_size(args)))
+        return func(*args, **kwargs)
+
+    def summary(self, steps: int = 1) -> dict:
+        """``{kind: {"calls", "payload_bytes", "sent_bytes"}}`` per step for this rank."""
+        out: dict = defaultdict(lambda: {"calls": 0, "payload_bytes": 0.0, "sent_bytes": 0.0})
+        for kind, payload, n in self.events:
+            row = out[kind]
+            row["calls"] += 1
+            row["payload_bytes"] += payload
+            row["sent_bytes"] += ring_bytes_sent(kind, payload, n)
+        return {k: {"calls": v["calls"] / steps, "payload_bytes": v["payload_bytes"] / steps,
+                    "sent_bytes": v["sent_bytes"] / steps} for k, v in sorted(out.items())}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct tensors (a tensor reachable under two names counts once) (notebook 02)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = _local(t)
+        key = (t.data_ptr(), t.numel(), t.dtype) if t.numel() else (id(t), 0, t.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """Every tensor in a torch optimizer's state (momentum, variance, master copies...) (notebook 02)."""
+    out = []
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                out.append(value)
+    return out
+
+
+def held_bytes(params, grads, optim) -> dict:
+    """``{"params", "grads", "optim", "total"}`` bytes held by this rank (notebook 02)."""
+    row = {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optim": tensor_bytes(optim)}
+    row["total"] = sum(row.values())
+    return row
+
+
+def weights_sha256(state_dict: dict) -> str:
+    """SHA-256 of a full, unsharded state dict in fp32, keys in sorted order (notebook 02).
+
+    Two runs that end with the same weights, bit for bit, give the same hash whatever
+    strategy produced them.
+    """
+    h = hashlib.sha256()
+    for key in sorted(state_dict):
+        t = _local(state_dict[key]).detach().to("cpu", torch.float32).contiguous()
+        h.update(key.encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,338 @@
+"""One training entry point for every strategy (introduced in notebook 02).
+
+The notebooks, the tests and the command line all train through here, so strategies are
+compared on exactly the same model (``models.build_model(cfg.model, cfg.seed)``), the same
+data (``data.batch_for_rank``: one global batch per step, split across ranks) and the same
+optimizer (Adam, ``cfg.lr``).
+
+From a notebook::
+
+    from course_utils.train import TrainConfig, train
+    report = train(TrainConfig(strategy="ddp", nproc=2, steps=4))
+
+From a shell (the same loop, launched by course_utils.launch)::
+
+    python -m course_utils train --strategy ddp --nproc 2 --steps 4 --json
+
+Under plain torchrun (one machine, or the same line on every node of a multi-node job)::
+
+    torchrun --standalone --nproc-per-node 2 -m course_utils.train --strategy ddp --steps 4 --json
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+        -m course_utils.train --strategy full_shard --steps 100
+
+A strategy is a plain function ``apply_NAME(model, cfg, info) -> Prepared`` (torchtitan's
+``apply_fsdp`` shape): it wraps the model, builds the optimizer over what this rank owns,
+and says how to read back the full weights and which tensors this rank holds.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import dist as cdist
+from .data import batch_for_rank
+from .errors import CourseInputError
+from .instrument import CommCounter, held_bytes, optimizer_tensors, weights_sha256
+from .models import build_model, get_config
+
+#: strategy name -> "module:function" that applies it (imported only when used)
+STRATEGIES: dict[str, str] = {
+    "single": "course_utils.train:apply_single",          # notebook 02: the reference
+    "ddp": "course_utils.ddp:apply_ddp",                  # notebook 02: torch DistributedDataParallel
+    "ddp_scratch": "course_utils.ddp:apply_ddp_scratch",  # notebook 02: bucketed DDP built by hand
+    "zero1": "course_utils.zero:apply_zero1",             # notebook 03: P_os
+    "zero2": "course_utils.zero:apply_zero2",             # notebook 03: P_os+g
+    "zero3": "course_utils.zero:apply_zero3",             # notebook 03: P_os+g+p
+    "no_shard": "course_utils.fsdp:apply_no_shard",       # notebook 04
+    "shard_grad_op": "course_utils.fsdp:apply_shard_grad_op",
+    "full_shard": "course_utils.fsdp:apply_full_shard",
+    "hybrid_shard": "course_utils.fsdp:apply_hybrid_shard",
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run; two runs with equal configs see identical data (notebook 02)."""
+
+    strategy: str = "single"
+    nproc: int = 1                 # ranks (N); "single" is always 1
+    steps: int = 4
+    model: str = "tiny"            # a models.PRESETS name
+    batch: int = 8                 # global batch B (sequences per step, all ranks together)
+    lr: float = 3e-3
+    seed: int = 0
+    precision: str = "fp32"        # "fp32" (exact comparisons) or "mixed" (16-bit working copy, where supported)
+    bucket_cap_mb: float = 25.0    # DDP bucket size cap (ddp, ddp_scratch)
+    node_size: int = 2             # ranks per "node" for hybrid_shard (shard inside, replicate across)
+    options: dict = field(default_factory=dict)  # strategy-specific knobs, e.g. {"prefetch": True}
+    backend: str = "auto"
+    timeout_s: float = 120.0
+    # checkpointing and failure injection (notebook 06)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    max_restarts: int = 0
+    fail_at: str | None = None           # "RANK:STEP": that rank dies hard at that step (first attempt only)
+    fail_during_save: str | None = None  # "RANK:STEP": dies while writing that step's checkpoint
+
+    def validate(self) -> "TrainConfig":
+        if self.strategy not in STRATEGIES:
+            raise CourseInputError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        for name in ("nproc", "steps", "batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CourseInputError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.strategy == "single" and self.nproc != 1:
+            raise CourseInputError("strategy 'single' is the one-process reference; use --nproc 1 (or another strategy)")
+        if self.batch % self.nproc:
+            raise CourseInputError(
+                f"global batch {self.batch} does not divide by {self.nproc} ranks; pick a batch that is a multiple of {self.nproc}")
+        if self.precision not in ("fp32", "mixed"):
+            raise CourseInputError(f"precision must be 'fp32' or 'mixed', got {self.precision!r}")
+        if self.strategy == "hybrid_shard" and (self.node_size < 1 or self.nproc % self.node_size):
+            raise CourseInputError(
+                f"hybrid_shard needs nproc ({self.nproc}) divisible by node_size ({self.node_size}); "
+                "e.g. --nproc 4 --node-size 2 (2 nodes x 2 ranks)")
+        if not self.lr > 0:
+            raise CourseInputError(f"lr must be positive, got {self.lr!r}")
+        get_config(self.model)
+        return self
+
+
+@dataclass
+class Prepared:
+    """What a strategy hands the training loop (notebook 02).
+
+    Attributes:
+        model: the module to call for forward (it returns the loss).
+        optimizer: has ``step()`` and ``zero_grad()``; built over what this rank owns.
+        full_state_dict: collective call (all ranks) returning the full unsharded fp32
+            weights keyed like ``build_model(...).state_dict()``.
+        held: returns ``(params, grads, optim)`` lists of the local tensors this rank holds.
+        before_step: called after backward, before ``optimizer.step()`` (e.g. wait for
+            gradient all-reduces).
+        info: strategy facts for the report (buckets, padding, ...).
+    """
+
+    model: torch.nn.Module
+    optimizer: object
+    full_state_dict: Callable[[], dict]
+    held: Callable[[], tuple]
+    before_step: Callable[[], None] = lambda: None
+    info: dict = field(default_factory=dict)
+
+
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The course optimizer: Adam with the run's learning rate, same for every strategy (notebook 02).
+
+    ``foreach=False`` keeps the per-tensor arithmetic identical however parameters are grouped.
+    """
+    return torch.optim.Adam(params, lr=cfg.lr, foreach=False)
+
+
+def module_held(model, optimizer) -> tuple:
+    """``(params, grads, optimizer state)`` of a plain module and torch optimizer (notebook 02)."""
+    params = list(model.parameters())
+    return params, [p.grad for p in params], optimizer_tensors(optimizer)
+
+
+def apply_single(model, cfg: TrainConfig, info) -> Prepared:
+    """The reference: one process, the whole global batch, a local Adam (notebook 02)."""
+    optimizer = make_optimizer(model.parameters(), cfg)
+    return Prepared(model=model, optimizer=optimizer,
+                    full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
+                    held=lambda: module_held(model, optimizer))
+
+
+def resolve_strategy(name: str) -> Callable:
+    module, _, fn = STRATEGIES[name].partition(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def train_worker(config: dict) -> dict:
+    """The training loop every rank runs, under ``launch`` or ``torchrun`` (notebook 02).
+
+    Rank 0 returns the whole report (every rank's bytes and traffic gathered to it); the other
+    ranks return ``{"rank": r}``.
+    """
+    cfg = TrainConfig(**config).validate()
+    with cdist.session(cfg.backend if cfg.backend != "auto" else None) as info:
+        if info.world_size != cfg.nproc:
+            cfg.nproc = info.world_size  # torchrun decides the world size; the batch split follows it
+            cfg.validate()
+        mcfg = get_config(cfg.model)
+        model = build_model(mcfg, seed=cfg.seed, device=info.device)
+        prepared = resolve_strategy(cfg.strategy)(model, cfg, info)
+        start_step = 0
+        local_losses, step_times = [], []
+        comm = CommCounter()
+        with comm:
+            for step in range(start_step, cfg.steps):
+                t0 = time.perf_counter()
+                x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
+                                      vocab=mcfg.vocab, seed=cfg.seed, device=info.device)
+                loss = prepared.model(x, y)
+                loss.backward()
+                prepared.before_step()
+                prepared.optimizer.step()
+                if step == cfg.steps - 1:  # bytes held at rest, gradients still present
+                    comm.paused = True
+                    held = held_bytes(*prepared.held())
+                    comm.paused = False
+                prepared.optimizer.zero_grad(set_to_none=True)
+                step_times.append(time.perf_counter() - t0)
+                local_losses.append(loss.detach().float().cpu())
+                cdist.report_progress(step + 1, cfg.steps, loss=float(local_losses[-1]))
+        # Everything below is bookkeeping, outside the counted window.
+        losses = torch.stack(local_losses).to(info.device)
+        dist.all_reduce(losses)  # equal per-rank batches: the mean of rank means is the global mean
+        losses = (losses / info.world_size).cpu().tolist()
+        full = prepared.full_state_dict()
+        mine = {"held_bytes": held, "comm_per_step": comm.summary(cfg.steps - start_step),
+                "step_time_s": statistics.median(step_times[1:] or step_times)}
+        everyone = [None] * info.world_size
+        dist.all_gather_object(everyone, mine)  # rank 0 reports for all, under launch or torchrun
+        if info.rank != 0:
+            return {"rank": info.rank}
+        return {
+            "strategy": cfg.strategy, "world_size": info.world_size, "backend": info.backend,
+            "steps": cfg.steps, "losses": losses, "weights_sha256": weights_sha256(full),
+            "per_rank": [dict(rank=r, **row["held_bytes"]) for r, row in enumerate(everyone)],
+            "comm_per_step": everyone[0]["comm_per_step"],
+            "comm_per_step_by_rank": [row["comm_per_step"] for row in everyone],
+            "step_time_s": max(row["step_time_s"] for row in everyone),
+            "strategy_info": prepared.info, "config": asdict(cfg),
+        }
+
+
+def train(cfg: TrainConfig | None = None, *, echo: bool = False, **overrides) -> dict:
+    """Launch a training run on ``cfg.nproc`` local processes and return its report (notebook 02).
+
+    The report holds ``strategy``, ``world_size``, ``backend``, ``steps``, ``losses`` (global
+    mean per step), ``weights_sha256`` (full fp32 weights), ``per_rank`` (bytes of params,
+    grads and optimizer state each rank holds), ``comm_per_step`` (per collective kind:
+    calls, payload and ring bytes sent by one rank per step), ``step_time_s``.
+    """
+    from .launch import launch
+
+    cfg = TrainConfig(**{**asdict(cfg or TrainConfig()), **overrides}).validate()
+    results = launch(train_worker, nproc=cfg.nproc, args=(asdict(cfg),), backend=cfg.backend,
+                     timeout_s=cfg.timeout_s, max_restarts=cfg.max_restarts, echo=echo,
+                     run_dir=cfg.checkpoint_dir and os.path.join(cfg.checkpoint_dir, "_launch"))
+    report = results[0]
+    report["command"] = torchrun_train_command(cfg)
+    return report
+
+
+def torchrun_train_command(cfg: TrainConfig) -> str:
+    """The torchrun line that runs this same training outside the notebook (notebook 02)."""
+    defaults = TrainConfig()
+    parts = [f"torchrun --standalone --nproc-per-node {cfg.nproc}"]
+    if cfg.max_restarts:
+        parts.append(f"--max-restarts {cfg.max_restarts}")
+    parts.append("-m course_utils.train")
+    for f in fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if f.name in ("nproc", "backend", "timeout_s", "max_restarts") or value == getattr(defaults, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "options":
+            parts += [f"--option {k}={v}" for k, v in value.items()]
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+# ---------------------------------------------------------------- command line
+
+def _parse_option(text: str):
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise CourseInputError(f"--option takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def train_arguments(parser: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    parser.add_argument("--strategy", default=d.strategy, help=f"one of: {', '.join(STRATEGIES)}")
+    parser.add_argument("--nproc", type=int, default=d.nproc, help="ranks on this machine")
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--model", default=d.model, help="tiny, small or medium")
+    parser.add_argument("--batch", type=int, default=d.batch, help="global batch (all ranks together)")
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--precision", default=d.precision, help="fp32 or mixed")
+    parser.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
+    parser.add_argument("--node-size", type=int, default=d.node_size, help="ranks per node (hybrid_shard)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="strategy-specific knob, repeatable")
+    parser.add_argument("--backend", default=d.backend, help="auto, gloo or nccl")
+    parser.add_argument("--timeout-s", type=float, default=d.timeout_s)
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    parser.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    parser.add_argument("--max-restarts", type=int, default=d.max_restarts)
+    parser.add_argument("--fail-at", default=None, metavar="RANK:STEP")
+    parser.add_argument("--fail-during-save", default=None, metavar="RANK:STEP")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON line (last line)")
+
+
+def _config_from_args(args) -> TrainConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    values["options"] = dict(_parse_option(o) for o in args.option)
+    return TrainConfig(**values).validate()
+
+
+def print_report(report: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report, sort_keys=True))
+        return
+    print(f"strategy {report['strategy']} on {report['world_size']} rank(s), backend {report['backend']}")
+    print("losses: " + " ".join(f"{x:.4f}" for x in report["losses"]))
+    print(f"weights_sha256: {report['weights_sha256']}")
+    for row in report["per_rank"]:
+        print(f"rank {row['rank']}: params {row['params']} B, grads {row['grads']} B, optimizer {row['optim']} B")
+    for kind, row in report["comm_per_step"].items():
+        print(f"{kind}: {row['calls']:g} calls/step, {row['sent_bytes']:.0f} B sent/step per rank")
+    print(f"step time {report['step_time_s'] * 1e3:.1f} ms (CPU/gloo timings are not GPU timings)")
+
+
+def train_command(args) -> int:
+    cfg = _config_from_args(args)
+    print_report(train(cfg, echo=not args.json), args.json)
+    return 0
+
+
+def main(argv=None) -> int:
+    """``python -m course_utils.train``: the worker entry point for plain torchrun (notebook 02)."""
+    parser = argparse.ArgumentParser(prog="python -m course_utils.train", description=__doc__.split("\n")[0])
+    train_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg = _config_from_args(args)
+        cfg.nproc = int(os.environ.get("WORLD_SIZE", 1))
+        cfg.validate()
+        report = train_worker(asdict(cfg))
+    except CourseInputError as exc:
+        print(f"python -m course_utils.train: error: {exc}", file=sys.stderr)
+        return 2
+    if "losses" in report:  # rank 0 reports for every rank
+        print_report(report, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
