@@ -19,17 +19,42 @@ zero2      2Ψ + (2 + K)Ψ/Nd            P_os+g
 zero3      (2 + 2 + K)Ψ/Nd             P_os+g+p
 =========  ==========================  =====================
 
-Everything here is pure arithmetic: no processes, no torch.distributed. Functions accept
-numpy arrays for ``nd`` so a chart can evaluate a whole curve at once.
+The module has three parts:
+
+1. Pure arithmetic (the formulas above, activations by the paper's rule, the fused buffer,
+   the paper's Table 1, and what the notebook-01 chart and bars show). No processes, no
+   torch.distributed; functions accept numpy arrays for ``nd`` so a chart can evaluate a whole
+   curve at once.
+2. The command line: ``python -m course_utils memory`` and ``python -m course_utils table``.
+3. Measurement on real tensors (``measure_model_state_bytes``, ``measure_activation_bytes``):
+   the same bill counted from the bytes a real model and optimizer hold. torch is imported
+   only there, so the calculators stay fast to start.
+
+Units: everything is bytes inside; GB (10^9, the paper's unit) and GiB (2^30) only appear
+when formatting, always labelled (see ``course_utils.units``).
 """
 from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import CourseInputError
+from .units import GB, GiB, fmt_bytes, fmt_count, parse_bytes, parse_count
 
 #: The four rows of the paper's memory table, in order of how much they shard.
 STAGES = ("ddp", "zero1", "zero2", "zero3")
+
+#: How the paper and the field name each row.
+STAGE_NAMES = {
+    "ddp": "plain DP",
+    "zero1": "stage 1 (P_os)",
+    "zero2": "stage 2 (P_os+g)",
+    "zero3": "stage 3 (P_os+g+p)",
+}
 
 #: Bytes per parameter of the 16-bit working weights and of their gradients.
 WEIGHT_BYTES = 2
@@ -37,6 +62,10 @@ GRAD_BYTES = 2
 #: K for mixed-precision Adam: fp32 master weights + fp32 momentum + fp32 variance.
 ADAM_MIXED_K = 12
 
+
+# ---------------------------------------------------------------------------------------------
+# 1. Model states: the formulas
+# ---------------------------------------------------------------------------------------------
 
 def _check(psi, nd, k, nm):
     if np.any(np.asarray(psi, dtype=float) <= 0):
@@ -49,7 +78,13 @@ def _check(psi, nd, k, nm):
         raise CourseInputError("k (optimizer bytes per parameter) cannot be negative")
 
 
-def model_state_bytes(psi, nd=1, stage: str = "ddp", *, k: float = ADAM_MIXED_K, nm=1):
+def _check_stage(stage: str) -> None:
+    if stage not in STAGES:
+        raise CourseInputError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}")
+
+
+def model_state_bytes(psi, nd=1, stage: str = "ddp", *, k: float = ADAM_MIXED_K, nm=1,
+                      weight_bytes: float = WEIGHT_BYTES, grad_bytes: float = GRAD_BYTES):
     """Model-state bytes per GPU for one row of the ZeRO table (notebook 01).
 
     Args:
@@ -58,6 +93,8 @@ def model_state_bytes(psi, nd=1, stage: str = "ddp", *, k: float = ADAM_MIXED_K,
         stage: one of ``STAGES``: "ddp", "zero1" (P_os), "zero2" (P_os+g), "zero3" (P_os+g+p).
         k: K, optimizer bytes per parameter (12 for mixed-precision Adam).
         nm: Nm, model-parallel degree; each GPU sees Ψ/Nm parameters.
+        weight_bytes, grad_bytes: bytes per working weight and per gradient (2 each in the
+            paper's mixed precision; 4 each for plain fp32 training, see ``OPTIMIZERS``).
 
     Returns:
         Bytes per GPU (float, or an array shaped like ``nd``).
@@ -65,16 +102,17 @@ def model_state_bytes(psi, nd=1, stage: str = "ddp", *, k: float = ADAM_MIXED_K,
     _check(psi, nd, k, nm)
     p = np.asarray(psi, dtype=float) / np.asarray(nm, dtype=float)
     nd = np.asarray(nd, dtype=float)
+    w, g = weight_bytes, grad_bytes
     if stage == "ddp":
-        out = (WEIGHT_BYTES + GRAD_BYTES + k) * p + 0 * nd
+        out = (w + g + k) * p + 0 * nd
     elif stage == "zero1":
-        out = (WEIGHT_BYTES + GRAD_BYTES) * p + k * p / nd
+        out = (w + g) * p + k * p / nd
     elif stage == "zero2":
-        out = WEIGHT_BYTES * p + (GRAD_BYTES + k) * p / nd
+        out = w * p + (g + k) * p / nd
     elif stage == "zero3":
-        out = (WEIGHT_BYTES + GRAD_BYTES + k) * p / nd
+        out = (w + g + k) * p / nd
     else:
-        raise CourseInputError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}")
+        _check_stage(stage)
     return float(out) if out.ndim == 0 else out
 
 
@@ -83,15 +121,554 @@ def bytes_per_gpu(psi, nd=1, *, k: float = ADAM_MIXED_K, nm=1) -> dict:
     return {stage: model_state_bytes(psi, nd, stage, k=k, nm=nm) for stage in STAGES}
 
 
-def floor_bytes(psi, stage: str, *, nm=1) -> float:
+def floor_bytes(psi, stage: str, *, nm=1, k: float = ADAM_MIXED_K) -> float:
     """The bytes per GPU a stage keeps however large Nd grows (notebook 01).
 
     Stage 1 keeps its 16-bit weights and gradients (4Ψ), stage 2 its 16-bit weights (2Ψ),
-    stage 3 nothing: 70B has floors of 280 GB and 140 GB for stages 1 and 2.
+    stage 3 nothing: 70B has floors of 280 GB and 140 GB for stages 1 and 2. Plain DP keeps
+    all (2 + 2 + K)Ψ.
     """
-    per = {"ddp": WEIGHT_BYTES + GRAD_BYTES + ADAM_MIXED_K, "zero1": WEIGHT_BYTES + GRAD_BYTES,
+    per = {"ddp": WEIGHT_BYTES + GRAD_BYTES + k, "zero1": WEIGHT_BYTES + GRAD_BYTES,
            "zero2": WEIGHT_BYTES, "zero3": 0}
-    if stage not in per:
-        raise CourseInputError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}")
-    _check(psi, 1, 0, nm)
+    _check_stage(stage)
+    _check(psi, 1, k, nm)
     return float(per[stage] * psi / nm)
+
+
+def smallest_nd_that_fits(psi, stage: str, gpu_mem: float, *, k: float = ADAM_MIXED_K, nm=1,
+                          other_bytes: float = 0.0):
+    """The smallest whole Nd at which a stage's model states (plus ``other_bytes``) fit in
+    ``gpu_mem`` bytes, or None if no Nd is enough (the stage's floor is too high) (notebook 01).
+    """
+    _check_stage(stage)
+    budget = gpu_mem - other_bytes
+    fixed = floor_bytes(psi, stage, nm=nm, k=k)
+    if stage == "ddp":
+        return 1 if fixed <= budget else None
+    sharded = model_state_bytes(psi, 1, stage, k=k, nm=nm) - fixed  # the part that divides by Nd
+    if fixed >= budget:
+        return None
+    return max(1, math.ceil(sharded / (budget - fixed) - 1e-12))
+
+
+@dataclass(frozen=True)
+class OptimizerBill:
+    """Bytes per parameter an optimizer setting keeps, and where each byte comes from (notebook 01).
+
+    ``weight_bytes`` and ``grad_bytes`` are the working copies the model computes with; ``k`` (K)
+    is the optimizer state, itemised in ``parts``.
+    """
+
+    name: str
+    weight_bytes: float
+    grad_bytes: float
+    k: float
+    parts: tuple  # ((label, bytes per parameter), ...) summing to k
+    note: str
+
+    @property
+    def total(self) -> float:
+        return self.weight_bytes + self.grad_bytes + self.k
+
+
+#: K of common optimizers, each with the tensors its bytes come from (notebook 01).
+OPTIMIZERS: dict[str, OptimizerBill] = {
+    "adam_mixed": OptimizerBill(
+        "mixed-precision Adam (the paper's case)", 2, 2, 12,
+        (("fp32 master weights", 4), ("fp32 momentum", 4), ("fp32 variance", 4)),
+        "ZeRO paper §3.1; bf16 in place of fp16 changes nothing in the count"),
+    "adam_fp32": OptimizerBill(
+        "plain fp32 Adam", 4, 4, 8,
+        (("fp32 momentum", 4), ("fp32 variance", 4)),
+        "no master copy needed: the working weights are already fp32; also 16 bytes, split 4 + 4 + 8"),
+    "sgd_momentum_mixed": OptimizerBill(
+        "mixed-precision SGD with momentum", 2, 2, 8,
+        (("fp32 master weights", 4), ("fp32 momentum", 4)),
+        "one running average instead of Adam's two"),
+    "sgd_mixed": OptimizerBill(
+        "mixed-precision plain SGD", 2, 2, 4,
+        (("fp32 master weights", 4),),
+        "the master copy is the whole optimizer state"),
+    "adam_8bit_mixed": OptimizerBill(
+        "mixed-precision 8-bit Adam", 2, 2, 6,
+        (("fp32 master weights", 4), ("8-bit momentum", 1), ("8-bit variance", 1)),
+        "block-wise quantised moments (Dettmers et al., 2022); the per-block scales add a little"),
+}
+
+
+def optimizer_bill(name: str) -> OptimizerBill:
+    """The ``OptimizerBill`` for a name in ``OPTIMIZERS`` (notebook 01)."""
+    if name not in OPTIMIZERS:
+        raise CourseInputError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Residual states: activations and the fused gradient buffer (paper §3.2)
+# ---------------------------------------------------------------------------------------------
+
+#: The paper's footnote: a GPT-2-like layer keeps about 12 numbers per hidden unit per token.
+ACTIVATION_NUMBERS_PER_TOKEN_PER_WIDTH = 12
+#: 16-bit activations: 2 bytes per number.
+ACTIVATION_BYTES_PER_NUMBER = 2
+
+
+def _check_positive(**values):
+    for name, value in values.items():
+        if np.any(~np.isfinite(np.asarray(value, dtype=float))) or np.any(np.asarray(value, dtype=float) <= 0):
+            raise CourseInputError(f"{name} must be a positive number, got {value!r}")
+
+
+def activation_numbers(h, b, s, layers, *, checkpointing: bool = False):
+    """Numbers of activations one GPU keeps for the backward pass, by the paper's rule (notebook 01).
+
+    Without checkpointing: about 12·h·b·s·L (h hidden width, b micro-batch, s sequence length,
+    L layers). With activation checkpointing at every layer boundary: the L layer inputs,
+    h·b·s·L, plus one layer's full set, 12·h·b·s, rebuilt while that layer's backward runs.
+    (The paper quotes "about 8 GB" for GPT-2 1.5B with checkpointing without showing its sum;
+    this rule gives 6.3 GB.)  Accepts numpy arrays.
+    """
+    _check_positive(h=h, b=b, s=s, layers=layers)
+    h, b, s, layers = (np.asarray(v, dtype=float) for v in (h, b, s, layers))
+    per_layer = ACTIVATION_NUMBERS_PER_TOKEN_PER_WIDTH * h * b * s
+    out = (h * b * s * layers + per_layer) if checkpointing else per_layer * layers
+    return float(out) if np.ndim(out) == 0 else out
+
+
+def activation_bytes(h, b, s, layers, *, checkpointing: bool = False,
+                     bytes_per_number: float = ACTIVATION_BYTES_PER_NUMBER):
+    """Activation bytes per GPU by the paper's rule, in 16-bit unless told (notebook 01).
+
+    GPT-2 1.5B (h = 1600, L = 48) at b = 32, s = 1024: 12·h·b·s·L = 30.2 billion numbers,
+    60.4 GB. Sharding model states (any ZeRO stage) leaves this term untouched.
+    """
+    return activation_numbers(h, b, s, layers, checkpointing=checkpointing) * bytes_per_number
+
+
+def fused_gradient_buffer_bytes(psi, bytes_per_number: float = 4):
+    """One flat fp32 buffer holding every gradient for a fused all-reduce: 4Ψ bytes (notebook 01).
+
+    GPT-2 1.5B: 6 GB. ZeRO-R's constant-size buffers (CB) cap it instead.
+    """
+    _check_positive(params=psi)
+    return float(np.asarray(psi, dtype=float) * bytes_per_number)
+
+
+# ---------------------------------------------------------------------------------------------
+# The paper's Table 1, the memory chart and the bill (what notebook 01 draws)
+# ---------------------------------------------------------------------------------------------
+
+#: The paper's Table 1: models and data-parallel degrees.
+TABLE1_PARAMS = (7.5e9, 128e9, 1e12)
+TABLE1_ND = (1, 4, 16, 64, 256, 1024)
+#: GPUs the chart offers, in bytes (GB = 10^9): V100 32 GB, A100 40 GB, A100/H100 80 GB, H200 141 GB.
+GPU_CHOICES = {"32 GB (V100)": 32 * GB, "40 GB (A100)": 40 * GB, "80 GB (A100/H100)": 80 * GB,
+               "141 GB (H200)": 141 * GB}
+#: Model-size presets of the chart: the paper's Table 1 models.
+MODEL_PRESETS = {"7.5B": 7.5e9, "128B": 128e9, "1T": 1e12}
+
+
+def table1(params=TABLE1_PARAMS, nds=TABLE1_ND, *, gpu_mem: float = 32 * GB, k: float = ADAM_MIXED_K,
+           nm=1) -> list[dict]:
+    """The paper's Table 1: model-state bytes per GPU for each (Ψ, Nd) and each row (notebook 01).
+
+    Returns one dict per (Ψ, Nd): ``{"params", "nd", "bytes_per_gpu": {stage: bytes},
+    "fits": {stage: bool}}``; a cell fits when its bytes are at most ``gpu_mem``.
+    """
+    rows = []
+    for psi in params:
+        for nd in nds:
+            b = bytes_per_gpu(psi, nd, k=k, nm=nm)
+            rows.append({"params": float(psi), "nd": int(nd), "bytes_per_gpu": b,
+                         "fits": {s: bool(v <= gpu_mem) for s, v in b.items()}})
+    return rows
+
+
+def chart_nds(nd_max: int = 1024) -> np.ndarray:
+    """Nd = 1, 2, 4, ..., ``nd_max``: the chart's horizontal axis (notebook 01)."""
+    if nd_max < 1:
+        raise CourseInputError("nd_max must be at least 1")
+    return 2 ** np.arange(0, int(math.log2(nd_max)) + 1)
+
+
+def memory_chart_view(psi, *, nd: int = 64, k: float = ADAM_MIXED_K, nm=1, gpu_mem: float = 32 * GB,
+                      nd_max: int = 1024) -> dict:
+    """Everything the notebook-01 memory chart shows, as plain numbers (notebook 01).
+
+    The chart itself (``plots.memory_chart_figure``) and its widget only draw this.
+
+    Returns a dict with ``nds`` (array), ``curves`` ({stage: bytes per GPU at each Nd}),
+    ``readout`` ({stage: bytes at the chosen ``nd``}), ``fits`` ({stage: bool at ``nd``}),
+    ``floors`` ({stage: bytes as Nd → ∞}), ``first_fit`` ({stage: smallest Nd on the axis
+    that fits, or None}), the inputs, a ``title`` that states the answer and the ``readout_text``.
+    """
+    if not (isinstance(nd, (int, np.integer)) and nd >= 1):
+        raise CourseInputError(f"nd (Nd) must be a whole number of GPUs >= 1, got {nd!r}")
+    _check_positive(gpu_mem=gpu_mem)
+    nds = chart_nds(nd_max)
+    curves = {s: model_state_bytes(psi, nds, s, k=k, nm=nm) for s in STAGES}
+    readout = {s: model_state_bytes(psi, nd, s, k=k, nm=nm) for s in STAGES}
+    fits = {s: bool(v <= gpu_mem) for s, v in readout.items()}
+    first_fit = {}
+    for s in STAGES:
+        ok = np.nonzero(curves[s] <= gpu_mem)[0]
+        first_fit[s] = int(nds[ok[0]]) if len(ok) else None
+    floors = {s: floor_bytes(psi, s, nm=nm, k=k) for s in STAGES}
+    view = {"psi": float(psi), "k": float(k), "nm": nm, "nd": int(nd), "gpu_mem": float(gpu_mem),
+            "nds": nds, "curves": curves, "readout": readout, "fits": fits, "floors": floors,
+            "first_fit": first_fit}
+    view["title"] = _chart_title(view)
+    view["readout_text"] = readout_text(view)
+    return view
+
+
+def _chart_title(view: dict) -> str:
+    lowest = next((s for s in STAGES if view["first_fit"][s] is not None), None)
+    gpu = fmt_bytes(view["gpu_mem"], "GB", 0)
+    name = fmt_count(view["psi"])
+    if lowest is None:
+        return f"{name} parameters: no row fits a {gpu} GPU at Nd ≤ {int(view['nds'][-1])}"
+    return (f"{name} parameters: {STAGE_NAMES[lowest]} first fits a {gpu} GPU "
+            f"at Nd = {view['first_fit'][lowest]}")
+
+
+def readout_text(view: dict) -> str:
+    """One line of exact values at the chosen Nd, the text the chart's widget shows (notebook 01)."""
+    parts = [f"{STAGE_NAMES[s]}: {view['readout'][s] / GB:.3g} GB{' ✓' if view['fits'][s] else ''}"
+             for s in STAGES]
+    return (f"Ψ = {fmt_count(view['psi'])}, K = {view['k']:g}, Nd = {view['nd']}: " + " · ".join(parts)
+            + f"  (✓ fits {view['gpu_mem'] / GB:g} GB)")
+
+
+#: The parts of the bill, bottom to top in the stacked bars.
+BILL_PARTS = ("weights", "gradients", "optimizer", "activations")
+
+
+def bill_bars(psi, nd: int = 4, *, k: float = ADAM_MIXED_K, nm=1, activations: float = 0.0) -> dict:
+    """What the notebook-01 stacked bars show: per row, each part held and each part dropped (notebook 01).
+
+    Returns ``{stage: {part: {"held": bytes on one GPU, "full": bytes if it were replicated}}}``
+    for parts weights (2Ψ), gradients (2Ψ), optimizer (KΨ) and activations (as given: they are
+    per GPU and no stage shards them). ``full - held`` is what the chart draws dashed.
+    """
+    _check(psi, nd, k, nm)
+    p = float(psi) / nm
+    full = {"weights": WEIGHT_BYTES * p, "gradients": GRAD_BYTES * p, "optimizer": k * p,
+            "activations": float(activations)}
+    sharded = {"ddp": (), "zero1": ("optimizer",), "zero2": ("optimizer", "gradients"),
+               "zero3": ("optimizer", "gradients", "weights")}
+    out = {}
+    for stage in STAGES:
+        out[stage] = {part: {"held": full[part] / nd if part in sharded[stage] else full[part],
+                             "full": full[part]} for part in BILL_PARTS}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Command line: `python -m course_utils memory` and `python -m course_utils table`
+# ---------------------------------------------------------------------------------------------
+
+def _positive_int(name: str, value: int) -> int:
+    if value < 1:
+        raise CourseInputError(f"{name} must be a whole number >= 1, got {value}")
+    return value
+
+
+def memory_arguments(parser) -> None:
+    """Arguments of ``python -m course_utils memory`` (notebook 01)."""
+    parser.add_argument("--params", required=True, help="Ψ: parameter count, e.g. 7.5e9, 7.5B, 350M, 1T")
+    parser.add_argument("--dp", type=int, default=1, help="Nd: data-parallel degree (default 1)")
+    parser.add_argument("--mp", type=int, default=1, help="Nm: model-parallel degree (default 1)")
+    parser.add_argument("--k", type=float, default=ADAM_MIXED_K,
+                        help="K: optimizer bytes per parameter (default 12, mixed-precision Adam)")
+    parser.add_argument("--stage", default=None, help="print only this row: ddp, zero1, zero2 or zero3")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (values in bytes)")
+
+
+def memory_command(args) -> int:
+    """Print the per-GPU model-state bytes of plain DP and stages 1-3 (notebook 01)."""
+    psi = parse_count(args.params, name="--params")
+    nd = _positive_int("--dp (Nd)", args.dp)
+    nm = _positive_int("--mp (Nm)", args.mp)
+    if not math.isfinite(args.k) or args.k < 0:
+        raise CourseInputError(f"--k must be a number of bytes >= 0, got {args.k:g}")
+    if args.stage is not None and args.stage not in STAGES:
+        raise CourseInputError(f"--stage: unknown stage {args.stage!r}; choose one of {', '.join(STAGES)}")
+    stages = STAGES if args.stage is None else (args.stage,)
+    rows = {s: model_state_bytes(psi, nd, s, k=args.k, nm=nm) for s in stages}
+    if args.json:
+        print(json.dumps({"params": psi, "dp": nd, "mp": nm, "k": args.k, "bytes_per_gpu": rows}))
+        return 0
+    print(f"Model-state bytes per GPU: Ψ = {fmt_count(psi)} parameters, Nd = {nd}, Nm = {nm}, K = {args.k:g}")
+    print(f"{'row':<20} {'bytes':>22} {'GB (10^9)':>12} {'GiB (2^30)':>12}")
+    for s, v in rows.items():
+        print(f"{STAGE_NAMES[s]:<20} {v:>22,.0f} {v / GB:>12.3f} {v / GiB:>12.3f}")
+    return 0
+
+
+def gb_cell(n_bytes: float) -> str:
+    """Bytes as GB the way the paper's Table 1 prints them: three significant digits, halves
+    rounded up, no exponent (41.25 → "41.3", 2,048 → "2048", 0.1172 → "0.117") (notebook 01)."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    d = Decimal(repr(n_bytes / GB))
+    if d == 0:
+        return "0"
+    digits = max(0, 3 - (d.adjusted() + 1))
+    return f"{d.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP):f}"
+
+
+def table_arguments(parser) -> None:
+    """Arguments of ``python -m course_utils table`` (notebook 01)."""
+    parser.add_argument("--params", default="7.5B,128B,1T",
+                        help="comma-separated model sizes (default: the paper's 7.5B,128B,1T)")
+    parser.add_argument("--dp", default="1,4,16,64,256,1024",
+                        help="comma-separated Nd values (default: the paper's 1,4,16,64,256,1024)")
+    parser.add_argument("--gpu-mem", default="32GB",
+                        help="GPU memory to mark what fits, e.g. 32GB, 80GB, 24GiB (default 32GB, the paper's V100)")
+    parser.add_argument("--k", type=float, default=ADAM_MIXED_K, help="K: optimizer bytes per parameter (default 12)")
+    parser.add_argument("--mp", type=int, default=1, help="Nm: model-parallel degree (default 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (values in bytes)")
+
+
+def table_command(args) -> int:
+    """Print the paper's Table 1 grid in GB and mark the cells that fit one GPU (notebook 01)."""
+    params = [parse_count(p, name="--params") for p in str(args.params).split(",")]
+    try:
+        nds = [int(x) for x in str(args.dp).split(",")]
+    except ValueError:
+        raise CourseInputError(f"--dp: cannot read {args.dp!r}; write whole numbers like 1,4,16,64") from None
+    for nd in nds:
+        _positive_int("--dp (Nd)", nd)
+    nm = _positive_int("--mp (Nm)", args.mp)
+    if not math.isfinite(args.k) or args.k < 0:
+        raise CourseInputError(f"--k must be a number of bytes >= 0, got {args.k:g}")
+    gpu_mem = parse_bytes(args.gpu_mem, name="--gpu-mem")
+    rows = table1(params, nds, gpu_mem=gpu_mem, k=args.k, nm=nm)
+    if args.json:
+        print(json.dumps({"gpu_mem": gpu_mem, "k": args.k, "mp": nm, "rows": rows}))
+        return 0
+    print(f"Model-state memory per GPU in GB (10^9 bytes), K = {args.k:g}, Nm = {nm}; "
+          f"* = fits a {gpu_mem / GB:g} GB GPU")
+    print(f"{'Ψ':>6} {'Nd':>6} " + " ".join(f"{STAGE_NAMES[s].split(' (')[0]:>10}" for s in STAGES))
+    for row in rows:
+        cells = [f"{gb_cell(row['bytes_per_gpu'][s]):>9}{'*' if row['fits'][s] else ' '}" for s in STAGES]
+        print(f"{fmt_count(row['params']):>6} {row['nd']:>6} " + " ".join(cells))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Measured on real tensors (notebook 01): the bill counted from what torch actually holds
+# ---------------------------------------------------------------------------------------------
+
+class MixedPrecisionAdam:
+    """Adam as the ZeRO paper counts it: 16-bit working weights and gradients on the model,
+    an fp32 master copy, fp32 momentum and fp32 variance in the optimizer (notebook 01).
+
+    K = 4 + 4 + 4 = 12 bytes per parameter, on top of the model's 2 + 2. Construct it on an
+    fp32 model: it takes fp32 master copies first, then turns the model's parameters into
+    ``dtype`` (bf16 by default; fp16 counts the same). ``step()`` upcasts each 16-bit gradient
+    one tensor at a time, updates the master copy exactly as ``torch.optim.Adam`` would, and
+    writes the result back into the 16-bit weights.
+
+    ``state`` maps each model parameter to ``{"master", "exp_avg", "exp_avg_sq"}``, shaped
+    like ``torch.optim.Optimizer.state`` so ``held_bytes`` counts either the same way.
+    """
+
+    def __init__(self, model, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, dtype=None):
+        import torch
+
+        dtype = torch.bfloat16 if dtype is None else dtype
+        self.lr, self.betas, self.eps, self.steps = lr, betas, eps, 0
+        self.params = list(model.parameters())  # distinct parameters: a tied weight appears once
+        masters = [p.detach().to(torch.float32).clone() for p in self.params]
+        for p in self.params:
+            p.data = p.data.to(dtype)
+        self.state = {p: {"master": m, "exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
+                      for p, m in zip(self.params, masters)}
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        import torch
+
+        self.steps += 1
+        b1, b2 = self.betas
+        bc1, bc2_sqrt = 1 - b1 ** self.steps, math.sqrt(1 - b2 ** self.steps)
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                g = p.grad.to(torch.float32)  # a transient fp32 copy of one tensor's gradient
+                st["exp_avg"].lerp_(g, 1 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (st["exp_avg_sq"].sqrt() / bc2_sqrt).add_(self.eps)
+                st["master"].addcdiv_(st["exp_avg"], denom, value=-self.lr / bc1)
+                p.copy_(st["master"])
+
+
+def held_bytes(model, optimizer=None) -> dict:
+    """Bytes the real tensors hold, by part of the bill (notebook 01).
+
+    Counts each underlying storage once (a tied weight, or a view, is not counted twice):
+    ``weights`` (the model's parameters), ``gradients`` (their ``.grad``), ``optimizer``
+    (optimizer-state tensors with one number per parameter, e.g. master copy, momentum,
+    variance), ``optimizer_scalars`` (small per-tensor state such as ``torch.optim.Adam``'s
+    ``step`` counters) and ``total`` (the first three).
+    """
+    seen: set = set()
+
+    def nbytes(tensors):
+        total = 0
+        for t in tensors:
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            if key not in seen and st.nbytes():
+                seen.add(key)
+                total += st.nbytes()
+        return total
+
+    params = list(model.parameters())
+    out = {"weights": nbytes(params), "gradients": nbytes([p.grad for p in params if p.grad is not None])}
+    per_param, scalars = [], []
+    if optimizer is not None:
+        import torch
+
+        for p, st in optimizer.state.items():
+            for value in st.values():
+                if isinstance(value, torch.Tensor):
+                    (per_param if value.numel() == p.numel() else scalars).append(value)
+    out["optimizer"] = nbytes(per_param)
+    out["optimizer_scalars"] = nbytes(scalars)
+    out["total"] = out["weights"] + out["gradients"] + out["optimizer"]
+    return out
+
+
+def measure_model_state_bytes(model="tiny", optimizer: str = "adam_mixed", *, seed: int = 0,
+                              batch: int = 4, dtype=None) -> dict:
+    """Build the course model, run one real training step, and count the bytes it holds (notebook 01).
+
+    ``optimizer``: "adam_mixed" (``MixedPrecisionAdam``: bf16 weights and grads, fp32 master,
+    momentum, variance) or "adam_fp32" (``torch.optim.Adam`` on an fp32 model). The gradients
+    are counted after the step, before they are cleared, as they are at the step's peak.
+
+    Returns ``held_bytes(...)`` plus ``psi`` (Ψ, from ``models.param_count``), ``optimizer_name``,
+    ``per_param`` ({part: bytes / Ψ}) and ``loss``.
+    """
+    import torch
+
+    from .data import batch_for_rank
+    from .models import build_model, get_config, param_count
+
+    cfg = get_config(model)
+    net = build_model(cfg, seed=seed)
+    if optimizer == "adam_mixed":
+        opt = MixedPrecisionAdam(net, dtype=dtype)
+    elif optimizer == "adam_fp32":
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3, foreach=False)
+    else:
+        raise CourseInputError(f"optimizer must be 'adam_mixed' or 'adam_fp32', got {optimizer!r}")
+    x, y = batch_for_rank(0, 0, 1, batch=batch, seq=cfg.seq, vocab=cfg.vocab, seed=seed)
+    loss = net(x, y)
+    loss.backward()
+    opt.step()
+    out = held_bytes(net, opt)
+    psi = param_count(net)
+    out["per_param"] = {k: out[k] / psi for k in ("weights", "gradients", "optimizer", "total")}
+    out.update(psi=psi, optimizer_name=optimizer, loss=loss.item())
+    return out
+
+
+@contextlib.contextmanager
+def checkpointed_blocks(model):
+    """Inside this context every transformer block of the course model runs under activation
+    checkpointing (``torch.utils.checkpoint``, non-reentrant): a block keeps only its input
+    and recomputes the rest during the backward pass (notebook 01).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = list(model.blocks)
+    for block in blocks:
+        block.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(block.forward)
+    try:
+        yield model
+    finally:
+        for block in blocks:
+            del block.forward  # back to the class's own forward
+
+
+def measure_activation_bytes(model, idx, targets=None, *, checkpointing: bool = False) -> dict:
+    """Bytes autograd saves for the backward pass during one forward, counted on the real tensors
+    with ``torch.autograd.graph.saved_tensors_hooks`` (notebook 01).
+
+    Each storage is counted once (views such as q, k, v of one qkv output share a storage);
+    parameters are not activations and are left out. Returns ``{"total": bytes, "blocks": bytes
+    saved inside the transformer blocks (what the paper's 12·h·b·s·L rule describes),
+    "outside": embeddings, final norm, logits and loss, "loss": the loss tensor}``.
+    """
+    import torch
+
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict = {}
+    where = {"inside": 0}
+
+    def pack(t):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in param_ptrs and ptr not in saved:
+            saved[ptr] = (st.nbytes(), where["inside"] > 0)
+        return t
+
+    def enter(module, args):
+        where["inside"] += 1
+
+    def leave(module, args, output):
+        where["inside"] -= 1
+
+    handles = [h for b in model.blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
+    ctx = checkpointed_blocks(model) if checkpointing else contextlib.nullcontext()
+    try:
+        with ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(idx, targets) if targets is not None else model(idx)
+    finally:
+        for h in handles:
+            h.remove()
+    blocks = sum(n for n, inside in saved.values() if inside)
+    total = sum(n for n, _ in saved.values())
+    return {"total": total, "blocks": blocks, "outside": total - blocks, "loss": loss}
+
+
+def compare_activations(cases, *, model="tiny", dtype=None, seed: int = 0) -> list[dict]:
+    """Measured activation bytes against the paper's rule for several (b, s, width, layers) (notebook 01).
+
+    ``cases``: iterable of dicts with any of ``batch``, ``seq``, ``width``, ``layers``, ``heads``
+    (others from the ``model`` preset). The model runs in ``dtype`` (bf16 by default) so saved
+    activations are 16-bit numbers, as the rule assumes. Returns one row per case with the
+    measured ``blocks``/``total`` bytes, with and without checkpointing, the rule's bytes
+    (``activation_bytes``, both ways) and ``ratio`` = measured blocks / rule.
+    """
+    import torch
+
+    from .data import batch_for_rank
+    from .models import build_model, get_config
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    rows = []
+    for case in cases:
+        case = dict(case)
+        batch = case.pop("batch", 4)
+        cfg = get_config(model, **case)
+        net = build_model(cfg, seed=seed).to(dtype)
+        x, y = batch_for_rank(0, 0, 1, batch=batch, seq=cfg.seq, vocab=cfg.vocab, seed=seed)
+        full = measure_activation_bytes(net, x, y)
+        ckpt = measure_activation_bytes(net, x, y, checkpointing=True)
+        rule = activation_bytes(cfg.width, batch, cfg.seq, cfg.layers)
+        rule_ckpt = activation_bytes(cfg.width, batch, cfg.seq, cfg.layers, checkpointing=True)
+        rows.append({"batch": batch, "seq": cfg.seq, "width": cfg.width, "layers": cfg.layers,
+                     "measured_blocks": full["blocks"], "measured_total": full["total"],
+                     "measured_blocks_ckpt": ckpt["blocks"], "measured_total_ckpt": ckpt["total"],
+                     "rule": rule, "rule_ckpt": rule_ckpt, "ratio": full["blocks"] / rule})
+    return rows

@@ -1,0 +1,213 @@
+"""course_utils.memory: the paper's numbers, the CLI (good and bad input), and the bill measured
+on real tensors against 16Ψ."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from course_utils import memory
+from course_utils.cli import main
+from course_utils.errors import CourseInputError
+from course_utils.units import GB
+
+from conftest import ROOT
+
+
+# --- the formulas against the paper -------------------------------------------------------------
+
+def test_tiny_model_on_four_gpus():
+    assert memory.bytes_per_gpu(8, 4) == {"ddp": 128, "zero1": 56, "zero2": 44, "zero3": 32}
+
+
+def test_gpt2_bill():
+    assert memory.model_state_bytes(1.5e9) == 24 * GB
+    assert memory.WEIGHT_BYTES * 1.5e9 == 3 * GB
+    assert round(memory.activation_bytes(1600, 32, 1024, 48) / GB, 1) == 60.4
+    assert round(memory.activation_numbers(1600, 32, 1024, 48) / 1e9, 1) == 30.2
+    assert memory.fused_gradient_buffer_bytes(1.5e9) == 6 * GB
+
+
+def test_paper_model_and_trillion():
+    b = memory.bytes_per_gpu(7.5e9, 64)
+    assert (round(b["zero1"] / GB, 1), round(b["zero2"] / GB, 1), round(b["zero3"] / GB, 2)) == (31.4, 16.6, 1.88)
+    assert round(memory.model_state_bytes(1e12, 1024, "zero3") / GB, 1) == 15.6
+
+
+def test_floors_of_70b():
+    assert memory.floor_bytes(70e9, "zero1") == 280 * GB
+    assert memory.floor_bytes(70e9, "zero2") == 140 * GB
+    assert memory.floor_bytes(70e9, "zero3") == 0
+    huge = np.array([1, 8, 64, 1024, 10**6])
+    for stage in ("zero1", "zero2"):
+        assert np.all(memory.model_state_bytes(70e9, huge, stage) > 80 * GB)
+        assert memory.smallest_nd_that_fits(70e9, stage, 80 * GB) is None
+    assert memory.smallest_nd_that_fits(70e9, "zero3", 80 * GB) == 14
+
+
+def test_model_parallel_and_bytes_per_param():
+    m = lambda nd: memory.model_state_bytes(60e9, nd, "zero2", nm=16) / GB  # noqa: E731
+    assert (round(m(4), 1), round(m(25), 1)) == (20.6, 9.6)
+    assert round(memory.model_state_bytes(13e9, 128, "zero2") / GB, 1) == 27.4
+    assert memory.model_state_bytes(1, 25, "zero2") == pytest.approx(2.56)
+    assert memory.model_state_bytes(1, 25, "zero3") == pytest.approx(0.64)
+
+
+def test_vectorised_and_k():
+    nds = memory.chart_nds()
+    assert list(nds) == [2**i for i in range(11)]
+    curve = memory.model_state_bytes(7.5e9, nds, "zero3")
+    assert curve.shape == nds.shape and np.all(np.diff(curve) < 0)
+    for name, bill in memory.OPTIMIZERS.items():
+        assert sum(b for _, b in bill.parts) == bill.k, name
+    assert memory.OPTIMIZERS["adam_mixed"].total == memory.OPTIMIZERS["adam_fp32"].total == 16
+    assert memory.model_state_bytes(1, 1, k=8) == 12
+    assert memory.model_state_bytes(1, 1, weight_bytes=4, grad_bytes=4, k=8) == 16
+
+
+def test_table1_matches_paper():
+    rows = {(r["params"], r["nd"]): r for r in memory.table1()}
+    assert len(rows) == 18
+    four = rows[(7.5e9, 4)]["bytes_per_gpu"]
+    assert [memory.gb_cell(four[s]) for s in memory.STAGES] == ["120", "52.5", "41.3", "30.0"]
+    assert rows[(7.5e9, 64)]["fits"] == {"ddp": False, "zero1": True, "zero2": True, "zero3": True}
+    assert rows[(128e9, 64)]["fits"]["zero3"] and not rows[(128e9, 16)]["fits"]["zero3"]
+    assert rows[(1e12, 1024)]["fits"]["zero3"] and not rows[(1e12, 256)]["fits"]["zero3"]
+
+
+def test_activation_checkpointing_rule():
+    full = memory.activation_numbers(1600, 32, 1024, 48)
+    ckpt = memory.activation_numbers(1600, 32, 1024, 48, checkpointing=True)
+    assert ckpt == 1600 * 32 * 1024 * 48 + 12 * 1600 * 32 * 1024
+    assert ckpt < full / 5
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: memory.model_state_bytes(0, 4),
+    lambda: memory.model_state_bytes(-1, 4),
+    lambda: memory.model_state_bytes(1e9, 0),
+    lambda: memory.model_state_bytes(1e9, 4, "zero4"),
+    lambda: memory.model_state_bytes(1e9, 4, k=-1),
+    lambda: memory.floor_bytes(1e9, "stage9"),
+    lambda: memory.activation_bytes(0, 1, 1, 1),
+    lambda: memory.memory_chart_view(1e9, nd=0),
+    lambda: memory.optimizer_bill("lion9"),
+])
+def test_bad_input_raises(bad):
+    with pytest.raises(CourseInputError):
+        bad()
+
+
+# --- what the charts show (pure functions) -------------------------------------------------------
+
+def test_memory_chart_view():
+    v = memory.memory_chart_view(7.5e9, nd=64, gpu_mem=32 * GB)
+    assert v["readout"] == memory.bytes_per_gpu(7.5e9, 64)
+    assert v["fits"] == {"ddp": False, "zero1": True, "zero2": True, "zero3": True}
+    assert v["first_fit"] == {"ddp": None, "zero1": 64, "zero2": 8, "zero3": 4}
+    assert "first fits" in v["title"] and "Nd = 64" in v["title"]
+    assert "31.4 GB" in v["readout_text"] and "1.88 GB" in v["readout_text"]
+    t = memory.memory_chart_view(1e12, nd=1024)
+    assert t["first_fit"]["zero3"] == 512 and t["first_fit"]["zero1"] is None
+    assert memory.memory_chart_view(1e12, nd=1024)["readout_text"] != v["readout_text"]
+
+
+def test_bill_bars_drop_one_part_per_stage():
+    bars = memory.bill_bars(8, 4, activations=10)
+    held = {s: sum(p["held"] for p in parts.values()) for s, parts in bars.items()}
+    assert held == {"ddp": 138, "zero1": 66, "zero2": 54, "zero3": 42}
+    assert bars["zero2"]["gradients"] == {"held": 4, "full": 16}
+    assert bars["zero3"]["activations"] == {"held": 10, "full": 10}
+
+
+# --- command line --------------------------------------------------------------------------------
+
+def test_cli_memory_json(capsys):
+    assert main(["memory", "--params", "7.5B", "--dp", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == 7.5e9 and out["dp"] == 64 and out["mp"] == 1 and out["k"] == 12
+    assert out["bytes_per_gpu"] == memory.bytes_per_gpu(7.5e9, 64)
+
+
+def test_cli_memory_table_text(capsys):
+    assert main(["memory", "--params", "7.5e9", "--dp", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "31,406,250,000" in text and "GB (10^9)" in text and "GiB (2^30)" in text
+    assert main(["table"]) == 0
+    text = capsys.readouterr().out
+    assert "15.6*" in text and "41.3" in text and "fits a 32 GB GPU" in text
+    assert main(["table", "--gpu-mem", "80GB", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 18 and rows[1]["fits"]["zero1"] is True  # 7.5B, Nd = 4: 52.5 GB < 80 GB
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["memory", "--params", "7.5X", "--dp", "4"], "--params"),
+    (["memory", "--params", "0", "--dp", "4"], "--params"),
+    (["memory", "--params", "-3B"], "--params"),
+    (["memory", "--params", "1B", "--dp", "0"], "--dp"),
+    (["memory", "--params", "1B", "--mp", "-2"], "--mp"),
+    (["memory", "--params", "1B", "--k", "-1"], "--k"),
+    (["memory", "--params", "1B", "--stage", "zero4"], "--stage"),
+    (["memory", "--params", "1B", "--dp", "1.5"], "--dp"),
+    (["table", "--dp", "0,4"], "--dp"),
+    (["table", "--gpu-mem", "-80GB"], "--gpu-mem"),
+    (["table", "--params", "7.5B,abc"], "--params"),
+])
+def test_cli_bad_input_exits_2_with_one_line(argv, names):
+    proc = subprocess.run([sys.executable, "-m", "course_utils", *argv], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0] and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+# --- measured on real tensors ---------------------------------------------------------------------
+
+def test_mixed_precision_adam_holds_16_bytes_per_parameter():
+    m = memory.measure_model_state_bytes("tiny", "adam_mixed")
+    psi = m["psi"]
+    assert (m["weights"], m["gradients"], m["optimizer"]) == (2 * psi, 2 * psi, 12 * psi)
+    assert m["total"] == 16 * psi and m["optimizer_scalars"] == 0
+
+
+def test_fp32_adam_splits_16_bytes_4_4_8():
+    m = memory.measure_model_state_bytes("tiny", "adam_fp32")
+    psi = m["psi"]
+    assert (m["weights"], m["gradients"], m["optimizer"]) == (4 * psi, 4 * psi, 8 * psi)
+    assert m["optimizer_scalars"] > 0  # torch.optim.Adam's per-tensor step counters
+
+
+def test_mixed_precision_adam_updates_like_torch_adam():
+    import torch
+
+    from course_utils.models import build_model
+
+    ours, ref = build_model("tiny", seed=1), build_model("tiny", seed=1)
+    opt = memory.MixedPrecisionAdam(ours, lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+            p.grad, q.grad = grad, grad.float()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(opt.state[p]["master"], q.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(p.detach(), q.detach().to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_measured_activations_against_rule():
+    rows = memory.compare_activations([{"batch": 2}, {"batch": 4, "seq": 64}, {"width": 128, "heads": 4}])
+    for r in rows:
+        assert 1.2 < r["ratio"] < 1.5
+        # checkpointing keeps exactly one 16-bit input of b·s·h numbers per block
+        assert r["measured_blocks_ckpt"] == 2 * r["batch"] * r["seq"] * r["width"] * r["layers"]
+        assert r["measured_total_ckpt"] < r["measured_total"] / 2
+    assert rows[1]["measured_blocks"] == 2 * rows[0]["measured_blocks"] * 2  # linear in b·s
