@@ -1,0 +1,203 @@
+"""Static pictures of the course: matplotlib figures drawn from numbers the arithmetic modules
+compute (introduced in notebook 01).
+
+Each ``*_figure`` function takes plain numbers (a "view" dict from ``memory``/``plan``) and
+returns a ``matplotlib.figure.Figure``; it computes nothing the chart asserts. ``show(fig)``
+puts a figure into a notebook as a PNG image; ``png(fig)`` returns the bytes (the widgets use
+them too, so a live widget and a headless run draw exactly the same picture).
+
+pyplot is never used: figures are built on the Agg canvas directly, so nothing here depends
+on the notebook's plotting backend or leaves global state behind.
+
+Sections: shared helpers; notebook 01 (memory chart, bill bars, activations); notebook 05
+(planner memory bars, overlap chart). Other notebooks append their own sections below.
+"""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from .units import GB
+
+#: One colour per part of the bill and per row of the ZeRO table, used by every chart.
+PART_COLORS = {"weights": "#7b5ea7", "gradients": "#e8883a", "optimizer": "#3a7dc9",
+               "activations": "#5aa469", "buffers": "#9a9a9a"}
+STAGE_COLORS = {"ddp": "#444444", "zero1": "#3a7dc9", "zero2": "#e8883a", "zero3": "#7b5ea7",
+                "hsdp": "#2a9d8f", "zero2_offload": "#f4a261", "zero3_offload": "#b392d6"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------------------------
+
+def new_figure(width: float = 7.5, height: float = 4.5):
+    """A fresh Figure on the Agg canvas (no pyplot state) (notebook 01)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def png(fig) -> bytes:
+    """The figure as PNG bytes (notebook 01)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+class StaticFigure:
+    """A rendered chart a notebook displays as a PNG image, with its readout as text (notebook 01).
+
+    What a widget returns when the notebook runs headless (``widgets.is_headless()``), and what
+    ``show`` displays: executed notebooks then hold the chart as ``image/png``.
+    """
+
+    def __init__(self, fig, text: str = ""):
+        self.png = png(fig)
+        self.text = text
+
+    def _repr_png_(self):
+        return self.png
+
+    def __repr__(self):
+        return self.text or "<chart>"
+
+
+def show(fig, text: str = ""):
+    """Display a figure in the notebook as a PNG image (and ``text`` under it) (notebook 01)."""
+    from IPython.display import display
+
+    display(StaticFigure(fig, text))
+
+
+def _bytes_axis(ax, axis: str = "y", unit: str = "GB"):
+    """Label an axis that holds bytes, scaled to ``unit`` (GB = 10^9; "bytes" for raw bytes)."""
+    label = "bytes" if unit == "bytes" else f"{unit} ({'10^9' if unit == 'GB' else '2^30'} bytes)"
+    (ax.set_ylabel if axis == "y" else ax.set_xlabel)(f"memory per GPU, {label}")
+
+
+def _scale(unit: str) -> float:
+    return {"bytes": 1.0, "GB": float(GB), "GiB": float(2**30)}[unit]
+
+
+# ---------------------------------------------------------------------------------------------
+# Notebook 01: the memory chart, the bill as stacked bars, activations measured vs the rule
+# ---------------------------------------------------------------------------------------------
+
+def memory_chart_figure(view: dict, *, width: float = 7.5, height: float = 4.5):
+    """The paper's memory chart: bytes per GPU against Nd for each row, a line for the GPU (notebook 01).
+
+    ``view`` is ``memory.memory_chart_view(...)``; both axes are logarithmic, memory in GB.
+    """
+    from .memory import STAGE_NAMES, STAGES
+
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    nds = view["nds"]
+    for stage in STAGES:
+        ax.plot(nds, view["curves"][stage] / GB, marker="o", ms=3, color=STAGE_COLORS[stage],
+                label=STAGE_NAMES[stage])
+        ax.plot([view["nd"]], [view["readout"][stage] / GB], marker="o", ms=8, mfc="none",
+                color=STAGE_COLORS[stage])
+    ax.axhline(view["gpu_mem"] / GB, color="#c0392b", ls="--", lw=1.5)
+    ax.text(nds[0], view["gpu_mem"] / GB * 1.12, f"one {view['gpu_mem'] / GB:g} GB GPU", color="#c0392b")
+    ax.axvline(view["nd"], color="#999999", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(nds, [str(int(n)) for n in nds])
+    ax.set_xlabel("Nd, data-parallel GPUs (log scale)")
+    _bytes_axis(ax, unit="GB")
+    ax.set_title(view["title"], fontsize=10)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.grid(True, which="major", alpha=0.3)
+    return fig
+
+
+def bill_bars_figure(bars: dict, *, unit: str = "bytes", title: str = "", gpu_mem: float | None = None,
+                     width: float = 7.5, height: float = 4.5):
+    """One GPU's bill per row as stacked bars; the part a stage no longer holds is dashed (notebook 01).
+
+    ``bars`` is ``memory.bill_bars(...)``. Each part keeps its replicated height; the filled
+    piece is what the GPU holds, the dashed outline above it is what sharding dropped.
+    """
+    from matplotlib.patches import Patch
+
+    from .memory import BILL_PARTS, STAGE_NAMES
+
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    scale = _scale(unit)
+    stages = list(bars)
+    for i, stage in enumerate(stages):
+        bottom = 0.0
+        for part in BILL_PARTS:
+            held, full = bars[stage][part]["held"] / scale, bars[stage][part]["full"] / scale
+            if full <= 0:
+                continue
+            ax.bar(i, held, bottom=bottom, color=PART_COLORS[part], width=0.6, edgecolor="white")
+            if full - held > 1e-12 * max(full, 1):
+                ax.bar(i, full - held, bottom=bottom + held, width=0.6, fill=False,
+                       edgecolor=PART_COLORS[part], ls="--", lw=1.2)
+            bottom += full
+        total = sum(bars[stage][p]["held"] for p in BILL_PARTS) / scale
+        ax.text(i, bottom, f"{total:.3g}", ha="center", va="bottom", fontsize=9)
+    if gpu_mem is not None:
+        ax.axhline(gpu_mem / scale, color="#c0392b", ls="--", lw=1.5)
+        ax.text(len(stages) - 0.5, gpu_mem / scale, f" {gpu_mem / GB:g} GB GPU", color="#c0392b",
+                va="bottom", ha="right")
+    ax.set_xticks(range(len(stages)), [STAGE_NAMES.get(s, s) for s in stages], fontsize=9)
+    _bytes_axis(ax, unit=unit)
+    handles = [Patch(color=PART_COLORS[p], label=p) for p in BILL_PARTS
+               if any(bars[s][p]["full"] > 0 for s in stages)]
+    handles.append(Patch(fill=False, ls="--", edgecolor="#555555", label="no longer held (sharded away)"))
+    fig.legend(handles=handles, fontsize=8, loc="outside right upper")
+    ax.set_title(title or "Each stage drops one more part of the bill", fontsize=10)
+    return fig
+
+
+def bill_items_figure(items: dict, *, gpu_mem: float, title: str = "", width: float = 7.5, height: float = 3.5):
+    """Items of a training bill as horizontal bars in GB against one GPU's memory (notebook 01).
+
+    ``items``: ``{label: bytes}`` in the order to draw, top to bottom.
+    """
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    labels = list(items)[::-1]
+    values = [items[k] / GB for k in labels]
+    ax.barh(labels, values, color="#3a7dc9")
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v:.3g} GB", va="center", fontsize=9)
+    ax.axvline(gpu_mem / GB, color="#c0392b", ls="--", lw=1.5)
+    ax.text(gpu_mem / GB, len(labels) - 0.5, f" one {gpu_mem / GB:g} GB GPU", color="#c0392b", fontsize=9)
+    ax.set_xlabel("GB (10^9 bytes)")
+    ax.set_xlim(0, max(values + [gpu_mem / GB]) * 1.25)
+    ax.set_title(title, fontsize=10)
+    return fig
+
+
+def activations_figure(rows: list, *, width: float = 7.5, height: float = 4.0):
+    """Measured activation bytes of the transformer blocks against the paper's 12·h·b·s·L rule,
+    with and without activation checkpointing (notebook 01). ``rows``: ``memory.compare_activations``."""
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    rule = np.array([r["rule"] for r in rows])
+    ax.scatter(rule, [r["measured_blocks"] for r in rows], color=PART_COLORS["activations"],
+               label="measured, every activation kept", zorder=3)
+    ax.scatter(rule, [r["measured_blocks_ckpt"] for r in rows], color="#555555", marker="s",
+               label="measured, activation checkpointing", zorder=3)
+    lo, hi = min(rule.min(), min(r["measured_blocks_ckpt"] for r in rows)) / 2, rule.max() * 3
+    xs = np.array([lo, hi])
+    ax.plot(xs, xs, color="#c0392b", ls="--", lw=1, label="the rule: 12·h·b·s·L numbers × 2 bytes")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("the paper's rule, bytes")
+    ax.set_ylabel("saved for backward, bytes (measured)")
+    mean = float(np.mean([r["ratio"] for r in rows]))
+    ax.set_title(f"The rule is right to within a constant ({mean:.2f}×) here; checkpointing keeps one input per block",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    return fig

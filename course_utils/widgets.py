@@ -1,0 +1,162 @@
+"""Interactive views for the notebooks: ipywidgets controls over the same figures ``plots`` draws
+(introduced in notebook 01).
+
+Rule of the house: a widget function returns
+
+- in JupyterLab, an ipywidgets box: controls, the chart (an ``Image`` widget holding the PNG
+  that ``plots`` draws) and a readout of exact values (an ``HTML`` widget);
+- when the notebook runs headless (``is_headless()``: ``COURSE_HEADLESS=1``, set by the
+  Makefile and the test runs), a ``plots.StaticFigure`` of the same view, so executed
+  notebooks hold the chart as a PNG image and the readout as text.
+
+What a chart shows is computed by a pure function (``memory.memory_chart_view``,
+``memory.bill_bars``, ``plan.plan``) that the tests call without a browser; the widgets only
+wire controls to it.
+
+Stable hooks for browser tests: every control and readout carries a CSS class
+(``course-<view>-<role>``) and a ``description``; see each function's docstring.
+
+Sections: shared helpers; notebook 01; notebook 05. Other notebooks append their own below.
+"""
+from __future__ import annotations
+
+import html
+import os
+
+from . import memory, plots
+from .units import GB, fmt_count
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def is_headless() -> bool:
+    """True when the notebook runs without a browser (papermill, nbval, CI): ``COURSE_HEADLESS=1`` (notebook 01)."""
+    return os.environ.get("COURSE_HEADLESS", "").strip().lower() in ("1", "true", "yes")
+
+
+def _ipw():
+    import ipywidgets
+
+    return ipywidgets
+
+
+def _classed(widget, css_class: str):
+    widget.add_class(css_class)
+    return widget
+
+
+#: Model sizes the model slider steps through (parameters).
+MODEL_SIZES = (125e6, 350e6, 1.3e9, 1.5e9, 7e9, 7.5e9, 13e9, 30e9, 70e9, 128e9, 175e9, 530e9, 1e12)
+#: K choices: label -> K.
+K_CHOICES = {f"{b.k:g} bytes: {b.name}": b.k for key, b in memory.OPTIMIZERS.items() if key != "adam_fp32"}
+
+
+def _model_options(extra=()):
+    sizes = sorted(set(MODEL_SIZES) | {float(x) for x in extra})
+    return [(fmt_count(s), float(s)) for s in sizes]
+
+
+# ---------------------------------------------------------------------------------------------
+# Notebook 01: the memory chart and the bill
+# ---------------------------------------------------------------------------------------------
+
+def _readout_html(view: dict) -> str:
+    rows = "".join(
+        f"<tr><td>{html.escape(memory.STAGE_NAMES[s])}</td>"
+        f"<td style='text-align:right'>{view['readout'][s]:,.0f} bytes</td>"
+        f"<td style='text-align:right'>{view['readout'][s] / GB:.3g} GB</td>"
+        f"<td>{'fits' if view['fits'][s] else 'does not fit'}</td></tr>"
+        for s in memory.STAGES)
+    return (f"<div><b>Ψ = {fmt_count(view['psi'])}, K = {view['k']:g}, Nd = {view['nd']}, "
+            f"GPU {view['gpu_mem'] / GB:g} GB</b><table>{rows}</table></div>")
+
+
+def memory_chart(psi: float = 7.5e9, *, k: float = memory.ADAM_MIXED_K, nd: int = 64,
+                 gpu_mem: float = 32 * GB, nm: int = 1):
+    """The paper's memory chart, live: Nd on a log axis, memory per GPU, one curve per row (notebook 01).
+
+    Controls (CSS class, description): model size ``course-memory-model`` ("Model Ψ"), presets
+    ``course-memory-presets`` (7.5B, 128B, 1T), K ``course-memory-k`` ("K"), Nd
+    ``course-memory-nd`` ("Nd"), GPU ``course-memory-gpu`` ("GPU"). Readout of exact values at
+    the chosen Nd: ``course-memory-readout`` (an HTML widget). Chart: ``course-memory-chart``.
+    Headless: a ``plots.StaticFigure`` of ``memory.memory_chart_view(psi, nd=nd, k=k, ...)``.
+    """
+    view = memory.memory_chart_view(psi, nd=nd, k=k, nm=nm, gpu_mem=gpu_mem)
+    if is_headless():
+        return plots.StaticFigure(plots.memory_chart_figure(view), view["readout_text"])
+    w = _ipw()
+    model = _classed(w.SelectionSlider(options=_model_options([psi]), value=float(psi), description="Model Ψ",
+                                       continuous_update=False), "course-memory-model")
+    presets = _classed(w.ToggleButtons(options=list(memory.MODEL_PRESETS), value=None,
+                                       description="Presets"), "course-memory-presets")
+    k_options = dict(K_CHOICES)
+    if float(k) not in k_options.values():
+        k_options[f"{k:g} bytes"] = float(k)
+    k_box = _classed(w.Dropdown(options=list(k_options.items()), value=float(k), description="K"),
+                     "course-memory-k")
+    nd_box = _classed(w.SelectionSlider(options=[int(n) for n in memory.chart_nds()], value=int(nd),
+                                        description="Nd", continuous_update=False), "course-memory-nd")
+    gpus = dict(memory.GPU_CHOICES)
+    if float(gpu_mem) not in gpus.values():
+        gpus[f"{gpu_mem / GB:g} GB"] = float(gpu_mem)
+    gpu_box = _classed(w.Dropdown(options=list(gpus.items()), value=float(gpu_mem), description="GPU"),
+                       "course-memory-gpu")
+    image = _classed(w.Image(format="png"), "course-memory-chart")
+    readout = _classed(w.HTML(), "course-memory-readout")
+
+    def redraw(*_):
+        v = memory.memory_chart_view(model.value, nd=nd_box.value, k=k_box.value, nm=nm, gpu_mem=gpu_box.value)
+        image.value = plots.png(plots.memory_chart_figure(v))
+        readout.value = _readout_html(v)
+
+    def preset(change):
+        if change["new"]:
+            model.value = memory.MODEL_PRESETS[change["new"]]
+
+    presets.observe(preset, names="value")
+    for control in (model, k_box, nd_box, gpu_box):
+        control.observe(redraw, names="value")
+    redraw()
+    return w.VBox([w.HBox([model, presets]), w.HBox([k_box, nd_box, gpu_box]), image, readout])
+
+
+def bill_bars(psi: float = 8, *, nd: int = 4, k: float = memory.ADAM_MIXED_K, activations: float = 0.0,
+              unit: str = "bytes", gpu_mem: float | None = None):
+    """The bill as stacked bars per GPU for each row, dashed where a stage no longer holds a part (notebook 01).
+
+    Controls: Nd ``course-bill-nd`` ("Nd"), K ``course-bill-k`` ("K"); readout ``course-bill-readout``.
+    Headless: a ``plots.StaticFigure`` of ``memory.bill_bars(psi, nd, k=k, activations=...)``.
+    """
+    def draw(nd_, k_):
+        bars = memory.bill_bars(psi, nd_, k=k_, activations=activations)
+        totals = {s: sum(p["held"] for p in bars[s].values()) for s in bars}
+        scale = {"bytes": 1, "GB": GB}[unit]
+        text = f"Ψ = {fmt_count(psi)}, Nd = {nd_}, K = {k_:g}: " + " · ".join(
+            f"{memory.STAGE_NAMES[s]} {totals[s] / scale:.4g} {unit}" for s in bars)
+        title = f"One GPU's bill for Ψ = {fmt_count(psi)} on Nd = {nd_}: " + ", ".join(
+            f"{totals[s] / scale:.3g}" for s in bars) + f" {unit}"
+        return plots.bill_bars_figure(bars, unit=unit, title=title, gpu_mem=gpu_mem), text
+
+    if is_headless():
+        fig, text = draw(nd, k)
+        return plots.StaticFigure(fig, text)
+    w = _ipw()
+    nd_box = _classed(w.SelectionSlider(options=[int(n) for n in memory.chart_nds()], value=int(nd),
+                                        description="Nd", continuous_update=False), "course-bill-nd")
+    k_box = _classed(w.Dropdown(options=list(K_CHOICES.items()) if float(k) in K_CHOICES.values()
+                                else list(K_CHOICES.items()) + [(f"{k:g} bytes", float(k))],
+                                value=float(k), description="K"), "course-bill-k")
+    image = _classed(w.Image(format="png"), "course-bill-chart")
+    readout = _classed(w.HTML(), "course-bill-readout")
+
+    def redraw(*_):
+        fig, text = draw(nd_box.value, k_box.value)
+        image.value = plots.png(fig)
+        readout.value = html.escape(text)
+
+    for control in (nd_box, k_box):
+        control.observe(redraw, names="value")
+    redraw()
+    return w.VBox([w.HBox([nd_box, k_box]), image, readout])
