@@ -45,6 +45,10 @@ unit-tests: setup
 	@echo "==> unit tests (pytest tests/)"
 	@$(BIN)/python -m pytest tests -q
 
+notebook-tests: export COURSE_HEADLESS = 1
+notebooks: export COURSE_HEADLESS = 1
+unit-tests: export COURSE_HEADLESS = 1
+
 notebook-tests: setup
 	@echo "==> executing every notebook as a test (pytest --nbval-lax notebooks/)"
 	@$(BIN)/python -m pytest --nbval-lax -q -p no:cacheprovider notebooks

@@ -176,5 +176,23 @@ def is_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "MASTER_ADDR" in os.environ
 
 
+def environment_report(nproc: int = 2) -> dict:
+    """What this machine offers the course, and which backend ``launch`` picks for ``nproc`` ranks (notebook 00)."""
+    import platform
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend, device_type = pick_backend(nproc, "auto")
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_cores": os.cpu_count(),
+        "cuda_gpus": gpus,
+        "gpu_name": torch.cuda.get_device_name(0) if gpus else None,
+        "gloo_available": dist.is_gloo_available(),
+        "nccl_available": dist.is_nccl_available(),
+        f"backend_for_{nproc}_ranks": f"{backend} on {device_type}",
+    }
+
+
 def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,35 @@
+"""Execute every notebook with papermill, with its CI parameters (a second configuration).
+
+`make test` also runs every notebook with its defaults through nbval; here each notebook runs
+with the `ci_parameters` stored in its metadata (for example another world size), so both
+configurations are exercised. Executed copies go to build/test-notebooks/, never notebooks/.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def _ci_parameters(path):
+    return json.loads(path.read_text())["metadata"].get("course", {}).get("ci_parameters", {})
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if _ci_parameters(p)], ids=lambda p: p.name)
+def test_notebook_runs_with_ci_parameters(path, monkeypatch):
+    import papermill
+
+    monkeypatch.setenv("COURSE_HEADLESS", "1")
+    out = ROOT / "build" / "test-notebooks" / path.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    papermill.execute_notebook(str(path), str(out), parameters=_ci_parameters(path), cwd=str(ROOT / "notebooks"),
+                               kernel_name="python3", progress_bar=False, execution_timeout=300)
+    executed = json.loads(out.read_text())
+    errors = [o for c in executed["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors
