@@ -323,13 +323,14 @@ def memory_chart_view(psi, *, nd: int = 64, k: float = ADAM_MIXED_K, nm=1, gpu_m
 
 
 def _chart_title(view: dict) -> str:
-    lowest = next((s for s in STAGES if view["first_fit"][s] is not None), None)
     gpu = fmt_bytes(view["gpu_mem"], "GB", 0)
-    name = fmt_count(view["psi"])
-    if lowest is None:
-        return f"{name} parameters: no row fits a {gpu} GPU at Nd ≤ {int(view['nds'][-1])}"
-    return (f"{name} parameters: {STAGE_NAMES[lowest]} first fits a {gpu} GPU "
-            f"at Nd = {view['first_fit'][lowest]}")
+    short = {"ddp": "plain DP", "zero1": "stage 1", "zero2": "stage 2", "zero3": "stage 3"}
+    parts = []
+    for s in reversed(STAGES):
+        nd = view["first_fit"][s]
+        parts.append(f"{short[s]} never" if nd is None else
+                     f"{short[s]} from Nd = {nd}" if not parts else f"{short[s]} from {nd}")
+    return f"{fmt_count(view['psi'])} on one {gpu} GPU: " + ", ".join(parts)
 
 
 def readout_text(view: dict) -> str:

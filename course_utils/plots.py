@@ -148,7 +148,7 @@ def bill_bars_figure(bars: dict, *, unit: str = "bytes", title: str = "", gpu_me
         ax.axhline(gpu_mem / scale, color="#c0392b", ls="--", lw=1.5)
         ax.text(len(stages) - 0.5, gpu_mem / scale, f" {gpu_mem / GB:g} GB GPU", color="#c0392b",
                 va="bottom", ha="right")
-    ax.set_xticks(range(len(stages)), [STAGE_NAMES.get(s, s) for s in stages], fontsize=9)
+    ax.set_xticks(range(len(stages)), [STAGE_NAMES.get(s, s).replace(" (", "\n(") for s in stages], fontsize=9)
     _bytes_axis(ax, unit=unit)
     handles = [Patch(color=PART_COLORS[p], label=p) for p in BILL_PARTS
                if any(bars[s][p]["full"] > 0 for s in stages)]
@@ -169,9 +169,9 @@ def bill_items_figure(items: dict, *, gpu_mem: float, title: str = "", width: fl
     values = [items[k] / GB for k in labels]
     ax.barh(labels, values, color="#3a7dc9")
     for y, v in enumerate(values):
-        ax.text(v, y, f" {v:.3g} GB", va="center", fontsize=9)
+        ax.text(v, y, f" {v:.1f} GB", va="center", fontsize=9)
     ax.axvline(gpu_mem / GB, color="#c0392b", ls="--", lw=1.5)
-    ax.text(gpu_mem / GB, len(labels) - 0.5, f" one {gpu_mem / GB:g} GB GPU", color="#c0392b", fontsize=9)
+    ax.text(gpu_mem / GB, -0.45, f" one {gpu_mem / GB:g} GB GPU", color="#c0392b", fontsize=9, va="center")
     ax.set_xlabel("GB (10^9 bytes)")
     ax.set_xlim(0, max(values + [gpu_mem / GB]) * 1.25)
     ax.set_title(title, fontsize=10)
