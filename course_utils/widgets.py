@@ -24,6 +24,7 @@ import html
 import os
 
 from . import memory, plots
+from .errors import CourseInputError
 from .units import GB, fmt_count
 
 # ---------------------------------------------------------------------------------------------
@@ -160,3 +161,95 @@ def bill_bars(psi: float = 8, *, nd: int = 4, k: float = memory.ADAM_MIXED_K, ac
         control.observe(redraw, names="value")
     redraw()
     return w.VBox([w.HBox([nd_box, k_box]), image, readout])
+
+
+# ---------------------------------------------------------------------------------------------
+# Notebook 05: the planner
+# ---------------------------------------------------------------------------------------------
+
+#: Links the planner's network slider steps through: label -> bytes/s per node.
+NETWORK_CHOICES = {"10 GbE (1.25 GB/s)": 1.25e9, "25 GbE (3.1 GB/s)": 3.125e9, "100 Gb/s (12.5 GB/s)": 12.5e9,
+                   "200 Gb/s (25 GB/s)": 25e9, "4 x 100 Gb/s (50 GB/s)": 50e9, "8 x 200 Gb/s (200 GB/s)": 200e9,
+                   "8 x 400 Gb/s (400 GB/s)": 400e9}
+#: Intra-node links: label -> bytes/s per GPU.
+NVLINK_CHOICES = {"PCIe only (25 GB/s)": 25e9, "NVLink, V100 (150 GB/s)": 150e9, "NVLink, A100 (200 GB/s)": 200e9,
+                  "NVLink, H100 (360 GB/s)": 360e9}
+
+
+def plan_summary(p) -> str:
+    """One line: the recommendation and its reason (notebook 05)."""
+    from .plan import STRATEGY_NAMES
+
+    r = p.recommendation
+    name = STRATEGY_NAMES.get(r["strategy"], "none")
+    return f"{name}: {r['reason']}"
+
+
+def planner(params: float = 7e9, *, nodes: int = 1, gpus_per_node: int = 8, gpu_mem: float = 80 * GB,
+            inter_bw: float = 50e9, intra_bw: float = 200e9, micro_batch: int = 1, seq: int = 2048,
+            checkpointing: bool = True, k: float = memory.ADAM_MIXED_K):
+    """The planner, live: model, cluster and link controls; memory bars and overlap chart; the
+    recommendation and its reason in one line (notebook 05).
+
+    Controls (CSS class, description): ``course-plan-model`` ("Model Ψ"), ``course-plan-nodes``
+    ("Nodes"), ``course-plan-gpus`` ("GPUs/node"), ``course-plan-gpu-mem`` ("GPU"),
+    ``course-plan-network`` ("Network"), ``course-plan-nvlink`` ("NVLink"), ``course-plan-batch``
+    ("Micro-batch"), ``course-plan-seq`` ("Sequence"), ``course-plan-checkpointing``. Readout:
+    ``course-plan-recommendation`` (HTML). Chart: ``course-plan-chart``.
+    Headless: a ``plots.StaticFigure`` of ``plots.plan_figure(plan.plan(...))``.
+    """
+    from . import plan as planning
+
+    def compute(params_, nodes_, gpus_, mem_, inter_, intra_, b_, s_, ckpt_):
+        model = planning.model_spec(params_, micro_batch=b_, seq=s_, checkpointing=ckpt_)
+        cluster = planning.Cluster(gpus_per_node=gpus_, nodes=nodes_, gpu_mem=mem_, inter_bw=inter_, intra_bw=intra_)
+        return planning.plan(model, cluster, k=k)
+
+    if is_headless():
+        p = compute(params, nodes, gpus_per_node, gpu_mem, inter_bw, intra_bw, micro_batch, seq, checkpointing)
+        return plots.StaticFigure(plots.plan_figure(p), plan_summary(p))
+    w = _ipw()
+
+    def choice(options: dict, value, fmt):
+        opts = dict(options)
+        if float(value) not in opts.values():
+            opts[fmt(value)] = float(value)
+        return list(opts.items()), float(value)
+
+    model = _classed(w.SelectionSlider(options=_model_options([params]), value=float(params), description="Model Ψ",
+                                       continuous_update=False), "course-plan-model")
+    nodes_box = _classed(w.SelectionSlider(options=sorted({1, 2, 4, 8, 16, 32, 64, 128, int(nodes)}), value=int(nodes),
+                                           description="Nodes", continuous_update=False), "course-plan-nodes")
+    gpus_box = _classed(w.Dropdown(options=sorted({1, 2, 4, 8, 16, int(gpus_per_node)}), value=int(gpus_per_node),
+                                   description="GPUs/node"), "course-plan-gpus")
+    opts, val = choice(memory.GPU_CHOICES, gpu_mem, lambda v: f"{v / GB:g} GB")
+    mem_box = _classed(w.Dropdown(options=opts, value=val, description="GPU"), "course-plan-gpu-mem")
+    opts, val = choice(NETWORK_CHOICES, inter_bw, lambda v: f"{v / 1e9:g} GB/s")
+    net_box = _classed(w.SelectionSlider(options=sorted(opts, key=lambda o: o[1]), value=val, description="Network",
+                                         continuous_update=False), "course-plan-network")
+    opts, val = choice(NVLINK_CHOICES, intra_bw, lambda v: f"{v / 1e9:g} GB/s")
+    nvl_box = _classed(w.Dropdown(options=opts, value=val, description="NVLink"), "course-plan-nvlink")
+    batch_box = _classed(w.SelectionSlider(options=sorted({1, 2, 4, 8, 16, 32, int(micro_batch)}), value=int(micro_batch),
+                                           description="Micro-batch", continuous_update=False), "course-plan-batch")
+    seq_box = _classed(w.Dropdown(options=sorted({1024, 2048, 4096, 8192, 32768, 131072, int(seq)}), value=int(seq),
+                                  description="Sequence"), "course-plan-seq")
+    ckpt_box = _classed(w.Checkbox(value=bool(checkpointing), description="activation checkpointing"),
+                        "course-plan-checkpointing")
+    image = _classed(w.Image(format="png"), "course-plan-chart")
+    readout = _classed(w.HTML(), "course-plan-recommendation")
+    controls = (model, nodes_box, gpus_box, mem_box, net_box, nvl_box, batch_box, seq_box, ckpt_box)
+
+    def redraw(*_):
+        try:
+            p = compute(*(c.value for c in controls))
+        except CourseInputError as exc:  # a combination that cannot exist: say so in the readout
+            readout.value = f"<b>{html.escape(str(exc))}</b>"
+            return
+        image.value = plots.png(plots.plan_figure(p))
+        readout.value = f"<b>{html.escape(plan_summary(p))}</b>"
+
+    for control in controls:
+        control.observe(redraw, names="value")
+    redraw()
+    return w.VBox([w.HBox([model, nodes_box, gpus_box]), w.HBox([mem_box, net_box, nvl_box]),
+                   w.HBox([batch_box, seq_box, ckpt_box]), readout, image])

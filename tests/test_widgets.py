@@ -85,3 +85,25 @@ def test_figures_render():
     assert plots.png(plots.memory_chart_figure(view)).startswith(PNG_MAGIC)
     bars = memory.bill_bars(1.5e9, 1, activations=6e9)
     assert plots.png(plots.bill_bars_figure(bars, unit="GB", gpu_mem=32 * GB)).startswith(PNG_MAGIC)
+
+
+def test_headless_planner(headless):
+    out = widgets.planner(7e9)
+    assert out.png.startswith(PNG_MAGIC)
+    assert out.text.startswith("stage 1 (P_os): stage 1 is the lowest stage that fits")
+
+
+def test_live_planner_follows_controls(live):
+    box = widgets.planner(7e9)
+    readout = _find(box, "course-plan-recommendation")
+    for css in ("course-plan-model", "course-plan-nodes", "course-plan-gpus", "course-plan-gpu-mem",
+                "course-plan-network", "course-plan-nvlink", "course-plan-batch", "course-plan-seq",
+                "course-plan-checkpointing", "course-plan-chart"):
+        assert _find(box, css) is not None, css
+    assert "stage 1" in readout.value
+    _find(box, "course-plan-model").value = 70e9
+    assert "offload" in readout.value
+    _find(box, "course-plan-nodes").value = 4
+    assert "only stage 3 fits" in readout.value
+    _find(box, "course-plan-seq").value = 131072
+    assert "no data-parallel strategy fits" in readout.value

@@ -1,0 +1,191 @@
+"""course_utils.plan: the decision rule's cases from the reference material, the CLI, bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from course_utils import memory, plan
+from course_utils.cli import main
+from course_utils.errors import CourseInputError
+from course_utils.units import GB
+
+from conftest import ROOT
+
+ZERO_100B = dict(model=plan.model_spec(layers=125, width=8192, vocab=50257, seq=1024, micro_batch=32),
+                 cluster=plan.Cluster(gpus_per_node=16, nodes=25, gpu_mem=32 * GB, mp=16, intra_bw=300e9,
+                                      inter_bw=100e9, flops=38e12))
+
+
+def test_7b_on_one_node_chooses_stage_1_with_room():
+    p = plan.plan(params=7e9)
+    assert p.recommendation["strategy"] == "zero1"
+    assert not p.strategies["ddp"].fits
+    assert p.strategies["zero1"].headroom > 20 * GB
+    assert "lowest stage" in p.recommendation["reason"]
+
+
+def test_70b_floors_and_stage_3_only_on_four_nodes():
+    p = plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=4))
+    for s in ("ddp", "zero1", "zero2", "hsdp", "zero2_offload"):
+        assert not p.strategies[s].fits, s
+    assert p.strategies["zero3"].fits
+    assert p.recommendation["strategy"] == "zero3"
+    assert memory.floor_bytes(70e9, "zero1") == 280 * GB and memory.floor_bytes(70e9, "zero2") == 140 * GB
+    huge = plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=128))
+    assert not huge.strategies["zero1"].fits and not huge.strategies["zero2"].fits
+
+
+def test_70b_on_one_node_needs_offload_or_more_gpus():
+    p = plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=1))
+    assert p.strategies["zero3"].model_states == 140 * GB and not p.strategies["zero3"].fits
+    assert p.recommendation["strategy"] == "zero3_offload"
+    assert "offload" in p.recommendation["reason"] and "nodes" in p.recommendation["reason"]
+    assert p.limits["zero3_min_gpus"] > 8
+    assert p.strategies["zero3_offload"].step_s > p.strategies["zero3"].step_s
+
+
+def test_slow_ethernet_stage_3_cannot_hide_and_stage_2_is_faster():
+    p = plan.plan(plan.model_spec(13e9), plan.Cluster(nodes=2, inter_bw=1.25e9))
+    z2, z3 = p.strategies["zero2"], p.strategies["zero3"]
+    assert z2.fits and z3.fits
+    assert not z3.block["hides_fwd"] and not z3.block["hides_bwd"]
+    assert z3.step_s > z2.step_s
+    assert p.recommendation["strategy"] in ("zero1", "zero2")
+    fast = plan.plan(plan.model_spec(13e9, micro_batch=4), plan.Cluster(nodes=2, inter_bw=100e9))
+    assert fast.strategies["zero3"].block["hides_fwd"] and fast.strategies["zero3"].block["hides_bwd"]
+
+
+def test_activation_bound_no_stage_helps():
+    p = plan.plan(plan.model_spec(7e9, seq=65536, micro_batch=4), plan.Cluster(nodes=8))
+    assert p.recommendation["strategy"] == "none"
+    assert p.recommendation["reason"].startswith(plan.NOTHING_FITS)
+    assert p.limits["activations_limit"] and not any(sp.fits for sp in p.strategies.values())
+    more = plan.plan(plan.model_spec(7e9, seq=65536, micro_batch=4), plan.Cluster(nodes=128))
+    assert more.recommendation["strategy"] == "none"  # more GPUs do not help
+
+
+def test_a_layer_too_large_to_gather():
+    p = plan.plan(plan.model_spec(layers=4, width=65536), plan.Cluster(nodes=128))
+    assert p.recommendation["strategy"] == "none"
+    assert p.limits["single_layer_limit"] and "layer" in p.recommendation["reason"]
+    assert p.strategies["zero3"].model_states < 10 * GB  # the model states alone would fit
+
+
+def test_zero_100b_setting_fits_with_stage_2():
+    p = plan.plan(ZERO_100B["model"], ZERO_100B["cluster"])
+    assert round(ZERO_100B["model"].params / 1e9, 1) == 101.1
+    assert ZERO_100B["cluster"].nd == 25
+    assert p.strategies["zero2"].fits and not p.strategies["zero1"].fits
+    assert p.recommendation["strategy"] == "zero2"
+    assert "hsdp" not in p.strategies  # one model-parallel group per node leaves nothing to shard
+
+
+def test_trillion_budget_and_days():
+    assert round(memory.model_state_bytes(1e12, 1024, "zero3") / GB, 1) == 15.6
+    assert round(plan.training_days(67, 3000), 1) == 139.6
+
+
+def test_offload_arithmetic():
+    o = plan.offload_arithmetic(70e9, 8)
+    assert o["optimizer_offload"]["bytes"] == 4 * 70e9 / 8
+    assert o["parameter_offload"]["bytes"] == 2 * o["optimizer_offload"]["bytes"]
+    assert o["hbm_over_pcie"] == 80
+    assert o["optimizer_offload"]["pcie_s"] == pytest.approx(80 * o["optimizer_offload"]["hbm_s"])
+
+
+def test_pipeline_bubble():
+    assert round(plan.bubble_fraction(4, 4), 3) == 0.429
+    assert round(plan.bubble_fraction(4, 32), 3) == 0.086
+
+
+def test_memory_breakdown_matches_memory_module():
+    m, c = plan.model_spec(7e9), plan.Cluster()
+    for s in ("ddp", "zero1", "zero2", "zero3"):
+        b = plan.memory_breakdown(m, c, s)
+        assert b["model_states"] == pytest.approx(memory.model_state_bytes(m.params, 8, s))
+        assert b["total"] == pytest.approx(b["model_states"] + b["activations"] + b["buffers"])
+    off = plan.memory_breakdown(m, c, "zero3_offload")
+    assert off["optimizer"] == 0 and off["host_bytes"] == pytest.approx(12 * m.params / 8)
+
+
+def test_model_spec_from_params_is_gpt_like():
+    m = plan.model_spec(70e9)
+    assert 0.9 < plan.shape_params(m.layers, m.width, m.vocab) / 70e9 < 1.1
+    assert m.width % m.heads == 0 and 60 <= m.layers <= 90
+
+
+def test_overlap_crossover_is_flops_over_bandwidth():
+    r = plan.overlap_ratio([1000.0, 4000.0], 4096, flops=200e12, bandwidth=50e9, n=32)
+    assert r[1] == pytest.approx(4 * r[0])
+    cross = 200e12 * 2 * (31 / 32) / (2 * 50e9)
+    assert plan.overlap_ratio(cross, 4096, flops=200e12, bandwidth=50e9, n=32) == pytest.approx(1.0)
+    curve = plan.overlap_curve(plan.model_spec(7e9), plan.Cluster(nodes=4), np.array([1e3, 1e4]))
+    assert curve["crossover_intra"] < curve["crossover_network"]
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: plan.Cluster(nodes=0),
+    lambda: plan.Cluster(gpus_per_node=0),
+    lambda: plan.Cluster(inter_bw=-1.0),
+    lambda: plan.Cluster(mp=3),
+    lambda: plan.model_spec(layers=4, width=100, heads=3),
+    lambda: plan.model_spec(1e6),
+    lambda: plan.model_spec(7e9, layers=80, width=8192),
+    lambda: plan.model_spec(0),
+    lambda: plan.model_spec(7e9, micro_batch=0),
+    lambda: plan.parse_bandwidth("-5GB/s"),
+    lambda: plan.parse_bandwidth("fast"),
+    lambda: plan.bubble_fraction(0, 4),
+])
+def test_bad_input_raises(bad):
+    with pytest.raises(CourseInputError):
+        bad()
+
+
+def test_parse_bandwidth_bits_and_bytes():
+    assert plan.parse_bandwidth("200GB/s") == 200e9
+    assert plan.parse_bandwidth("400Gb/s") == 50e9
+    assert plan.parse_bandwidth("100Gbps") == 12.5e9
+    assert plan.parse_bandwidth("2TB/s") == 2e12
+    assert plan.parse_bandwidth(25) == 25e9
+
+
+def test_cli_plan_defaults_and_json(capsys):
+    assert main(["plan", "--params", "7B"]) == 0
+    text = capsys.readouterr().out
+    assert "Recommendation: zero1" in text and "Reason:" in text
+    assert main(["plan", "--params", "70B", "--nodes", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommendation"]["strategy"] == "zero3" and out["recommendation"]["reason"]
+    assert set(out["strategies"]) == set(plan.STRATEGIES)
+    z3 = out["strategies"]["zero3"]
+    for key in ("model_states", "activations", "buffers", "total", "fits", "headroom", "block", "step_comm_bytes",
+                "step_s"):
+        assert key in z3
+    assert main(["plan", "--params", "7B", "--seq", "65536", "--micro-batch", "4", "--no-checkpointing",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommendation"]["strategy"] == "none"
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["plan", "--params", "7B", "--nodes", "0"], "--nodes"),
+    (["plan", "--params", "7B", "--gpus-per-node", "0"], "--gpus-per-node"),
+    (["plan", "--params", "7B", "--inter-bw", "-10GB/s"], "--inter-bw"),
+    (["plan", "--params", "7B", "--intra-bw", "fast"], "--intra-bw"),
+    (["plan", "--params", "7X"], "--params"),
+    (["plan"], "--params"),
+    (["plan", "--layers", "4", "--width", "100", "--heads", "3"], "heads"),
+    (["plan", "--params", "1M"], "cannot exist"),
+    (["plan", "--params", "7B", "--gpu-mem", "0GB"], "--gpu-mem"),
+    (["plan", "--params", "7B", "--tflops", "-3"], "--tflops"),
+])
+def test_cli_bad_input_exits_2_with_one_line(argv, names):
+    proc = subprocess.run([sys.executable, "-m", "course_utils", *argv], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0] and "Traceback" not in proc.stderr
