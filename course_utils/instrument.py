@@ -76,9 +76,9 @@ def _group_size(args) -> int:
 
     for a in args:
         if isinstance(a, torch._C.ScriptObject):
-            try:
-                return int(a.size())
-            except Exception:  # not a ProcessGroup
+            try:  # a c10d op receives its ProcessGroup boxed; unbox it to ask its size
+                return int(dist.ProcessGroup.unbox(a).size())
+            except Exception:  # not a ProcessGroup (e.g. a ReduceOp)
                 continue
     return dist.get_world_size() if dist.is_initialized() else 1
 
