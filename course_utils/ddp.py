@@ -1,23 +1,51 @@
 """Data parallelism: torch's DistributedDataParallel, and a bucketed DDP built by hand (notebook 02).
 
-``apply_ddp`` is the library version every later notebook compares against.
+- ``apply_ddp``: torch ``DistributedDataParallel``, the library version every later notebook
+  compares against.
+- ``BucketedDDP`` and ``apply_ddp_scratch``: the same design written out, following PyTorch's
+  DDP design note. Rank 0 broadcasts its weights at construction; gradients are packed into
+  buckets in roughly the reverse of ``parameters()`` order, capped by a byte size; a hook fires
+  as each gradient is ready; a full bucket's all-reduce starts at once, asynchronously, and the
+  all-reduces go out in bucket-index order; before the optimizer step every handle is waited on
+  and the mean gradient is written into ``param.grad``. It never calls torch's DDP.
+- Workers the notebook launches (one launch each): ``bucket_sweep`` (buckets, calls, bytes,
+  step time, the overlap timeline, replica hashes), ``unused_parameters_demo`` and
+  ``mismatched_order``.
+
+Every rank holds the full model, its gradients and its optimizer state: 16Ψ bytes (fp32 Adam:
+4 + 4 + 8; mixed-precision Adam: 2 + 2 + 12). Only the gradients are communicated.
 """
 from __future__ import annotations
 
+import itertools
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from . import dist as cdist
+from .data import batch_for_rank
+from .instrument import CommCounter, weights_sha256
+from .models import build_model, get_config
 from .train import Prepared, TrainConfig, make_optimizer, module_held
 
+MiB = 2**20  # torch's bucket_cap_mb counts MiB (2^20 bytes); so does BucketedDDP
+
+
+# ---------------------------------------------------------------- torch DDP
 
 def apply_ddp(model, cfg: TrainConfig, info) -> Prepared:
     """Wrap ``model`` in torch DDP (notebook 02).
 
     Args:
         model: the course model, built from the same seed on every rank.
-        cfg: the run's config; ``cfg.bucket_cap_mb`` caps DDP's gradient buckets.
+        cfg: the run's config; ``cfg.bucket_cap_mb`` caps DDP's gradient buckets (in MiB).
         info: this rank's ``DistInfo`` (device, rank).
 
-    Every rank keeps the full model, gradients and Adam state: 16Ψ bytes in mixed precision.
+    Every rank keeps the full model, gradients and Adam state: 16Ψ bytes.
     """
     ddp = DistributedDataParallel(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
                                   bucket_cap_mb=cfg.bucket_cap_mb)
@@ -26,3 +54,480 @@ def apply_ddp(model, cfg: TrainConfig, info) -> Prepared:
                     full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
                     held=lambda: module_held(model, optimizer),
                     info={"bucket_cap_mb": cfg.bucket_cap_mb})
+
+
+# ---------------------------------------------------------------- DDP by hand
+
+class Bucket:
+    """Gradients all-reduced together as one flat tensor (notebook 02)."""
+
+    def __init__(self, index: int, named_params: list):
+        self.index = index
+        self.names = [name for name, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.buffer = torch.zeros(sum(p.numel() for p in self.params),
+                                  dtype=self.params[0].dtype, device=self.params[0].device)
+        self.views = list(self.buffer.split([p.numel() for p in self.params]))  # one slice per gradient
+        self.ready: set[int] = set()  # positions whose gradient arrived in this backward
+        self.work = None              # the async all-reduce, once issued
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def is_full(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+def make_buckets(module: nn.Module, cap_bytes: int) -> list[Bucket]:
+    """Pack the gradients of ``module`` into buckets of at most ``cap_bytes`` (notebook 02).
+
+    Backward produces the last layer's gradients first, so the parameters go in reverse
+    ``parameters()`` order and bucket 0 is the first to fill. A new bucket starts when the next
+    gradient would pass the cap (a gradient larger than the cap gets a bucket of its own) or
+    has another dtype or device. A tied weight appears once; frozen parameters not at all.
+    """
+    groups, current, size = [], [], 0
+    for name, p in reversed(list(module.named_parameters())):
+        if not p.requires_grad:
+            continue
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > cap_bytes or (p.dtype, p.device) != (current[0][1].dtype, current[0][1].device)):
+            groups.append(current)
+            current, size = [], 0
+        current.append((name, p))
+        size += nbytes
+    if current:
+        groups.append(current)
+    return [Bucket(i, g) for i, g in enumerate(groups)]
+
+
+class BucketedDDP(nn.Module):
+    """Data parallelism built by hand, after PyTorch's DDP design note (notebook 02).
+
+    ``ddp = BucketedDDP(model)``; then each step: ``loss = ddp(x, y)``, ``loss.backward()``,
+    ``ddp.finish_gradient_synchronization()``, ``optimizer.step()``.
+
+    Args:
+        module: any ``nn.Module`` (kept as ``.module``); tied weights and frozen parameters are fine.
+        bucket_cap_mb: bucket size cap in MiB, as torch's ``bucket_cap_mb``.
+        group: the process group to average over (default: every rank).
+        timeline: record ``(time, event, bucket, parameter)`` in ``.timeline`` for the overlap plot.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None, timeline: bool = False):
+        super().__init__()
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.timeline = [] if timeline else None
+        self._broadcast_from_rank0()
+        self.buckets = make_buckets(module, int(bucket_cap_mb * MiB))
+        self._slot = {}  # parameter -> (its bucket, its position there)
+        for bucket in self.buckets:
+            for pos, p in enumerate(bucket.params):
+                self._slot[p] = (bucket, pos)
+                p.register_post_accumulate_grad_hook(self._gradient_ready)
+        self._next = 0  # index of the next bucket to all-reduce
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        """Every replica starts from rank 0's weights (and buffers)."""
+        for t in itertools.chain(self.module.parameters(), self.module.buffers()):
+            dist.broadcast(t, group=self.group, group_src=0)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _gradient_ready(self, param) -> None:
+        """Hook: ``param.grad`` is final for this backward; copy it into its bucket."""
+        bucket, pos = self._slot[param]
+        bucket.views[pos].copy_(param.grad.reshape(-1))
+        bucket.ready.add(pos)
+        self._mark("ready", bucket.index, bucket.names[pos])
+        self._issue_full_buckets()
+
+    def _issue_full_buckets(self) -> None:
+        """Start the all-reduce of each full bucket, strictly in bucket-index order.
+
+        Every rank must issue the same collectives in the same order. Buckets can fill in a
+        different order on different ranks; indices are the same everywhere.
+        """
+        while self._next < len(self.buckets) and self.buckets[self._next].is_full():
+            bucket = self.buckets[self._next]
+            bucket.buffer.div_(self.world_size)  # the sum over ranks of g / N is the mean
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            self._mark("start", bucket.index)
+            if self.timeline is not None:
+                bucket.work.get_future().then(lambda _, i=bucket.index: self._mark("end", i))
+            self._next += 1
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket's all-reduce and write the mean gradient into ``param.grad``."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                missing = [n for pos, n in enumerate(bucket.names) if pos not in bucket.ready]
+                raise RuntimeError(
+                    f"bucket {bucket.index} never filled: {', '.join(missing)} got no gradient in this "
+                    f"backward, so bucket {bucket.index} and every later bucket (issued in index order) "
+                    "were never all-reduced. Make the loss use every parameter, or freeze the unused ones "
+                    "(requires_grad=False) before wrapping.")
+            bucket.work.wait()
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad.copy_(view.view_as(p))
+            bucket.ready.clear()
+            bucket.work = None
+        self._next = 0
+        self._mark("synced")
+
+    def _mark(self, event: str, bucket: int | None = None, name: str = "") -> None:
+        if self.timeline is not None:
+            self.timeline.append((time.perf_counter(), event, bucket, name))
+
+    def describe(self) -> dict:
+        """Bucket layout for reports: cap, count, bytes and parameter names per bucket."""
+        return {"buckets": len(self.buckets), "bucket_bytes": [b.nbytes for b in self.buckets],
+                "bucket_params": [b.names for b in self.buckets]}
+
+
+def apply_ddp_scratch(model, cfg: TrainConfig, info) -> Prepared:
+    """Wrap ``model`` in the hand-built ``BucketedDDP`` (notebook 02).
+
+    Args:
+        model: the course model (rank 0's weights are broadcast to every rank).
+        cfg: the run's config; ``cfg.bucket_cap_mb`` caps the buckets (MiB).
+        info: this rank's ``DistInfo``.
+
+    Every rank keeps the full model, gradients and Adam state (16Ψ bytes), plus the flat
+    bucket buffers (one more gradient-sized copy, 4Ψ in fp32), as torch DDP does by default.
+    """
+    ddp = BucketedDDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
+    optimizer = make_optimizer(ddp.parameters(), cfg)
+    return Prepared(model=ddp, optimizer=optimizer,
+                    full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
+                    held=lambda: module_held(model, optimizer),
+                    before_step=ddp.finish_gradient_synchronization,
+                    info={"bucket_cap_mb": cfg.bucket_cap_mb, **ddp.describe()})
+
+
+# ---------------------------------------------------------------- measurements (notebook 02)
+
+def socket_bytes_written() -> int | None:
+    """Bytes this process has written so far (Linux ``/proc/self/io`` wchar), or None (notebook 02).
+
+    Around a gloo collective, and nothing else, the difference is what this rank put on its TCP
+    sockets: the bytes on the wire, headers included. NCCL traffic (NVLink, InfiniBand) does
+    not go through write() and is not seen.
+    """
+    try:
+        with open("/proc/self/io") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("wchar"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _timeline_rows(events: list, origin: float) -> dict:
+    """Timeline events of one step as milliseconds after ``origin`` (the start of backward)."""
+    ms = lambda t: (t - origin) * 1e3  # noqa: E731
+    ready = [{"bucket": b, "param": n, "t_ms": ms(t)} for t, e, b, n in events if e == "ready"]
+    start = {b: ms(t) for t, e, b, _ in events if e == "start"}
+    end = {b: ms(t) for t, e, b, _ in events if e == "end"}
+    return {"ready": ready, "all_reduce": [{"bucket": b, "start_ms": start[b], "end_ms": end.get(b)} for b in sorted(start)]}
+
+
+def _gradient_vs_full_batch(model, cfg: TrainConfig, info) -> float | None:
+    """On rank 0: ||g_DDP − g|| / ||g||, g the gradient one process gets from the whole global batch.
+
+    Called after the first backward (weights still at their start), so a fresh model from the
+    same seed is the reference. Other ranks return None.
+    """
+    if info.rank != 0:
+        return None
+    mcfg = get_config(cfg.model)
+    ref = build_model(mcfg, seed=cfg.seed, device=info.device)
+    x, y = batch_for_rank(0, 0, 1, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed, device=info.device)
+    ref(x, y).backward()
+    pairs = [(p.grad.double(), q.grad.double()) for p, q in zip(model.parameters(), ref.parameters())]
+    return float(sum((g - r).pow(2).sum() for g, r in pairs).sqrt() / sum(r.pow(2).sum() for _, r in pairs).sqrt())
+
+
+def _sweep_one_cap(cfg: TrainConfig, info, cap_mb: float) -> dict:
+    """Train ``cfg.steps`` steps of BucketedDDP at one bucket cap and measure everything."""
+    mcfg = get_config(cfg.model)
+    model = build_model(mcfg, seed=cfg.seed, device=info.device)
+    ddp = BucketedDDP(model, bucket_cap_mb=cap_mb, timeline=True)
+    optimizer = make_optimizer(ddp.parameters(), cfg)
+    comm = CommCounter()
+    losses, step_s, wire, replicas_identical = [], [], 0, []
+    for step in range(cfg.steps):
+        x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
+                              vocab=mcfg.vocab, seed=cfg.seed, device=info.device)
+        ddp.timeline.clear()
+        w0 = socket_bytes_written()
+        t0 = time.perf_counter()
+        with comm:
+            loss = ddp(x, y)
+            t_backward = time.perf_counter()
+            loss.backward()
+            t_backward_end = time.perf_counter()
+            ddp.finish_gradient_synchronization()
+            t_synced = time.perf_counter()
+        if w0 is not None:
+            wire += socket_bytes_written() - w0
+        if step == 0:
+            grad_rel = _gradient_vs_full_batch(model, cfg, info)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_s.append(time.perf_counter() - t0)  # the median below leaves out step 0 (and its check)
+        losses.append(loss.detach())
+        hashes = [None] * info.world_size  # the replica check, outside the counted window
+        dist.all_gather_object(hashes, weights_sha256(model.state_dict()))
+        replicas_identical.append(len(set(hashes)) == 1)
+    mean_losses = torch.stack(losses).to(info.device)
+    dist.all_reduce(mean_losses)
+    counted = comm.summary(cfg.steps).get("all_reduce", {"calls": 0, "payload_bytes": 0, "sent_bytes": 0})
+    timeline = _timeline_rows(ddp.timeline, t_backward)
+    timeline.update(forward_ms=(t0 - t_backward) * 1e3, backward_end_ms=(t_backward_end - t_backward) * 1e3,
+                    synced_ms=(t_synced - t_backward) * 1e3)
+    return {
+        "cap_mb": cap_mb, **ddp.describe(),
+        "calls_per_step": counted["calls"], "payload_bytes_per_step": counted["payload_bytes"],
+        "sent_bytes_per_step": counted["sent_bytes"],
+        "wire_bytes_per_step": None if w0 is None or info.backend != "gloo" else wire / cfg.steps,
+        "step_time_s": statistics.median(step_s[1:] or step_s),
+        "losses": (mean_losses / info.world_size).cpu().tolist(),
+        "replicas_identical": replicas_identical, "weights_sha256": weights_sha256(model.state_dict()),
+        "grad_rel_vs_full_batch": grad_rel,
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "timeline": timeline,
+    }
+
+
+def bucket_sweep(config: dict, caps_mb: list) -> list | dict:
+    """One launch, several bucket caps: train with ``BucketedDDP`` at each and measure (notebook 02).
+
+    Args:
+        config: a ``TrainConfig`` as a dict (model, batch, steps, lr, seed), as ``train`` uses.
+        caps_mb: bucket caps in MiB, one training run each, from the same seed and data.
+
+    Rank 0 returns one row per cap: the bucket layout, all-reduce calls and bytes per step
+    (counted by ``CommCounter``), the bytes gloo actually wrote to its sockets per step, the
+    median step time, the losses, whether all ranks held byte-identical weights after every
+    step, the first step's averaged gradient against the full-batch gradient of one process
+    (relative L2 difference), the final weights, and the last step's timeline (gradient ready times, each bucket's
+    all-reduce start and end, in ms after backward began). Other ranks return ``{"rank": r}``.
+    """
+    cfg = TrainConfig(**config).validate()
+    with cdist.session() as info:
+        rows = [_sweep_one_cap(cfg, info, float(cap)) for cap in caps_mb]
+        return rows if info.rank == 0 else {"rank": info.rank}
+
+
+def check_against_torch_ddp(config: dict, cap_mb: float = 0.1) -> dict:
+    """BucketedDDP and torch DDP side by side on every rank, step by step (notebook 02; the tests use it).
+
+    Each rank builds the course model from a *different* seed (so only rank 0's broadcast can
+    make the replicas agree) and freezes ``pos_emb.weight`` (a parameter that does not require
+    gradients); the head is tied to the token embedding. One copy is wrapped in BucketedDDP,
+    another in torch DDP; both train on the same batches with the same Adam.
+
+    Returns, per rank: whether both started from rank 0's weights, the largest gradient
+    difference between the two after each step's synchronisation, both losses, and both final
+    weight hashes.
+    """
+    cfg = TrainConfig(**config).validate()
+    with cdist.session() as info:
+        def replica():
+            m = build_model(cfg.model, seed=1000 + info.rank, device=info.device)
+            m.pos_emb.weight.requires_grad_(False)
+            return m
+
+        ours, theirs = BucketedDDP(replica(), bucket_cap_mb=cap_mb), DistributedDataParallel(replica(), bucket_cap_mb=cap_mb)
+        rank0_start = weights_sha256(build_model(cfg.model, seed=1000).state_dict())
+        started = [weights_sha256(m.state_dict()) == rank0_start for m in (ours.module, theirs.module)]
+        opt_ours, opt_theirs = make_optimizer(ours.parameters(), cfg), make_optimizer(theirs.parameters(), cfg)
+        mcfg = get_config(cfg.model)
+        out = {"rank": info.rank, "grad_max_diff": [], "losses_ours": [], "losses_torch": [],
+               "buckets": len(ours.buckets), "started_from_rank0": started}
+        for step in range(cfg.steps):
+            x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
+                                  vocab=mcfg.vocab, seed=cfg.seed, device=info.device)
+            loss_ours, loss_theirs = ours(x, y), theirs(x, y)
+            loss_ours.backward()
+            ours.finish_gradient_synchronization()
+            loss_theirs.backward()
+            out["grad_max_diff"].append(max(float((p.grad - q.grad).abs().max()) for p, q in zip(
+                ours.module.parameters(), theirs.module.parameters()) if p.requires_grad))
+            for opt in (opt_ours, opt_theirs):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            out["losses_ours"].append(float(loss_ours))
+            out["losses_torch"].append(float(loss_theirs))
+        out["sha_ours"] = weights_sha256(ours.module.state_dict())
+        out["sha_torch"] = weights_sha256(theirs.module.state_dict())
+        return out
+
+
+# ---------------------------------------------------------------- find_unused_parameters
+
+class GPTWithAuxHead(nn.Module):
+    """The course GPT plus an auxiliary head the language-model loss never touches (notebook 02).
+
+    Think of a classifier head used only on some batches: on the others its parameters get no
+    gradient, which is what ``find_unused_parameters`` is for.
+    """
+
+    def __init__(self, cfg="tiny", seed: int = 0, classes: int = 4):
+        super().__init__()
+        self.gpt = build_model(cfg, seed=seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            self.aux_head = nn.Linear(self.gpt.cfg.width, classes)
+
+    def forward(self, idx, targets):
+        return self.gpt(idx, targets)  # aux_head is not used: its gradient never arrives
+
+
+def _timed_steps(wrapped, cfg: TrainConfig, info, steps: int, finish=None) -> tuple[list, float]:
+    """Train ``steps`` steps of ``wrapped``; return the losses and the median forward+backward time."""
+    mcfg = get_config(cfg.model)
+    optimizer = make_optimizer(wrapped.parameters(), cfg)
+    losses, times = [], []
+    for step in range(steps):
+        x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
+                              vocab=mcfg.vocab, seed=cfg.seed, device=info.device)
+        t0 = time.perf_counter()
+        loss = wrapped(x, y)
+        loss.backward()
+        if finish:
+            finish()
+        times.append(time.perf_counter() - t0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return losses, statistics.median(times[1:] or times)
+
+
+def unused_parameters_demo(config: dict, mode: str) -> dict:
+    """Torch DDP and BucketedDDP on a model with a branch the loss never uses (notebook 02).
+
+    Modes:
+        "torch_without_flag": torch DDP, ``find_unused_parameters=False``; raises at the next
+            forward ("Expected to have finished reduction in the prior iteration...").
+        "compare": on every rank, (1) torch DDP with the flag trains ``GPTWithAuxHead``;
+            (2) the cost of the flag: the plain GPT (no unused parameters) timed with and
+            without it; (3) BucketedDDP's own error for the unused head, as text.
+    """
+    cfg = TrainConfig(**config).validate()
+    with cdist.session() as info:
+        if mode == "torch_without_flag":
+            model = GPTWithAuxHead(cfg.model, cfg.seed).to(info.device)
+            _timed_steps(DistributedDataParallel(model), cfg, info, cfg.steps)
+            return {"rank": info.rank}
+        out = {"rank": info.rank}
+        model = GPTWithAuxHead(cfg.model, cfg.seed).to(info.device)
+        out["losses_with_flag"], _ = _timed_steps(
+            DistributedDataParallel(model, find_unused_parameters=True), cfg, info, cfg.steps)
+        for flag in (False, True, False, True):  # interleaved, so drift in machine load hits both
+            plain = build_model(cfg.model, seed=cfg.seed, device=info.device)
+            _, t = _timed_steps(DistributedDataParallel(plain, find_unused_parameters=flag), cfg, info, cfg.steps)
+            out.setdefault(f"step_s_flag_{flag}", []).append(t)
+        model = GPTWithAuxHead(cfg.model, cfg.seed).to(info.device)
+        ours = BucketedDDP(model)
+        try:
+            _timed_steps(ours, cfg, info, 1, finish=ours.finish_gradient_synchronization)
+            out["bucketed_error"] = None
+        except RuntimeError as exc:
+            out["bucketed_error"] = str(exc)
+        return out
+
+
+# ---------------------------------------------------------------- mismatched collective order
+
+def mismatched_order(mode: str = "different_size", numel: int = 1000, collective_timeout_s: float | None = None) -> dict:
+    """Ranks issue collectives in different orders, as if each issued buckets as they filled (notebook 02).
+
+    Rank 0 keeps index order (bucket a, then bucket b); every other rank issues b first.
+
+    Modes:
+        "same_size": both buckets hold ``numel`` elements. First issued in index order on every
+            rank (correct sums), then in swapped order: gloo pairs rank 0's a with rank 1's b
+            and returns wrong sums with no error; the replicas silently diverge.
+        "different_size": a has ``numel`` elements, b has 3. The ranks wait on messages that do
+            not match: the collective times out (or gloo aborts on a message of the wrong size).
+        "different_kind": rank 0 all-reduces a then broadcasts b; the others broadcast first.
+
+    Args:
+        collective_timeout_s: how long a collective waits before raising (default: the launch's).
+    """
+    with cdist.session(timeout_s=collective_timeout_s) as info:
+        def buckets():
+            a = torch.full((numel,), float(info.rank + 1), device=info.device)  # sum over ranks: N(N+1)/2
+            b = torch.full((numel if mode == "same_size" else 3,), 100.0 * (info.rank + 1), device=info.device)
+            return a, b
+
+        out = {"rank": info.rank, "world_size": info.world_size}
+        if mode == "same_size":
+            a, b = buckets()
+            for t in (a, b):  # index order on every rank
+                dist.all_reduce(t)
+            out["index_order"] = [float(a[0]), float(b[0])]
+        a, b = buckets()
+        if mode == "different_kind":
+            steps = [lambda: dist.all_reduce(a), lambda: dist.broadcast(b, src=0)]
+        else:
+            steps = [lambda: dist.all_reduce(a), lambda: dist.all_reduce(b)]
+        for run in (steps if info.rank == 0 else steps[::-1]):
+            run()
+        out["swapped_order"] = [float(a[0]), float(b[0])]
+        return out
+
+
+# ---------------------------------------------------------------- reading the results
+
+def overlap_summary(timeline: dict) -> dict:
+    """How much of the all-reduce time ran while backward was still computing (notebook 02).
+
+    From a ``bucket_sweep`` timeline: how many buckets started before backward ended, the total
+    time all-reduces were in flight, the part of it inside the backward pass, and how long the
+    optimizer waited after backward for the last all-reduce.
+    """
+    end = timeline["backward_end_ms"]
+    spans = [(r["start_ms"], r["end_ms"] if r["end_ms"] is not None else timeline["synced_ms"])
+             for r in timeline["all_reduce"]]
+    return {
+        "buckets": len(spans),
+        "started_during_backward": sum(start < end for start, _ in spans),
+        "in_flight_ms": sum(stop - start for start, stop in spans),
+        "in_flight_during_backward_ms": sum(max(0.0, min(stop, end) - start) for start, stop in spans),
+        "wait_after_backward_ms": timeline["synced_ms"] - end,
+    }
+
+
+def weights_agreement(a: dict, b: dict, start: dict) -> dict:
+    """How close two runs' final weights are, relative to how far training moved them (notebook 02).
+
+    ``rel`` = ||a − b|| / ||a − start|| over the whole model (each distinct tensor once); ``worst``
+    lists the three tensors with the largest relative difference. The attention key bias (the
+    middle third of each ``qkv.bias``) is listed apart: its true gradient is exactly zero
+    (softmax ignores a shift shared by all keys), so each run moves it by Adam-normalised
+    rounding noise; it cannot change any output.
+    """
+    rows, diff2, moved2 = [], 0.0, 0.0
+    seen = set()
+    for name in sorted(a):
+        if a[name].data_ptr() in seen:  # a tied weight saved under two names
+            continue
+        seen.add(a[name].data_ptr())
+        x, y, s = (t[name].detach().double().reshape(-1) for t in (a, b, start))
+        parts = {name: slice(None)}
+        if name.endswith("attn.qkv.bias"):
+            h = x.numel() // 3
+            parts = {f"{name}[q]": slice(0, h), f"{name}[k]": slice(h, 2 * h), f"{name}[v]": slice(2 * h, 3 * h)}
+        for label, sl in parts.items():
+            d, m = float((x[sl] - y[sl]).norm()), float((x[sl] - s[sl]).norm())
+            rows.append({"tensor": label, "max_abs": float((x[sl] - y[sl]).abs().max()), "rel": d / m if m else 0.0})
+            diff2, moved2 = diff2 + d * d, moved2 + m * m
+    rows.sort(key=lambda r: -r["rel"])
+    return {"rel": (diff2 / moved2) ** 0.5 if moved2 else 0.0, "max_abs": max(r["max_abs"] for r in rows),
+            "worst": rows[:3], "key_bias": [r for r in rows if r["tensor"].endswith("[k]")]}

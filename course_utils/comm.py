@@ -1,0 +1,124 @@
+"""What a collective sends: the ring all-reduce simulated step by step, and the volume formulas (notebook 02).
+
+Pure arithmetic: no processes, no ``torch.distributed``. ``ring_all_reduce`` plays N ranks
+on numpy arrays, so the result and every message can be checked by hand; the formulas give
+elements sent per rank, in the ZeRO paper's accounting (§7):
+
+    all-reduce      2(N−1)/N · Ψ   (reduce-scatter, then all-gather)   the paper rounds it to 2Ψ
+    reduce-scatter   (N−1)/N · Ψ
+    all-gather       (N−1)/N · Ψ
+
+and per training step, for Ψ parameters over Nd data-parallel ranks: DDP and ZeRO stages 1 and
+2 send 2(Nd−1)/Nd · Ψ, stage 3 sends 3(Nd−1)/Nd · Ψ (one more all-gather of the weights).
+``course_utils.instrument`` counts real runs with the same factors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import CourseInputError
+
+#: collectives each strategy runs per step, as multiples of a Ψ-element payload (notebook 03 uses it too)
+STEP_COLLECTIVES = {
+    "ddp": ("all_reduce",),
+    "zero1": ("reduce_scatter", "all_gather"),
+    "zero2": ("reduce_scatter", "all_gather"),
+    "zero3": ("all_gather", "all_gather", "reduce_scatter"),
+}
+
+
+def _check(psi, n) -> None:
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+        raise CourseInputError(f"the number of ranks N must be a whole number >= 1, got {n!r}")
+    if not psi >= 0:
+        raise CourseInputError(f"Ψ (elements) must be >= 0, got {psi!r}")
+
+
+def reduce_scatter_sent(psi: float, n: int) -> float:
+    """Elements one rank sends in a ring reduce-scatter of Ψ elements: (N−1)/N · Ψ (notebook 02)."""
+    _check(psi, n)
+    return (n - 1) / n * psi
+
+
+def all_gather_sent(psi: float, n: int) -> float:
+    """Elements one rank sends in a ring all-gather whose output has Ψ elements: (N−1)/N · Ψ (notebook 02)."""
+    _check(psi, n)
+    return (n - 1) / n * psi
+
+
+def all_reduce_sent(psi: float, n: int) -> float:
+    """Elements one rank sends in a ring all-reduce of Ψ elements: 2(N−1)/N · Ψ, the paper's "2Ψ" (notebook 02)."""
+    return reduce_scatter_sent(psi, n) + all_gather_sent(psi, n)
+
+
+_SENT = {"all_reduce": all_reduce_sent, "reduce_scatter": reduce_scatter_sent, "all_gather": all_gather_sent}
+
+
+def step_sent(stage: str, psi: float, nd: int) -> float:
+    """Elements one rank sends per training step for ``stage`` in ("ddp", "zero1", "zero2", "zero3") (notebook 02).
+
+    2(Nd−1)/Nd · Ψ for DDP and ZeRO stages 1, 2; 3(Nd−1)/Nd · Ψ for stage 3 (the paper's 2Ψ vs 3Ψ).
+    """
+    if stage not in STEP_COLLECTIVES:
+        raise CourseInputError(f"unknown stage {stage!r}; choose one of {', '.join(STEP_COLLECTIVES)}")
+    return sum(_SENT[kind](psi, nd) for kind in STEP_COLLECTIVES[stage])
+
+
+@dataclass
+class RingTrace:
+    """What ``ring_all_reduce`` did (notebook 02).
+
+    Attributes:
+        result: each rank's array after the all-reduce (all equal to the sum).
+        sent: elements each rank sent, ``sent_reduce_scatter + sent_all_gather``.
+        messages: one dict per message: phase, step, src, dst, chunk index, elements.
+    """
+
+    result: list
+    sent: list
+    sent_reduce_scatter: list
+    sent_all_gather: list
+    messages: list = field(default_factory=list)
+
+
+def ring_all_reduce(inputs) -> RingTrace:
+    """Sum N ranks' arrays with the ring algorithm, message by message (notebook 02).
+
+    The Ψ elements are cut into N chunks (sizes differ by at most one). Ranks sit in a ring;
+    at every step each rank sends one chunk to its right neighbour, all at once.
+
+    1. Reduce-scatter, N−1 steps: rank r sends chunk (r − step) mod N, and the receiver adds it
+       to its own copy. Afterwards rank r holds the full sum of chunk (r + 1) mod N.
+    2. All-gather, N−1 steps: rank r passes on the finished chunk (r + 1 − step) mod N, and the
+       receiver overwrites its copy. Afterwards every rank holds every summed chunk.
+
+    Each rank sends N−1 chunks per phase, so 2(N−1)/N · Ψ elements when N divides Ψ.
+    """
+    bufs = [np.array(x, dtype=np.float64).reshape(-1).copy() for x in inputs]
+    n = len(bufs)
+    if n < 1 or len({b.size for b in bufs}) != 1:
+        raise CourseInputError("ring_all_reduce needs one array per rank, all of the same length")
+    bounds = np.cumsum([0] + [len(c) for c in np.array_split(np.arange(bufs[0].size), n)])
+    chunk = lambda b, c: b[bounds[c]:bounds[c + 1]]  # noqa: E731  (a view: writes go into b)
+    sent = {"reduce_scatter": [0] * n, "all_gather": [0] * n}
+    messages = []
+    for phase in ("reduce_scatter", "all_gather"):
+        for step in range(n - 1):
+            shift = 0 if phase == "reduce_scatter" else 1
+            outgoing = [(r, (r + shift - step) % n) for r in range(n)]
+            payloads = [chunk(bufs[r], c).copy() for r, c in outgoing]  # everyone sends at once
+            for (src, c), data in zip(outgoing, payloads):
+                dst = (src + 1) % n
+                target = chunk(bufs[dst], c)
+                if phase == "reduce_scatter":
+                    target += data
+                else:
+                    target[:] = data
+                sent[phase][src] += data.size
+                messages.append({"phase": phase, "step": step, "src": src, "dst": dst, "chunk": c,
+                                 "elements": int(data.size)})
+    total = [a + b for a, b in zip(sent["reduce_scatter"], sent["all_gather"])]
+    return RingTrace(result=bufs, sent=total, sent_reduce_scatter=sent["reduce_scatter"],
+                     sent_all_gather=sent["all_gather"], messages=messages)
