@@ -307,3 +307,80 @@ def crossover_figure(lines: dict, points: dict | None = None, *, width: float = 
     ax.legend(fontsize=7)
     ax.grid(True, which="major", alpha=0.3)
     return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Notebook 02: DDP's overlap timeline, the bucket-cap sweep, tables
+# ---------------------------------------------------------------------------------------------
+
+def table_markdown(header: list, rows: list) -> str:
+    """A Markdown table from a header and rows of already formatted cells (notebook 02)."""
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def show_table(header: list, rows: list) -> None:
+    """Display ``table_markdown(header, rows)`` in the notebook (notebook 02)."""
+    from IPython.display import Markdown, display
+
+    display(Markdown(table_markdown(header, rows)))
+
+
+def ddp_timeline_figure(timeline: dict, *, title: str = "", width: float = 8.5, height: float | None = None):
+    """One DDP step against time: backward, each gradient's arrival, each bucket's all-reduce (notebook 02).
+
+    ``timeline`` is a row's ``"timeline"`` from ``ddp.bucket_sweep``: times in ms after backward
+    began. One row per bucket: dots where its gradients became ready, a bar from the start to
+    the end of its all-reduce; the top row is forward, backward and the final wait.
+    """
+    buckets = sorted({r["bucket"] for r in timeline["ready"]})
+    fig = new_figure(width, height or 1.6 + 0.38 * (len(buckets) + 1))
+    ax = fig.add_subplot()
+    top = len(buckets)
+    ax.barh(top, -timeline["forward_ms"], left=timeline["forward_ms"], color="#bbbbbb", height=0.6, label="forward")
+    ax.barh(top, timeline["backward_end_ms"], left=0, color=PART_COLORS["gradients"], height=0.6, label="backward")
+    ax.barh(top, timeline["synced_ms"] - timeline["backward_end_ms"], left=timeline["backward_end_ms"],
+            color="#dddddd", hatch="//", edgecolor="#888888", height=0.6, label="waiting for all-reduces")
+    for i, row in enumerate(timeline["all_reduce"]):
+        end = row["end_ms"] if row["end_ms"] is not None else timeline["synced_ms"]
+        ax.barh(row["bucket"], end - row["start_ms"], left=row["start_ms"], color=PART_COLORS["optimizer"],
+                height=0.5, label="all-reduce in flight" if i == 0 else None)
+    ready = timeline["ready"]
+    ax.scatter([r["t_ms"] for r in ready], [r["bucket"] for r in ready], color="black", s=12, zorder=3,
+               label="gradient ready")
+    ax.axvline(timeline["backward_end_ms"], color="#444444", lw=0.8, ls=":")
+    ax.set_yticks(list(buckets) + [top], [f"bucket {b}" for b in buckets] + ["compute"])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since backward began (ms)")
+    ax.set_title(title or "Each bucket's all-reduce starts as soon as its last gradient is ready")
+    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    return fig
+
+
+def bucket_sweep_figure(rows: list, *, title: str = "", width: float = 10.0, height: float = 3.8):
+    """All-reduce calls per step and step time against the bucket cap (notebook 02).
+
+    ``rows`` come from ``ddp.bucket_sweep``: ``cap_mb``, ``buckets``, ``calls_per_step``,
+    ``step_time_s``. Log x axis (caps span decades).
+    """
+    caps = [r["cap_mb"] for r in rows]
+    fig = new_figure(width, height)
+    left, right = fig.subplots(1, 2)
+    left.plot(caps, [r["buckets"] for r in rows], "o-", color="#444444", label="buckets")
+    left.plot(caps, [r["calls_per_step"] for r in rows], "x", color=PART_COLORS["optimizer"], ms=9,
+              label="all-reduce calls per step (counted)")
+    left.set_xscale("log")
+    left.set_xlabel("bucket cap (MiB)")
+    left.set_ylabel("count per step")
+    left.legend(frameon=False, fontsize=8)
+    left.set_title("One all-reduce per bucket")
+    right.plot(caps, [r["step_time_s"] * 1e3 for r in rows], "o-", color=PART_COLORS["gradients"])
+    right.set_xscale("log")
+    right.set_ylim(bottom=0)
+    right.set_xlabel("bucket cap (MiB)")
+    right.set_ylabel("median step time (ms)")
+    right.set_title("Step time (CPU/gloo: not a GPU timing)")
+    if title:
+        fig.suptitle(title)
+    return fig

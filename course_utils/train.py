@@ -84,6 +84,7 @@ class TrainConfig:
     max_restarts: int = 0
     fail_at: str | None = None           # "RANK:STEP": that rank dies hard at that step (first attempt only)
     fail_during_save: str | None = None  # "RANK:STEP": dies while writing that step's checkpoint
+    save_weights: str | None = None      # rank 0 writes the final full fp32 state dict here (torch.save)
 
     def validate(self) -> "TrainConfig":
         if self.strategy not in STRATEGIES:
@@ -198,6 +199,8 @@ def train_worker(config: dict) -> dict:
         dist.all_reduce(losses)  # equal per-rank batches: the mean of rank means is the global mean
         losses = (losses / info.world_size).cpu().tolist()
         full = prepared.full_state_dict()
+        if cfg.save_weights and info.rank == 0:  # for comparing strategies within a tolerance
+            torch.save({k: v.detach().to("cpu", torch.float32) for k, v in full.items()}, cfg.save_weights)
         mine = {"held_bytes": held, "comm_per_step": comm.summary(cfg.steps - start_step),
                 "step_time_s": statistics.median(step_times[1:] or step_times)}
         everyone = [None] * info.world_size
@@ -287,6 +290,8 @@ def train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=d.max_restarts)
     parser.add_argument("--fail-at", default=None, metavar="RANK:STEP")
     parser.add_argument("--fail-during-save", default=None, metavar="RANK:STEP")
+    parser.add_argument("--save-weights", default=None, metavar="PATH",
+                        help="rank 0 saves the final full fp32 weights there (torch.save)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON line (last line)")
 
 
