@@ -384,3 +384,94 @@ def bucket_sweep_figure(rows: list, *, title: str = "", width: float = 10.0, hei
     if title:
         fig.suptitle(title)
     return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Notebook 03: ZeRO stages measured against the paper; the stage-3 schedule step by step
+# ---------------------------------------------------------------------------------------------
+
+def measured_memory_figure(view: dict, measured: dict, *, title: str = "", width: float = 7.5, height: float = 4.5):
+    """The notebook-01 memory chart for a real run's Ψ, in bytes, with measured bytes per rank as points (notebook 03).
+
+    ``view`` is ``memory.memory_chart_view(psi, nd=...)`` (the paper's mixed-precision curves);
+    ``measured`` maps a row ("ddp", "zero1", ...) to ``[(nd, bytes per rank), ...]`` counted on
+    real tensors. A point on its curve is a run that holds exactly what the formula says.
+    """
+    from .memory import STAGE_NAMES, STAGES
+
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    nds = view["nds"]
+    for stage in STAGES:
+        ax.plot(nds, view["curves"][stage], color=STAGE_COLORS[stage], lw=1.5, label=f"{STAGE_NAMES[stage]}, formula")
+        points = measured.get(stage, [])
+        if points:
+            ax.scatter([p[0] for p in points], [p[1] for p in points], s=90, marker="o", facecolor="none",
+                       edgecolor=STAGE_COLORS[stage], linewidth=2, zorder=3)
+    ax.scatter([], [], s=90, marker="o", facecolor="none", edgecolor="#555555", linewidth=2,
+               label="measured on a real run (real tensors)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(nds, [str(int(n)) for n in nds])
+    ax.set_xlabel("Nd, data-parallel ranks (log scale)")
+    ax.set_ylabel("model-state bytes per rank (log scale)")
+    ax.set_title(title or "Measured bytes per rank sit on the paper's curves", fontsize=10)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.grid(True, which="major", alpha=0.3)
+    return fig
+
+
+def zero3_schedule_figure(state, *, width: float = 10.0, height: float = 4.2):
+    """One state of the stage-3 schedule: the GPUs × shards grid and what each GPU has sent (notebook 03).
+
+    ``state`` is a ``stepper.Stage3State``. Left: row g is GPU g, column s is shard (layer) s;
+    filled purple = its own shard, light = a borrowed copy, an orange dot = that shard's
+    gradients summed onto its owner, the outlined column = the layer being worked on.
+    Right: Ψ units each GPU has sent so far, by kind, against plain DP's 2(Nd-1)/Nd·Ψ.
+    """
+    from matplotlib.patches import Rectangle
+
+    from .stepper import TRAFFIC_KINDS
+
+    nd = state.nd
+    fig = new_figure(width, height)
+    grid, bars = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.3]})
+    for g in range(nd):
+        for s in range(nd):
+            kind = state.held[g][s]
+            color = {"own": PART_COLORS["weights"], "borrowed": "#cdbde6", "": "#f2f2f2"}[kind]
+            grid.add_patch(Rectangle((s, nd - 1 - g), 0.92, 0.92, facecolor=color, edgecolor="white"))
+            if state.grads[s] and g == s:
+                grid.plot(s + 0.46, nd - 1 - g + 0.46, "o", color=PART_COLORS["gradients"], ms=12)
+    if state.layer is not None:
+        grid.add_patch(Rectangle((state.layer - 0.04, -0.04), 1.0, nd, fill=False, edgecolor="#222222", lw=2))
+    grid.set_xlim(-0.1, nd)
+    grid.set_ylim(-0.1, nd)
+    grid.set_xticks([s + 0.46 for s in range(nd)], [f"shard {s}" for s in range(nd)], fontsize=8)
+    grid.set_yticks([nd - 1 - g + 0.46 for g in range(nd)], [f"GPU {g}" for g in range(nd)], fontsize=8)
+    grid.set_aspect("equal")
+    grid.tick_params(length=0)
+    for spine in grid.spines.values():
+        spine.set_visible(False)
+    grid.set_title(f"step {state.step}: {state.phase}" + (f", layer {state.layer}" if state.layer is not None else ""),
+                   fontsize=10)
+    colors = {"forward all-gather": PART_COLORS["weights"], "backward all-gather": "#b392d6",
+              "reduce-scatter": PART_COLORS["gradients"]}
+    left = np.zeros(nd)
+    for kind in TRAFFIC_KINDS:
+        values = np.array([state.sent[g][kind] for g in range(nd)])
+        bars.barh(range(nd)[::-1], values, left=left, color=colors[kind], label=kind, height=0.6)
+        left += values
+    for g in range(nd):
+        bars.text(left[g], nd - 1 - g, f" {left[g]:.3g}Ψ", va="center", fontsize=9)
+    dp = 2 * (nd - 1) / nd
+    bars.axvline(dp, color=STAGE_COLORS["ddp"], ls="--", lw=1.2)
+    bars.text(dp, nd - 0.45, f" plain DP: {dp:.3g}Ψ", fontsize=8, color=STAGE_COLORS["ddp"])
+    bars.set_xlim(0, 3 * (nd - 1) / nd * 1.25)
+    bars.set_ylim(-0.6, nd)
+    bars.set_yticks(range(nd)[::-1], [f"GPU {g}" for g in range(nd)], fontsize=8)
+    bars.set_xlabel("sent by each GPU so far, in units of Ψ (ring model)")
+    bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
+    bars.set_title("Traffic so far", fontsize=10)
+    fig.suptitle(state.caption, fontsize=9)
+    return fig

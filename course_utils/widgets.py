@@ -253,3 +253,78 @@ def planner(params: float = 7e9, *, nodes: int = 1, gpus_per_node: int = 8, gpu_
     redraw()
     return w.VBox([w.HBox([model, nodes_box, gpus_box]), w.HBox([mem_box, net_box, nvl_box]),
                    w.HBox([batch_box, seq_box, ckpt_box]), readout, image])
+
+
+# ---------------------------------------------------------------------------------------------
+# Notebook 03: the stage-3 schedule step by step; measured bytes on the memory chart
+# ---------------------------------------------------------------------------------------------
+
+def _stage3_readout(state) -> str:
+    sent = state.sent_total(0)
+    rows = "".join(f"<tr><td>GPU {g}</td><td>{state.shards_held(g)} shard(s) held</td>"
+                   f"<td style='text-align:right'>{state.sent_total(g):.4g}Ψ sent</td></tr>" for g in range(state.nd))
+    return (f"<div><b>{html.escape(state.caption)}</b><br>step {state.step}, every GPU has sent {sent:.4g}Ψ "
+            f"(plain DP sends {2 * (state.nd - 1) / state.nd:.4g}Ψ per step)<table>{rows}</table></div>")
+
+
+def zero3_stepper(nd: int = 4):
+    """Stage 3 step by step: GPUs × shards, a Step button through forward and backward (notebook 03).
+
+    Controls (CSS class, description): ``course-zero3-step`` ("Step"), ``course-zero3-back``
+    ("Back"), ``course-zero3-reset`` ("Reset"); the picture ``course-zero3-chart``; the readout
+    of exact values ``course-zero3-readout``. The states come from ``stepper.Stage3Stepper``.
+    Headless: a ``plots.StaticFigure`` of the final state (every GPU has sent 3(Nd-1)/Nd·Ψ).
+    """
+    from .stepper import Stage3Stepper
+
+    machine = Stage3Stepper(nd)
+    if is_headless():
+        state = machine.last()
+        return plots.StaticFigure(plots.zero3_schedule_figure(state), state.caption)
+    w = _ipw()
+    step = _classed(w.Button(description="Step", button_style="primary"), "course-zero3-step")
+    back = _classed(w.Button(description="Back"), "course-zero3-back")
+    reset = _classed(w.Button(description="Reset"), "course-zero3-reset")
+    image = _classed(w.Image(format="png"), "course-zero3-chart")
+    readout = _classed(w.HTML(), "course-zero3-readout")
+
+    def redraw():
+        image.value = plots.png(plots.zero3_schedule_figure(machine.state))
+        readout.value = _stage3_readout(machine.state)
+        step.disabled, back.disabled = machine.done, machine.index == 0
+
+    step.on_click(lambda _: (machine.step(), redraw()))
+    back.on_click(lambda _: (machine.back(), redraw()))
+    reset.on_click(lambda _: (machine.reset(), redraw()))
+    redraw()
+    return w.VBox([w.HBox([step, back, reset]), image, readout])
+
+
+def measured_memory_chart(psi: float, measured: dict, *, nd: int = 2, k: float = memory.ADAM_MIXED_K,
+                          nd_max: int = 64, title: str = ""):
+    """The notebook-01 memory chart for a real run's Ψ, with the bytes measured per rank as points (notebook 03).
+
+    ``measured``: ``{row: [(nd, bytes per rank), ...]}`` from real runs. Control: Nd
+    ``course-measured-nd`` ("Nd") moves the readout ``course-measured-readout`` (exact bytes of
+    each row's formula at that Nd). Headless: a ``plots.StaticFigure`` at ``nd``.
+    """
+    def text(v):
+        return (f"Ψ = {v['psi']:,.0f}, K = {v['k']:g}, Nd = {v['nd']}: "
+                + " · ".join(f"{memory.STAGE_NAMES[s]} {v['readout'][s]:,.0f} bytes" for s in memory.STAGES))
+
+    view = memory.memory_chart_view(psi, nd=nd, k=k, nd_max=nd_max)
+    if is_headless():
+        return plots.StaticFigure(plots.measured_memory_figure(view, measured, title=title), text(view))
+    w = _ipw()
+    nd_box = _classed(w.SelectionSlider(options=[int(n) for n in view["nds"]], value=int(nd), description="Nd",
+                                        continuous_update=False), "course-measured-nd")
+    image = _classed(w.Image(format="png", value=plots.png(plots.measured_memory_figure(view, measured, title=title))),
+                     "course-measured-chart")
+    readout = _classed(w.HTML(), "course-measured-readout")
+
+    def redraw(*_):
+        readout.value = html.escape(text(memory.memory_chart_view(psi, nd=nd_box.value, k=k, nd_max=nd_max)))
+
+    nd_box.observe(redraw, names="value")
+    redraw()
+    return w.VBox([nd_box, image, readout])
