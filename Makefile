@@ -8,22 +8,30 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.course-installed
-# The CPU build of torch: 2.13.0+cpu sorts above PyPI's 2.13.0 (a CUDA build), so pip takes it
-# from this index when it can reach it (or from a local wheel); a GPU machine sets TORCH_INDEX=.
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# The CPU build of torch: 2.13.0+cpu sorts above PyPI's 2.13.0 (a CUDA build), so the installer takes
+# it from PyTorch's CPU index when that is reachable, or from a local wheel folder that pip is already
+# configured with (PIP_FIND_LINKS / pip.conf find-links). On a GPU machine: make ... TORCH_INDEX=
+TORCH_INDEX ?= $(shell $(PYTHON) -c "import socket; socket.gethostbyname('download.pytorch.org'); print('https://download.pytorch.org/whl/cpu')" 2>/dev/null)
+FIND_LINKS  ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_VERSION  := 0.13.9
 PIP := $(BIN)/python -m pip --disable-pip-version-check
+# uv resolves and installs the whole stack in well under a minute (pip takes several); pip is the fallback.
+INSTALL_ARGS = -c constraints.txt $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) \
+	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch -e ".[notebooks,test]"
+QUIET_PIP = 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup course notebooks slides test unit-tests notebook-tests lab bench clean
+.PHONY: setup browser-setup course notebooks slides test unit-tests notebook-tests lab bench clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "==> set-up: virtual environment $(VENV) (from $(PYTHON))"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@echo "==> set-up: torch (pinned in constraints.txt; CPU build unless TORCH_INDEX is emptied)"
-	@$(PIP) install -q --retries 1 -c constraints.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch
-	@echo "==> set-up: course_utils (editable) and the notebook/test stack"
-	@$(PIP) install -q -c constraints.txt -e ".[notebooks,test]"
+	@echo "==> set-up: torch $(shell grep "^torch==" constraints.txt | cut -d= -f3) CPU build$(if $(TORCH_INDEX), [index $(TORCH_INDEX)])$(if $(FIND_LINKS), [local wheels $(FIND_LINKS)]), course_utils (editable), the notebook and test stack"
+	@set -o pipefail; { $(PIP) install -q uv==$(UV_VERSION) $(QUIET_PIP) && \
+	  $(BIN)/uv pip install -q --python $(BIN)/python $(if $(TORCH_INDEX),--index-strategy unsafe-best-match) $(INSTALL_ARGS); } || \
+	  { echo "    (uv unavailable or failed: falling back to pip, which takes a few minutes)"; \
+	    $(PIP) install -q --retries 1 $(INSTALL_ARGS) $(QUIET_PIP); }
 	@$(BIN)/python -c "import torch, course_utils; print('    torch', torch.__version__, '| course_utils', course_utils.__version__)"
 	@touch $(STAMP)
 
@@ -41,7 +49,22 @@ slides: setup
 test: unit-tests notebook-tests
 	@echo "==> all tests passed"
 
-unit-tests: setup
+# The browser tests (tests/test_browser.py) drive Debian's chromium and chromedriver. Installed here
+# when missing and this is root with apt-get (CI): about a minute, once. Otherwise those tests skip.
+browser-setup:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "==> set-up: Debian's chromium and chromedriver for the browser tests (once, about a minute)"; \
+	  mkdir -p build; export DEBIAN_FRONTEND=noninteractive; \
+	  { apt-get install -y -qq --no-install-recommends chromium chromium-driver >build/apt-chromium.log 2>&1 || \
+	    { apt-get update -qq >>build/apt-chromium.log 2>&1 && \
+	      apt-get install -y -qq --no-install-recommends chromium chromium-driver >>build/apt-chromium.log 2>&1; }; } \
+	    || { tail -n 20 build/apt-chromium.log; exit 1; }; \
+	  echo "    $$(chromium --version 2>/dev/null)"; \
+	else echo "==> note: chromium/chromedriver missing and not root: the browser tests will skip" \
+	  "(apt-get install chromium chromium-driver)"; fi
+
+unit-tests: setup browser-setup
 	@echo "==> unit tests (pytest tests/)"
 	@$(BIN)/python -m pytest tests -q
 
