@@ -153,5 +153,9 @@ def build_model(cfg: GPTConfig | str = "tiny", seed: int = 0, device="cpu") -> G
 
 def param_count(model_or_cfg) -> int:
     """Ψ: the number of distinct parameters (a tied weight counts once) (notebook 01)."""
-    model = model_or_cfg if isinstance(model_or_cfg, nn.Module) else GPT(get_config(model_or_cfg)).to("meta")
+    if isinstance(model_or_cfg, nn.Module):
+        model = model_or_cfg
+    else:
+        with torch.device("meta"):  # built on meta so weights stay tied (``.to("meta")`` would untie them)
+            model = GPT(get_config(model_or_cfg))
     return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,73 @@
+"""The course model and data source: determinism, tied weights, identical samples at any world size."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_utils.data import batch_for_rank, global_batch
+from course_utils.errors import CourseInputError
+from course_utils.models import GPTConfig, build_model, get_config, param_count
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    a, b, c = build_model("tiny", 0), build_model("tiny", 0), build_model("tiny", 1)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), c.state_dict().values()))
+
+
+def test_build_model_leaves_the_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_model("tiny", 7)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_param_count_counts_a_tied_weight_once():
+    model = build_model("tiny", 0)
+    assert model.head.weight is model.tok_emb.weight
+    cfg = get_config("tiny")
+    h, v, s, L = cfg.width, cfg.vocab, cfg.seq, cfg.layers
+    per_block = (h * 3 * h + 3 * h) + (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h) + 4 * h
+    expected = v * h + s * h + L * per_block + 2 * h
+    assert param_count(model) == param_count("tiny") == param_count(cfg) == expected
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_rank_slices_make_up_the_global_batch(world):
+    x1, y1 = batch_for_rank(3, 0, 1, batch=8, seq=16, vocab=50, seed=2)
+    parts = [batch_for_rank(3, r, world, batch=8, seq=16, vocab=50, seed=2) for r in range(world)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), x1)
+    assert torch.equal(torch.cat([p[1] for p in parts]), y1)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are the inputs shifted by one token
+
+
+def test_steps_differ_and_repeat():
+    assert not torch.equal(global_batch(0, 4, 8, 50), global_batch(1, 4, 8, 50))
+    assert torch.equal(global_batch(5, 4, 8, 50, seed=1), global_batch(5, 4, 8, 50, seed=1))
+
+
+def test_the_data_is_learnable():
+    model = build_model("tiny", 0)
+    cfg = model.cfg
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(20):
+        x, y = batch_for_rank(step, 0, 1, batch=8, seq=cfg.seq, vocab=cfg.vocab)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(CourseInputError, match="divisible by heads"):
+        GPTConfig(width=64, heads=5)
+    with pytest.raises(CourseInputError, match="layers"):
+        GPTConfig(layers=0)
+    with pytest.raises(CourseInputError, match="unknown model"):
+        get_config("huge")
+    with pytest.raises(CourseInputError, match="multiple of 3"):
+        batch_for_rank(0, 0, 3, batch=8, seq=4, vocab=10)
