@@ -1,0 +1,823 @@
+"""Dress rehearsal: a real-size FSDP2 step on fake tensors, peak memory per GPU (introduced in notebook 05b).
+
+The formulas of notebook 01 answer "will my 7B fit on 8 GPUs?" on paper. PyTorch can answer
+with the library people train with: ``fully_shard`` (FSDP2) applied to the real-size model
+under ``FakeTensorMode`` (tensors with shapes, dtypes and devices but no storage), joined to
+the ``"fake"`` process group at the target world size (collectives that move nothing), and
+watched by ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``, which sorts every
+byte a rank would hold into categories. One optimizer step of a 7B model on 8 ranks takes
+seconds on a laptop CPU and allocates nothing real.
+
+What one rehearsal does (``rehearse``), the same for every strategy:
+
+1. build the course model (``models.GPT``) at the preset's shape on the meta device;
+2. wrap it the way the course wraps it (``shard_model``): ``fully_shard`` on every block, then
+   on the root, on a CPU ``DeviceMesh`` of the strategy's shape, bf16 compute with fp32 reduce;
+3. materialise it as fake tensors, build fused AdamW and give it its state (a real run has it
+   from step 2 on), so the tracked step is a steady-state step;
+4. one tracked step (forward, backward, optimizer step) of ``micro_batch`` sequences of
+   ``seq`` tokens on rank 0; the tracker gives the peak and what held it, by category.
+
+FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and HYBRID_SHARD are FSDP1's names; in FSDP2 they are a
+mesh shape and ``reshard_after_forward`` (``STRATEGY_STAGE`` maps each to its ZeRO row):
+
+==============  ==========================  =====================  ==========
+strategy        mesh                        reshard_after_forward  ZeRO row
+==============  ==========================  =====================  ==========
+full_shard      (N,)                        True                   zero3
+shard_grad_op   (N,)                        False                  zero2 (*)
+no_shard        (N, 1) replicate x shard    True                   ddp
+hybrid_shard    (N/node, node)              True                   zero3 in a node
+==============  ==========================  =====================  ==========
+
+(*) FSDP2 keeps the fp32 parameters sharded at rest even here; what SHARD_GRAD_OP keeps
+unsharded, between forward and backward, is the bf16 working copy: the 2Ψ of ZeRO stage 2.
+
+The tracker is a private torch API (``torch.distributed._tools``): ``tracker_problem()``
+feature-detects it, and ``rehearse`` raises ``CourseInputError`` with one line where it is
+missing. The course pins torch (constraints.txt, ``PINNED_TORCH``) to the version checked here.
+
+``bridge`` holds the rehearsal against a real run: the same wrapping on 2 or 4 gloo ranks of
+the tiny course model, bytes counted on the real shards with ``instrument.tensor_bytes``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass, field, replace
+
+from . import memory
+from .errors import CourseInputError
+from .models import GPTConfig, get_config
+from .units import GB, GiB, fmt_count
+
+#: The torch version the set-up installs (constraints.txt) and the tracker was checked against.
+PINNED_TORCH = "2.13.0"
+
+STRATEGIES = ("no_shard", "shard_grad_op", "full_shard", "hybrid_shard")
+#: Which row of the ZeRO table (``memory.STAGES``) each FSDP strategy is.
+STRATEGY_STAGE = {"no_shard": "ddp", "shard_grad_op": "zero2", "full_shard": "zero3", "hybrid_shard": "zero3"}
+#: How the field writes the strategies (FSDP1's ShardingStrategy names).
+STRATEGY_NAMES = {"no_shard": "NO_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "full_shard": "FULL_SHARD",
+                  "hybrid_shard": "HYBRID_SHARD"}
+PRECISIONS = ("bf16", "fp32")
+MAX_NPROC = 1024
+
+#: The tracker's categories (``_FSDPRefType`` values), in the order they are drawn.
+CATEGORIES = ("Sharded Param", "OptState", "Sharded Grad", "Unsharded Param", "Unsharded Grad",
+              "All Gather", "Reduce Scatter", "Activation", "Temp", "Inputs", "Buffer")
+
+#: The tracker's categories gathered into the parts of the course's bill (notebook 05b).
+PARTS = {
+    "fp32 parameter shards": ("Sharded Param",),
+    "optimizer state": ("OptState",),
+    "gradients": ("Sharded Grad", "Unsharded Grad"),
+    "16-bit weights being computed": ("Unsharded Param",),
+    "communication buffers": ("All Gather", "Reduce Scatter"),
+    "activations and temporaries": ("Activation", "Temp", "Inputs", "Buffer"),
+}
+PART_COLORS = {"fp32 parameter shards": "#7b5ea7", "optimizer state": "#3a7dc9", "gradients": "#e8883a",
+               "16-bit weights being computed": "#c9b3e6", "communication buffers": "#9a9a9a",
+               "activations and temporaries": "#5aa469"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets: published shapes, built as the course model
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Preset:
+    """A published model shape, built as the course's GPT (notebook 05b).
+
+    The course model is GPT-2's architecture: standard multi-head attention (4h² weights per
+    block), an MLP of ratio 4 (8h²), LayerNorms and biases, learned position embeddings. So a
+    preset copies a published model's layers, width, heads, vocabulary and sequence length,
+    and its Ψ comes out close to, not exactly at, the published size; ``note`` says how close.
+    """
+
+    name: str
+    cfg: GPTConfig
+    nominal: float     # the size the model is known by
+    released: int      # parameters of the released checkpoint
+    source: str
+    note: str
+
+
+PRESETS: dict[str, Preset] = {
+    "1.5B": Preset(
+        "GPT-2 1.5B (GPT-2 XL)",
+        GPTConfig(vocab=50257, seq=1024, layers=48, width=1600, heads=25, mlp_ratio=4, tie_weights=True),
+        1.5e9, 1_557_611_200,
+        "Radford et al. 2019, 'Language Models are Unsupervised Multitask Learners', Table 2 "
+        "(48 layers, d_model 1600) and §2.3 (vocabulary 50,257, context 1024); 25 heads from the "
+        "released gpt2-xl config",
+        "the same architecture as GPT-2: Ψ = 1,557,611,200, exactly the released checkpoint "
+        "(the paper's table says 1542M)"),
+    "7B": Preset(
+        "LLaMA 7B",
+        GPTConfig(vocab=32000, seq=2048, layers=32, width=4096, heads=32, mlp_ratio=4, tie_weights=False),
+        6.7e9, 6_738_415_616,
+        "Touvron et al. 2023, 'LLaMA: Open and Efficient Foundation Language Models' "
+        "(arXiv:2302.13971), Table 2 (dimension 4096, 32 heads, 32 layers), §2.1 (32k-token "
+        "vocabulary), context 2048; untied output head",
+        "Ψ = 6,714,695,680: 0.35% under the released 6.74B (LLaMA's SwiGLU MLP, 3·h·11008, "
+        "is 1% larger than our 8h²; it has no position table)"),
+    "13B": Preset(
+        "LLaMA 13B",
+        GPTConfig(vocab=32000, seq=2048, layers=40, width=5120, heads=40, mlp_ratio=4, tie_weights=False),
+        13.0e9, 13_015_864_320,
+        "Touvron et al. 2023 (arXiv:2302.13971), Table 2 (dimension 5120, 40 heads, 40 layers), "
+        "§2.1 (32k vocabulary), context 2048; untied output head",
+        "Ψ = 12,923,750,400: 0.71% under the released 13.0B (SwiGLU 3·h·13824 against our 8h²)"),
+    "70B": Preset(
+        "Llama 2 70B",
+        GPTConfig(vocab=32000, seq=4096, layers=80, width=8192, heads=64, mlp_ratio=4, tie_weights=False),
+        70e9, 68_976_648_192,
+        "Touvron et al. 2023, 'Llama 2' (arXiv:2307.09288), Table 1 (context 4096, grouped-query "
+        "attention) and the released params.json (dim 8192, 80 layers, 64 heads, 8 KV heads, "
+        "vocabulary 32000); untied output head",
+        "Ψ = 64,990,887,936: 5.8% under the released 69.0B. Our attention is full multi-head "
+        "(4h², where Llama 2's 8 KV heads give 2.25h²) but our MLP is 8h² against SwiGLU's "
+        "3·h·28672 = 10.5h²; the net is 50M fewer parameters per block"),
+}
+
+#: Other spellings accepted for the presets.
+ALIASES = {"gpt2-xl": "1.5B", "gpt2": "1.5B", "1.5b": "1.5B", "7b": "7B", "llama-7b": "7B",
+           "13b": "13B", "llama-13b": "13B", "70b": "70B", "llama2-70b": "70B", "llama-2-70b": "70B"}
+
+
+def preset(name: str) -> Preset:
+    """The ``Preset`` called ``name`` ("1.5B", "7B", "13B", "70B" or an alias) (notebook 05b)."""
+    key = name if name in PRESETS else ALIASES.get(str(name).strip().lower())
+    if key is None:
+        raise CourseInputError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} "
+                               "or give --layers --width --heads --vocab --seq")
+    return PRESETS[key]
+
+
+def model_config(model: str | GPTConfig = "7B", **shape) -> GPTConfig:
+    """A model shape: a preset name, a course model name ("tiny"...) or a GPTConfig, with any of
+    ``layers``, ``width``, ``heads``, ``vocab``, ``seq`` overridden (notebook 05b)."""
+    if isinstance(model, GPTConfig):
+        cfg = model
+    elif isinstance(model, str) and model in ("tiny", "small", "medium"):
+        cfg = get_config(model)
+    else:
+        cfg = preset(model).cfg
+    changes = {k: v for k, v in shape.items() if v is not None}
+    for name, value in changes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CourseInputError(f"{name} must be a positive whole number, got {value!r}")
+    return replace(cfg, **changes) if changes else cfg  # GPTConfig checks width % heads
+
+
+def param_count(cfg: GPTConfig) -> int:
+    """Ψ of the course model at ``cfg``, counted on the meta device (no memory) (notebook 05b)."""
+    import torch
+
+    from .models import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Feature detection: the tracker is a private API
+# ---------------------------------------------------------------------------------------------
+
+def tracker_problem() -> str | None:
+    """None when this torch can rehearse; else one sentence saying what is missing (notebook 05b)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - the package needs torch anyway
+        return "torch is not installed; run `make setup`"
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return f"this torch build ({torch.__version__}) has no torch.distributed"
+        from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+        from torch.distributed._composable import checkpoint  # noqa: F401
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: F401
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+    except Exception as exc:  # ImportError, AttributeError, or a registration error
+        return (f"torch {torch.__version__} lacks the FSDP2 memory tracker or the fake process group "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the course "
+                f"pins torch {PINNED_TORCH} (run `make setup`)")
+    return None
+
+
+def require_tracker() -> None:
+    """Raise ``CourseInputError`` (one line) unless ``tracker_problem()`` is None (notebook 05b)."""
+    problem = tracker_problem()
+    if problem:
+        raise CourseInputError(f"cannot rehearse: {problem}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The wrapping, shared by the rehearsal (fake) and the real run (gloo)
+# ---------------------------------------------------------------------------------------------
+
+def check_setting(nproc: int, strategy: str, node_size: int, micro_batch: int, mixed_precision: str) -> None:
+    """Raise ``CourseInputError`` for a setting no run could have (notebook 05b)."""
+    for name, value in (("nproc", nproc), ("node_size", node_size), ("micro_batch", micro_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CourseInputError(f"{name} must be a whole number >= 1, got {value!r}")
+    if nproc > MAX_NPROC:
+        raise CourseInputError(f"nproc {nproc} is more than {MAX_NPROC} ranks; rehearse at most {MAX_NPROC}")
+    if strategy not in STRATEGIES:
+        raise CourseInputError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if mixed_precision not in PRECISIONS:
+        raise CourseInputError(f"mixed precision must be one of {', '.join(PRECISIONS)}, got {mixed_precision!r}")
+    if strategy == "hybrid_shard" and (node_size > nproc or nproc % node_size):
+        raise CourseInputError(f"hybrid_shard needs --node-size dividing --nproc: {nproc} ranks do not split into "
+                               f"nodes of {node_size}; pick a node size such as {math.gcd(nproc, 8)}")
+
+
+def mesh_shape(strategy: str, nproc: int, node_size: int = 8) -> tuple[int, ...]:
+    """The DeviceMesh shape that makes ``fully_shard`` behave as ``strategy`` (notebook 05b).
+
+    full_shard and shard_grad_op: (N,). no_shard: (N, 1), replicated N ways, sharded 1 way.
+    hybrid_shard: (N / node_size, node_size), sharded inside a node, replicated across nodes.
+    """
+    if strategy == "no_shard":
+        return (nproc, 1)
+    if strategy == "hybrid_shard":
+        return (nproc // node_size, node_size)
+    return (nproc,)
+
+
+def shard_group_size(strategy: str, nproc: int, node_size: int = 8) -> int:
+    """Nd for the sharded state: the ranks one parameter is split across (notebook 05b)."""
+    return mesh_shape(strategy, nproc, node_size)[-1]
+
+
+def make_mesh(strategy: str, nproc: int, node_size: int = 8):
+    """A CPU DeviceMesh for ``strategy`` over the current process group (notebook 05b)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = mesh_shape(strategy, nproc, node_size)
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def shard_model(model, mesh, strategy: str, *, mixed_precision: str = "bf16", act_ckpt: bool = False):
+    """Apply FSDP2 as the course does: ``fully_shard`` per block, then the root (notebook 05b).
+
+    bf16: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, the parameters
+    stay fp32 in their shards. ``act_ckpt`` recomputes each block's activations in backward
+    (torch's composable ``checkpoint``), keeping only each block's input.
+    """
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mixed_precision == "bf16" else MixedPrecisionPolicy())
+    reshard = strategy != "shard_grad_op"
+    for block in model.blocks:
+        if act_ckpt:
+            from torch.distributed._composable import checkpoint
+
+            checkpoint(block)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    return model
+
+
+def make_optimizer(model):
+    """AdamW over the (sharded) parameters, fused, one parameter group per block (notebook 05b).
+
+    Fused: one kernel per group and no per-tensor temporaries (what GPU runs use). One group per
+    block rather than one for the model changes nothing in the update or the bytes; it keeps the
+    rehearsal fast, because DTensor's sharding propagation for a fused call over n tensors costs
+    about n² on the CPU.
+    """
+    import torch
+
+    groups, seen = [], set()
+    for module in list(model.blocks) + [model]:
+        params = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if params:
+            groups.append({"params": params})
+    return torch.optim.AdamW(groups, lr=1e-4, fused=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rehearsal
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Rehearsal:
+    """What one rehearsal measured, bytes per rank (notebook 05b).
+
+    - ``peak``: the tracker's categories at the moment of the peak; they sum to ``peak_bytes``.
+    - ``category_peaks``: each category's own largest value in the step (from the tracker's
+      snapshots around every FSDP module's forward and backward); these do not add up.
+    - ``after_backward``, ``after_step``: the categories when backward has finished (every
+      gradient reduced) and after the optimizer step: the model state at rest.
+    """
+
+    cfg: GPTConfig
+    nproc: int
+    strategy: str
+    node_size: int
+    micro_batch: int
+    act_ckpt: bool
+    mixed_precision: str
+    psi: int
+    peak_bytes: int
+    peak: dict
+    category_peaks: dict
+    after_backward: dict
+    after_step: dict
+    wall_s: float
+    torch_version: str
+    label: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def nd(self) -> int:
+        """Nd of the sharded state (the shard group's size)."""
+        return shard_group_size(self.strategy, self.nproc, self.node_size)
+
+    @property
+    def stage(self) -> str:
+        return STRATEGY_STAGE[self.strategy]
+
+    def parts(self, which: str = "peak") -> dict:
+        """``{part: bytes}`` for the course's bill parts (``PARTS``) of ``peak``/``after_step``..."""
+        cats = getattr(self, which)
+        return {part: sum(cats.get(c, 0) for c in members) for part, members in PARTS.items()}
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["cfg"] = self.cfg.to_dict()
+        out["nd"], out["stage"] = self.nd, self.stage
+        return out
+
+
+def tracker_class():
+    """``FSDPMemTracker`` with its per-operation peak bookkeeping made cheaper (notebook 05b).
+
+    After every operation the tracker updates the running peak of each module that is active
+    (``MemTracker._update_peak_stats``). torch does it by scanning every tracked module and
+    deep-copying the snapshot; on a 48-block model that loop is a quarter of the rehearsal's
+    time. This subclass does the same updates visiting only the active modules and copying
+    the flat ``{category: bytes}`` dicts shallowly; what it records is identical
+    (``tests/test_rehearse.py`` checks it against the stock tracker).
+    """
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class Tracker(FSDPMemTracker):
+        _index_size = -1
+        _index: dict = {}
+
+        def _update_peak_stats(self, peak_state) -> None:
+            curr = self._curr_mem_snap
+            if self._index_size != len(self.memory_tracking):
+                index: dict = {}
+                for stats in self.memory_tracking.values():
+                    index.setdefault(stats.mod_fqn, []).append(stats)
+                self._index, self._index_size = index, len(self.memory_tracking)
+            for fqn in self._mod_tracker.parents:
+                for stats in self._index.get(fqn, ()):
+                    if peak_state in stats.snapshots:
+                        for dev, dev_snap in curr.items():
+                            if stats.local_peak.get(dev, 0) < dev_snap["Total"]:
+                                stats.local_peak[dev] = dev_snap["Total"]
+                                stats.snapshots[peak_state][-1][dev] = dict(dev_snap)
+            for dev, dev_snap in curr.items():
+                if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                    self._peak_mem[dev] = dev_snap["Total"]
+                    self._peak_mem_snap[dev] = dict(dev_snap)
+
+    return Tracker
+
+
+def _categories(snapshot: dict) -> dict:
+    """``{category: bytes}`` for the (single) CPU device of a tracker snapshot."""
+    out = {c: 0 for c in CATEGORIES}
+    for dev_snap in snapshot.values():
+        for key, value in dev_snap.items():
+            name = getattr(key, "value", key)
+            if name != "Total":
+                out[name] = out.get(name, 0) + int(value)
+    return out
+
+
+def _category_peaks(tracker, peak: dict) -> dict:
+    out = dict(peak)
+    for stats in tracker.memory_tracking.values():
+        for snaps in stats.snapshots.values():
+            for snap in snaps:
+                for name, value in _categories(snap).items():
+                    out[name] = max(out.get(name, 0), value)
+    return out
+
+
+def rehearse(model: str | GPTConfig = "7B", nproc: int = 8, strategy: str = "full_shard", *,
+             node_size: int = 8, micro_batch: int = 1, act_ckpt: bool = False,
+             mixed_precision: str = "bf16", label: str = "", stock_tracker: bool = False) -> Rehearsal:
+    """One optimizer step of ``model`` under FSDP2 on ``nproc`` fake ranks, tracked (notebook 05b).
+
+    Args:
+        model: a preset ("1.5B", "7B", "13B", "70B"), a course model name or a ``GPTConfig``.
+        nproc: N, the world size rehearsed (1 to 1024).
+        strategy: "no_shard", "shard_grad_op", "full_shard" or "hybrid_shard".
+        node_size: ranks per node: the shard group of hybrid_shard.
+        micro_batch: sequences per rank per step (each ``cfg.seq`` tokens).
+        act_ckpt: activation checkpointing on every block.
+        mixed_precision: "bf16" (bf16 compute, fp32 reduce, fp32 shards) or "fp32".
+        stock_tracker: use torch's ``FSDPMemTracker`` as it is rather than ``tracker_class()``
+            (same numbers, slower; for checking).
+
+    Runs in this process on the CPU and allocates no tensor memory. It joins (and leaves) a
+    fake process group, so it refuses to run inside a process that already has one.
+    """
+    cfg = model_config(model)
+    check_setting(nproc, strategy, node_size, micro_batch, mixed_precision)
+    require_tracker()
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .models import GPT
+
+    if dist.is_initialized():
+        raise CourseInputError("this process already belongs to a process group; rehearse in a fresh process "
+                               "(a notebook kernel, or python -m course_utils rehearse), not inside a worker")
+    start = time.perf_counter()
+    dist.init_process_group("fake", rank=0, world_size=nproc, store=FakeStore())
+    try:
+        mesh = make_mesh(strategy, nproc, node_size)  # outside FakeTensorMode: the mesh is real
+        with torch.device("meta"):
+            net = GPT(cfg)
+        psi = sum(p.numel() for p in net.parameters())
+        shard_model(net, mesh, strategy, mixed_precision=mixed_precision, act_ckpt=act_ckpt)
+        with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+            warnings.simplefilter("ignore")  # FakeTensor's data_ptr and checkpoint notices
+            net.to_empty(device="cpu")       # meta -> fake: shapes, no storage
+            opt = make_optimizer(net)
+            for p in net.parameters():       # give Adam its state, as a real run has from step 2 on
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            idx = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq))
+            tgt = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq))
+            tracker = (FSDPMemTracker if stock_tracker else tracker_class())(net, opt)
+            tracker.track_inputs((idx, tgt))
+            with tracker:
+                loss = net(idx, tgt)
+                loss.backward()
+                after_backward = _categories(tracker.get_tracker_snapshot("current"))
+                opt.step()
+                after_step = _categories(tracker.get_tracker_snapshot("current"))
+                opt.zero_grad(set_to_none=True)
+            peak = _categories(tracker.get_tracker_snapshot("peak"))
+            category_peaks = _category_peaks(tracker, peak)
+    finally:
+        dist.destroy_process_group()
+    return Rehearsal(cfg=cfg, nproc=nproc, strategy=strategy, node_size=node_size, micro_batch=micro_batch,
+                     act_ckpt=act_ckpt, mixed_precision=mixed_precision, psi=int(psi),
+                     peak_bytes=int(sum(peak.values())), peak=peak, category_peaks=category_peaks,
+                     after_backward=after_backward, after_step=after_step,
+                     wall_s=time.perf_counter() - start, torch_version=torch.__version__,
+                     label=label or _default_label(strategy, act_ckpt))
+
+
+def _default_label(strategy: str, act_ckpt: bool) -> str:
+    return STRATEGY_NAMES[strategy] + (" + act. ckpt" if act_ckpt else "")
+
+
+def padded_shard_numel(cfg: GPTConfig, nd: int) -> int:
+    """Elements of one rank's parameter shards, FSDP2's padding included (notebook 05b).
+
+    FSDP2 splits each parameter along dim 0 into Nd equal chunks, padding dim 0 up to a
+    multiple of Nd; so a rank holds Σ ceil(d0/Nd)·(numel/d0) elements, between Ψ/Nd and
+    Ψ/Nd + (padding). Tied weights count once.
+    """
+    import torch
+
+    from .models import GPT
+
+    with torch.device("meta"):
+        net = GPT(cfg)
+    total = 0
+    for p in net.parameters():
+        rows = p.shape[0]
+        total += math.ceil(rows / nd) * (p.numel() // rows)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# The formulas' side: what memory.py predicts for the same setting, item by item
+# ---------------------------------------------------------------------------------------------
+
+def optimizer_bill_for(mixed_precision: str) -> memory.OptimizerBill:
+    """bf16 -> mixed-precision Adam (2 + 2 + 12); fp32 -> plain fp32 Adam (4 + 4 + 8) (notebook 05b)."""
+    return memory.optimizer_bill("adam_mixed" if mixed_precision == "bf16" else "adam_fp32")
+
+
+#: Numbers per token per unit of width one course block saves for backward (16-bit), counted
+#: with saved-tensor hooks on a real block (``tests/test_rehearse.py``); the paper's rule says 12.
+BLOCK_SAVED_PER_TOKEN_WIDTH = 16
+
+#: The planner's name (``plan.STRATEGIES``) for each FSDP strategy.
+PLAN_STRATEGY = {"no_shard": "ddp", "shard_grad_op": "zero2", "full_shard": "zero3", "hybrid_shard": "hsdp"}
+
+
+def predict(r: Rehearsal) -> dict:
+    """The planner's bytes per rank for the rehearsed setting, item by item (notebook 05b).
+
+    ``plan.memory_breakdown`` for the same model, GPUs, strategy, micro-batch and checkpointing:
+    model states by the ZeRO row (``memory.model_state_bytes``, Nd = the shard group),
+    activations by the paper's rule (12·h·b·s·L numbers of 2 bytes), buffers (two 25 MB
+    buckets, or for stage 3 the gathered block twice plus its 16-bit gradient). The planner
+    assumes mixed precision; for fp32 the items are rescaled to 4-byte weights, gradients,
+    activations and gathers, and K = 8 (plain fp32 Adam). Returns ``{"weights", "gradients",
+    "optimizer", "model_states", "activations", "buffers", "total", "stage", "nd"}``.
+    """
+    from . import plan
+
+    c = r.cfg
+    bill = optimizer_bill_for(r.mixed_precision)
+    spec = plan.ModelSpec(params=float(r.psi), layers=c.layers, width=c.width, heads=c.heads, vocab=c.vocab,
+                          seq=c.seq, micro_batch=r.micro_batch, checkpointing=r.act_ckpt)
+    if r.strategy == "hybrid_shard":
+        cluster = plan.Cluster(gpus_per_node=r.node_size, nodes=r.nproc // r.node_size)
+    else:
+        cluster = plan.Cluster(gpus_per_node=r.nproc, nodes=1)
+    out = dict(plan.memory_breakdown(spec, cluster, PLAN_STRATEGY[r.strategy], k=bill.k))
+    if r.mixed_precision == "fp32":
+        scale = bill.weight_bytes / memory.WEIGHT_BYTES
+        out["weights"] *= scale
+        out["gradients"] *= bill.grad_bytes / memory.GRAD_BYTES
+        out["activations"] *= scale
+        if r.stage == "zero3":
+            out["buffers"] *= scale
+    out["model_states"] = out["weights"] + out["gradients"] + out["optimizer"]
+    check = memory.model_state_bytes(r.psi, r.nd, r.stage, k=bill.k, weight_bytes=bill.weight_bytes,
+                                     grad_bytes=bill.grad_bytes)
+    assert math.isclose(out["model_states"], check, rel_tol=1e-9), (out["model_states"], check)
+    out["total"] = out["model_states"] + out["activations"] + out["buffers"]
+    out["stage"], out["nd"] = r.stage, r.nd
+    return out
+
+
+def compare(r: Rehearsal) -> list[dict]:
+    """The planner against the rehearsal, one row per item of the bill, with why they differ (notebook 05b).
+
+    Each row: ``{"item", "formula", "rehearsal", "ratio", "when", "why"}`` (bytes per rank);
+    ``ratio`` is rehearsal / formula.
+    """
+    p = predict(r)
+    bill = optimizer_bill_for(r.mixed_precision)
+    a, b, top = r.after_step, r.after_backward, r.category_peaks
+    nd = f"/{r.nd}" if r.nd > 1 else ""
+    mixed = r.mixed_precision == "bf16"
+    rows = []
+
+    def row(item, formula, rehearsal, when, why):
+        rows.append({"item": item, "formula": float(formula), "rehearsal": float(rehearsal),
+                     "ratio": (rehearsal / formula) if formula else float("nan"), "when": when, "why": why})
+
+    if mixed:
+        row(f"optimizer state, K = {bill.k:g}", p["optimizer"], a["Sharded Param"] + a["OptState"], "after the step",
+            f"the paper's 12 bytes are an fp32 master copy, momentum and variance. FSDP2's fp32 parameter shard IS "
+            f"the master copy (Sharded Param, 4Ψ{nd}); AdamW's exp_avg and exp_avg_sq are OptState (8Ψ{nd}). Only "
+            "extra: padding of each tensor to a multiple of Nd rows, and Adam's 4-byte step counter per tensor")
+        row("gradients", p["gradients"], b["Sharded Grad"] + b["Unsharded Grad"], "end of backward",
+            "the paper counts 16-bit gradients (2 bytes). FSDP2 reduce-scatters in fp32 (reduce_dtype) and keeps "
+            "each gradient shard in the parameter's dtype, fp32: 4 bytes, twice the formula"
+            + ("; no_shard keeps all of them on every rank" if r.strategy == "no_shard" else ""))
+        if r.stage == "zero3":
+            why = ("the paper keeps a sharded 16-bit copy (2Ψ/Nd). FSDP2 keeps none at rest: it casts a block's "
+                   "fp32 shards to bf16 as it gathers them, computes, and frees the block; the largest it holds is "
+                   "about two blocks (computing and prefetched) and the root's embeddings")
+        elif r.strategy == "shard_grad_op":
+            why = ("stage 2 keeps the 16-bit weights whole (2Ψ). FSDP2's SHARD_GRAD_OP keeps each block's bf16 copy "
+                   "gathered from its forward until its backward: at the start of backward that is all of them")
+        else:
+            why = "every rank computes with the whole bf16 working copy"
+        row("16-bit working weights", p["weights"], top["Unsharded Param"], "largest in the step", why)
+    else:
+        row("fp32 weights", p["weights"], a["Sharded Param"], "after the step",
+            "plain fp32 training: the parameter shard is both the working weights and what Adam updates")
+        row("gradients (fp32)", p["gradients"], b["Sharded Grad"] + b["Unsharded Grad"], "end of backward",
+            "fp32 gradient shards, as the formula counts them")
+        row(f"optimizer state, K = {bill.k:g}", p["optimizer"], a["OptState"], "after the step",
+            "AdamW's exp_avg and exp_avg_sq, plus a 4-byte step counter per tensor")
+    at_rest = a["Sharded Param"] + a["OptState"] + a["Sharded Grad"]
+    if mixed and r.stage == "zero3":
+        why = ("2 + 2 + 12 bytes per parameter in the paper, 4 + 4 + 8 in FSDP2 (fp32 shard, fp32 gradient, "
+               "momentum and variance): the same 16 bytes when everything is sharded")
+    elif r.strategy == "shard_grad_op":
+        why = ("the formula's 2Ψ of 16-bit weights is held only between forward and backward (row above); at rest "
+               "FSDP2 holds 16 bytes per parameter, all sharded")
+    else:
+        why = "16 bytes per parameter, as the formula counts them, held whole on every rank"
+    row("model states at rest", p["model_states"], at_rest, "after the step", why)
+    row("buffers", p["buffers"], top["All Gather"] + top["Reduce Scatter"] + top["Unsharded Grad"],
+        "largest in the step",
+        "not in the 16-byte bill (ZeRO-R's constant buffers). The planner allows "
+        + ("a gathered block twice and its 16-bit gradient" if r.stage == "zero3" else "two 25 MB gradient buckets")
+        + "; FSDP2 holds an all-gather output, a reduce-scatter input (fp32) and a block's unsharded gradient")
+    row("activations", p["activations"], r.peak["Activation"] + r.peak["Temp"] + r.peak["Inputs"], "at the peak",
+        "the paper's rule is about 12 numbers per token per unit of width per layer, 16-bit; this block keeps "
+        f"{BLOCK_SAVED_PER_TOKEN_WIDTH} (LayerNorm inputs 2h, the qkv input h, q k v 3h, the attention output h, the "
+        "MLP input h, 4h before and 4h after GELU) and the loss keeps fp32 logits. Per rank; sharding never "
+        "touches them"
+        + ("; with checkpointing, one input per block plus one block rebuilt at a time" if r.act_ckpt else ""))
+    row("peak per rank", p["total"], r.peak_bytes, "at the peak",
+        "the planner's total (model states + activations + buffers) against the tracker's peak")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The bridge to reality: the same wrapping on real gloo ranks, bytes counted on real shards
+# ---------------------------------------------------------------------------------------------
+
+def real_state_worker(cfg: dict, strategies: list, node_size: int = 2, mixed_precision: str = "bf16",
+                      micro_batch: int = 1, seed: int = 0) -> dict:
+    """One real optimizer step per strategy of the course model on this rank; bytes held (notebook 05b).
+
+    A worker for ``launch``: the same ``shard_model`` and ``make_optimizer`` as the rehearsal,
+    on a CPU mesh of real gloo ranks. Returns ``{strategy: {"params", "grads", "optim",
+    "total", "loss"}}``, the bytes of the local shards this rank holds after the step, counted
+    by ``instrument.tensor_bytes`` (the optimizer's 0-dim step counters included).
+    """
+    import torch
+
+    from . import dist as cdist
+    from .data import batch_for_rank
+    from .instrument import tensor_bytes
+    from .models import build_model
+
+    info = cdist.init()
+    try:
+        gcfg = GPTConfig(**cfg)
+        out = {}
+        for strategy in strategies:
+            mesh = make_mesh(strategy, info.world_size, node_size)
+            net = shard_model(build_model(gcfg, seed), mesh, strategy, mixed_precision=mixed_precision)
+            opt = make_optimizer(net)
+            idx, tgt = batch_for_rank(0, info.rank, info.world_size, batch=micro_batch * info.world_size,
+                                      seq=gcfg.seq, vocab=gcfg.vocab, seed=seed)
+            loss = net(idx, tgt)
+            loss.backward()
+            opt.step()
+            params = list(net.parameters())
+            state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            row = {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
+                   "optim": tensor_bytes(state)}
+            row["total"] = sum(row.values())
+            row["loss"] = float(loss.detach())
+            out[strategy] = row
+        return out
+    finally:
+        cdist.shutdown()
+
+
+def bridge(nproc: int = 2, strategies=("full_shard", "shard_grad_op"), *, model: str | GPTConfig = "tiny",
+           node_size: int = 2, mixed_precision: str = "bf16", micro_batch: int = 1, echo: bool = False) -> list[dict]:
+    """Rehearsal against reality on ``nproc`` real gloo ranks, one row per strategy (notebook 05b).
+
+    Each row: ``{"strategy", "nproc", "rehearsal": {"params", "grads", "optim"}, "real":
+    {rank: {...}}, "equal": bool}``. The rehearsal side is the tracker's Sharded Param,
+    Sharded Grad and OptState after the step; the real side is what each rank holds.
+    """
+    from .launch import launch
+
+    cfg = model_config(model)
+    strategies = list(strategies)
+    for s in strategies:
+        check_setting(nproc, s, node_size, micro_batch, mixed_precision)
+    real = launch(real_state_worker, nproc=nproc, args=(cfg.to_dict(), strategies, node_size, mixed_precision,
+                                                         micro_batch), echo=echo, progress=False)
+    rows = []
+    for s in strategies:
+        r = rehearse(cfg, nproc, s, node_size=node_size, micro_batch=micro_batch, mixed_precision=mixed_precision)
+        fake = {"params": r.after_step["Sharded Param"], "grads": r.after_step["Sharded Grad"],
+                "optim": r.after_step["OptState"]}
+        fake["total"] = sum(fake.values())
+        per_rank = {rank: {k: v[s][k] for k in ("params", "grads", "optim", "total")} for rank, v in real.items()}
+        rows.append({"strategy": s, "nproc": nproc, "rehearsal": fake, "real": per_rank,
+                     "equal": all(v == fake for v in per_rank.values()), "rehearsal_wall_s": r.wall_s,
+                     "launch_wall_s": real.wall_s})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Views and text
+# ---------------------------------------------------------------------------------------------
+
+def _fmt(n: float, unit: str) -> str:
+    return f"{n / (GB if unit == 'GB' else GiB):,.2f}"
+
+
+def table_rows(rehearsals: list[Rehearsal], unit: str = "GB") -> list[dict]:
+    """One row per rehearsal: the setting, the peak's parts and the peak, as numbers (notebook 05b)."""
+    rows = []
+    for r in rehearsals:
+        row = {"setting": r.label, "Ψ": fmt_count(r.psi), "N": r.nproc, "Nd": r.nd}
+        row.update(r.parts("peak"))
+        row["peak"] = r.peak_bytes
+        row["wall_s"] = round(r.wall_s, 1)
+        rows.append(row)
+    return rows
+
+
+def format_table(rehearsals: list[Rehearsal], unit: str = "GB") -> str:
+    """A plain-text table of peaks per rank by part, one line per rehearsal (notebook 05b)."""
+    heads = ["setting", "peak"] + list(PARTS) + ["wall"]
+    lines = [f"bytes per rank at the peak, {unit} ({'10^9' if unit == 'GB' else '2^30'} bytes)",
+             " | ".join(heads)]
+    for r in rehearsals:
+        parts = r.parts("peak")
+        lines.append(" | ".join([r.label, _fmt(r.peak_bytes, unit)] + [_fmt(parts[p], unit) for p in PARTS]
+                                + [f"{r.wall_s:.1f} s"]))
+    return "\n".join(lines)
+
+
+def format_report(r: Rehearsal, unit: str = "GB") -> str:
+    """The text ``python -m course_utils rehearse`` prints (notebook 05b)."""
+    c = r.cfg
+    u = f"{unit} ({'10^9' if unit == 'GB' else '2^30'} bytes)"
+    head = (f"dress rehearsal: Ψ = {r.psi:,} ({fmt_count(r.psi)}; L={c.layers} h={c.width} heads={c.heads} "
+            f"vocab={c.vocab} seq={c.seq}), {STRATEGY_NAMES[r.strategy]} on {r.nproc} ranks"
+            + (f" (nodes of {r.node_size})" if r.strategy == "hybrid_shard" else "")
+            + f", micro-batch {r.micro_batch} x {c.seq} tokens, {r.mixed_precision}"
+            + (", activation checkpointing" if r.act_ckpt else "")
+            + f"; torch {r.torch_version}, FSDPMemTracker on fake tensors, {r.wall_s:.1f} s")
+    lines = [head, "", f"peak per rank {_fmt(r.peak_bytes, unit)} {u}; what held it (largest of each in the step):"]
+    for cat in CATEGORIES:
+        at, most = r.peak.get(cat, 0), r.category_peaks.get(cat, 0)
+        if at or most:
+            lines.append(f"  {cat:<16} {_fmt(at, unit):>10}   ({_fmt(most, unit)})")
+    lines += ["", f"the planner (course_utils.plan.memory_breakdown: memory.py's {r.stage} row with Nd = {r.nd}, "
+                  f"the paper's activation rule, buffers) against the rehearsal, {u}:"]
+    for row in compare(r):
+        ratio = "" if math.isnan(row["ratio"]) else f"  x{row['ratio']:.2f}"
+        lines.append(f"  {row['item']:<58} {_fmt(row['formula'], unit):>10} {_fmt(row['rehearsal'], unit):>10}"
+                     f"{ratio}  ({row['when']})")
+        lines.append(f"      {row['why']}")
+    return "\n".join(lines)
+
+
+def bars_view(rehearsals: list[Rehearsal], *, gpu_mem: float = 80 * GB, title: str = "") -> dict:
+    """What the stacked-bar chart draws: one bar per rehearsal, its peak by part (notebook 05b)."""
+    bars = [{"label": r.label, "parts": r.parts("peak"), "peak": r.peak_bytes} for r in rehearsals]
+    if not title and bars:
+        lo = min(bars, key=lambda b: b["peak"])
+        fits = [b["label"] for b in bars if b["peak"] <= gpu_mem]
+        title = (f"{lo['label']} has the lowest peak ({lo['peak'] / GB:.1f} GB per GPU); "
+                 + (f"{len(fits)} of {len(bars)} fit {gpu_mem / GB:g} GB" if fits else f"none fits {gpu_mem / GB:g} GB"))
+    return {"bars": bars, "parts": list(PARTS), "colors": PART_COLORS, "gpu_mem": gpu_mem, "title": title}
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: python -m course_utils rehearse
+# ---------------------------------------------------------------------------------------------
+
+def rehearse_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``python -m course_utils rehearse`` (notebook 05b)."""
+    parser.add_argument("--params", default=None,
+                        help=f"a preset: {', '.join(PRESETS)} (default 7B); the shape flags below override it")
+    for name, what in (("layers", "transformer blocks L"), ("width", "hidden size h"),
+                       ("heads", "attention heads (must divide --width)"), ("vocab", "vocabulary"),
+                       ("seq", "tokens per sequence")):
+        parser.add_argument(f"--{name}", type=int, default=None, help=what)
+    parser.add_argument("--nproc", type=int, default=8, help="ranks (GPUs) to rehearse, 1 to 1024 (default 8)")
+    parser.add_argument("--strategy", default="full_shard", choices=STRATEGIES, help="FSDP strategy (default full_shard)")
+    parser.add_argument("--node-size", type=int, default=8, help="ranks per node: hybrid_shard's shard group (default 8)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
+    parser.add_argument("--act-ckpt", action="store_true", help="activation checkpointing on every block")
+    parser.add_argument("--mixed-precision", default="bf16", choices=PRECISIONS,
+                        help="bf16 compute with fp32 reduce and fp32 shards (default), or fp32 throughout")
+    parser.add_argument("--unit", default="GB", choices=("GB", "GiB"), help="GB = 10^9 bytes (default), GiB = 2^30")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def rehearse_command(args) -> int:
+    """Run one rehearsal from the command line; bad input raises CourseInputError (exit 2) (notebook 05b)."""
+    cfg = model_config(args.params or "7B", layers=args.layers, width=args.width, heads=args.heads,
+                       vocab=args.vocab, seq=args.seq)
+    r = rehearse(cfg, args.nproc, args.strategy, node_size=args.node_size, micro_batch=args.micro_batch,
+                 act_ckpt=args.act_ckpt, mixed_precision=args.mixed_precision)
+    if args.json:
+        out = r.to_dict()
+        out["prediction"] = {k: v for k, v in predict(r).items()}
+        out["comparison"] = compare(r)
+        print(json.dumps(out, default=float))
+    else:
+        print(format_report(r, args.unit))
+    return 0
