@@ -156,8 +156,8 @@ class BucketedDDP(nn.Module):
         while self._next < len(self.buckets) and self.buckets[self._next].is_full():
             bucket = self.buckets[self._next]
             bucket.buffer.div_(self.world_size)  # the sum over ranks of g / N is the mean
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             self._mark("start", bucket.index)
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             if self.timeline is not None:
                 bucket.work.get_future().then(lambda _, i=bucket.index: self._mark("end", i))
             self._next += 1
@@ -428,7 +428,7 @@ def unused_parameters_demo(config: dict, mode: str) -> dict:
         model = GPTWithAuxHead(cfg.model, cfg.seed).to(info.device)
         out["losses_with_flag"], _ = _timed_steps(
             DistributedDataParallel(model, find_unused_parameters=True), cfg, info, cfg.steps)
-        for flag in (False, True, False, True):  # interleaved, so drift in machine load hits both
+        for flag in (False, True) * 3:  # interleaved, so drift in machine load hits both
             plain = build_model(cfg.model, seed=cfg.seed, device=info.device)
             _, t = _timed_steps(DistributedDataParallel(plain, find_unused_parameters=flag), cfg, info, cfg.steps)
             out.setdefault(f"step_s_flag_{flag}", []).append(t)
@@ -481,6 +481,25 @@ def mismatched_order(mode: str = "different_size", numel: int = 1000, collective
             run()
         out["swapped_order"] = [float(a[0]), float(b[0])]
         return out
+
+
+def worker_log_errors(run_dir, limit: int = 3) -> list[str]:
+    """The lines of a launch's worker logs that say why a collective failed (notebook 02).
+
+    A worker that gloo aborts (SIGABRT) leaves no Python traceback for the launcher to report;
+    its reason is only in its stderr log (``run_dir/logs/<run>/attempt_<n>/<rank>/stderr.log``).
+    """
+    import re
+    from pathlib import Path
+
+    pattern = re.compile(r"what\(\)|Timed out|doesn't match|mismatch|Connection closed|Read error")
+    found = []
+    for log in sorted(Path(run_dir).glob("logs/*/attempt_*/*/stderr.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            line = line.strip()
+            if pattern.search(line) and not line.startswith(("File ", "raise ")) and line not in found:
+                found.append(line)
+    return found[:limit]
 
 
 # ---------------------------------------------------------------- reading the results

@@ -335,7 +335,7 @@ def ddp_timeline_figure(timeline: dict, *, title: str = "", width: float = 8.5, 
     the end of its all-reduce; the top row is forward, backward and the final wait.
     """
     buckets = sorted({r["bucket"] for r in timeline["ready"]})
-    fig = new_figure(width, height or 1.6 + 0.38 * (len(buckets) + 1))
+    fig = new_figure(width, height or 1.9 + 0.38 * (len(buckets) + 1))
     ax = fig.add_subplot()
     top = len(buckets)
     ax.barh(top, -timeline["forward_ms"], left=timeline["forward_ms"], color="#bbbbbb", height=0.6, label="forward")
@@ -354,7 +354,7 @@ def ddp_timeline_figure(timeline: dict, *, title: str = "", width: float = 8.5, 
     ax.invert_yaxis()
     ax.set_xlabel("time since backward began (ms)")
     ax.set_title(title or "Each bucket's all-reduce starts as soon as its last gradient is ready")
-    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=5, fontsize=8, frameon=False)
     return fig
 
 
