@@ -255,6 +255,16 @@ def _start_agent(spec_path: Path, result_path: Path, log_path: Path, env: dict, 
     return pid
 
 
+def _log_launch(target: str, nproc: int, wall_s: float, cold: bool, finished: bool) -> None:
+    """One JSON line per launch appended to $COURSE_LAUNCH_LOG, when set (``python -m course_utils bench``
+    counts a notebook's launches with it; ``cold``: this launch started the agent server)."""
+    path = os.environ.get("COURSE_LAUNCH_LOG")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"target": target, "nproc": nproc, "wall_s": wall_s, "cold": cold,
+                                 "finished": finished}) + "\n")
+
+
 def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeout_s: float = 120.0,
            max_restarts: int = 0, mesh_shape=None, run_dir=None, env=None,
            progress: bool = True, echo: bool = True) -> RunResult:
@@ -321,6 +331,7 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
     base_env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, base_env.get("PYTHONPATH")) if p)
 
     start = time.monotonic()
+    cold = start_method == "fork" and (_AgentServer.proc is None or _AgentServer.proc.poll() is not None)
     status = _Progress(progress_dir, nproc, progress)
     tail: list[str] = []
     pgid = None
@@ -365,6 +376,7 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
                 time.sleep(0.02)
             _kill_group(pgid, grace_s=1.0)
         _reap()
+        _log_launch(target, nproc, time.monotonic() - start, cold, result_path.exists())
     status.update(time.monotonic() - start, final=True)
 
     if not result_path.exists():
