@@ -1,0 +1,231 @@
+"""The benchmark's pure pieces (course_utils.bench): statistics and ratios, the formulas it picks for
+each strategy (against the paper's numbers worked by hand), the start-up estimate, the verdicts, the
+results.md writer and argument checking. No timing is asserted: timings live in ``make bench``.
+
+One real run, in this process (a world of one): the training loop on a width the presets do not
+have, whose bytes held must equal the fp32 bill 16Ψ exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from course_utils import bench, cli, comm, models, zero
+from course_utils.errors import CourseInputError
+
+PSI = 1000  # a round Ψ for the formulas
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics and ratios
+# ---------------------------------------------------------------------------------------------
+
+def test_spread_and_interleaved_ratios():
+    assert bench.spread([3, 1, 2]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
+    r = bench.pair_ratios([2.0, 3.0, 1.0], [1.0, 2.0, 1.0])  # round by round: 2, 1.5, 1
+    assert r["ratios"] == [2.0, 1.5, 1.0]
+    assert (r["min"], r["median"], r["max"], r["n"]) == (1.0, 1.5, 2.0, 3)
+    with pytest.raises(CourseInputError):
+        bench.spread([])
+    with pytest.raises(CourseInputError):
+        bench.pair_ratios([1.0, 2.0], [1.0])
+    with pytest.raises(CourseInputError):
+        bench.pair_ratios([1.0], [0.0])
+
+
+def test_linear_launch_cost():
+    assert bench.linear_cost({2: 1.0, 4: 2.0}) == pytest.approx((0.0, 0.5))
+    assert bench.linear_cost({2: 0.7}) == (0.7, 0.0)
+    a, b = bench.linear_cost({1: 1.0, 2: 2.0, 4: 3.0})  # least squares through three points
+    assert b == pytest.approx(9 / 14) and a == pytest.approx(2.0 - b * 7 / 3)
+    with pytest.raises(CourseInputError):
+        bench.linear_cost({})
+
+
+def test_startup_split():
+    launches = [{"nproc": 2, "wall_s": 3.0, "cold": True}, {"nproc": 4, "wall_s": 2.0, "cold": False}]
+    out = bench.startup_split(10.0, 2.0, launches, (0.5, 0.25), cold_extra_s=1.0)
+    # kernel 2 + (0.5 + 0.5 + 1 cold) + (0.5 + 1.0)
+    assert out["starting_s"] == pytest.approx(5.5) and out["computing_s"] == pytest.approx(4.5)
+    assert out["launches"] == 2 and out["launch_wall_s"] == 5.0 and out["starting_share"] == pytest.approx(0.55)
+    capped = bench.startup_split(3.0, 2.0, launches, (0.5, 0.25), cold_extra_s=1.0)
+    assert capped["starting_s"] == 3.0 and capped["computing_s"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The formulas each strategy is held to
+# ---------------------------------------------------------------------------------------------
+
+def test_paper_traffic_formulas():
+    # one rank's ring bytes per step, fp32: all-reduce 2(N-1)/N·4Ψ, stage 3 3(N-1)/N·4Ψ
+    assert bench.paper_sent_bytes("ddp", PSI, 2) == 4 * PSI
+    assert bench.paper_sent_bytes("ddp_scratch", PSI, 4) == pytest.approx(2 * 3 / 4 * 4 * PSI)
+    for s in ("zero1", "zero2", "shard_grad_op", "no_shard"):
+        assert bench.paper_sent_bytes(s, PSI, 4) == pytest.approx(comm.step_sent("ddp", PSI, 4) * 4)
+    assert bench.paper_sent_bytes("zero3", PSI, 4) == pytest.approx(3 * 3 / 4 * 4 * PSI)
+    assert bench.paper_sent_bytes("full_shard", PSI, 2) == pytest.approx(1.5 * 4 * PSI)
+    # HSDP, 2 nodes x 2: stage 3 inside the node (1.5Ψ) + all-reduce of the Ψ/2 shard across 2 nodes (0.5Ψ)
+    assert bench.paper_sent_bytes("hybrid_shard", PSI, 4, node_size=2) == pytest.approx(2.0 * 4 * PSI)
+    assert bench.paper_sent_bytes("single", PSI, 1) == 0.0
+    with pytest.raises(CourseInputError):
+        bench.paper_sent_bytes("zero4", PSI, 2)
+
+
+@pytest.mark.parametrize("strategy, nproc, per_param", [
+    ("single", 1, 16), ("ddp", 2, 16), ("ddp_scratch", 4, 16), ("no_shard", 2, 16),
+    ("zero1", 2, 8 + 8 / 2), ("zero2", 2, 4 + 12 / 2), ("zero3", 4, 16 / 4),
+    ("full_shard", 2, 16 / 2), ("shard_grad_op", 2, 16 / 2), ("hybrid_shard", 4, 16 / 2),
+])
+def test_held_formulas_fp32(strategy, nproc, per_param):
+    # fp32 Adam, 4 + 4 + 8 bytes per parameter; FSDP2's SHARD_GRAD_OP reshards after backward (16Ψ/N at rest)
+    exp = bench.expected_bytes(strategy, PSI, nproc)
+    assert exp["held_paper"] == pytest.approx(per_param * PSI) and exp["held_exact"] == exp["held_paper"]
+
+
+def test_padding_is_counted_from_the_run():
+    # Ψ = 10 on 4 ranks pads to 12: each rank owns S = 3 elements
+    units = [{"name": "flat 0", "numel": 10, "padded": 12, "shard_numel": 3, "padding": 2, "trainable": True}]
+    exp = bench.expected_bytes("zero1", 10, 4, strategy_info={"shard_numel": 3, "units": units})
+    assert exp["held_paper"] == 8 * 10 + 8 * 10 / 4 and exp["held_exact"] == 8 * 10 + 8 * 3
+    assert exp["sent_paper"] == pytest.approx(2 * 3 / 4 * 10 * 4)   # 60 B
+    assert exp["sent_exact"] == pytest.approx(2 * 3 / 4 * 12 * 4)   # 72 B: the padded buffer travels
+    assert exp["sent_exact"] == pytest.approx(sum(r["sent_bytes"] for r in zero.expected_traffic(
+        "zero1", 4, units, precision="fp32").values()))
+
+
+def test_theory_row_compares_measured_with_formula():
+    nd = 2
+    formula = bench.expected_bytes("zero3", PSI, nd)
+    report = {"world_size": nd, "config": {"node_size": 2, "precision": "fp32"}, "strategy_info": {},
+              "per_rank": [{"rank": r, "total": formula["held_paper"]} for r in range(nd)],
+              "comm_per_step": {"all_gather": {"calls": 6, "sent_bytes": 2 * PSI * 4 * 0.5}},
+              "comm_per_step_by_rank": [{"all_gather": {"calls": 6, "sent_bytes": 1.01 * formula["sent_paper"]}}] * nd}
+    row = bench.theory_row("zero3", report, PSI)
+    assert row["held_ratio"] == 1.0 and row["sent_ratio"] == pytest.approx(1.01)
+    assert row["kinds"] == {"all_gather": 6}
+    assert bench.ratio(0.0, 0.0) == 1.0 and bench.ratio(5.0, 0.0) is None
+
+
+def test_flops_and_peaks():
+    assert bench.train_flops(100, layers=2, width=8, seq=4, tokens=10) == (600 + 12 * 2 * 4 * 8) * 10
+    assert bench.bf16_peak("NVIDIA H100 80GB HBM3") == 989e12
+    assert bench.bf16_peak("NVIDIA H100 PCIe") == 756e12
+    assert bench.bf16_peak("NVIDIA L40S") == 362e12 and bench.bf16_peak("NVIDIA L4") == 121e12
+    assert bench.bf16_peak("NVIDIA GeForce GTX 1080") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies, shapes, one real run in this process
+# ---------------------------------------------------------------------------------------------
+
+def test_missing_strategy_is_reported_not_raised(monkeypatch):
+    from course_utils import train
+
+    assert bench.strategy_available("single") == (True, "")
+    monkeypatch.setitem(train.STRATEGIES, "ghost", "course_utils.no_such_module:apply_ghost")
+    ok, why = bench.strategy_available("ghost")
+    assert not ok and "not available" in why
+    assert bench.strategy_available("zero9")[0] is False
+
+
+def test_bench_shape_trains_and_holds_the_fp32_bill(monkeypatch):
+    from course_utils.train import TrainConfig
+
+    monkeypatch.setattr(models, "PRESETS", dict(models.PRESETS))
+    shape = bench.model_shape(width=32, heads=2)
+    assert shape["width"] == 32 and shape["layers"] == models.get_config("tiny").layers
+    psi = bench.psi_of(shape)
+    assert psi == models.param_count(models.get_config("tiny", width=32, heads=2))
+    cfg = TrainConfig(strategy="single", nproc=1, steps=2, model=bench.model_name(shape))
+    report = bench.bench_train_worker(vars(cfg) | {"options": {}}, shape)
+    row = bench.theory_row("single", report, psi)
+    assert row["held_mean"] == 16 * psi and row["held_ratio"] == 1.0 and row["sent_mean"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts, results.md, arguments
+# ---------------------------------------------------------------------------------------------
+
+def _results(course=(60.0, 95.0), launch_ratio=0.4, pair_median=1.2, dev=0.002):
+    rows = [{"notebook": f"0{i}_x", "wall_s": w, "error": None, "launches": 2, "launch_wall_s": 3.0,
+             "starting_s": 5.0, "computing_s": w - 5.0, "starting_share": 5.0 / w} for i, w in enumerate(course)]
+    nb = {"rows": rows, "course_s": sum(course), "kernel_s": 3.0, "per_launch_s": [0.3, 0.1], "cold_extra_s": 1.0,
+          "starting_s": 10.0, "computing_s": sum(course) - 10.0, "launches": 4}
+    ratio = {"min": pair_median - 0.1, "median": pair_median, "max": pair_median + 0.1, "n": 3,
+             "ratios": [pair_median] * 3}
+    pairs = {"rounds": 3, "steps": 8, "psi": PSI, "nproc": 2, "model": bench.model_shape(),
+             "rows": [{"hand": "zero3", "torch": "full_shard", "ratio": ratio, "hand_s": ratio, "torch_s": ratio,
+                       "hand_calls": {"all_gather": 6}, "torch_calls": {"all_gather": 6}, "same_losses": False,
+                       "max_loss_diff": 1e-7},
+                      {"hand": "ddp_scratch", "torch": "ddp", "error": "ddp_scratch: not available (ImportError)"}]}
+    theory = {"psi": PSI, "model": bench.model_shape(), "steps": 8,
+              "rows": [{"strategy": "zero2", "nproc": 2, "held_mean": 1.0, "held_exact": 1.0, "held_paper": 1.0,
+                        "sent_mean": 1.0, "sent_exact": 1.0, "held_ratio": 1.0, "sent_ratio": 1 + dev,
+                        "held_ratio_paper": 1.0, "sent_ratio_paper": 1 + dev, "held_padding": 0,
+                        "sent_padding": 0}, {"strategy": "zero1", "nproc": 2, "error": "not available"}]}
+    launch = {"torch_import": {"min": 1.0, "median": 1.0, "max": 1.0, "n": 3}, "cold_s": 2.0, "cold_extra_s": 1.0,
+              "rows": [{"worker": "empty_worker", "nproc": 2, "min": 0.4, "median": launch_ratio, "max": 0.5}],
+              "ratios": {"empty x2": launch_ratio}}
+    return {"notebooks": nb, "launch": launch, "pairs": pairs, "theory": theory}
+
+
+def test_verdicts_per_target():
+    met = {v["target"].split()[0] + v["target"].split()[1]: v["met"] for v in bench.verdicts(_results())}
+    assert list(met.values()) == [True, False, True, True, True]  # 95 s is one notebook over 90 s
+    slow = bench.verdicts(_results(course=(200.0, 150.0), launch_ratio=2.5, pair_median=1.6, dev=0.02))
+    assert [v["met"] for v in slow] == [False, False, False, False, False]
+    assert "zero2 sent off by 2.0%" in slow[4]["why"] and "zero3" in slow[3]["why"]
+    assert [v["met"] for v in bench.verdicts({})] == [None, None, None, None]
+
+
+def test_results_markdown_tables_are_well_formed():
+    text = bench.results_markdown({**_results(), "cuda": {"skipped": "no CUDA device on this host"}})
+    assert "**not met**" in text and "**whole course**" in text and "not available (ImportError)" in text
+    assert "no CUDA device" in text
+    table = None
+    for line in text.splitlines():  # every row of a table has as many cells as its header
+        if line.startswith("|"):
+            cells = len(re.findall(r"(?<!\\)\|", line)) - 1
+            table = cells if table is None else table
+            assert cells == table, line
+        else:
+            table = None
+
+
+def test_sections_and_arguments():
+    assert bench.parse_sections(None, cuda_available=False) == ["launch", "pairs", "theory", "scaling", "notebooks"]
+    assert bench.parse_sections(None, cuda_available=True)[-1] == "cuda"
+    assert bench.parse_sections("theory, launch", False) == ["launch", "theory"]  # run in the canonical order
+    for bad in ("launch,warp", ",", "cuda"):
+        with pytest.raises(CourseInputError):
+            bench.parse_sections(bad, cuda_available=False)
+    ok = argparse.Namespace(rounds=3, steps=8, repeats=5)
+    bench.check_arguments(ok)
+    for name, value in (("steps", 2), ("rounds", 0), ("repeats", 1)):
+        with pytest.raises(CourseInputError, match=name):
+            bench.check_arguments(argparse.Namespace(**{**vars(ok), name: value}))
+
+
+def test_cli_refuses_bad_sections_in_one_line(capsys, tmp_path):
+    assert cli.main(["bench", "--sections", "warp", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown section" in err and not list(tmp_path.iterdir())
+
+
+def test_scaling_figure_draws(tmp_path):
+    rows = [{"strategy": s, "width": w, "nproc": n, "psi": 1000 * w, "step_time_s": 0.01 * n,
+             "held_per_rank": 16e3 * w / (n if s == "zero3" else 1), "held_formula": 16e3 * w / (n if s == "zero3" else 1)}
+            for s in ("ddp", "zero3") for w in (64, 128) for n in (1, 2, 4)]
+    fig = bench.scaling_figure({"strategies": ["ddp", "zero3"], "widths": [64, 128], "ranks": [1, 2, 4], "rows": rows})
+    fig.savefig(tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_launch_phases_from_rank_clocks():
+    ranks = [{"entered": 10.5, "joined": 10.9, "left": 11.0}, {"entered": 10.6, "joined": 10.9, "left": 11.1}]
+    out = bench.launch_phases(10.0, 11.4, ranks)
+    assert out == pytest.approx({"to_workers_s": 0.6, "join_s": 0.3, "after_s": 0.3})
+    empty = bench.launch_phases(1.0, 2.0, [{"entered": 1.5, "left": 1.5}])
+    assert empty["join_s"] == 0.0 and empty["after_s"] == pytest.approx(0.5)
