@@ -498,6 +498,28 @@ def _default_label(strategy: str, act_ckpt: bool) -> str:
     return STRATEGY_NAMES[strategy] + (" + act. ckpt" if act_ckpt else "")
 
 
+def parse_setting(text: str) -> dict:
+    """"full_shard", "shard_grad_op+ckpt"...: a strategy, "+ckpt" for activation checkpointing (notebook 05b)."""
+    name, _, extra = str(text).strip().partition("+")
+    if name not in STRATEGIES or extra not in ("", "ckpt"):
+        raise CourseInputError(f"cannot read setting {text!r}; write a strategy ({', '.join(STRATEGIES)}), "
+                               "optionally followed by +ckpt, e.g. 'full_shard+ckpt'")
+    return {"strategy": name, "act_ckpt": extra == "ckpt"}
+
+
+def rehearse_settings(model: str | GPTConfig, nproc: int, settings, *, node_size: int = 8, micro_batch: int = 1,
+                      mixed_precision: str = "bf16") -> list[Rehearsal]:
+    """One rehearsal per setting ("full_shard", "full_shard+ckpt", ...), in order (notebook 05b).
+
+    Every setting is read and checked before the first rehearsal starts.
+    """
+    parsed = [parse_setting(t) for t in settings]
+    for s in parsed:
+        check_setting(nproc, s["strategy"], node_size, micro_batch, mixed_precision)
+    return [rehearse(model, nproc, s["strategy"], node_size=node_size, micro_batch=micro_batch,
+                     act_ckpt=s["act_ckpt"], mixed_precision=mixed_precision) for s in parsed]
+
+
 def padded_shard_numel(cfg: GPTConfig, nd: int) -> int:
     """Elements of one rank's parameter shards, FSDP2's padding included (notebook 05b).
 
@@ -536,7 +558,17 @@ PLAN_STRATEGY = {"no_shard": "ddp", "shard_grad_op": "zero2", "full_shard": "zer
 
 
 def predict(r: Rehearsal) -> dict:
-    """The planner's bytes per rank for the rehearsed setting, item by item (notebook 05b).
+    """The planner's bytes per rank for a rehearsal's setting, item by item (notebook 05b).
+
+    See ``predict_setting``; this reads the setting from ``r``.
+    """
+    return _predict(r.cfg, r.psi, r.nproc, r.strategy, r.node_size, r.micro_batch, r.act_ckpt, r.mixed_precision)
+
+
+def predict_setting(model: str | GPTConfig = "7B", nproc: int = 8, strategy: str = "full_shard", *,
+                    node_size: int = 8, micro_batch: int = 1, act_ckpt: bool = False,
+                    mixed_precision: str = "bf16") -> dict:
+    """The planner's bytes per rank before any rehearsal: the "predict" of predict-then-run (notebook 05b).
 
     ``plan.memory_breakdown`` for the same model, GPUs, strategy, micro-batch and checkpointing:
     model states by the ZeRO row (``memory.model_state_bytes``, Nd = the shard group),
@@ -544,32 +576,38 @@ def predict(r: Rehearsal) -> dict:
     buckets, or for stage 3 the gathered block twice plus its 16-bit gradient). The planner
     assumes mixed precision; for fp32 the items are rescaled to 4-byte weights, gradients,
     activations and gathers, and K = 8 (plain fp32 Adam). Returns ``{"weights", "gradients",
-    "optimizer", "model_states", "activations", "buffers", "total", "stage", "nd"}``.
+    "optimizer", "model_states", "activations", "buffers", "total", "stage", "nd", "psi"}``.
     """
+    cfg = model_config(model)
+    check_setting(nproc, strategy, node_size, micro_batch, mixed_precision)
+    return _predict(cfg, param_count(cfg), nproc, strategy, node_size, micro_batch, act_ckpt, mixed_precision)
+
+
+def _predict(cfg, psi, nproc, strategy, node_size, micro_batch, act_ckpt, mixed_precision) -> dict:
     from . import plan
 
-    c = r.cfg
-    bill = optimizer_bill_for(r.mixed_precision)
-    spec = plan.ModelSpec(params=float(r.psi), layers=c.layers, width=c.width, heads=c.heads, vocab=c.vocab,
-                          seq=c.seq, micro_batch=r.micro_batch, checkpointing=r.act_ckpt)
-    if r.strategy == "hybrid_shard":
-        cluster = plan.Cluster(gpus_per_node=r.node_size, nodes=r.nproc // r.node_size)
+    bill = optimizer_bill_for(mixed_precision)
+    stage, nd = STRATEGY_STAGE[strategy], shard_group_size(strategy, nproc, node_size)
+    spec = plan.ModelSpec(params=float(psi), layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=cfg.vocab,
+                          seq=cfg.seq, micro_batch=micro_batch, checkpointing=act_ckpt)
+    if strategy == "hybrid_shard":
+        cluster = plan.Cluster(gpus_per_node=node_size, nodes=nproc // node_size)
     else:
-        cluster = plan.Cluster(gpus_per_node=r.nproc, nodes=1)
-    out = dict(plan.memory_breakdown(spec, cluster, PLAN_STRATEGY[r.strategy], k=bill.k))
-    if r.mixed_precision == "fp32":
+        cluster = plan.Cluster(gpus_per_node=nproc, nodes=1)
+    out = dict(plan.memory_breakdown(spec, cluster, PLAN_STRATEGY[strategy], k=bill.k))
+    if mixed_precision == "fp32":
         scale = bill.weight_bytes / memory.WEIGHT_BYTES
         out["weights"] *= scale
         out["gradients"] *= bill.grad_bytes / memory.GRAD_BYTES
         out["activations"] *= scale
-        if r.stage == "zero3":
+        if stage == "zero3":
             out["buffers"] *= scale
     out["model_states"] = out["weights"] + out["gradients"] + out["optimizer"]
-    check = memory.model_state_bytes(r.psi, r.nd, r.stage, k=bill.k, weight_bytes=bill.weight_bytes,
+    check = memory.model_state_bytes(psi, nd, stage, k=bill.k, weight_bytes=bill.weight_bytes,
                                      grad_bytes=bill.grad_bytes)
     assert math.isclose(out["model_states"], check, rel_tol=1e-9), (out["model_states"], check)
     out["total"] = out["model_states"] + out["activations"] + out["buffers"]
-    out["stage"], out["nd"] = r.stage, r.nd
+    out["stage"], out["nd"], out["psi"] = stage, nd, int(psi)
     return out
 
 
@@ -592,7 +630,8 @@ PEAK_MIN_LAYERS = 16
 def agreement(r: Rehearsal) -> dict:
     """How closely the planner matches the rehearsal, as numbers a notebook can assert (notebook 05b).
 
-    ``{"optimizer", "model_states", "gradients", "peak"}``: rehearsal / planner for each;
+    ``{"optimizer", "gradients", "peak"}``: rehearsal / planner for each; ``"model_states"``:
+    the model states held after the step over 16Ψ/Nd (K + 2 + 2 bytes per parameter, sharded);
     ``"activation_share"``: the planner's activations over its total; ``"peak_claim_applies"``:
     whether ``PEAK_TOL`` is claimed for this setting; ``"peak_within_tol"``.
     """
@@ -601,9 +640,13 @@ def agreement(r: Rehearsal) -> dict:
     out = {"optimizer": rows["optimizer state"]["ratio"],
            "gradients": rows["gradients"]["ratio"], "model_states": rows["model states at rest"]["ratio"],
            "peak": rows["peak per rank"]["ratio"], "activation_share": p["activations"] / p["total"]}
-    if r.strategy == "shard_grad_op":  # at rest it holds 16Ψ/Nd; the formula's 2Ψ is the working copy
-        out["model_states"] = (r.after_step["Sharded Param"] + r.after_step["OptState"] + r.after_step["Sharded Grad"]) \
-            / memory.model_state_bytes(r.psi, r.nd, "zero3", k=optimizer_bill_for(r.mixed_precision).k)
+    # At rest (after the step) every strategy holds its model states sharded over Nd: 16Ψ/Nd (for
+    # SHARD_GRAD_OP the formula's 2Ψ of stage 2 is the working copy, held only in forward/backward).
+    bill = optimizer_bill_for(r.mixed_precision)
+    sixteen = memory.model_state_bytes(r.psi, r.nd, "zero3", k=bill.k, weight_bytes=bill.weight_bytes,
+                                       grad_bytes=bill.grad_bytes)
+    out["model_states"] = (r.after_step["Sharded Param"] + r.after_step["OptState"]
+                           + r.after_step["Sharded Grad"]) / sixteen
     out["peak_claim_applies"] = r.cfg.layers >= PEAK_MIN_LAYERS and out["activation_share"] <= PEAK_MAX_ACT_SHARE
     out["peak_within_tol"] = abs(out["peak"] - 1) <= PEAK_TOL
     return out
@@ -756,6 +799,19 @@ def bridge(nproc: int = 2, strategies=("full_shard", "shard_grad_op"), *, model:
 # Views and text
 # ---------------------------------------------------------------------------------------------
 
+ABBREV = {"no_shard": "NS", "shard_grad_op": "SGO", "full_shard": "FS", "hybrid_shard": "HS"}
+
+
+def short_size(psi: float) -> str:
+    """Ψ as people say it: 1.6B, 6.7B, 65B (notebook 05b)."""
+    return f"{psi / 1e9:.2g}B" if psi >= 1e9 else fmt_count(round(psi, -3))
+
+
+def short_label(r: Rehearsal) -> str:
+    """"6.7B/8 FS+ckpt": model, ranks, strategy, for crowded charts (notebook 05b)."""
+    return f"{short_size(r.psi)}/{r.nproc} {ABBREV[r.strategy]}" + ("+ckpt" if r.act_ckpt else "")
+
+
 def _fmt(n: float, unit: str) -> str:
     return f"{n / (GB if unit == 'GB' else GiB):,.2f}"
 
@@ -815,9 +871,145 @@ def bars_view(rehearsals: list[Rehearsal], *, gpu_mem: float = 80 * GB, title: s
     if not title and bars:
         lo = min(bars, key=lambda b: b["peak"])
         fits = [b["label"] for b in bars if b["peak"] <= gpu_mem]
-        title = (f"{lo['label']} has the lowest peak ({lo['peak'] / GB:.1f} GB per GPU); "
+        title = (f"Lowest peak: {lo['label']}, {lo['peak'] / GB:.1f} GB per GPU; "
                  + (f"{len(fits)} of {len(bars)} fit {gpu_mem / GB:g} GB" if fits else f"none fits {gpu_mem / GB:g} GB"))
     return {"bars": bars, "parts": list(PARTS), "colors": PART_COLORS, "gpu_mem": gpu_mem, "title": title}
+
+
+def _unit_name(unit: str) -> str:
+    return f"{unit} ({'10^9' if unit == 'GB' else '2^30'} bytes)"
+
+
+def markdown_table(rehearsals: list[Rehearsal], unit: str = "GB", *, gpu_mem: float | None = None) -> str:
+    """The peak per rank by part, one row per rehearsal, as a Markdown table (notebook 05b)."""
+    heads = ["setting", "N", "Nd"] + list(PARTS) + ["**peak**"] + (["fits?"] if gpu_mem else []) + ["rehearsal"]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for r in rehearsals:
+        parts = r.parts("peak")
+        cells = [r.label, str(r.nproc), str(r.nd)] + [_fmt(parts[p], unit) for p in PARTS]
+        cells.append(f"**{_fmt(r.peak_bytes, unit)}**")
+        if gpu_mem:
+            cells.append("yes" if r.peak_bytes <= gpu_mem else "no")
+        cells.append(f"{r.wall_s:.1f} s")
+        lines.append("| " + " | ".join(cells) + " |")
+    psi = {short_size(r.psi) for r in rehearsals}
+    return (f"Bytes per GPU at the peak of one training step, {_unit_name(unit)}; Ψ = {', '.join(sorted(psi))}"
+            + (f"; one GPU holds {gpu_mem / GB:g} GB" if gpu_mem else "") + "\n\n" + "\n".join(lines))
+
+
+def markdown_compare(r: Rehearsal, unit: str = "GB") -> str:
+    """``compare(r)`` as a Markdown table: item, planner, rehearsal, ratio, when, why (notebook 05b)."""
+    lines = [f"{r.label}, {r.nproc} ranks, Ψ = {short_size(r.psi)}; bytes per GPU, {_unit_name(unit)}", "",
+             "| item | planner | rehearsal | ratio | when | what the formula counts, what FSDP2 holds |",
+             "|---|---|---|---|---|---|"]
+    for row in compare(r):
+        ratio = "" if math.isnan(row["ratio"]) else f"{row['ratio']:.3f}"
+        lines.append(f"| {row['item']} | {_fmt(row['formula'], unit)} | {_fmt(row['rehearsal'], unit)} | {ratio} "
+                     f"| {row['when']} | {row['why']} |")
+    return "\n".join(lines)
+
+
+def summary_rows(rehearsals: list[Rehearsal]) -> list[dict]:
+    """Planner against rehearsal, one row per rehearsal: what notebook 05b's summary shows (notebook 05b)."""
+    rows = []
+    for r in rehearsals:
+        a, p = agreement(r), predict(r)
+        rows.append({"setting": f"{short_size(r.psi)} on {r.nproc}: {r.label}", "short": short_label(r),
+                     "planner": p["total"],
+                     "rehearsal": r.peak_bytes, "ratio": a["peak"], "model_states": a["model_states"],
+                     "activation_share": a["activation_share"], "claimed": a["peak_claim_applies"],
+                     "within": a["peak_within_tol"]})
+    return rows
+
+
+def markdown_summary(rehearsals: list[Rehearsal], unit: str = "GB") -> str:
+    """``summary_rows`` as a Markdown table (notebook 05b)."""
+    lines = [f"Peak bytes per GPU, {_unit_name(unit)}: the planner (notebook 05) against the rehearsal",
+             "", "| setting | planner | rehearsal | rehearsal / planner | model states at rest, rehearsal / (16Ψ/Nd) "
+             f"| peak within {PEAK_TOL:.0%} claimed? |", "|---|---|---|---|---|---|"]
+    for row in summary_rows(rehearsals):
+        claim = ("yes: " + ("holds" if row["within"] else "FAILS")) if row["claimed"] else \
+            f"no (activations {row['activation_share']:.0%} of the planner's total)"
+        lines.append(f"| {row['setting']} | {_fmt(row['planner'], unit)} | {_fmt(row['rehearsal'], unit)} "
+                     f"| {row['ratio']:.3f} | {row['model_states']:.5f} | {claim} |")
+    return "\n".join(lines)
+
+
+def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
+    """Stacked bars: one GPU's peak per setting, by part, against the GPU's memory (notebook 05b).
+
+    ``view`` is ``bars_view(...)``. Lives here rather than in ``plots`` (whose owner is editing
+    it); it uses ``plots.new_figure`` like every course chart.
+    """
+    from matplotlib.patches import Patch
+
+    from .plots import new_figure
+
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    bars = view["bars"]
+    for i, bar in enumerate(bars):
+        bottom = 0.0
+        for part in view["parts"]:
+            value = bar["parts"][part] / GB
+            if value > 0:
+                ax.bar(i, value, bottom=bottom, width=0.6, color=view["colors"][part], edgecolor="white", lw=0.5)
+                bottom += value
+        ax.text(i, bottom, f"{bar['peak'] / GB:.1f} GB", ha="center", va="bottom", fontsize=9)
+    gpu = view["gpu_mem"] / GB
+    ax.axhline(gpu, color="#c0392b", ls="--", lw=1.5)
+    ax.text(len(bars) - 0.5, gpu, f"one {gpu:g} GB GPU ", color="#c0392b", ha="right", va="bottom", fontsize=9)
+    ax.set_xticks(range(len(bars)), [b["label"].replace(" + ", "\n+ ").replace("_GRAD_", "_GRAD\n_")
+                                     .replace("HYBRID_", "HYBRID\n_") for b in bars], fontsize=8)
+    ax.set_xlim(-0.6, len(bars) - 0.4)
+    ax.set_ylim(0, max([b["peak"] / GB for b in bars] + [gpu]) * 1.15)
+    ax.set_ylabel("peak memory per GPU, GB (10^9 bytes)")
+    used = [p for p in view["parts"] if any(b["parts"][p] > 0 for b in bars)]
+    fig.legend(handles=[Patch(color=view["colors"][p], label=p) for p in used], fontsize=8,
+               loc="outside lower center", ncols=3)
+    ax.set_title(view["title"], fontsize=10)
+    return fig
+
+
+def agreement_figure(rehearsals: list[Rehearsal], *, width: float = 6.5, height: float = 4.5):
+    """The planner's peak against the rehearsal's, one point per setting, with the ±PEAK_TOL band (notebook 05b)."""
+    import numpy as np
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    from .plots import new_figure
+
+    rows = summary_rows(rehearsals)
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    xs = np.array([r["planner"] for r in rows]) / GB
+    ys = np.array([r["rehearsal"] for r in rows]) / GB
+    lo, hi = min(xs.min(), ys.min()) / 1.5, max(xs.max(), ys.max()) * 1.5
+    grid = np.array([lo, hi])
+    ax.plot(grid, grid, color="#555555", lw=1, label="rehearsal = planner")
+    ax.fill_between(grid, grid * (1 - PEAK_TOL), grid * (1 + PEAK_TOL), color="#3a7dc9", alpha=0.12,
+                    label=f"±{PEAK_TOL:.0%}")
+    for i, (r, x, y) in enumerate(zip(rows, xs, ys)):
+        ax.scatter([x], [y], color="#3a7dc9" if r["claimed"] else "#e8883a", zorder=3, s=30)
+        ax.annotate(r["short"], (x, y), fontsize=7, xytext=(5, -9 if i % 2 else 3), textcoords="offset points")
+    ax.scatter([], [], color="#3a7dc9", s=30, label=f"claimed: ≥ {PEAK_MIN_LAYERS} blocks, activations ≤ "
+               f"{PEAK_MAX_ACT_SHARE:.0%}")
+    ax.scatter([], [], color="#e8883a", s=30, label="not claimed: activations dominate")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ticks = [t for t in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000) if lo <= t <= hi]
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
+        axis.set_ticks(ticks)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("planner's peak per GPU, GB (10^9 bytes), log scale")
+    ax.set_ylabel("rehearsal's peak per GPU, GB, log scale")
+    inside = sum(r["within"] for r in rows)
+    ax.set_title(f"The planner lands within {PEAK_TOL:.0%} of FSDP2's own peak for {inside} of {len(rows)} settings",
+                 fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------
