@@ -1,59 +1,418 @@
 """Build the course: execute every notebook headless, then export slide decks.
 
-    python tools/build_course.py execute   # notebooks/*.ipynb -> build/notebooks/*.ipynb (papermill)
-    python tools/build_course.py slides    # build/notebooks/*.ipynb -> slides/*.slides.html (nbconvert)
+    python tools/build_course.py execute [NN ...]      notebooks/*.ipynb -> build/notebooks/ (papermill, headless)
+    python tools/build_course.py slides [NN ...]       build/notebooks/*.ipynb -> slides/NN_name.slides.html
+    python tools/build_course.py vendor                re-fetch reveal.js and KaTeX from npm into slides/
+    python tools/build_course.py docs-shot [NN_name]   build/screenshots/NN_name.png -> docs/deck.png (README)
 
-Used by `make course`. Executed notebooks never go back into notebooks/.
+`make course` runs `execute` then `slides`; `make slides` re-exports the decks from build/ alone.
+NN picks notebooks by prefix ("01", "05b") or full name; none means every notebook.
+Executed notebooks never go back into notebooks/.
+
+How a notebook becomes a deck (slides/README.md says the same for teachers):
+
+- Only cells that carry ``slideshow`` metadata go into the deck; cells without it (the parameters,
+  imports, asserting cells) stay in the notebook. ``skip`` drops a cell, ``notes`` makes it speaker notes.
+- A code cell in the deck shows its outputs. Its source is shown too (small) when it is at most
+  ``SHORT_CODE_LINES`` lines, the one call that drew the chart, or when tagged ``slide-code``;
+  ``slide-no-code`` hides a short one.
+- Each slide is fitted to the 1280 x 720 canvas when the deck opens (deck_template/deck.js): charts
+  take the height the slide leaves free; a slide that overflows shrinks its text a little (85 %),
+  then moves its trailing prose, in order, into its speaker notes (never a cell's first paragraph,
+  a heading, a table, code, an output or a "Predict" question), then shrinks further (not below 70 %).
+- Widget views, stderr (warnings) and JavaScript outputs are left out; a notebook with an error
+  output is refused. Remote images (the Colab badge) become plain links, so a deck loads nothing
+  from the network: reveal.js and KaTeX are vendored under slides/.
 """
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 import os
+import re
+import shutil
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+from html.parser import HTMLParser
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 BUILD = ROOT / "build" / "notebooks"
+SCREENSHOTS = ROOT / "build" / "screenshots"
 SLIDES = ROOT / "slides"
+TEMPLATE_DIR = Path(__file__).resolve().parent / "deck_template"
+
+#: Code cells this short show their source on the slide (the call that drew the chart).
+SHORT_CODE_LINES = 3
+SHOW_CODE_TAG, HIDE_CODE_TAG = "slide-code", "slide-no-code"
+
+#: What the decks load, from the npm registry (`vendor` re-fetches exactly these files).
+VENDOR = {
+    "reveal.js": ("6.0.2", ["LICENSE", "dist/reveal.js", "dist/reveal.css", "dist/theme/white.css",
+                            "dist/plugin/notes.js"]),
+    "katex": ("0.19.1", ["LICENSE", "dist/katex.min.js", "dist/katex.min.css",
+                         "dist/contrib/auto-render.min.js", "dist/fonts/*.woff2"]),
+}
+#: Where each vendored file lands under slides/ (KaTeX's dist/ prefix is dropped).
+VENDOR_DIRS = {"reveal.js": ("", "reveal.js"), "katex": ("dist/", "katex")}
+
+DECK_SUFFIX = ".slides.html"
 
 
-def execute() -> int:
+# ---------------------------------------------------------------------------------------------
+# Which notebooks
+# ---------------------------------------------------------------------------------------------
+
+def select(paths, names) -> list[Path]:
+    """The paths whose stem starts with one of ``names`` (all of them when ``names`` is empty)."""
+    paths = sorted(paths)
+    if not names:
+        return paths
+    chosen = [p for p in paths if any(p.stem == n or p.stem.split("_")[0] == n for n in names)]
+    missing = [n for n in names if not any(p.stem == n or p.stem.split("_")[0] == n for p in paths)]
+    if missing:
+        raise SystemExit(f"no notebook named {', '.join(missing)} (have: {', '.join(p.stem for p in paths)})")
+    return chosen
+
+
+def execute(names=()) -> int:
+    """Run notebooks with papermill into build/notebooks/; a failing notebook is reported, the rest still run."""
     import papermill
 
     os.environ["COURSE_HEADLESS"] = "1"
     BUILD.mkdir(parents=True, exist_ok=True)
-    total = time.monotonic()
-    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+    total, failed = time.monotonic(), []
+    for path in select(NOTEBOOKS.glob("*.ipynb"), names):
         start = time.monotonic()
         print(f"    {path.name} ...", end="", flush=True)
-        papermill.execute_notebook(str(path), str(BUILD / path.name), cwd=str(NOTEBOOKS),
-                                   kernel_name="python3", progress_bar=False)
+        try:
+            papermill.execute_notebook(str(path), str(BUILD / path.name), cwd=str(NOTEBOOKS),
+                                       kernel_name="python3", progress_bar=False, log_output=False)
+        except papermill.PapermillExecutionError as err:
+            failed.append(path.name)
+            print(f" FAILED in cell {err.exec_count}: {err.ename}: {err.evalue}", flush=True)
+            continue
         print(f" {time.monotonic() - start:.1f} s", flush=True)
     print(f"    all notebooks: {time.monotonic() - total:.1f} s")
-    return 0
+    if failed:
+        print(f"    failed: {', '.join(failed)} (the executed copies in build/notebooks/ show the error)",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
-def slides() -> int:
+# ---------------------------------------------------------------------------------------------
+# From notebook cells to deck cells
+# ---------------------------------------------------------------------------------------------
+
+def slide_type(cell) -> str | None:
+    """The cell's reveal.js slide type, or None when it carries no ``slideshow`` metadata."""
+    return (cell.get("metadata", {}).get("slideshow") or {}).get("slide_type")
+
+
+def _is_injected(cell) -> bool:
+    """A cell papermill added: its parameters, or the banner it puts above a failed cell."""
+    return bool({"injected-parameters", "papermill-error-cell-tag"} & set(cell.get("metadata", {}).get("tags", [])))
+
+
+def fingerprint(nb) -> str:
+    """A hash of what a deck is made from: every cell's type, source, slide type and tags.
+
+    The same for a stripped notebook and its executed copy (outputs and papermill's
+    bookkeeping do not count), so a deck can say which version of its notebook it shows.
+    """
+    cells = [[c["cell_type"], "".join(c["source"]) if isinstance(c["source"], list) else c["source"],
+              slide_type(c), sorted(c.get("metadata", {}).get("tags", []))]
+             for c in nb["cells"] if not _is_injected(c)]
+    return hashlib.sha256(json.dumps(cells, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+_WIDGET = "application/vnd.jupyter.widget-view+json"
+_DROPPED_MIME = (_WIDGET, "application/javascript", "application/vnd.jupyter.widget-state+json")
+
+
+def deck_outputs(outputs: list) -> list:
+    """Outputs as a deck shows them: no stderr, no widget views or JavaScript (they need a kernel)."""
+    kept = []
+    for out in outputs:
+        if out.get("output_type") == "stream" and out.get("name") == "stderr":
+            continue
+        if out.get("output_type") in ("display_data", "execute_result"):
+            out = copy.deepcopy(out)
+            data = out["data"]
+            had_widget = _WIDGET in data
+            for mime in _DROPPED_MIME:
+                data.pop(mime, None)
+            if had_widget:
+                data.pop("text/plain", None)  # the repr of a widget object, e.g. "VBox(children=...)"
+            if not data:
+                continue
+        kept.append(out)
+    return kept
+
+
+def _is_image(out) -> bool:
+    return any(m.startswith("image/") for m in out.get("data", {}))
+
+
+_REMOTE_IMAGE = re.compile(r"!\[([^\]]*)\]\((https?://[^)\s]+)(?:\s+\"[^\"]*\")?\)")
+_NOTEBOOK_LINK = re.compile(r"\]\((\d\d[a-z]?_[a-z0-9_]+)\.ipynb\)")
+
+
+def _deck_markdown(source: str) -> str:
+    """Markdown for the deck: remote images become their alt text (a link stays a link);
+    links to another notebook point at its deck."""
+    source = _REMOTE_IMAGE.sub(lambda m: m.group(1), source)
+    return _NOTEBOOK_LINK.sub(lambda m: f"]({m.group(1)}{DECK_SUFFIX})", source)
+
+
+def _markdown_cell(source: str, kind: str, cell_id: str):
+    import nbformat
+
+    cell = nbformat.v4.new_markdown_cell(source, id=cell_id)  # a fixed id: the same deck every build
+    cell.metadata["slideshow"] = {"slide_type": kind}
+    return cell
+
+
+def deck_notebook(nb, name: str):
+    """The notebook a deck is exported from: the slide cells of ``nb``, ready for reveal.js.
+
+    Returns (notebook, warnings). ``name`` is the notebook's stem, for the title slide's notes.
+    Raises ValueError when the notebook holds an error output or has no slide cells.
+    """
+    import nbformat
+
+    nb = copy.deepcopy(nb)
+    cells, warnings = [], []
+    for index, cell in enumerate(nb.cells):
+        if _is_injected(cell):
+            continue
+        errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+        if errors:
+            raise ValueError(f"{name}: the cell run as In [{cell.get('execution_count')}] raised "
+                             f"{errors[0].get('ename')}; fix the notebook and run `make notebooks` again")
+        kind = slide_type(cell)
+        if kind is None:
+            if cell.cell_type == "code" and any(_is_image(o) for o in cell.get("outputs", [])):
+                warnings.append(f"{name}: cell {index} draws a chart but has no slideshow metadata, so the "
+                                "deck leaves it out (give it slide='subslide', or 'skip' to silence this)")
+            continue
+        if kind == "skip" or cell.cell_type == "raw":
+            continue
+        if cell.cell_type == "markdown":
+            text = _deck_markdown(cell.source)
+            if kind == "notes":
+                cells.append(_markdown_cell(text, "notes", cell.get("id", f"c{index}")))
+                continue
+            cell.source = text
+            cells.append(cell)
+            continue
+        # a code cell
+        if kind == "notes":
+            continue  # notes are prose; a code cell marked "notes" has nothing to say aloud
+        cell.outputs = deck_outputs(cell.get("outputs", []))
+        tags = set(cell.metadata.get("tags", []))
+        lines = len(cell.source.strip().splitlines())
+        show = SHOW_CODE_TAG in tags or (lines <= SHORT_CODE_LINES and HIDE_CODE_TAG not in tags)
+        if not show:
+            cell.metadata["transient"] = {"remove_source": True}
+            if not cell.outputs and kind not in ("slide", "subslide"):
+                continue  # nothing left to show (a cell that starts a slide stays: the count of slides is fixed)
+        cells.append(cell)
+    if not any(slide_type(c) not in ("notes",) for c in cells):
+        raise ValueError(f"{name}: no cell carries slideshow metadata, so there is no deck to export")
+    title = _title(nb)
+    cells.insert(1 if cells else 0, _markdown_cell(
+        f"Deck of `notebooks/{name}.ipynb`, executed headless; every number on these slides was computed "
+        "by that run. Keys: S speaker view (these notes), F full screen, Esc overview, B blank screen. "
+        "After presenting, run the notebook live: `make lab`, or the Colab badge.", "notes", "deck-keys"))
+    out = nbformat.v4.new_notebook()
+    out.cells = cells
+    out.metadata = copy.deepcopy(nb.metadata)
+    out.metadata.pop("widgets", None)  # no widget state: the deck needs no widget JavaScript
+    out.metadata["title"] = title
+    return out, warnings
+
+
+def _title(nb) -> str:
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            m = re.search(r"^#\s+(.+)$", cell.source, re.M)
+            if m:
+                return re.sub(r"[*_`]", "", m.group(1)).strip()
+    return "Course deck"
+
+
+def expected_slides(nb) -> int:
+    """How many slides (reveal.js sections) the deck of ``nb`` has: counted from slide metadata."""
+    cells = [c for c in nb["cells"] if slide_type(c) not in (None, "skip", "notes") and c["cell_type"] != "raw"
+             and not _is_injected(c)]
+    return sum(1 for i, c in enumerate(cells) if i == 0 or slide_type(c) in ("slide", "subslide"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The deck: nbconvert with the course template, then an offline check
+# ---------------------------------------------------------------------------------------------
+
+class _Resources(HTMLParser):
+    """Every URL a page would load by itself: scripts, stylesheets, images, frames, media, CSS url()/@import."""
+
+    LOADS = {"script": "src", "img": "src", "iframe": "src", "embed": "src", "source": "src",
+             "video": "src", "audio": "src", "object": "data"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.urls, self._in_style = [], False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "link" and "stylesheet" in (attrs.get("rel") or "") or tag == "link" and attrs.get("rel") in (
+                "preload", "modulepreload", "icon"):
+            self.urls.append(("link", attrs.get("href") or ""))
+        elif tag in self.LOADS and attrs.get(self.LOADS[tag]):
+            self.urls.append((tag, attrs[self.LOADS[tag]]))
+        if attrs.get("style"):
+            self.urls += [("style", u) for u in css_urls(attrs["style"])]
+        self._in_style = tag == "style"
+
+    def handle_endtag(self, tag):
+        self._in_style = False
+
+    def handle_data(self, data):
+        if self._in_style:
+            self.urls += [("style", u) for u in css_urls(data)]
+
+
+def css_urls(css: str) -> list[str]:
+    """URLs a stylesheet loads: url(...) and @import."""
+    found = re.findall(r"url\(\s*['\"]?([^'\")]+)['\"]?\s*\)", css)
+    found += re.findall(r"@import\s+['\"]([^'\"]+)['\"]", css)
+    return found
+
+
+def loaded_urls(html: str) -> list[tuple[str, str]]:
+    """(tag, url) for everything ``html`` loads when opened (not links a reader may click)."""
+    parser = _Resources()
+    parser.feed(html)
+    return parser.urls
+
+
+def remote_loads(html: str) -> list[str]:
+    """Every URL ``html`` would fetch from the network: empty for a deck that opens offline."""
+    return [f"<{tag}> {url}" for tag, url in loaded_urls(html) if re.match(r"(https?:)?//", url.strip(), re.I)]
+
+
+def export_deck(executed: Path, source: Path | None = None) -> tuple[str, list[str]]:
+    """(HTML of the deck, warnings) for one executed notebook."""
     import nbformat
     from nbconvert import SlidesExporter
 
+    nb = nbformat.read(executed, as_version=4)
+    name = executed.stem
+    deck, warnings = deck_notebook(nb, name)
+    if source is not None and fingerprint(nbformat.read(source, as_version=4)) != fingerprint(nb):
+        raise ValueError(f"{executed.relative_to(ROOT) if executed.is_relative_to(ROOT) else executed} was run "
+                         f"from another version of notebooks/{source.name}: run `make notebooks` first")
+    charts = sum(1 for c in deck.cells if c.cell_type == "code" for o in c.outputs if _is_image(o))
+    exporter = SlidesExporter(extra_template_basedirs=[str(TEMPLATE_DIR.parent)], template_name=TEMPLATE_DIR.name,
+                              exclude_input_prompt=True, exclude_output_prompt=True)
+    resources = {"course": {
+        "notebook": f"notebooks/{name}.ipynb", "fingerprint": fingerprint(nb), "title": _title(nb),
+        "slides": expected_slides(nb), "charts": charts,
+        "css": (TEMPLATE_DIR / "deck.css").read_text(), "js": (TEMPLATE_DIR / "deck.js").read_text()}}
+    html, _ = exporter.from_notebook_node(deck, resources=resources)
+    remote = remote_loads(html)
+    if remote:
+        raise ValueError(f"{name}: the deck would load from the network: {remote[:3]}")
+    return html, warnings
+
+
+def slides(names=()) -> int:
     SLIDES.mkdir(exist_ok=True)
-    executed = sorted(BUILD.glob("*.ipynb"))
+    executed = select(BUILD.glob("*.ipynb"), names) if BUILD.is_dir() else []
     if not executed:
         print("no executed notebooks in build/notebooks/; run `make notebooks` first", file=sys.stderr)
         return 2
-    exporter = SlidesExporter()
+    missing = [p.stem for p in NOTEBOOKS.glob("*.ipynb") if not (BUILD / p.name).exists()]
+    if missing and not names:
+        print(f"    note: not executed yet, so no deck: {', '.join(sorted(missing))}", file=sys.stderr)
+    failed = []
     for path in executed:
-        body, _ = exporter.from_notebook_node(nbformat.read(path, as_version=4))
-        out = SLIDES / f"{path.stem}.slides.html"
-        out.write_text(body)
-        print(f"    {out.relative_to(ROOT)}")
+        source = NOTEBOOKS / path.name
+        if not source.exists():
+            print(f"    skip {path.name}: no notebooks/{path.name} any more", file=sys.stderr)
+            continue
+        try:
+            html, warnings = export_deck(path, source)
+        except ValueError as err:
+            failed.append(path.stem)
+            print(f"    no deck for {path.stem}: {err}", file=sys.stderr)
+            continue
+        out = SLIDES / f"{path.stem}{DECK_SUFFIX}"
+        out.write_text(html)
+        for line in warnings:
+            print(f"    warning: {line}", file=sys.stderr)
+        print(f"    {out.relative_to(ROOT)} ({len(html) // 1024} KiB)")
+    orphans = [d.name for d in SLIDES.glob(f"*{DECK_SUFFIX}")
+               if not (NOTEBOOKS / (d.name[:-len(DECK_SUFFIX)] + ".ipynb")).exists()]
+    if orphans:
+        print(f"    warning: decks without a notebook (delete them): {', '.join(orphans)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Vendored JavaScript and the README screenshot
+# ---------------------------------------------------------------------------------------------
+
+def vendor() -> int:
+    """Fetch the pinned reveal.js and KaTeX packages with `npm pack` and copy the files decks load."""
+    import fnmatch
+
+    if shutil.which("npm") is None:
+        print("vendor needs npm (Node.js) to fetch the packages from the npm registry", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        for package, (version, patterns) in VENDOR.items():
+            subprocess.run(["npm", "pack", "--silent", f"{package}@{version}"], cwd=tmp, check=True,
+                           stdout=subprocess.DEVNULL)
+            tarball = Path(tmp) / f"{package}-{version}.tgz"
+            strip, target = VENDOR_DIRS[package]
+            dest = SLIDES / target
+            if dest.exists():
+                shutil.rmtree(dest)
+            with tarfile.open(tarball) as tar:
+                for member in tar.getmembers():
+                    rel = member.name.removeprefix("package/")
+                    if member.isfile() and any(fnmatch.fnmatch(rel, p) for p in patterns):
+                        out = dest / rel.removeprefix(strip)
+                        out.parent.mkdir(parents=True, exist_ok=True)
+                        out.write_bytes(tar.extractfile(member).read())
+            size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+            print(f"    slides/{target}/: {package} {version}, {size // 1024} KiB")
+    return 0
+
+
+def docs_shot(names=()) -> int:
+    """Copy one deck screenshot (written by tests/test_browser.py) to docs/deck.png for the README."""
+    name = names[0] if names else "01_memory_bill"
+    shot = SCREENSHOTS / f"{name}.png"
+    if not shot.exists():
+        print(f"no {shot.relative_to(ROOT)}: run the browser tests first "
+              "(.venv/bin/python -m pytest tests/test_browser.py -k deck)", file=sys.stderr)
+        return 2
+    (ROOT / "docs").mkdir(exist_ok=True)
+    shutil.copyfile(shot, ROOT / "docs" / "deck.png")
+    print(f"    {shot.relative_to(ROOT)} -> docs/deck.png")
     return 0
 
 
 if __name__ == "__main__":
-    commands = {"execute": execute, "slides": slides}
-    if len(sys.argv) != 2 or sys.argv[1] not in commands:
-        sys.exit("usage: python tools/build_course.py (execute | slides)")
-    sys.exit(commands[sys.argv[1]]())
+    commands = {"execute": execute, "slides": slides, "vendor": vendor, "docs-shot": docs_shot}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        sys.exit("usage: python tools/build_course.py (execute | slides | vendor | docs-shot) [NN ...]")
+    command, args = commands[sys.argv[1]], sys.argv[2:]
+    sys.exit(command() if command is vendor else command(args))

@@ -1,0 +1,267 @@
+"""The slide decks: one per notebook, up to date, opening with no network; and the rules that turn
+a notebook into a deck (tools/build_course.py), checked on a small notebook made here.
+
+The browser checks (slides counted and charts drawn in chromium) are in test_browser.py.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import sys
+
+import nbformat
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+from tools import build_course as bc  # noqa: E402
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+DECKS = sorted((ROOT / "slides").glob(f"*{bc.DECK_SUFFIX}"))
+REBUILD = "run `make course` (or `make notebooks slides`) and commit slides/"
+# A 1 x 1 PNG: enough for nbconvert to embed an image output.
+PNG = base64.b64encode(bytes.fromhex(
+    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+    "1f15c4890000000d49444154789c6360000002000100e221bc330000000049454e44ae426082")).decode()
+
+
+def _deck_name(deck):
+    return deck.name[: -len(bc.DECK_SUFFIX)]
+
+
+def _meta(html: str, name: str) -> str:
+    for tag in re.findall(r"<meta\b[^>]*>", html):
+        attrs = dict(re.findall(r'(\w[\w-]*)="([^"]*)"', tag))
+        if attrs.get("name") == name:
+            return attrs["content"]
+    raise AssertionError(f"the deck has no {name} meta tag: {REBUILD}")
+
+
+def _leaf_sections(html: str) -> int:
+    """Slides of a deck: <section>s that hold no other <section>."""
+    body = re.sub(r"<aside class=\"notes.*?</aside>", "", html, flags=re.S)
+    tags = re.findall(r"<(/?)section\b", body)
+    leaves, has_child = 0, []
+    for closing in tags:
+        if not closing:
+            if has_child:
+                has_child[-1] = True
+            has_child.append(False)
+        else:
+            leaves += 0 if has_child.pop() else 1
+    return leaves
+
+
+# ---------------------------------------------------------------------------------------------
+# The committed decks
+# ---------------------------------------------------------------------------------------------
+
+def test_every_notebook_has_a_deck_and_every_deck_a_notebook():
+    notebooks = {p.stem for p in NOTEBOOKS}
+    decks = {_deck_name(d) for d in DECKS}
+    assert not notebooks - decks, f"notebooks without a deck: {sorted(notebooks - decks)}; {REBUILD}"
+    assert not decks - notebooks, f"decks without a notebook: {sorted(decks - notebooks)}; delete them"
+
+
+@pytest.mark.parametrize("deck", DECKS, ids=_deck_name)
+def test_deck_shows_the_current_notebook(deck):
+    source = ROOT / "notebooks" / f"{_deck_name(deck)}.ipynb"
+    if not source.exists():
+        pytest.fail(f"{deck.name} has no notebook (see the test above)")
+    html = deck.read_text()
+    nb = nbformat.read(source, as_version=4)
+    assert _meta(html, "course-fingerprint") == bc.fingerprint(nb), \
+        f"{deck.name} was exported from another version of {source.name}: {REBUILD}"
+    slides = bc.expected_slides(nb)
+    assert int(_meta(html, "course-slides")) == slides == _leaf_sections(html)
+    assert slides >= 3, f"{deck.name}: {slides} slides is not a talk"
+    title = re.search(r"<h1[^>]*>(.*?)<", html, re.S).group(1).strip()
+    assert title == bc._title(nb), "the first slide is the notebook's title"
+    charts = len(re.findall(r'<img\b[^>]*\bsrc="data:image/', html))
+    assert int(_meta(html, "course-charts")) == charts
+
+
+@pytest.mark.parametrize("deck", DECKS, ids=_deck_name)
+def test_deck_loads_nothing_from_the_network(deck):
+    html = deck.read_text()
+    assert bc.remote_loads(html) == []
+    # the same, said plainly: no script or stylesheet tag points at http(s):// or a protocol-relative URL
+    tags = re.findall(r"<(?:script|link)\b[^>]*>", html, re.I)
+    assert not [t for t in tags if re.search(r"(src|href)\s*=\s*[\"']?\s*(https?:)?//", t, re.I)]
+
+
+@pytest.mark.parametrize("deck", DECKS, ids=_deck_name)
+def test_deck_finds_its_local_files(deck):
+    local = [url for _, url in bc.loaded_urls(deck.read_text()) if not url.startswith(("data:", "#"))]
+    assert {"reveal.js/dist/reveal.js", "reveal.js/dist/plugin/notes.js", "katex/katex.min.js"} <= set(local)
+    missing = [url for url in local if not (deck.parent / url).is_file()]
+    assert not missing, f"{deck.name} loads files that are not in slides/: {missing}"
+
+
+def test_vendored_files_are_complete_and_offline():
+    for package, (version, patterns) in bc.VENDOR.items():
+        strip, target = bc.VENDOR_DIRS[package]
+        for pattern in patterns:
+            found = list((ROOT / "slides" / target).glob(pattern.removeprefix(strip)))
+            assert found, f"slides/{target}/{pattern.removeprefix(strip)} is missing: python tools/build_course.py vendor"
+    for css in (ROOT / "slides").rglob("*.css"):
+        remote = [u for u in bc.css_urls(css.read_text()) if re.match(r"(https?:)?//", u)]
+        assert not remote, f"{css.relative_to(ROOT)} loads {remote}"
+    assert "speaker" in (ROOT / "slides" / "reveal.js" / "dist" / "plugin" / "notes.js").read_text().lower()
+
+
+# ---------------------------------------------------------------------------------------------
+# From notebook to deck, on a notebook made here
+# ---------------------------------------------------------------------------------------------
+
+def _md(text, kind="slide"):
+    cell = nbformat.v4.new_markdown_cell(text)
+    if kind:
+        cell.metadata["slideshow"] = {"slide_type": kind}
+    return cell
+
+
+def _code(text, outputs=(), kind=None, tags=()):
+    cell = nbformat.v4.new_code_cell(text)
+    cell.outputs = [nbformat.from_dict(o) for o in outputs]
+    if kind:
+        cell.metadata["slideshow"] = {"slide_type": kind}
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
+
+
+def _stdout(text):
+    return {"output_type": "stream", "name": "stdout", "text": text}
+
+
+def _image(text="the readout"):
+    return {"output_type": "display_data", "metadata": {}, "data": {"image/png": PNG, "text/plain": text}}
+
+
+@pytest.fixture
+def executed():
+    """A small executed notebook with one of each kind of cell the course uses."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    nb.cells = [
+        _md("# 99 · A test deck\n\n**One promise.**\n\n[![Open In Colab](https://colab.research.google.com/"
+            "assets/colab-badge.svg)](https://colab.research.google.com/x/99_test.ipynb)"),
+        _code("steps = 2", [], tags=("parameters",)),
+        _code("import sys  # Colab set-up", [], kind="skip"),
+        _md("## With $N$ ranks\n\nThe sum is $N(N+1)/2$; next: [notebook 02](02_next.ipynb)."),
+        _md("Say this aloud, do not show it.", kind="notes"),
+        _code("result = 3\nassert result == 3", [_stdout("checked\n")]),
+        _code("chart()", [_image(), _stdout("drawn\n"),
+                          {"output_type": "stream", "name": "stderr", "text": "a FutureWarning\n"},
+                          {"output_type": "display_data", "metadata": {},
+                           "data": {"application/vnd.jupyter.widget-view+json": {"model_id": "x"},
+                                    "text/plain": "VBox(children=...)"}}], kind="subslide"),
+        _code("a = 1\nb = 2\nc = 3\nd = 4\nprint('long cell')", [_stdout("long cell\n")], kind="fragment"),
+        _code("a = 1\nb = 2\nc = 3\nd = 4\nprint('shown')", [_stdout("shown\n")], kind="subslide",
+              tags=(bc.SHOW_CODE_TAG,)),
+        _code("hidden_call()", [_stdout("short but hidden\n")], kind="-", tags=(bc.HIDE_CODE_TAG,)),
+        _code("unmarked_chart()", [_image("not in the deck")]),
+        _md("## Summary\n\n| a | b |\n|---|---|\n| 1 | 2 |"),
+    ]
+    for i, cell in enumerate(nb.cells):
+        cell["id"] = f"t-{i:03d}"
+    return nb
+
+
+def test_deck_keeps_slide_cells_only(executed):
+    deck, warnings = bc.deck_notebook(executed, "99_test")
+    sources = [c.source for c in deck.cells]
+    assert not any("steps = 2" in s or "Colab set-up" in s or "assert result" in s for s in sources)
+    kinds = [bc.slide_type(c) for c in deck.cells]
+    assert kinds.count("notes") == 2  # the notebook's notes cell and the deck's own keys note
+    assert len(warnings) == 1 and "cell 10" in warnings[0] and "chart" in warnings[0]
+    assert "widgets" not in deck.metadata
+    assert deck.metadata["title"] == "99 · A test deck"
+
+
+def test_deck_outputs_leave_out_widgets_and_warnings(executed):
+    deck, _ = bc.deck_notebook(executed, "99_test")
+    chart = next(c for c in deck.cells if c.cell_type == "code" and c.source == "chart()")
+    kinds = [(o.output_type, sorted(o.get("data", {}))) for o in chart.outputs]
+    assert kinds == [("display_data", ["image/png", "text/plain"]), ("stream", [])]
+    assert chart.outputs[1].name == "stdout"
+
+
+def test_deck_shows_short_code_and_hides_long_code(executed):
+    deck, _ = bc.deck_notebook(executed, "99_test")
+    hidden = {c.source.splitlines()[-1] for c in deck.cells if c.get("metadata", {}).get("transient")}
+    shown = {c.source.splitlines()[-1] for c in deck.cells if c.cell_type == "code"} - hidden
+    assert hidden == {"print('long cell')", "hidden_call()"}
+    assert shown == {"chart()", "print('shown')"}
+
+
+def test_deck_markdown_loads_nothing_remote_and_links_decks(executed):
+    deck, _ = bc.deck_notebook(executed, "99_test")
+    title, section = deck.cells[0].source, deck.cells[2].source
+    assert "colab-badge.svg" not in title and "[Open In Colab](https://colab.research.google.com/x/99_test.ipynb)" in title
+    assert "(02_next.slides.html)" in section
+
+
+def test_deck_refuses_a_notebook_with_an_error(executed):
+    executed.cells[5].outputs.append(nbformat.from_dict(
+        {"output_type": "error", "ename": "AssertionError", "evalue": "", "traceback": []}))
+    with pytest.raises(ValueError, match="AssertionError"):
+        bc.deck_notebook(executed, "99_test")
+
+
+def test_exported_deck(executed, tmp_path):
+    path = tmp_path / "99_test.ipynb"
+    nbformat.write(executed, path)
+    html, _ = bc.export_deck(path)
+    assert bc.remote_loads(html) == []
+    assert _leaf_sections(html) == bc.expected_slides(executed) == int(_meta(html, "course-slides")) == 5
+    assert int(_meta(html, "course-charts")) == 1 and 'alt="the readout"' in html
+    assert html.count('<aside class="notes">') == 2 and "Say this aloud" in html
+    assert "'long cell'" not in html and "long cell" in html  # source hidden, output shown
+    assert "'shown'" in html  # source shown: tagged slide-code
+    assert "$N(N+1)/2$" in html  # KaTeX typesets it when the deck opens
+    assert "FutureWarning" not in html and "VBox(children" not in html and "widget-state" not in html
+    assert _meta(html, "course-fingerprint") == bc.fingerprint(executed)
+    again, _ = bc.export_deck(path)
+    assert again == html, "the same notebook gives the same deck, byte for byte (clean diffs)"
+
+
+def test_a_stale_executed_notebook_is_refused(executed, tmp_path):
+    path, source = tmp_path / "99_test.ipynb", tmp_path / "source.ipynb"
+    nbformat.write(executed, path)
+    executed.cells[3].source += " Edited after the run."
+    nbformat.write(executed, source)
+    with pytest.raises(ValueError, match="make notebooks"):
+        bc.export_deck(path, source)
+
+
+def test_fingerprint_ignores_outputs_and_papermill(executed):
+    stripped = nbformat.from_dict(json.loads(json.dumps(executed)))
+    for cell in stripped.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    banner = _md("An Exception was encountered", kind=None)
+    banner.metadata["tags"] = ["papermill-error-cell-tag"]
+    executed.cells.insert(0, banner)
+    assert bc.fingerprint(stripped) == bc.fingerprint(executed)
+    stripped.cells[0].source += "!"
+    assert bc.fingerprint(stripped) != bc.fingerprint(executed)
+
+
+@pytest.mark.parametrize("snippet", [
+    '<script src="https://unpkg.com/reveal.js/dist/reveal.js"></script>',
+    '<link rel="stylesheet" href="//cdn.example.org/theme.css">',
+    '<style>@import "https://fonts.googleapis.com/css?family=Lato";</style>',
+    '<img src="http://example.org/badge.svg">',
+    '<div style="background: url(https://example.org/x.png)"></div>',
+])
+def test_remote_loads_are_found(snippet):
+    assert bc.remote_loads(f"<html><body>{snippet}</body></html>")
+
+
+def test_links_are_not_loads():
+    assert bc.remote_loads('<a href="https://colab.research.google.com/x">Open in Colab</a>') == []

@@ -1,0 +1,149 @@
+/* The course deck's behaviour (inlined into every deck by tools/build_course.py).
+
+   1. Typeset math offline with KaTeX (vendored in slides/katex/).
+   2. Start reveal.js on a 1280 x 720 canvas, with the speaker-notes plugin.
+   3. Fit every slide to the canvas, so one idea stays one slide and nothing is cut off:
+      a. charts get at least MIN_CHART of the slide's height;
+      b. if the slide overflows, its text shrinks a little, down to MILD;
+      c. if it still overflows, its trailing prose (last list items, last paragraphs; never a cell's
+         first paragraph, a heading, a table, code, an output or a "Predict" question) moves, in
+         order, into the slide's speaker notes;
+      d. if it still overflows, its text shrinks further, never below SMALLEST;
+      e. charts then grow into whatever height is left.
+   Each slide records what was done (data-course-fit, data-course-moved, data-course-overflow);
+   document.body.dataset.courseFitted = "1" once all slides are fitted (the browser tests wait for it). */
+(function () {
+  "use strict";
+  var WIDTH = 1280, HEIGHT = 720, MIN_CHART = 0.45, MILD = 0.85, SMALLEST = 0.7;
+  var slides = document.querySelector(".reveal .slides");
+  var toArray = function (list) { return Array.prototype.slice.call(list); };
+
+  if (window.renderMathInElement) {
+    window.renderMathInElement(slides, {
+      delimiters: [
+        {left: "$$", right: "$$", display: true}, {left: "\\[", right: "\\]", display: true},
+        {left: "$", right: "$", display: false}, {left: "\\(", right: "\\)", display: false}
+      ],
+      ignoredClasses: ["jp-OutputArea", "jp-InputArea-editor"],
+      throwOnError: false
+    });
+  }
+
+  var leaves = toArray(slides.querySelectorAll("section")).filter(function (s) { return !s.querySelector("section"); });
+  if (leaves.length) leaves[0].classList.add("course-title");
+
+  function chartsOf(section) { return toArray(section.querySelectorAll(".jp-OutputArea-output img")); }
+
+  function sizeCharts(section, free) {
+    var charts = chartsOf(section);
+    charts.forEach(function (img) {
+      var ratio = img.naturalWidth ? img.naturalHeight / img.naturalWidth : 0.6;
+      var h = Math.min(free / charts.length, (section.clientWidth - 8) * ratio);
+      img.style.maxHeight = "none";
+      img.style.width = "auto";
+      img.style.height = Math.floor(Math.max(h, 80)) + "px";
+    });
+  }
+
+  function overflow(section) { return section.scrollHeight - HEIGHT; }
+
+  function asksToPredict(el) {
+    return toArray(el.querySelectorAll("em, strong")).some(function (e) { return /^\s*Predict/.test(e.textContent); });
+  }
+
+  // Prose a slide may hand to its speaker notes, in reading order.
+  function movable(section) {
+    var all = [];
+    toArray(section.querySelectorAll(".jp-RenderedMarkdown")).forEach(function (md) {
+      if (md.closest("aside")) return;
+      var units = [];
+      toArray(md.children).forEach(function (el) {
+        var tag = el.tagName;
+        if (tag === "P" || tag === "BLOCKQUOTE") {
+          if (!el.querySelector("img, .katex-display") && !asksToPredict(el)) units.push(el);
+          else units.push(null);  // stays, and keeps its place in the order
+        } else if (tag === "UL" || tag === "OL") {
+          toArray(el.children).forEach(function (li) { units.push(li); });
+        } else {
+          units.push(null);
+        }
+      });
+      var first = units.findIndex(function (u) { return u !== null; });
+      all = all.concat(units.filter(function (u, i) { return u !== null && i !== first; }));
+    });
+    return all;
+  }
+
+  function notesOf(section) {
+    var aside = section.querySelector(":scope > aside.notes.course-moved");
+    if (!aside) {
+      aside = document.createElement("aside");
+      aside.className = "notes course-moved";
+      section.appendChild(aside);
+    }
+    return aside;
+  }
+
+  function moveToNotes(section, unit) {
+    var aside = notesOf(section);
+    var list = unit.tagName === "LI" ? unit.parentNode : null;
+    var piece = unit;
+    if (list) {
+      piece = document.createElement(list.tagName);
+      piece.appendChild(unit);
+      if (!list.children.length) list.remove();
+    }
+    aside.insertBefore(piece, aside.firstChild);  // moved from the end backwards: notes keep the order
+  }
+
+  function fit(section) {
+    var shown = [section, section.parentNode].filter(function (el) { return el.tagName === "SECTION"; });
+    var saved = shown.map(function (el) { return el.style.display; });
+    shown.forEach(function (el) { el.style.display = "block"; });
+    var charts = chartsOf(section).length;
+    if (charts) sizeCharts(section, HEIGHT * MIN_CHART);
+    var scale = 1;
+    function shrink(floor) {
+      while (overflow(section) > 0 && scale > floor + 1e-6) {
+        scale = Math.round((scale - 0.05) * 100) / 100;
+        section.style.fontSize = Math.round(scale * 100) + "%";
+      }
+    }
+    shrink(MILD);
+    var moved = 0, units = movable(section);
+    while (overflow(section) > 0 && units.length) {
+      moveToNotes(section, units.pop());
+      moved += 1;
+    }
+    shrink(SMALLEST);
+    if (charts) {
+      chartsOf(section).forEach(function (img) { img.style.height = "0px"; });
+      sizeCharts(section, HEIGHT - section.scrollHeight - 8);
+    }
+    section.dataset.courseFit = scale < 1 ? "shrunk to " + Math.round(scale * 100) + "%" : "fits";
+    if (moved) section.dataset.courseMoved = String(moved);
+    if (overflow(section) > 0) section.dataset.courseOverflow = String(overflow(section));
+    shown.forEach(function (el, i) { el.style.display = saved[i]; });
+  }
+
+  function decoded(img) {
+    if (img.complete && img.naturalWidth) return Promise.resolve();
+    return (img.decode ? img.decode() : new Promise(function (ok) { img.onload = img.onerror = ok; }))
+      .catch(function () {});
+  }
+
+  window.Reveal.initialize({
+    width: WIDTH, height: HEIGHT, margin: 0.04, minScale: 0.2, maxScale: 2.0,
+    center: false, hash: true, controls: true, progress: true, slideNumber: "c/t",
+    navigationMode: "linear",   // the arrow keys and the space bar walk through every slide in order
+    transition: "fade", transitionSpeed: "fast",
+    plugins: [window.RevealNotes]
+  }).then(function () {
+    var images = toArray(slides.querySelectorAll("img")).map(decoded);
+    return Promise.all(images.concat([document.fonts ? document.fonts.ready : Promise.resolve()]));
+  }).then(function () {
+    leaves.forEach(fit);
+    window.Reveal.layout();
+    document.body.dataset.courseFitted = "1";
+  });
+})();
