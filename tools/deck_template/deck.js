@@ -3,8 +3,10 @@
    1. Typeset math offline with KaTeX (vendored in slides/katex/).
    2. Start reveal.js on a 1280 x 720 canvas, with the speaker-notes plugin.
    3. Fit every slide to the canvas, so one idea stays one slide and nothing is cut off:
-      a. charts get at least MIN_CHART of the slide's height;
-      b. if the slide overflows, its text shrinks a little, down to MILD;
+      a. charts get at least MIN_CHART of the slide's height, and printed outputs the largest type
+         (up to OUTPUT_PX) at which their longest line still fits the width;
+      b. if the slide overflows, printed outputs get smaller (down to OUTPUT_MIN_PX), then its
+         text shrinks a little, down to MILD;
       c. if it still overflows, its trailing prose (last list items, last paragraphs; never a cell's
          first paragraph, a heading, a table, code, an output or a "Predict" question) moves, in
          order, into the slide's speaker notes;
@@ -15,6 +17,7 @@
 (function () {
   "use strict";
   var WIDTH = 1280, HEIGHT = 720, MIN_CHART = 0.45, MILD = 0.85, SMALLEST = 0.7;
+  var OUTPUT_PX = 26, OUTPUT_MIN_PX = 15;
   var slides = document.querySelector(".reveal .slides");
   var toArray = function (list) { return Array.prototype.slice.call(list); };
 
@@ -46,6 +49,23 @@
   }
 
   function overflow(section) { return section.scrollHeight - HEIGHT; }
+
+  // Printed outputs: as large as their longest line allows (no wrapping of aligned columns).
+  function sizeOutputs(section) {
+    var pres = toArray(section.querySelectorAll(".jp-OutputArea-output pre"));
+    pres.forEach(function (pre) {
+      pre.style.whiteSpace = "pre";
+      pre.style.fontSize = "20px";
+      var fits = Math.floor(20 * pre.clientWidth / Math.max(pre.scrollWidth, 1));
+      pre.style.fontSize = Math.max(OUTPUT_MIN_PX, Math.min(OUTPUT_PX, fits)) + "px";
+      pre.style.whiteSpace = "pre-wrap";  // a line too long even at the smallest size wraps, never is cut
+    });
+    while (overflow(section) > 0) {
+      var larger = pres.filter(function (pre) { return parseFloat(pre.style.fontSize) > OUTPUT_MIN_PX; });
+      if (!larger.length) break;
+      larger.forEach(function (pre) { pre.style.fontSize = (parseFloat(pre.style.fontSize) - 1) + "px"; });
+    }
+  }
 
   function asksToPredict(el) {
     return toArray(el.querySelectorAll("em, strong")).some(function (e) { return /^\s*Predict/.test(e.textContent); });
@@ -102,6 +122,7 @@
     shown.forEach(function (el) { el.style.display = "block"; });
     var charts = chartsOf(section).length;
     if (charts) sizeCharts(section, HEIGHT * MIN_CHART);
+    sizeOutputs(section);
     var scale = 1;
     function shrink(floor) {
       while (overflow(section) > 0 && scale > floor + 1e-6) {
