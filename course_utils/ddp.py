@@ -31,8 +31,7 @@ from .data import batch_for_rank
 from .instrument import CommCounter, weights_sha256
 from .models import build_model, get_config
 from .train import Prepared, TrainConfig, make_optimizer, module_held
-
-MiB = 2**20  # torch's bucket_cap_mb counts MiB (2^20 bytes); so does BucketedDDP
+from .units import MiB  # torch's bucket_cap_mb counts MiB (2^20 bytes); so does BucketedDDP
 
 
 # ---------------------------------------------------------------- torch DDP
@@ -113,6 +112,8 @@ class BucketedDDP(nn.Module):
         bucket_cap_mb: bucket size cap in MiB, as torch's ``bucket_cap_mb``.
         group: the process group to average over (default: every rank).
         timeline: record ``(time, event, bucket, parameter)`` in ``.timeline`` for the overlap plot.
+            "end" is when the all-reduce's future completed on the host: with gloo, when the sum
+            arrived; with NCCL the future follows CUDA stream order, so use torch.profiler there.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None, timeline: bool = False):
