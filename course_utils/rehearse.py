@@ -185,6 +185,16 @@ def param_count(cfg: GPTConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def param_tensor_count(cfg: GPTConfig) -> int:
+    """Distinct parameter tensors of the course model at ``cfg`` (Adam keeps one step counter each) (notebook 05b)."""
+    import torch
+
+    from .models import GPT
+
+    with torch.device("meta"):
+        return len(list(GPT(cfg).parameters()))
+
+
 # ---------------------------------------------------------------------------------------------
 # Feature detection: the tracker is a private API
 # ---------------------------------------------------------------------------------------------
@@ -920,6 +930,23 @@ def summary_rows(rehearsals: list[Rehearsal]) -> list[dict]:
                      "activation_share": a["activation_share"], "claimed": a["peak_claim_applies"],
                      "within": a["peak_within_tol"]})
     return rows
+
+
+def markdown_bridge(rows: list[dict]) -> str:
+    """``bridge`` rows as a Markdown table: rehearsal bytes against every real rank's (notebook 05b)."""
+    lines = ["Bytes one rank holds after one optimizer step of the tiny course model: the rehearsal "
+             "(tracker, fake tensors) against real gloo ranks (instrument.tensor_bytes on the local shards)", "",
+             "| ranks | strategy | | parameters | gradients | optimizer state | total | equal on every rank? |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        name = STRATEGY_NAMES[row["strategy"]]
+        fake = row["rehearsal"]
+        lines.append(f"| {row['nproc']} | {name} | rehearsal | {fake['params']:,} | {fake['grads']:,} "
+                     f"| {fake['optim']:,} | {fake['total']:,} | |")
+        real = row["real"][0]
+        lines.append(f"| | | real, rank 0 of {len(row['real'])} | {real['params']:,} | {real['grads']:,} "
+                     f"| {real['optim']:,} | {real['total']:,} | {'yes' if row['equal'] else '**no**'} |")
+    return "\n".join(lines)
 
 
 def markdown_summary(rehearsals: list[Rehearsal], unit: str = "GB") -> str:
