@@ -712,11 +712,13 @@ def apply_torch_zero1(model, cfg, info):
 REFERENCES = {"torch_zero1": apply_torch_zero1}
 
 
-def _train_steps(prepared, cfg, mcfg, rank: int, world: int, device) -> list[float]:
-    """The training step of ``train.train_worker``, without the counting: returns the losses."""
+def _train_steps(prepared, cfg, mcfg, rank: int, world: int, device) -> tuple[list[float], dict]:
+    """The steps of ``train.train_worker``: returns the losses, and the bytes held counted where it counts them
+    (at the last step, after the update, before the gradients are cleared)."""
     from .data import batch_for_rank
+    from .instrument import held_bytes
 
-    losses = []
+    losses, held = [], None
     for step in range(cfg.steps):
         x, y = batch_for_rank(step, rank, world, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab,
                               seed=cfg.seed, device=device)
@@ -724,9 +726,11 @@ def _train_steps(prepared, cfg, mcfg, rank: int, world: int, device) -> list[flo
         loss.backward()
         prepared.before_step()
         prepared.optimizer.step()
+        if step == cfg.steps - 1:
+            held = held_bytes(*prepared.held())
         prepared.optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    return losses
+    return losses, held
 
 
 def gradient_error(prepared, model, ref_grads: dict) -> float:
@@ -768,11 +772,12 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
     Rank 0 trains the one-process reference on the whole global batch by itself (no
     collectives) and sends its gradients and weights to every rank; then each strategy runs on
     its share of the batch, exactly as ``train`` would (same model, data, Adam; fp32 unless
-    ``precision`` says otherwise). Rank 0 returns, per
-    strategy: ``grad_error`` (``gradient_error`` after step 0's backward, worst over ranks),
+    ``precision`` says otherwise). Rank 0 returns, per strategy: ``grad_error`` (``gradient_error`` after step 0's backward, worst over ranks),
     ``max_abs_diff`` (largest |w - w_single| over every final weight), ``rel_diff``
-    (‖w - w_single‖ / ‖w_single‖), the losses (averaged over ranks), ``weights_sha256`` and each
-    rank's optimizer-state bytes (``optim_bytes_by_rank``); the other ranks return ``{"rank": r}``.
+    (‖w - w_single‖ / ‖w_single‖), the losses (averaged over ranks), ``weights_sha256``, and, shaped
+    like a ``train`` report so that ``memory_check`` reads them, ``strategy``, ``world_size``,
+    ``per_rank`` (every rank's bytes held, counted as ``train`` counts them) and
+    ``strategy_info``. The other ranks return ``{"rank": r}``.
     """
     from . import dist as cdist
     from .instrument import weights_sha256
@@ -789,7 +794,7 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
             _first_gradients(single, cfg, mcfg, 0, 1, info.device)
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             single.optimizer.zero_grad(set_to_none=True)
-            losses = _train_steps(single, cfg, mcfg, 0, 1, info.device)
+            losses, _ = _train_steps(single, cfg, mcfg, 0, 1, info.device)
             reference = [(grads, single.full_state_dict(), losses)]
         dist.broadcast_object_list(reference, src=0)
         ref_grads, ref, ref_losses = reference[0]
@@ -805,26 +810,21 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
             dist.all_reduce(grad_error, op=dist.ReduceOp.MAX)
             model = build_model(mcfg, seed=cfg.seed, device=info.device)
             prepared = apply(model, cfg, info)
-            losses = torch.tensor(_train_steps(prepared, cfg, mcfg, info.rank, info.world_size, info.device),
-                                  device=info.device)
+            losses, held = _train_steps(prepared, cfg, mcfg, info.rank, info.world_size, info.device)
+            losses = torch.tensor(losses, device=info.device)
             dist.all_reduce(losses)
             full = prepared.full_state_dict()
-            optim = [None] * info.world_size
-            dist.all_gather_object(optim, held_summary(prepared)["optim"])
+            per_rank = [None] * info.world_size
+            dist.all_gather_object(per_rank, held)
             diff = max(float((full[k].float() - ref[k].float()).abs().max()) for k in ref)
             num = sum(float((full[k].float() - ref[k].float()).pow(2).sum()) for k in ref)
             den = sum(float(ref[k].float().pow(2).sum()) for k in ref)
             out[name] = {"losses": (losses / info.world_size).cpu().tolist(), "grad_error": float(grad_error),
                          "max_abs_diff": diff, "rel_diff": (num / den) ** 0.5,
-                         "weights_sha256": weights_sha256(full), "optim_bytes_by_rank": optim}
+                         "weights_sha256": weights_sha256(full), "strategy": name, "world_size": info.world_size,
+                         "per_rank": [dict(rank=r, **row) for r, row in enumerate(per_rank)],
+                         "strategy_info": prepared.info}
         return {"rank": info.rank, **out} if info.rank == 0 else {"rank": info.rank}
-
-
-def held_summary(prepared) -> dict:
-    """``instrument.held_bytes`` of a prepared strategy right now (used after the last step)."""
-    from .instrument import held_bytes
-
-    return held_bytes(*prepared.held())
 
 
 def agreement(cfg=None, *, strategies=("ddp", "zero1", "zero2", "zero3", "torch_zero1"), **overrides) -> dict:
@@ -952,18 +952,85 @@ def expected_peak_gathered_bytes(units: list[dict], bytes_per_element: int) -> i
     return (root + (max(others) if others else 0)) * bytes_per_element
 
 
-def formula_gap(measured_total: float, stage: str, psi: int, nd: int, precision: str, shard_numel: int) -> dict:
-    """How far a measured per-rank total is from the paper's formula, and how much of it padding explains (notebook 03)."""
-    paper = expected_held_bytes(stage, psi, nd, precision=precision)["total"]
-    exact = expected_held_bytes(stage, psi, nd, precision=precision, shard_numel=shard_numel)["total"]
-    return {"measured": measured_total, "paper": paper, "with_padding": exact,
-            "gap": measured_total - paper, "padding_bytes": exact - paper,
-            "relative_gap": (measured_total - paper) / paper}
+def memory_check(report: dict, psi: int | None = None) -> dict:
+    """A ``train`` report's bytes per rank against the formulas (notebook 03).
+
+    Returns ``{"stage", "precision", "nd", "psi", "padding", "measured"`` (each rank's
+    ``{"params", "grads", "optim", "total"}``), ``"expected"`` (the same, counting the S
+    padded elements each rank really holds), ``"paper"`` (the paper's formula with Ψ/Nd),
+    ``"padding_bytes"`` (expected - paper) and ``"equal"`` (every rank holds exactly
+    ``expected``, part by part)}``. Plain DP (``ddp``) reports fp32 and needs ``psi``.
+    """
+    stage, nd = report["strategy"], report["world_size"]
+    info = report.get("strategy_info", {})
+    psi = info.get("psi", psi)
+    precision = info.get("precision", "fp32")
+    expected = expected_held_bytes(stage, psi, nd, precision=precision,
+                                   shard_numel=info.get("shard_numel", -(-psi // nd) if stage != "ddp" else None))
+    paper = expected_held_bytes(stage, psi, nd, precision=precision)
+    measured = [{k: row[k] for k in expected} for row in report["per_rank"]]
+    return {"stage": stage, "precision": precision, "nd": nd, "psi": psi, "padding": info.get("padding", 0),
+            "measured": measured, "expected": expected, "paper": paper,
+            "padding_bytes": expected["total"] - paper["total"], "equal": all(m == expected for m in measured)}
+
+
+def traffic_check(report: dict, psi: int | None = None) -> dict:
+    """A ``train`` report's counted traffic per rank per step against ``expected_traffic`` (notebook 03).
+
+    Returns ``{"stage", "nd", "measured"`` (rank 0's ``comm_per_step``), ``"expected"``,
+    ``"psi_units"`` (bytes sent per rank as Ψ elements of the working dtype), ``"formula_psi"``
+    (2(Nd-1)/Nd or 3(Nd-1)/Nd times the padded Ψ over Ψ), ``"equal"`` (every rank's calls,
+    payload and sent bytes are the expected ones; for DDP only the all-reduce bytes are compared,
+    its bucket count being DDP's own business)}``. Plain DP (``ddp``) needs ``psi``.
+    """
+    stage, nd = report["strategy"], report["world_size"]
+    info = report.get("strategy_info", {})
+    psi = info.get("psi", psi)
+    precision = info.get("precision", "fp32")
+    units = info.get("units") or [{"padded": psi, "trainable": True}]
+    expected = expected_traffic(stage, nd, units, precision=precision)
+    b = 2 if precision == "mixed" else 4
+
+    def same(comm):
+        kinds = set(expected) if stage == "ddp" else set(comm) | set(expected)
+        for kind in kinds:
+            got, want = comm.get(kind), expected.get(kind)
+            if got is None or want is None:
+                return False
+            for key in ("calls", "payload_bytes", "sent_bytes"):
+                if want[key] is not None and abs(got[key] - want[key]) > 1e-6 * max(1.0, abs(want[key])):
+                    return False
+        return True
+
+    measured = report["comm_per_step"]
+    sent = {k: v for k, v in measured.items() if k in expected}
+    padded = sum(u["padded"] for u in units)
+    factor = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3}[stage] * (nd - 1) / nd
+    return {"stage": stage, "nd": nd, "measured": measured, "expected": expected,
+            "psi_units": traffic_in_psi(sent, psi, b), "formula_psi": factor * padded / psi,
+            "equal": all(same(comm) for comm in report["comm_per_step_by_rank"])}
+
+
+def samples_that_fit(psi, nd, stage: str, gpu_mem: float, activation_bytes_per_sample: float, *,
+                     k: float = 12, nm: int = 1) -> int:
+    """Samples per GPU whose activations fit beside the model states: why freed memory buys batch (notebook 03).
+
+    ``floor((gpu_mem - model_state_bytes(Ψ, Nd, stage)) / activation bytes per sample)``, 0 when
+    the model states alone do not fit. As Nd grows, stages 1-3 free model-state memory, so each
+    GPU fits more samples: the global batch Nd·b grows faster than Nd (the paper's §10.3).
+    """
+    from .memory import model_state_bytes
+
+    if activation_bytes_per_sample <= 0:
+        raise CourseInputError("activation bytes per sample must be positive")
+    free = gpu_mem - model_state_bytes(psi, nd, stage, k=k, nm=nm)
+    return max(0, int(free // activation_bytes_per_sample))
 
 
 __all__ = [
     "padded_numel", "shard_bounds", "FlatParams", "gradient_buckets", "ShardedOptimizer",
     "GradShardedOptimizer", "GatheredBytes", "Unit", "assign_units", "Zero3Module", "Zero3Optimizer",
-    "apply_zero1", "apply_zero2", "apply_zero3", "expected_held_bytes", "expected_traffic",
-    "traffic_in_psi", "expected_peak_gathered_bytes", "formula_gap",
+    "apply_zero1", "apply_zero2", "apply_zero3", "apply_torch_zero1", "agreement", "agreement_worker",
+    "gradient_error", "expected_held_bytes", "expected_traffic",
+    "traffic_in_psi", "expected_peak_gathered_bytes", "memory_check", "traffic_check", "samples_that_fit",
 ]

@@ -294,8 +294,17 @@ def test_hand_built_stage1_matches_the_library(agreement2):
     assert ours["weights_sha256"] == lib["weights_sha256"]
     assert ours["losses"] == lib["losses"]
     # ours slices the flat parameters evenly; the library assigns whole tensors, so its shares differ
-    assert len(set(ours["optim_bytes_by_rank"])) == 1
-    assert sum(lib["optim_bytes_by_rank"]) == sum(ours["optim_bytes_by_rank"]) == 8 * PSI
+    ours_optim, lib_optim = ([r["optim"] for r in row["per_rank"]] for row in (ours, lib))
+    assert len(set(ours_optim)) == 1
+    assert sum(lib_optim) == sum(ours_optim) == 8 * PSI
+
+
+@pytest.mark.parametrize("stage", ("ddp",) + STAGES)
+def test_bytes_held_are_the_formula_fp32(agreement2, stage):
+    check = zero.memory_check(agreement2[stage], psi=PSI)
+    assert check["precision"] == "fp32" and check["nd"] == 2 and check["padding"] == 0
+    assert check["equal"], (check["measured"], check["expected"])
+    assert check["expected"]["total"] == check["paper"]["total"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
