@@ -45,6 +45,11 @@ def run_agent(spec: dict, result_path: str) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.update(spec["env"])
+    if spec["max_restarts"]:
+        # torch shares the rendezvous TCPStore with the workers and keeps it across restarts, so a
+        # restarted group can read the previous attempt's gloo/NCCL addresses and fail to connect
+        # (pytorch/pytorch#135712). The documented opt-out gives every attempt a fresh store.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.chdir(spec["cwd"])
     # The agent's INFO lines are noise in a notebook; its warnings and errors still show.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
@@ -65,7 +70,12 @@ def run_agent(spec: dict, result_path: str) -> None:
     except ChildFailedError as exc:
         rank, first = exc.get_first_failure()
         result = {"ok": False, "rank": rank, "message": exc.format_msg(), "exitcode": first.exitcode}
-        result.update(root_cause(spec["log_dir"]) or {})
+        if os.path.isfile(first.error_file) or first.exitcode == -signal.SIGTERM:
+            result.update(root_cause(spec["log_dir"]) or {})
+        else:  # no traceback at all: it died on its own (os._exit, a kill, a crash), so it is the cause
+            result["message"] = (f"rank {rank} died without a Python error (exit code {first.exitcode}): no "
+                                 "traceback, like a lost GPU or os._exit; the agent stopped the other ranks.\n"
+                                 + exc.format_msg())
     except BaseException:  # the agent itself failed (rendezvous, pickling, a signal...)
         result = {"ok": False, "rank": None, "message": traceback.format_exc(), "exitcode": None}
     tmp = result_path + ".tmp"
@@ -90,6 +100,7 @@ def root_cause(log_dir: str) -> dict | None:
     last = max(int(f.split(os.sep)[-3].split("_")[1]) for f in files)
     files = [f for f in files if f.split(os.sep)[-3] == f"attempt_{last}"]
     files.sort(key=lambda f: os.stat(f).st_mtime_ns)
+    in_attempt = {int(d) for d in os.listdir(os.path.dirname(os.path.dirname(files[0]))) if d.isdigit()}
     ranks = []
     for f in files:
         with open(f) as fh:
@@ -101,6 +112,18 @@ def root_cause(log_dir: str) -> dict | None:
         else:
             text, stack = str(msg), ""
         ranks.append((int(f.split(os.sep)[-2]), text, stack))
+    # A rank the agent stopped reports SignalException; a rank that lost a peer reports a broken
+    # connection. If every report is one of those, the cause is a rank that left no report at all:
+    # it died without a Python error (os._exit, a kill, a crash: like a lost GPU).
+    consequences = ("SignalException", "closed by peer", "Connection reset", "Read error", "remote process")
+    causes = [r for r in ranks if not any(c in r[1] for c in consequences)]
+    silent = sorted(in_attempt - {r for r, _, _ in ranks})
+    if not causes and silent:
+        stopped = ", ".join(str(r) for r, _, _ in ranks)
+        message = (f"rank {silent[0]} died without a Python error (attempt {last}): no traceback, like a lost "
+                   f"GPU or os._exit; rank(s) {stopped} then lost their peer or were stopped by the agent.")
+        return {"rank": silent[0], "message": message, "attempt": last}
+    ranks = causes + [r for r in ranks if r not in causes]
     rank, text, stack = ranks[0]
     others = ", ".join(str(r) for r, _, _ in ranks[1:])
     message = f"rank {rank} raised first (attempt {last}): {text}\n\n{stack}"
