@@ -42,6 +42,7 @@ import torch.distributed as dist
 from . import dist as cdist
 from .data import batch_for_rank
 from .errors import CourseInputError
+from .checkpoint import Checkpointer, die_hard, planned_failure
 from .instrument import CommCounter, held_bytes, optimizer_tensors, weights_sha256
 from .models import build_model, get_config
 
@@ -82,7 +83,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     max_restarts: int = 0
-    fail_at: str | None = None           # "RANK:STEP": that rank dies hard at that step (first attempt only)
+    fail_at: str | None = None           # "RANK:STEP": that rank dies hard at that step (first attempt only;
+                                         # "1:3,0:5" = one failure per attempt)
     fail_during_save: str | None = None  # "RANK:STEP": dies while writing that step's checkpoint
     save_weights: str | None = None      # rank 0 writes the final full fp32 state dict here (torch.save)
 
@@ -107,7 +109,31 @@ class TrainConfig:
         if not self.lr > 0:
             raise CourseInputError(f"lr must be positive, got {self.lr!r}")
         get_config(self.model)
+        self._validate_recovery()
         return self
+
+    def _validate_recovery(self) -> None:
+        """Checkpoint and failure-injection settings (notebook 06)."""
+        from .checkpoint import parse_failures
+
+        for name in ("checkpoint_every", "max_restarts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CourseInputError(f"{name} must be a whole number >= 0, got {value!r}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise CourseInputError("--checkpoint-every needs --checkpoint-dir (where the step-N/ folders go)")
+        if self.keep_checkpoints < 2:
+            raise CourseInputError(
+                f"keep_checkpoints must be >= 2, got {self.keep_checkpoints}: if the newest checkpoint turns out "
+                "unusable, the one before it is what a restart falls back to")
+        for flag, text in (("--fail-at", self.fail_at), ("--fail-during-save", self.fail_during_save)):
+            for rank, step in parse_failures(text, flag):
+                if not 0 <= rank < self.nproc or not 0 <= step <= self.steps:
+                    raise CourseInputError(f"{flag} {text}: rank must be in 0..{self.nproc - 1} and step in 0..{self.steps}")
+                if flag == "--fail-during-save" and not (self.checkpoint_every and step % self.checkpoint_every == 0):
+                    raise CourseInputError(
+                        f"--fail-during-save {text}: step {step} is not a checkpoint step; use a multiple of "
+                        f"--checkpoint-every ({self.checkpoint_every or 'not set'})")
 
 
 @dataclass
@@ -123,6 +149,12 @@ class Prepared:
         before_step: called after backward, before ``optimizer.step()`` (e.g. wait for
             gradient all-reduces).
         info: strategy facts for the report (buckets, padding, ...).
+        get_state, set_state: optional checkpoint hooks (notebook 06). ``get_state()`` returns
+            ``{"model": {...}, "optim": {...}}`` of tensors this rank holds, sharded pieces as
+            DTensors (so that DCP records them by global offset, not by rank); ``set_state(d)``
+            takes the same structure after DCP loaded into it in place. Leave them None and
+            ``course_utils.checkpoint`` uses ``get_state_dict``/``set_state_dict`` (plain modules,
+            DDP, FSDP2), or the flat-slice layout of the hand-built ZeRO optimizers.
     """
 
     model: torch.nn.Module
@@ -131,6 +163,8 @@ class Prepared:
     held: Callable[[], tuple]
     before_step: Callable[[], None] = lambda: None
     info: dict = field(default_factory=dict)
+    get_state: Callable[[], dict] | None = None
+    set_state: Callable[[dict], None] | None = None
 
 
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -160,6 +194,22 @@ def resolve_strategy(name: str) -> Callable:
     return getattr(importlib.import_module(module), fn)
 
 
+def global_mean_losses(local_losses: list, info) -> list[float]:
+    """The global mean loss of each step, from every rank's local losses (collective; notebook 02).
+
+    Equal per-rank batches: the mean of the rank means is the global mean. The sum runs in
+    rank order, one element at a time, so it does not depend on how many steps are reduced
+    together: a resumed run reports the very numbers of an uninterrupted one (notebook 06).
+    """
+    local = torch.stack(list(local_losses) + [torch.zeros(())]).to(info.device)
+    parts = [torch.empty_like(local) for _ in range(info.world_size)]
+    dist.all_gather(parts, local)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return (total / info.world_size).cpu().tolist()[:-1]
+
+
 def train_worker(config: dict) -> dict:
     """The training loop every rank runs, under ``launch`` or ``torchrun`` (notebook 02).
 
@@ -174,7 +224,11 @@ def train_worker(config: dict) -> dict:
         mcfg = get_config(cfg.model)
         model = build_model(mcfg, seed=cfg.seed, device=info.device)
         prepared = resolve_strategy(cfg.strategy)(model, cfg, info)
-        start_step = 0
+        # notebook 06: resume from the newest complete checkpoint; die on purpose where asked
+        ckpt = Checkpointer(cfg, prepared, info) if cfg.checkpoint_dir else None
+        start_step = ckpt.resume() if ckpt else 0
+        fail_step = planned_failure(cfg.fail_at, info.rank, info.restart_count)
+        held = None
         local_losses, step_times = [], []
         comm = CommCounter()
         with comm:
@@ -183,6 +237,8 @@ def train_worker(config: dict) -> dict:
                 x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
                                       vocab=mcfg.vocab, seed=cfg.seed, device=info.device)
                 loss = prepared.model(x, y)
+                if step == fail_step:  # mid-step: the peers are about to wait for this rank's gradients
+                    die_hard(f"fail_at {info.rank}:{step} on attempt {info.restart_count}")
                 loss.backward()
                 prepared.before_step()
                 prepared.optimizer.step()
@@ -193,16 +249,20 @@ def train_worker(config: dict) -> dict:
                 prepared.optimizer.zero_grad(set_to_none=True)
                 step_times.append(time.perf_counter() - t0)
                 local_losses.append(loss.detach().float().cpu())
+                if ckpt:  # saving is not training: its collectives are not counted
+                    comm.paused = True
+                    ckpt.after_step(step + 1, local_losses)
+                    comm.paused = False
                 cdist.report_progress(step + 1, cfg.steps, loss=float(local_losses[-1]))
         # Everything below is bookkeeping, outside the counted window.
-        losses = torch.stack(local_losses).to(info.device)
-        dist.all_reduce(losses)  # equal per-rank batches: the mean of rank means is the global mean
-        losses = (losses / info.world_size).cpu().tolist()
+        if held is None:  # nothing left to train (resumed at the last step)
+            held = held_bytes(*prepared.held())
+        losses = (ckpt.history if ckpt else []) + global_mean_losses(local_losses, info)
         full = prepared.full_state_dict()
         if cfg.save_weights and info.rank == 0:  # for comparing strategies within a tolerance
             torch.save({k: v.detach().to("cpu", torch.float32) for k, v in full.items()}, cfg.save_weights)
-        mine = {"held_bytes": held, "comm_per_step": comm.summary(cfg.steps - start_step),
-                "step_time_s": statistics.median(step_times[1:] or step_times)}
+        mine = {"held_bytes": held, "comm_per_step": comm.summary(max(1, cfg.steps - start_step)),
+                "step_time_s": statistics.median(step_times[1:] or step_times or [0.0])}
         everyone = [None] * info.world_size
         dist.all_gather_object(everyone, mine)  # rank 0 reports for all, under launch or torchrun
         if info.rank != 0:
@@ -215,6 +275,7 @@ def train_worker(config: dict) -> dict:
             "comm_per_step_by_rank": [row["comm_per_step"] for row in everyone],
             "step_time_s": max(row["step_time_s"] for row in everyone),
             "strategy_info": prepared.info, "config": asdict(cfg),
+            **(ckpt.report() if ckpt else {"restarts": info.restart_count, "resumed_from": [], "steps_redone": None}),
         }
 
 
@@ -242,7 +303,8 @@ def torchrun_train_command(cfg: TrainConfig) -> str:
     defaults = TrainConfig()
     parts = [f"torchrun --standalone --nproc-per-node {cfg.nproc}"]
     if cfg.max_restarts:
-        parts.append(f"--max-restarts {cfg.max_restarts}")
+        # a fresh rendezvous store per restart (pytorch/pytorch#135712; course_utils._agent does the same)
+        parts = ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"] + parts + [f"--max-restarts {cfg.max_restarts}"]
     parts.append("-m course_utils.train")
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
@@ -313,6 +375,9 @@ def print_report(report: dict, as_json: bool) -> None:
     for kind, row in report["comm_per_step"].items():
         print(f"{kind}: {row['calls']:g} calls/step, {row['sent_bytes']:.0f} B sent/step per rank")
     print(f"step time {report['step_time_s'] * 1e3:.1f} ms (CPU/gloo timings are not GPU timings)")
+    if report.get("restarts") or report.get("resumed_from"):  # notebook 06
+        print(f"restarts {report['restarts']}, resumed from step(s) {report['resumed_from']}, "
+              f"steps redone {report['steps_redone']}")
 
 
 def train_command(args) -> int:
@@ -327,9 +392,8 @@ def main(argv=None) -> int:
     train_arguments(parser)
     args = parser.parse_args(argv)
     try:
+        args.nproc = int(os.environ.get("WORLD_SIZE", 1))  # torchrun decides the world size
         cfg = _config_from_args(args)
-        cfg.nproc = int(os.environ.get("WORLD_SIZE", 1))
-        cfg.validate()
         report = train_worker(asdict(cfg))
     except CourseInputError as exc:
         print(f"python -m course_utils.train: error: {exc}", file=sys.stderr)
