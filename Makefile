@@ -78,7 +78,7 @@ notebook-tests: setup
 
 lab: setup
 	@echo "==> JupyterLab on http://127.0.0.1 (token kept; Ctrl-C to stop)"
-	@$(BIN)/jupyter lab --ip=127.0.0.1 --no-browser notebooks
+	@$(BIN)/jupyter lab --ip=127.0.0.1 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root) notebooks
 
 bench: setup
 	@echo "==> benchmarks into benchmarks/"

@@ -26,13 +26,13 @@ REPO_URL = "https://github.com/zero-fsdp-course/course"
 COLAB_URL = "https://colab.research.google.com/github/zero-fsdp-course/course/blob/main/"
 
 COLAB_SETUP = '''\
-# Set-up: on Colab, install course_utils (Colab's own torch is kept). Elsewhere this does nothing:
-# `make course` / `make lab` have already installed it into .venv.
+# Set-up: on Colab, install course_utils (Colab's own torch, matplotlib and ipywidgets are kept).
+# Elsewhere this does nothing: `make course` / `make lab` have already installed it into .venv.
 import sys
 if "google.colab" in sys.modules:
     import subprocess
     subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "course-utils[notebooks] @ git+''' + REPO_URL + '''"], check=True)'''
+                    "course-utils @ git+''' + REPO_URL + '''"], check=True)'''
 
 
 def _src(text: str) -> str:
