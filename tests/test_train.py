@@ -117,7 +117,6 @@ def test_bad_config_says_what_to_do(overrides, message):
 @pytest.mark.parametrize("argv", [
     ["-m", "course_utils", "train", "--strategy", "zero9"],
     ["-m", "course_utils", "train", "--strategy", "ddp", "--nproc", "3"],
-    ["-m", "course_utils", "train", "--steps", "0"],
     ["-m", "course_utils.train", "--strategy", "zero9"],
 ])
 def test_bad_command_line_exits_2_with_one_line(argv):
