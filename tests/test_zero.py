@@ -75,6 +75,16 @@ def test_traffic_formulas():
     assert mixed["reduce_scatter"]["calls"] == 1
 
 
+def test_freed_memory_buys_batch():
+    # Ψ = 8 (the annotated paper's toy), a 16Ψ = 128-byte GPU, 10 bytes of activations per sample
+    fits = [zero.samples_that_fit(8, nd, "zero2", 128, 10) for nd in (1, 2, 4, 8)]
+    assert fits == [0, 8 * 7 // 10, (128 - 44) // 10, int((128 - 2 * 8 - 14 * 8 / 8) // 10)]
+    assert [nd * f for nd, f in zip((1, 2, 4, 8), fits)] == [0, 10, 32, 72]   # the global batch outgrows Nd
+    assert zero.samples_that_fit(8, 1, "zero1", 10, 1) == 0   # model states alone do not fit
+    with pytest.raises(CourseInputError):
+        zero.samples_that_fit(8, 2, "zero2", 128, 0)
+
+
 def test_peak_gathered_is_root_plus_largest_unit():
     units = [{"name": "blocks.0", "padded": 50}, {"name": "blocks.1", "padded": 70}, {"name": "(root)", "padded": 20}]
     assert zero.expected_peak_gathered_bytes(units, 2) == (20 + 70) * 2
@@ -346,6 +356,9 @@ def test_traffic_is_counted_exactly(request, runs, nd, precision):
                 assert comm[kind]["calls"] == row["calls"]
                 assert comm[kind]["payload_bytes"] == pytest.approx(row["payload_bytes"])
                 assert comm[kind]["sent_bytes"] == pytest.approx(row["sent_bytes"])
+    for stage in STAGES:
+        check = zero.traffic_check(reports[stage])
+        assert check["equal"] and check["psi_units"] == pytest.approx(check["formula_psi"])
     zero2 = reports["zero2"]["strategy_info"]["units"]
     assert len(zero2) > 1  # bucketed: several reduce-scatters during the backward
     psi_pad = {s: sum(u["padded"] for u in reports[s]["strategy_info"]["units"]) for s in STAGES}
