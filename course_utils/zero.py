@@ -795,7 +795,8 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             single.optimizer.zero_grad(set_to_none=True)
             losses, _ = _train_steps(single, cfg, mcfg, 0, 1, info.device)
-            reference = [(grads, single.full_state_dict(), losses)]
+            reference = [({k: v.cpu() for k, v in grads.items()},
+                          {k: v.cpu() for k, v in single.full_state_dict().items()}, losses)]
         dist.broadcast_object_list(reference, src=0)
         ref_grads, ref, ref_losses = reference[0]
         ref_grads = {k: v.to(info.device) for k, v in ref_grads.items()}
