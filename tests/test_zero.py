@@ -221,6 +221,14 @@ def test_zero3_module_on_tied_and_frozen_weights(world_of_one):
     assert wrapped.tracker.peak == zero.expected_peak_gathered_bytes(table, 4)
 
 
+def test_units_may_not_nest():
+    model = TiedFrozen()
+    with pytest.raises(CourseInputError, match="nested"):
+        zero.assign_units(model, [model.blocks[0], model.blocks[0][0]])
+    with pytest.raises(CourseInputError, match="root"):
+        zero.assign_units(model, [model])
+
+
 def test_zero3_module_without_autograd_and_with_bf16(world_of_one):
     model = TiedFrozen()
     wrapped = zero.Zero3Module(model, units=list(model.blocks), compute_dtype=torch.bfloat16)
