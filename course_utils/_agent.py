@@ -150,6 +150,14 @@ def serve() -> None:
     """Fork one agent per request line ``SPEC\\tRESULT\\tLOG``; exit (ending them) at stdin EOF."""
     import torch.distributed.launcher.api  # noqa: F401  (the expensive import, done once)
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs  # noqa: F401
+    # What every course worker imports next: building any torch.optim optimizer pulls in
+    # torch._dynamo (~3 CPU-s per process on a laptop); FSDP, DTensor and DCP are the
+    # sharding notebooks'. Importing them here once, before the fork, spares every worker.
+    # Only torch's own modules: the course's code is imported after the fork, fresh.
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
 
     children: set[int] = set()
     buffer = b""
