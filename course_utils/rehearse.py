@@ -33,6 +33,10 @@ hybrid_shard    (N/node, node)              True                   zero3 in a no
 (*) FSDP2 keeps the fp32 parameters sharded at rest even here; what SHARD_GRAD_OP keeps
 unsharded, between forward and backward, is the bf16 working copy: the 2Ψ of ZeRO stage 2.
 
+The tracker runs as ``tracker_class()``: torch's ``FSDPMemTracker`` with its per-operation
+peak bookkeeping done for the active modules only (same records, half the time; a test holds
+it against the stock class).
+
 The tracker is a private torch API (``torch.distributed._tools``): ``tracker_problem()``
 feature-detects it, and ``rehearse`` raises ``CourseInputError`` with one line where it is
 missing. The course pins torch (constraints.txt, ``PINNED_TORCH``) to the version checked here.
@@ -47,7 +51,7 @@ import json
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 from . import memory
 from .errors import CourseInputError
@@ -350,7 +354,6 @@ class Rehearsal:
     wall_s: float
     torch_version: str
     label: str = ""
-    extra: dict = field(default_factory=dict)
 
     @property
     def nd(self) -> int:
@@ -621,9 +624,9 @@ def _predict(cfg, psi, nproc, strategy, node_size, micro_batch, act_ckpt, mixed_
     return out
 
 
-#: Model states: the planner and the tracker agree to this relative tolerance. The only
-#: differences are FSDP2's padding (zero when every dim 0 divides by Nd, as in all presets at
-#: 8 and 64 ranks) and Adam's 4-byte step counter per tensor (~1e-7 of a 7B's states).
+#: Model states: the formula (with FSDP2's padding counted, ``padded_shard_numel``) and the
+#: tracker agree to this relative tolerance. The only difference left is Adam's 4-byte step
+#: counter per tensor: ~1e-7 of a 7B's states, 2.4e-4 of the 867k-parameter "small" model's.
 MODEL_STATE_TOL = 1e-3
 #: The peak: the planner within this fraction of the tracker, for full-depth models (at least
 #: ``PEAK_MIN_LAYERS`` blocks) whose rule-based activations are at most ``PEAK_MAX_ACT_SHARE`` of
@@ -638,25 +641,35 @@ PEAK_MIN_LAYERS = 16
 
 
 def agreement(r: Rehearsal) -> dict:
-    """How closely the planner matches the rehearsal, as numbers a notebook can assert (notebook 05b).
+    """How closely the formulas match the rehearsal, as numbers a notebook can assert (notebook 05b).
 
-    ``{"optimizer", "gradients", "peak"}``: rehearsal / planner for each; ``"model_states"``:
-    the model states held after the step over 16Ψ/Nd (K + 2 + 2 bytes per parameter, sharded);
-    ``"activation_share"``: the planner's activations over its total; ``"peak_claim_applies"``:
-    whether ``PEAK_TOL`` is claimed for this setting; ``"peak_within_tol"``.
+    Model states are held against the formula with FSDP2's padding counted (``padded_shard_numel``:
+    each tensor's dim 0 rounded up to a multiple of Nd), so the ratios are 1 up to Adam's step
+    counters for any world size:
+
+    - ``"optimizer"``: optimizer state held after the step over K·(padded Ψ/Nd); with bf16 the
+      fp32 parameter shard is counted here, as the paper's master copy;
+    - ``"gradients"``: gradients at the end of backward over 2·(padded Ψ/Nd), the formula's
+      16-bit gradients (2.0 with bf16: FSDP2 keeps them in fp32) or over 4·(...) with fp32;
+    - ``"model_states"``: everything held after the step over 16·(padded Ψ/Nd);
+    - ``"padding"``: how much FSDP2's padding adds to Ψ/Nd (0 when every dim 0 divides by Nd);
+    - ``"peak"``: the rehearsal's peak over the planner's total (``predict``); ``"activation_share"``:
+      the planner's activations over its total; ``"peak_claim_applies"`` (``PEAK_TOL`` is claimed
+      for this setting) and ``"peak_within_tol"``.
     """
-    rows = {row["item"].split(",")[0].split(" (")[0]: row for row in compare(r)}
-    p = predict(r)
-    out = {"optimizer": rows["optimizer state"]["ratio"],
-           "gradients": rows["gradients"]["ratio"], "model_states": rows["model states at rest"]["ratio"],
-           "peak": rows["peak per rank"]["ratio"], "activation_share": p["activations"] / p["total"]}
-    # At rest (after the step) every strategy holds its model states sharded over Nd: 16Ψ/Nd (for
-    # SHARD_GRAD_OP the formula's 2Ψ of stage 2 is the working copy, held only in forward/backward).
     bill = optimizer_bill_for(r.mixed_precision)
-    sixteen = memory.model_state_bytes(r.psi, r.nd, "zero3", k=bill.k, weight_bytes=bill.weight_bytes,
-                                       grad_bytes=bill.grad_bytes)
-    out["model_states"] = (r.after_step["Sharded Param"] + r.after_step["OptState"]
-                           + r.after_step["Sharded Grad"]) / sixteen
+    shard = padded_shard_numel(r.cfg, r.nd)
+    a, b = r.after_step, r.after_backward
+    mixed = r.mixed_precision == "bf16"
+    p = predict(r)
+    out = {
+        "optimizer": ((a["Sharded Param"] if mixed else 0) + a["OptState"]) / (bill.k * shard),
+        "gradients": (b["Sharded Grad"] + b["Unsharded Grad"]) / ((memory.GRAD_BYTES if mixed else bill.grad_bytes) * shard),
+        "model_states": (a["Sharded Param"] + a["OptState"] + a["Sharded Grad"]) / (bill.total * shard),
+        "padding": shard * r.nd / r.psi - 1,
+        "peak": r.peak_bytes / p["total"],
+        "activation_share": p["activations"] / p["total"],
+    }
     out["peak_claim_applies"] = r.cfg.layers >= PEAK_MIN_LAYERS and out["activation_share"] <= PEAK_MAX_ACT_SHARE
     out["peak_within_tol"] = abs(out["peak"] - 1) <= PEAK_TOL
     return out
@@ -826,18 +839,6 @@ def _fmt(n: float, unit: str) -> str:
     return f"{n / (GB if unit == 'GB' else GiB):,.2f}"
 
 
-def table_rows(rehearsals: list[Rehearsal], unit: str = "GB") -> list[dict]:
-    """One row per rehearsal: the setting, the peak's parts and the peak, as numbers (notebook 05b)."""
-    rows = []
-    for r in rehearsals:
-        row = {"setting": r.label, "Ψ": fmt_count(r.psi), "N": r.nproc, "Nd": r.nd}
-        row.update(r.parts("peak"))
-        row["peak"] = r.peak_bytes
-        row["wall_s"] = round(r.wall_s, 1)
-        rows.append(row)
-    return rows
-
-
 def format_table(rehearsals: list[Rehearsal], unit: str = "GB") -> str:
     """A plain-text table of peaks per rank by part, one line per rehearsal (notebook 05b)."""
     heads = ["setting", "peak"] + list(PARTS) + ["wall"]
@@ -951,8 +952,9 @@ def markdown_bridge(rows: list[dict]) -> str:
 
 def markdown_summary(rehearsals: list[Rehearsal], unit: str = "GB") -> str:
     """``summary_rows`` as a Markdown table (notebook 05b)."""
-    lines = [f"Peak bytes per GPU, {_unit_name(unit)}: the planner (notebook 05) against the rehearsal",
-             "", "| setting | planner | rehearsal | rehearsal / planner | model states at rest, rehearsal / (16Ψ/Nd) "
+    lines = [f"Peak bytes per GPU, {_unit_name(unit)}: the planner (notebook 05) against the rehearsal; model states "
+             "after the step against 16 bytes per parameter of the shard (FSDP2's padding counted)",
+             "", "| setting | planner | rehearsal | rehearsal / planner | model states at rest, rehearsal / formula "
              f"| peak within {PEAK_TOL:.0%} claimed? |", "|---|---|---|---|---|---|"]
     for row in summary_rows(rehearsals):
         claim = ("yes: " + ("holds" if row["within"] else "FAILS")) if row["claimed"] else \
