@@ -1,0 +1,221 @@
+"""FSDP strategies (notebook 04) against the one-process reference and the formulas.
+
+One launch of 4 gloo ranks trains ``single`` and every strategy (FSDP2 and FSDP1) on the same
+tiny model and data; the assertions share it. ``train()`` is checked to give the same run as the
+experiment harness, and the state-dict demo runs once on 2 ranks.
+"""
+from __future__ import annotations
+
+import pytest
+
+from course_utils import fsdp
+from course_utils.errors import CourseInputError
+from course_utils.models import build_model, get_config, param_count
+from course_utils.train import TrainConfig, train
+
+MODEL = "tiny"
+NPROC, NODE = 4, 2
+STRATEGIES = fsdp.FSDP_STRATEGIES
+
+
+@pytest.fixture(scope="module")
+def rows():
+    runs = [dict(strategy="single")]
+    runs += [dict(strategy=s, cross_check=True) for s in STRATEGIES]
+    runs += [dict(strategy=s, options={"api": "fsdp1"}, label=f"{s}/fsdp1") for s in STRATEGIES]
+    runs += [dict(strategy="full_shard", options={"prefetch": "none"}, label="no prefetch"),
+             dict(strategy="full_shard", precision="mixed", label="mixed")]
+    for run in runs:
+        run.update(model=MODEL, node_size=NODE)
+    return {r["label"]: r for r in fsdp.run_experiments(runs, nproc=NPROC)}
+
+
+@pytest.fixture(scope="module")
+def train_reports():
+    return {s: train(TrainConfig(strategy=s, nproc=1 if s == "single" else NPROC, model=MODEL, node_size=NODE))
+            for s in ("single", "full_shard")}
+
+
+def block_numel(h: int, ratio: int) -> int:
+    """Parameters of one block, from the layer shapes: 2 LayerNorms, qkv, proj, fc, proj."""
+    return 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (ratio * h * h + ratio * h) + (ratio * h * h + h)
+
+
+# ---------------------------------------------------------------- arithmetic, no processes
+
+def test_planned_units_follow_the_model_shapes():
+    c = get_config(MODEL)
+    units = fsdp.planned_units(MODEL, "block", shard_size=NPROC)
+    assert [u["name"] for u in units] == [f"blocks.{i}" for i in range(c.layers)] + ["(root)"]
+    assert all(u["numel"] == block_numel(c.width, c.mlp_ratio) for u in units[:-1])
+    assert units[-1]["numel"] == c.vocab * c.width + c.seq * c.width + 2 * c.width  # head tied: counted once
+    assert sum(u["numel"] for u in units) == param_count(MODEL)
+    linear = fsdp.planned_units(MODEL, "linear", shard_size=NPROC)
+    assert len(linear) == 4 * c.layers + 1 and sum(u["numel"] for u in linear) == param_count(MODEL)
+    assert fsdp.planned_units(MODEL, "model") == [{"name": "(root)", "numel": param_count(MODEL),
+                                                   "padded": param_count(MODEL)}]
+
+
+def test_padding_rounds_dim0_up_to_the_shard_size():
+    units = fsdp.planned_units(MODEL, "block", shard_size=3)
+    psi = param_count(MODEL)
+    assert sum(u["padded"] for u in units) > psi
+    assert all(u["padded"] >= u["numel"] for u in units)
+
+
+def test_expected_collectives_are_the_zero_volumes():
+    units = fsdp.planned_units(MODEL, "block", shard_size=NPROC)
+    psi, u, n = param_count(MODEL), len(units), NPROC
+    full = fsdp.expected_collectives("full_shard", units, n)
+    assert full["all_gather"]["calls"] == 2 * u and full["reduce_scatter"]["calls"] == u
+    sent = sum(r["sent_bytes"] for r in full.values())
+    assert sent == pytest.approx(3 * (n - 1) / n * psi * 4)  # the paper's 3Ψ, in fp32 bytes
+    sgo = fsdp.expected_collectives("shard_grad_op", units, n)
+    assert sum(r["sent_bytes"] for r in sgo.values()) == pytest.approx(2 * (n - 1) / n * psi * 4)
+    ddp = fsdp.expected_collectives("no_shard", units, n)
+    assert list(ddp) == ["all_reduce"] and ddp["all_reduce"]["sent_bytes"] == pytest.approx(2 * (n - 1) / n * psi * 4)
+    hsdp = fsdp.expected_collectives("hybrid_shard", fsdp.planned_units(MODEL, "block", NODE), n, NODE)
+    assert hsdp["all_reduce"]["group"] == n // NODE and hsdp["all_gather"]["group"] == NODE
+    assert hsdp["all_reduce"]["payload_bytes"] == psi * 4 / NODE
+
+
+def test_expected_held_bytes_are_the_zero_rows():
+    from course_utils.memory import model_state_bytes
+
+    psi = param_count(MODEL)
+    assert fsdp.expected_held_bytes("no_shard", psi, NPROC)["total"] == 16 * psi
+    assert fsdp.expected_held_bytes("full_shard", psi, NPROC)["total"] == 16 * psi / NPROC
+    assert fsdp.expected_held_bytes("hybrid_shard", psi, NPROC, NODE)["total"] == 16 * psi / NODE
+    zero2 = model_state_bytes(psi, NPROC, "zero2", k=8, weight_bytes=4, grad_bytes=4)
+    sgo = fsdp.expected_held_bytes("shard_grad_op", psi, NPROC)
+    units = fsdp.planned_units(MODEL, "block", NPROC)
+    # at rest + the whole model gathered during the step = stage 2's row
+    assert sgo["grads"] + sgo["optim"] + fsdp.expected_peak_unsharded_bytes(units, "shard_grad_op") == zero2
+
+
+def test_bad_settings_are_refused_with_a_sentence():
+    with pytest.raises(CourseInputError, match="divisible by node_size"):
+        train(strategy="hybrid_shard", nproc=6, batch=12, node_size=4)
+    with pytest.raises(CourseInputError, match="divisible by node_size"):
+        fsdp.mesh_shape("hybrid_shard", 6, 4)
+    with pytest.raises(CourseInputError, match="prefetch"):
+        fsdp.fsdp_options(TrainConfig(strategy="full_shard", options={"prefetch": "sometimes"}))
+    with pytest.raises(CourseInputError, match="unknown FSDP option"):
+        fsdp.fsdp_options(TrainConfig(strategy="full_shard", options={"wrapping": "block"}))
+    with pytest.raises(CourseInputError, match="fsdp1"):
+        fsdp.run_experiments([dict(strategy="full_shard", options={"api": "fsdp1", "wrap": "linear"})], nproc=2)
+    with pytest.raises(CourseInputError, match="node_size 1"):
+        fsdp.fsdp_options(TrainConfig(strategy="hybrid_shard", nproc=2, node_size=1, options={"api": "fsdp1"}))
+    assert fsdp.fsdp_options(TrainConfig(options={"offload": "true"}))["offload"] is True
+
+
+# ---------------------------------------------------------------- real runs on 4 gloo ranks
+
+@pytest.mark.parametrize("label", [*STRATEGIES, *(f"{s}/fsdp1" for s in STRATEGIES)])
+def test_every_strategy_trains_like_single(rows, label):
+    row = rows[label]
+    assert row["world_size"] == NPROC
+    assert fsdp.trains_like_single(row), (row["max_loss_rel_diff"], row["rel_weight_diff"])
+
+
+def test_mixed_precision_is_a_visibly_different_arithmetic(rows):
+    mixed, fp32 = rows["mixed"], rows["full_shard"]
+    assert fsdp.trains_like_single(mixed)
+    assert mixed["rel_weight_diff"] > fsdp.TOLERANCE["fp32"]["weight_rel"] > fp32["rel_weight_diff"]
+    # bf16 gathers halve; the fp32 reduction and the fp32 shards at rest do not change
+    assert mixed["comm_per_step"]["all_gather"]["payload_bytes"] == fp32["comm_per_step"]["all_gather"]["payload_bytes"] / 2
+    assert mixed["comm_per_step"]["reduce_scatter"] == fp32["comm_per_step"]["reduce_scatter"]
+    assert mixed["per_rank"] == fp32["per_rank"]
+    assert mixed["peak_unsharded_bytes"][0] * 2 == fp32["peak_unsharded_bytes"][0]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_collectives_match_the_prediction_and_comm_debug_mode(rows, strategy):
+    row = rows[strategy]
+    units = row["strategy_info"]["units"]
+    expected = fsdp.expected_collectives(strategy, units, NPROC, NODE)
+    assert fsdp.comm_matches(row, expected), (row["comm_per_step"], row["comm_groups"], expected)
+    assert row["comm_debug_per_step"] == {k: v["calls"] for k, v in row["comm_per_step"].items()}
+
+
+def test_comm_matches_notices_a_wrong_group_or_count(rows):
+    row = rows["hybrid_shard"]
+    expected = fsdp.expected_collectives("hybrid_shard", row["strategy_info"]["units"], NPROC, NODE)
+    wrong_group = {k: {**v, "group": NPROC} if k == "all_reduce" else v for k, v in expected.items()}
+    fewer = {k: {**v, "calls": v["calls"] - 1} for k, v in expected.items()}
+    assert not fsdp.comm_matches(row, wrong_group) and not fsdp.comm_matches(row, fewer)
+
+
+def test_full_shard_gathers_twice_per_unit_and_shard_grad_op_once(rows):
+    units = len(rows["full_shard"]["strategy_info"]["units"])
+    assert rows["full_shard"]["comm_per_step"]["all_gather"]["calls"] == 2 * units
+    assert rows["shard_grad_op"]["comm_per_step"]["all_gather"]["calls"] == units
+
+
+def test_hybrid_shard_all_reduces_across_the_replicate_dimension(rows):
+    row = rows["hybrid_shard"]
+    assert row["strategy_info"]["mesh"] == {"shape": [NPROC // NODE, NODE], "names": ["replicate", "shard"]}
+    assert row["comm_groups"]["all_reduce"] == [NPROC // NODE]
+    assert row["comm_groups"]["all_gather"] == row["comm_groups"]["reduce_scatter"] == [NODE]
+
+
+@pytest.mark.parametrize("strategy", ["single", *STRATEGIES])
+def test_bytes_held_match_the_zero_row(rows, strategy):
+    row = rows[strategy]
+    expected = fsdp.expected_held_bytes(strategy, param_count(MODEL), NPROC, NODE)
+    for held in row["per_rank"]:
+        assert {k: held[k] for k in expected} == expected
+
+
+def test_fsdp1_holds_the_same_bytes_up_to_flat_padding(rows):
+    for s in STRATEGIES:
+        new, old = rows[s]["per_rank"], rows[f"{s}/fsdp1"]["per_rank"]
+        units = len(rows[s]["strategy_info"]["units"])
+        for a, b in zip(new, old):
+            assert 0 <= b["total"] - a["total"] <= 16 * units * (NPROC - 1)  # < N padding elements per flat unit
+
+
+def test_peak_gathered_bytes_follow_the_schedule(rows):
+    for label, strategy, prefetch in [("full_shard", "full_shard", "default"), ("shard_grad_op", "shard_grad_op", "default"),
+                                      ("hybrid_shard", "hybrid_shard", "default"), ("no_shard", "no_shard", "default"),
+                                      ("no prefetch", "full_shard", "none")]:
+        row = rows[label]
+        expected = fsdp.expected_peak_unsharded_bytes(row["strategy_info"]["units"], strategy, prefetch)
+        assert row["peak_unsharded_bytes"] == [expected] * NPROC, label
+    assert rows["no prefetch"]["peak_unsharded_bytes"][0] < rows["full_shard"]["peak_unsharded_bytes"][0]
+
+
+def test_train_gives_the_same_run_as_the_harness(rows, train_reports):
+    for s in ("single", "full_shard"):
+        report, row = train_reports[s], rows[s]
+        assert report["weights_sha256"] == row["weights_sha256"]
+        assert report["per_rank"] == row["per_rank"]
+        assert report["comm_per_step"] == row["comm_per_step"]
+        assert report["losses"] == pytest.approx(row["losses"], rel=1e-6)
+    info = train_reports["full_shard"]["strategy_info"]
+    assert info["peak_unsharded_bytes"] == rows["full_shard"]["peak_unsharded_bytes"][0]
+    assert info["fsdp1_name"] == "FULL_SHARD" and info["reshard_after_forward"] is True
+
+
+def test_world_of_one_in_this_process_is_exactly_single():
+    rows = fsdp.experiments_worker([dict(strategy="single", model=MODEL, steps=2),
+                                    dict(strategy="full_shard", model=MODEL, steps=2)])
+    assert rows[1]["world_size"] == 1 and rows[1]["weights_sha256"] == rows[0]["weights_sha256"]
+
+
+# ---------------------------------------------------------------- state dicts on 2 ranks
+
+def test_state_dicts_round_trip(tmp_path):
+    out = fsdp.state_dict_demo(nproc=2, run_dir=str(tmp_path), model=MODEL, steps=2)
+    assert out["full_keys_match_model"] and out["full_dtensor_equals_api"]
+    assert out["fresh_sha_before_load"] != out["trained_sha"]
+    assert out["full_into_plain_sha"] == out["full_into_sharded_sha"] == out["trained_sha"]
+    assert out["dcp_weights_equal"] and out["dcp_optimizer_equal"] and out["next_step_equal"]
+    assert out["next_loss_original"] == out["next_loss_resumed"]
+    names = {f["name"] for f in out["dcp_files"]}
+    assert ".metadata" in names and sum(n.endswith(".distcp") for n in names) == 2
+    files = {f["rank"]: f for f in out["rank0_only_files"]}
+    n_params = len(list(build_model(MODEL).parameters()))  # the tied head counts once
+    assert files[0]["params_with_state"] == n_params and files[1]["params_with_state"] == 0
+    assert files[1]["new_api_params_with_state"] == 0
+    assert (tmp_path / "full_state_dict.pt").is_file() and (tmp_path / "dcp-step-2" / ".metadata").is_file()
