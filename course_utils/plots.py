@@ -566,3 +566,33 @@ def lost_work_figure(rows: list, *, width: float = 7.0, height: float = 4.0):
     ax.set_title("A failure costs half a checkpoint interval of work, on average")
     ax.legend(loc="upper left", fontsize=8)
     return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Notebook 06: work lost to a failure against the checkpoint interval
+# ---------------------------------------------------------------------------------------------
+
+def lost_work_figure(rows: list, *, width: float = 7.0, height: float = 4.0):
+    """Steps redone after each failure, against the checkpoint interval K (notebook 06).
+
+    ``rows``: ``checkpoint.lost_work_sweep`` rows. Dots: each restart's redone steps (one per
+    failure position f mod K); diamonds: their mean; lines: the expected (K − 1)/2 completed
+    steps, and K/2, half an interval, which adds the step in flight (half done on average).
+    """
+    fig = new_figure(width, height)
+    ax = fig.subplots()
+    ks = np.array([r["every"] for r in rows], dtype=float)
+    for i, r in enumerate(rows):
+        ax.scatter([r["every"]] * len(r["redone"]), r["redone"], color="#9a9a9a", s=18, zorder=2,
+                   label="one restart" if i == 0 else None)
+    ax.scatter(ks, [r["mean_redone"] for r in rows], marker="D", color="#3a7dc9", s=50, zorder=3,
+               label="measured mean, completed steps redone")
+    grid = np.linspace(ks.min(), ks.max(), 50)
+    ax.plot(grid, (grid - 1) / 2, color="#3a7dc9", lw=1, label="expected: (K − 1)/2 completed steps")
+    ax.plot(grid, grid / 2, color="#e8883a", lw=1.5, ls="--", label="K/2: half an interval (with the step in flight)")
+    ax.set_xlabel("checkpoint interval K (optimizer steps)")
+    ax.set_ylabel("steps redone after a failure")
+    ax.set_xticks(ks)
+    ax.set_title("A failure costs half a checkpoint interval of work, on average")
+    ax.legend(loc="upper left", fontsize=8)
+    return fig
