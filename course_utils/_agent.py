@@ -18,6 +18,7 @@ edited course module is picked up by the next launch.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -158,6 +159,11 @@ def serve() -> None:
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
+
+    # Everything imported so far lives as long as the process: move it out of the collector's
+    # reach, so a full gc.collect() in a worker scans only that worker's own objects (~1 ms, not
+    # ~0.7 s), and collections do not dirty the pages shared with the forked children.
+    gc.freeze()
 
     children: set[int] = set()
     buffer = b""

@@ -27,6 +27,7 @@ and says how to read back the full weights and which tensors this rank holds.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -228,7 +229,7 @@ def train_worker(config: dict) -> dict:
         ckpt = Checkpointer(cfg, prepared, info) if cfg.checkpoint_dir else None
         start_step = ckpt.resume() if ckpt else 0
         fail_step = planned_failure(cfg.fail_at, info.rank, info.restart_count)
-        held = None
+        held = loss = None
         local_losses, step_times = [], []
         comm = CommCounter()
         with comm:
@@ -265,6 +266,13 @@ def train_worker(config: dict) -> dict:
                 "step_time_s": statistics.median(step_times[1:] or step_times or [0.0])}
         everyone = [None] * info.world_size
         dist.all_gather_object(everyone, mine)  # rank 0 reports for all, under launch or torchrun
+        strategy_info = prepared.info
+        recovery = ckpt.report() if ckpt else {"restarts": info.restart_count, "resumed_from": [], "steps_redone": None}
+        # Free the strategy while the process group is alive. DDP's reducer holds the group; a gloo
+        # group destroyed from there (after destroy_process_group) waits for its worker thread while
+        # holding the GIL that thread may need: an occasional hang at exit.
+        del prepared, ckpt, model, loss
+        gc.collect()
         if info.rank != 0:
             return {"rank": info.rank}
         return {
@@ -274,8 +282,7 @@ def train_worker(config: dict) -> dict:
             "comm_per_step": everyone[0]["comm_per_step"],
             "comm_per_step_by_rank": [row["comm_per_step"] for row in everyone],
             "step_time_s": max(row["step_time_s"] for row in everyone),
-            "strategy_info": prepared.info, "config": asdict(cfg),
-            **(ckpt.report() if ckpt else {"restarts": info.restart_count, "resumed_from": [], "steps_redone": None}),
+            "strategy_info": strategy_info, "config": asdict(cfg), **recovery,
         }
 
 
