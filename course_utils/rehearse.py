@@ -876,15 +876,22 @@ def format_report(r: Rehearsal, unit: str = "GB") -> str:
     return "\n".join(lines)
 
 
-def bars_view(rehearsals: list[Rehearsal], *, gpu_mem: float = 80 * GB, title: str = "") -> dict:
-    """What the stacked-bar chart draws: one bar per rehearsal, its peak by part (notebook 05b)."""
+def bars_view(rehearsals: list[Rehearsal], *, gpu_mem: float = 80 * GB, title: str = "",
+              planned: dict | None = None) -> dict:
+    """What the stacked-bar chart draws: one bar per rehearsal, its peak by part (notebook 05b).
+
+    ``planned``: ``{label: bytes}`` of settings not rehearsed, drawn as outlined bars of the
+    planner's total beside the rehearsed ones (cheap context for a slow model).
+    """
     bars = [{"label": r.label, "parts": r.parts("peak"), "peak": r.peak_bytes} for r in rehearsals]
+    planned_bars = [{"label": f"{label} (planner)", "peak": float(v)} for label, v in (planned or {}).items()]
     if not title and bars:
         lo = min(bars, key=lambda b: b["peak"])
-        fits = [b["label"] for b in bars if b["peak"] <= gpu_mem]
-        title = (f"Lowest peak: {lo['label']}, {lo['peak'] / GB:.1f} GB per GPU; "
-                 + (f"{len(fits)} of {len(bars)} fit {gpu_mem / GB:g} GB" if fits else f"none fits {gpu_mem / GB:g} GB"))
-    return {"bars": bars, "parts": list(PARTS), "colors": PART_COLORS, "gpu_mem": gpu_mem, "title": title}
+        fits = sum(b["peak"] <= gpu_mem for b in bars)
+        title = (f"{fits} of {len(bars)} rehearsed fit {gpu_mem / GB:g} GB; lowest peak: {lo['label']}, "
+                 f"{lo['peak'] / GB:.1f} GB per GPU")
+    return {"bars": bars, "planned": planned_bars, "parts": list(PARTS), "colors": PART_COLORS,
+            "gpu_mem": gpu_mem, "title": title}
 
 
 def _unit_name(unit: str) -> str:
@@ -977,6 +984,12 @@ def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
     fig = new_figure(width, height)
     ax = fig.add_subplot()
     bars = view["bars"]
+    planned = view.get("planned", [])
+    for j, bar in enumerate(planned):
+        x = len(bars) + j
+        ax.bar(x, bar["peak"] / GB, width=0.6, fill=False, edgecolor="#555555", ls="--", hatch="//", lw=1)
+        ax.text(x, bar["peak"] / GB, f"{bar['peak'] / GB:.1f} GB", ha="center", va="bottom", fontsize=9,
+                color="#555555")
     for i, bar in enumerate(bars):
         bottom = 0.0
         for part in view["parts"]:
@@ -987,15 +1000,19 @@ def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
         ax.text(i, bottom, f"{bar['peak'] / GB:.1f} GB", ha="center", va="bottom", fontsize=9)
     gpu = view["gpu_mem"] / GB
     ax.axhline(gpu, color="#c0392b", ls="--", lw=1.5)
-    ax.text(len(bars) - 0.5, gpu, f"one {gpu:g} GB GPU ", color="#c0392b", ha="right", va="bottom", fontsize=9)
-    ax.set_xticks(range(len(bars)), [b["label"].replace(" + ", "\n+ ").replace("_GRAD_", "_GRAD\n_")
-                                     .replace("HYBRID_", "HYBRID\n_") for b in bars], fontsize=8)
-    ax.set_xlim(-0.6, len(bars) - 0.4)
-    ax.set_ylim(0, max([b["peak"] / GB for b in bars] + [gpu]) * 1.15)
+    every = bars + planned
+    ax.text(-0.55, gpu, f" one {gpu:g} GB GPU", color="#c0392b", ha="left", va="bottom", fontsize=9)
+    ax.set_xticks(range(len(every)), [b["label"].replace(" + ", "\n+ ").replace("_GRAD_", "_GRAD\n_")
+                                      .replace("HYBRID_", "HYBRID\n_").replace(" (planner)", "\n(planner)")
+                                      for b in every], fontsize=8)
+    ax.set_xlim(-0.6, max(len(every), 3) - 0.4)
+    ax.set_ylim(0, max([b["peak"] / GB for b in every] + [gpu]) * 1.15)
     ax.set_ylabel("peak memory per GPU, GB (10^9 bytes)")
     used = [p for p in view["parts"] if any(b["parts"][p] > 0 for b in bars)]
-    fig.legend(handles=[Patch(color=view["colors"][p], label=p) for p in used], fontsize=8,
-               loc="outside lower center", ncols=3)
+    handles = [Patch(color=view["colors"][p], label=p) for p in used]
+    if planned:
+        handles.append(Patch(fill=False, edgecolor="#555555", ls="--", hatch="//", label="not rehearsed: the planner's total"))
+    fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncols=3)
     ax.set_title(view["title"], fontsize=10)
     return fig
 

@@ -128,6 +128,18 @@ def test_fast_tracker_records_what_torchs_tracker_records():
         assert getattr(a, attr) == getattr(b, attr), attr
 
 
+def test_tables_and_charts_render(small_runs):
+    from course_utils.plots import png
+
+    runs = [small_runs[4, "full_shard"], small_runs[4, "shard_grad_op"], small_runs[4, "full_shard+ckpt"]]
+    view = R.bars_view(runs, gpu_mem=5.8e6, planned={"NO_SHARD": 1e7})
+    assert view["title"].startswith("2 of 3 rehearsed fit")
+    for fig in (R.rehearsal_figure(view), R.agreement_figure(runs)):
+        assert png(fig)[:4] == b"\x89PNG"
+    for text in (R.markdown_table(runs, gpu_mem=1e9), R.markdown_summary(runs), R.markdown_compare(runs[0])):
+        assert text.count("\n|") >= 3
+
+
 def test_fp32_mode_maps_to_plain_fp32_adam():
     r = R.rehearse(GPTConfig(vocab=256, seq=32, layers=2, width=64, heads=4), 4, "full_shard", mixed_precision="fp32")
     rows = {row["item"].split(" (")[0].split(",")[0]: row for row in R.compare(r)}
