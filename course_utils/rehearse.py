@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass, replace
 from . import memory
 from .errors import CourseInputError
 from .models import GPTConfig, get_config
-from .units import GB, GiB, fmt_count
+from .units import GB, MB, GiB, fmt_count
 
 #: The torch version the set-up installs (constraints.txt) and the tracker was checked against.
 PINNED_TORCH = "2.13.0"
@@ -835,14 +835,17 @@ def short_label(r: Rehearsal) -> str:
     return f"{short_size(r.psi)}/{r.nproc} {ABBREV[r.strategy]}" + ("+ckpt" if r.act_ckpt else "")
 
 
+UNITS = {"GB": GB, "GiB": GiB, "MB": MB}
+
+
 def _fmt(n: float, unit: str) -> str:
-    return f"{n / (GB if unit == 'GB' else GiB):,.2f}"
+    return f"{n / UNITS[unit]:,.2f}"
 
 
 def format_table(rehearsals: list[Rehearsal], unit: str = "GB") -> str:
     """A plain-text table of peaks per rank by part, one line per rehearsal (notebook 05b)."""
     heads = ["setting", "peak"] + list(PARTS) + ["wall"]
-    lines = [f"bytes per rank at the peak, {unit} ({'10^9' if unit == 'GB' else '2^30'} bytes)",
+    lines = [f"bytes per rank at the peak, {_unit_name(unit)}",
              " | ".join(heads)]
     for r in rehearsals:
         parts = r.parts("peak")
@@ -854,8 +857,8 @@ def format_table(rehearsals: list[Rehearsal], unit: str = "GB") -> str:
 def format_report(r: Rehearsal, unit: str = "GB") -> str:
     """The text ``python -m course_utils rehearse`` prints (notebook 05b)."""
     c = r.cfg
-    u = f"{unit} ({'10^9' if unit == 'GB' else '2^30'} bytes)"
-    head = (f"dress rehearsal: Ψ = {r.psi:,} ({fmt_count(r.psi)}; L={c.layers} h={c.width} heads={c.heads} "
+    u = _unit_name(unit)
+    head = (f"dress rehearsal: Ψ = {r.psi:,} ({short_size(r.psi)}; L={c.layers} h={c.width} heads={c.heads} "
             f"vocab={c.vocab} seq={c.seq}), {STRATEGY_NAMES[r.strategy]} on {r.nproc} ranks"
             + (f" (nodes of {r.node_size})" if r.strategy == "hybrid_shard" else "")
             + f", micro-batch {r.micro_batch} x {c.seq} tokens, {r.mixed_precision}"
@@ -895,7 +898,7 @@ def bars_view(rehearsals: list[Rehearsal], *, gpu_mem: float = 80 * GB, title: s
 
 
 def _unit_name(unit: str) -> str:
-    return f"{unit} ({'10^9' if unit == 'GB' else '2^30'} bytes)"
+    return f"{unit} ({ {'GB': '10^9', 'GiB': '2^30', 'MB': '10^6'}[unit]} bytes)"
 
 
 def markdown_table(rehearsals: list[Rehearsal], unit: str = "GB", *, gpu_mem: float | None = None) -> str:
@@ -1065,7 +1068,8 @@ def agreement_figure(rehearsals: list[Rehearsal], *, width: float = 6.5, height:
 def rehearse_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m course_utils rehearse`` (notebook 05b)."""
     parser.add_argument("--params", default=None,
-                        help=f"a preset: {', '.join(PRESETS)} (default 7B); the shape flags below override it")
+                        help=f"a preset: {', '.join(PRESETS)} (default 7B), or a course model (tiny, small, "
+                             "medium); the shape flags below override its fields")
     for name, what in (("layers", "transformer blocks L"), ("width", "hidden size h"),
                        ("heads", "attention heads (must divide --width)"), ("vocab", "vocabulary"),
                        ("seq", "tokens per sequence")):
@@ -1077,7 +1081,8 @@ def rehearse_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--act-ckpt", action="store_true", help="activation checkpointing on every block")
     parser.add_argument("--mixed-precision", default="bf16", choices=PRECISIONS,
                         help="bf16 compute with fp32 reduce and fp32 shards (default), or fp32 throughout")
-    parser.add_argument("--unit", default="GB", choices=("GB", "GiB"), help="GB = 10^9 bytes (default), GiB = 2^30")
+    parser.add_argument("--unit", default="GB", choices=tuple(UNITS),
+                        help="GB = 10^9 bytes (default), GiB = 2^30, MB = 10^6 (for small models)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
