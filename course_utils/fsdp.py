@@ -52,7 +52,6 @@ DTensor, and FSDP1's ``rank0_only`` pitfall).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import warnings
 from dataclasses import asdict
@@ -284,10 +283,11 @@ def planned_units(model: str = "tiny", granularity: str = "block", shard_size: i
 
 
 def _meta_model(model: str) -> nn.Module:
-    """The course model's structure without memory: built on the meta device (ties kept)."""
+    """The course model's structure, for counting (a CPU build: milliseconds, where the first
+    meta-device build costs seconds of lazy imports); the global RNG is left as it was."""
     from .models import GPT
 
-    with torch.device("meta"):
+    with torch.random.fork_rng(devices=[]):
         return GPT(get_config(model))
 
 
@@ -743,20 +743,16 @@ def run_one(cfg: TrainConfig, info, *, sync_every_step: bool = True, cross_check
     (``cross_check``), and ``sync_every_step``: read the loss with ``.item()`` every step (the
     forced synchronisation of the overlap section) or only once at the end. ``step_time_s`` is
     the wall time from the end of step 1 to the end of the last step, device synchronised, per
-    step. Strategy "single" runs on rank 0 only (the one-process reference, whole global batch);
-    the other ranks wait. Returns rank 0's row (other ranks: None).
+    step. Strategy "single" runs on rank 0 only (the one-process reference, whole global batch)
+    with this rank's CPU threads; the other ranks wait. (A one-process ``train`` gets all the
+    cores, and more threads add up a matmul in a different order: the two agree within
+    ``TOLERANCE``, not bit for bit.) Returns rank 0's row (other ranks: None).
     """
     single = cfg.strategy == "single"
     if single and info.rank != 0:
         return None
     rank, world = (0, 1) if single else (info.rank, info.world_size)
-    threads = torch.get_num_threads()
-    if single and info.device.type == "cpu":  # all the cores, as a one-process launch gets: same bits as train()
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
-    try:
-        return _run_one(cfg, info, rank, world, single, sync_every_step, cross_check)
-    finally:
-        torch.set_num_threads(threads)
+    return _run_one(cfg, info, rank, world, single, sync_every_step, cross_check)
 
 
 def _run_one(cfg, info, rank, world, single, sync_every_step, cross_check):

@@ -485,17 +485,18 @@ def zero3_schedule_figure(state, *, width: float = 10.0, height: float = 4.2):
 COMM_COLORS = {"all_gather": "#7b5ea7", "reduce_scatter": "#e8883a", "all_reduce": "#444444"}
 
 
-def fsdp_side_by_side_figure(rows: list, *, title: str = "", width: float = 11.0, height: float = 4.2):
+def fsdp_side_by_side_figure(rows: list, *, title: str = "", width: float = 12.0, height: float = 5.0):
     """Per-rank memory and traffic of each FSDP strategy, measured on one run each (notebook 04).
 
     ``rows``: ``fsdp.experiments_worker`` rows (label, per_rank, peak_unsharded_bytes,
     comm_per_step). Left: rank 0's bytes at rest (parameters, gradients, optimizer state,
     stacked) and, beside them, the peak bytes of gathered parameters during a step. Right:
-    bytes one rank sends per step, by collective. Memory in bytes (no unit conversion: these are
-    the exact counts the notebook asserts).
+    bytes one rank sends per step, by collective. Both in MB (10^6 bytes); the bar labels are
+    the exact values.
     """
     from matplotlib.patches import Patch
 
+    mb = 1e6
     fig = new_figure(width, height)
     mem, net = fig.subplots(1, 2)
     labels = [r["label"] for r in rows]
@@ -504,67 +505,40 @@ def fsdp_side_by_side_figure(rows: list, *, title: str = "", width: float = 11.0
     for i, row in enumerate(rows):
         held, bottom = row["per_rank"][0], 0.0
         for key, part in parts:
-            mem.bar(i - 0.2, held[key], bottom=bottom, width=0.4, color=PART_COLORS[part], edgecolor="white")
-            bottom += held[key]
+            mem.bar(i - 0.2, held[key] / mb, bottom=bottom, width=0.4, color=PART_COLORS[part], edgecolor="white")
+            bottom += held[key] / mb
+        mem.text(i - 0.2, bottom, f"{bottom:.2f}", ha="center", va="bottom", fontsize=7)
         peak = (row.get("peak_unsharded_bytes") or [None])[0]
         if peak:
-            mem.bar(i + 0.2, peak, width=0.4, color="white", edgecolor=PART_COLORS["weights"], hatch="//")
-            mem.text(i + 0.2, peak, f"{peak:,.0f}", ha="center", va="bottom", fontsize=7, rotation=90)
-        mem.text(i - 0.2, bottom, f"{bottom:,.0f}", ha="center", va="bottom", fontsize=7, rotation=90)
-    mem.set_xticks(xs, labels, fontsize=8, rotation=20)
-    mem.set_ylabel("bytes per rank")
+            mem.bar(i + 0.2, peak / mb, width=0.4, color="white", edgecolor=PART_COLORS["weights"], hatch="//")
+            mem.text(i + 0.2, peak / mb, f"{peak / mb:.2f}", ha="center", va="bottom", fontsize=7,
+                     color=PART_COLORS["weights"])
+    mem.set_xticks(xs, labels, fontsize=8)
+    mem.set_ylabel("MB (10^6 bytes) per rank")
     mem.set_title("Held at rest (solid) and gathered at the peak of a step (hatched)", fontsize=9)
-    mem.margins(y=0.25)
+    mem.set_ylim(0, max(max(r["per_rank"][0]["total"], (r.get("peak_unsharded_bytes") or [0])[0] or 0)
+                        for r in rows) / mb * 1.1)
     handles = [Patch(color=PART_COLORS[p], label=p) for _, p in parts]
     handles.append(Patch(facecolor="white", edgecolor=PART_COLORS["weights"], hatch="//",
                          label="gathered weights, peak"))
-    mem.legend(handles=handles, fontsize=7, loc="upper left")
+    mem.legend(handles=handles, fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
     kinds = [k for k in COMM_COLORS if any(k in r["comm_per_step"] for r in rows)]
     bottom = np.zeros(len(rows))
     for kind in kinds:
-        sent = np.array([r["comm_per_step"].get(kind, {}).get("sent_bytes", 0.0) for r in rows])
+        sent = np.array([r["comm_per_step"].get(kind, {}).get("sent_bytes", 0.0) for r in rows]) / mb
         net.bar(xs, sent, bottom=bottom, color=COMM_COLORS[kind], width=0.6, label=kind.replace("_", "-"))
         bottom += sent
     for i, total in enumerate(bottom):
         if total:
-            net.text(i, total, f"{total:,.0f}", ha="center", va="bottom", fontsize=7)
-    net.set_xticks(xs, labels, fontsize=8, rotation=20)
-    net.set_ylabel("bytes sent per step by one rank (ring model)")
+            net.text(i, total, f"{total:.2f}", ha="center", va="bottom", fontsize=7)
+    net.set_xticks(xs, labels, fontsize=8)
+    net.set_ylabel("MB (10^6 bytes) sent per rank per step (ring)")
     net.set_title("Traffic per step, by collective", fontsize=9)
-    net.margins(y=0.15)
+    net.set_ylim(0, max(float(bottom.max()), 1e-9) * 1.12)
     if kinds:
-        net.legend(fontsize=7, loc="upper left")
+        net.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    return fig
-
-
-# ---------------------------------------------------------------------------------------------
-# Notebook 06: work lost to a failure against the checkpoint interval
-# ---------------------------------------------------------------------------------------------
-
-def lost_work_figure(rows: list, *, width: float = 7.0, height: float = 4.0):
-    """Steps redone after each failure, against the checkpoint interval K (notebook 06).
-
-    ``rows``: ``checkpoint.lost_work_sweep`` rows. Dots: each restart's redone steps (one per
-    failure position f mod K); diamonds: their mean; lines: the expected (K − 1)/2 completed
-    steps, and K/2, half an interval, which adds the step in flight (half done on average).
-    """
-    fig = new_figure(width, height)
-    ax = fig.subplots()
-    ks = np.array([r["every"] for r in rows], dtype=float)
-    for r in rows:
-        ax.scatter([r["every"]] * len(r["redone"]), r["redone"], color="#9a9a9a", s=18, zorder=2)
-    ax.scatter(ks, [r["mean_redone"] for r in rows], marker="D", color="#3a7dc9", s=50, zorder=3,
-               label="measured mean, completed steps redone")
-    grid = np.linspace(ks.min(), ks.max(), 50)
-    ax.plot(grid, (grid - 1) / 2, color="#3a7dc9", lw=1, label="expected: (K − 1)/2 completed steps")
-    ax.plot(grid, grid / 2, color="#e8883a", lw=1.5, ls="--", label="K/2: half an interval (with the step in flight)")
-    ax.set_xlabel("checkpoint interval K (optimizer steps)")
-    ax.set_ylabel("steps redone after a failure")
-    ax.set_xticks(ks)
-    ax.set_title("A failure costs half a checkpoint interval of work, on average")
-    ax.legend(loc="upper left", fontsize=8)
     return fig
 
 
