@@ -114,3 +114,18 @@ def test_cli_bad_subcommand_is_one_line_and_exit_2():
     out = subprocess.run([sys.executable, "-m", "course_utils", "no-such-command"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_code_cell_is_valid_python(path):
+    import ast
+
+    nb = json.loads(path.read_text())
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] == "code":
+            src = "".join(cell["source"])
+            lines = [line for line in src.splitlines() if not line.lstrip().startswith(("%", "!"))]
+            try:
+                ast.parse("\n".join(lines))
+            except SyntaxError as exc:
+                raise AssertionError(f"{path.name} cell {i}: {exc}") from None
