@@ -579,8 +579,8 @@ class Checkpointer:
         """``restarts``, ``resumed_from`` (the step of each resume), ``steps_redone`` and the attempts."""
         rows = self.attempts() if self.info.rank == 0 else []
         redone = redone_per_restart(rows)
-        return {"restarts": self.info.restart_count,
-                "resumed_from": [r["resumed_from"] for r in rows if r["resumed_from"] is not None],
+        return {"restarts": self.info.restart_count,  # a restart with no checkpoint yet resumes from 0
+                "resumed_from": [r["start"] for r in rows if r["attempt"] > 0 or r["resumed_from"] is not None],
                 "steps_redone": sum(redone), "redone_per_restart": redone, "attempts": rows,
                 "run_id": self.run_id, "checkpoints": scan(self.root)["complete"]}
 
@@ -605,27 +605,35 @@ def expected_resume(fail_step: int, every: int) -> tuple[int, int]:
     return last, fail_step - last
 
 
+def lost_work_row(report: dict, every: int, fail_steps: list) -> dict:
+    """One point of the lost-work chart from a run's report: steps redone per restart, their mean (notebook 06).
+
+    ``every_position`` is True when the failures hit each position f mod K exactly once: only
+    then is the mean the average over a uniformly placed failure, (K − 1)/2.
+    """
+    redone = report["redone_per_restart"]
+    return {"every": every, "fail_at": list(fail_steps), "redone": redone, "resumed_from": report["resumed_from"],
+            "mean_redone": sum(redone) / len(redone), "expected_mean": (every - 1) / 2,
+            "every_position": sorted(f % every for f in fail_steps) == list(range(every))}
+
+
 def lost_work_sweep(intervals, *, strategy: str = "ddp", nproc: int = 2, **overrides) -> list[dict]:
     """Measure the steps redone for every failure position, one launch per checkpoint interval K (notebook 06).
 
     For interval K the run takes 2K steps and loses a rank once per attempt, during steps
     K, K+1, ..., 2K−1 (one residue f mod K each), so the mean over its K restarts is the
-    average over a uniformly placed failure. Rows: ``{"every", "fail_at", "redone", "resumed_from",
-    "mean_redone", "expected_mean"}``.
+    average over a uniformly placed failure. Rows as ``lost_work_row``.
     """
     from .train import train
 
     rows = []
     for k in intervals:
-        failures = [((i % nproc), k + i) for i in range(k)]
-        spec = ",".join(f"{r}:{s}" for r, s in failures)
+        fail_steps = [k + i for i in range(k)]
+        spec = ",".join(f"{i % nproc}:{s}" for i, s in enumerate(fail_steps))
         d = tempfile.mkdtemp(prefix=f"sweep-k{k}-")
         report = train(strategy=strategy, nproc=nproc, steps=2 * k, checkpoint_dir=d, checkpoint_every=k,
                        max_restarts=k, fail_at=spec, **overrides)
-        redone = report["redone_per_restart"]
-        rows.append({"every": k, "fail_at": [s for _, s in failures], "redone": redone,
-                     "resumed_from": report["resumed_from"], "mean_redone": sum(redone) / len(redone),
-                     "expected_mean": (k - 1) / 2, "weights_sha256": report["weights_sha256"]})
+        rows.append(lost_work_row(report, k, fail_steps))
         shutil.rmtree(d, ignore_errors=True)
     return rows
 
