@@ -180,6 +180,9 @@ def test_verdicts_per_target():
     assert [v["met"] for v in slow] == [False, False, False, False, False, False]
     assert "zero2 sent off by 2.0%" in slow[4]["why"] and "zero3" in slow[3]["why"]
     assert [v["met"] for v in bench.verdicts({})] == [None, None, None, None, None]
+    subset = _results()
+    subset["notebooks"]["subset"] = True  # --notebooks 01: not the whole course
+    assert bench.verdicts(subset)[0]["met"] is None and "only some" in bench.verdicts(subset)[0]["why"]
 
 
 def test_results_markdown_tables_are_well_formed():
