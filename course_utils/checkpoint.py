@@ -642,7 +642,10 @@ def lost_work_sweep(intervals, *, strategy: str = "ddp", nproc: int = 2, **overr
 
 #: How a rank's process ended, read from its error file (torch's ``@record``) and its output.
 ENDINGS = {"stopped": "stopped by the agent (SIGTERM)", "lost_peer": "its collective lost a peer, then it raised",
-           "died": "died hard (no Python error)", "raised": "raised an error", "finished": "finished"}
+           "died": "died hard (no Python error)", "raised": "raised an error", "finished": "finished",
+           "killed": "killed before Python could say why (no error file, never finished)"}
+#: The line ``train_worker`` logs once its last step is done; only a rank that wrote it finished.
+FINISHED_LINE = "finished training"
 
 
 def attempt_logs(checkpoint_dir, run_id: str) -> list[dict]:
@@ -670,8 +673,10 @@ def attempt_logs(checkpoint_dir, run_id: str) -> list[dict]:
             ending = ENDINGS["raised"]
         elif any("dying hard" in ln for ln in lines):
             ending = ENDINGS["died"]
-        else:
+        elif any(FINISHED_LINE in ln for ln in lines):
             ending = ENDINGS["finished"]
+        else:  # e.g. stuck in a collective when the agent's SIGTERM grace ran out, then SIGKILLed
+            ending = ENDINGS["killed"]
         rows.append({"attempt": attempt, "rank": rank, "last_step_done": max(done) if done else None,
                      "ending": ending, "first_line": lines[0] if lines else "", "last_line": lines[-1] if lines else ""})
     return sorted(rows, key=lambda r: (r["attempt"], r["rank"]))

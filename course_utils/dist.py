@@ -11,6 +11,7 @@ NCCL with one GPU per local rank when there are at least that many GPUs, gloo on
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -148,10 +149,33 @@ def init_mesh(info: DistInfo, mesh_shape, names: tuple[str, ...]):
     return init_device_mesh(info.device.type, shape, mesh_dim_names=names)
 
 
+def print_line(text: str) -> None:
+    """Write ``text`` and its newline to stdout in one system call (notebook 00).
+
+    Ranks of one job often share a pipe (plain torchrun does not separate them). ``print``
+    may issue the text and the newline as two writes (it does when Python runs unbuffered, as
+    under torchrun), so two ranks' lines can splice into one. A single write of up to
+    PIPE_BUF (4096) bytes lands whole.
+    """
+    stream = sys.stdout
+    try:  # a notebook's or a test's own stream has no file descriptor of its own
+        fd = stream.fileno() if isinstance(stream, io.TextIOWrapper) else None
+    except (OSError, ValueError):
+        fd = None
+    if fd is None:
+        stream.write(text + "\n")
+        stream.flush()
+        return
+    stream.flush()
+    data = (text + "\n").encode(stream.encoding or "utf-8", "replace")
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def log(*parts) -> None:
     """Print one line prefixed with this rank, flushed at once so it shows up live (notebook 00)."""
     rank = dist.get_rank() if dist.is_initialized() else _env_int("RANK", 0)
-    print(f"[rank {rank}]", *parts, flush=True)
+    print_line(" ".join([f"[rank {rank}]", *map(str, parts)]))
 
 
 def report_progress(step: int, total: int, **fields) -> None:

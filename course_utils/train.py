@@ -43,7 +43,7 @@ import torch.distributed as dist
 from . import dist as cdist
 from .data import batch_for_rank
 from .errors import CourseInputError
-from .checkpoint import Checkpointer, die_hard, planned_failure
+from .checkpoint import FINISHED_LINE, Checkpointer, die_hard, planned_failure
 from .instrument import CommCounter, held_bytes, optimizer_tensors, weights_sha256
 from .models import build_model, get_config
 
@@ -255,6 +255,7 @@ def train_worker(config: dict) -> dict:
                     ckpt.after_step(step + 1, local_losses)
                     comm.paused = False
                 cdist.report_progress(step + 1, cfg.steps, loss=float(local_losses[-1]))
+        cdist.log(f"{FINISHED_LINE} at step {cfg.steps - 1}")  # how attempt_logs tells a finished rank
         # Everything below is bookkeeping, outside the counted window.
         if held is None:  # nothing left to train (resumed at the last step)
             held = held_bytes(*prepared.held())
@@ -372,7 +373,7 @@ def _config_from_args(args) -> TrainConfig:
 
 def print_report(report: dict, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(report, sort_keys=True))
+        cdist.print_line(json.dumps(report, sort_keys=True))
         return
     print(f"strategy {report['strategy']} on {report['world_size']} rank(s), backend {report['backend']}")
     print("losses: " + " ".join(f"{x:.4f}" for x in report["losses"]))

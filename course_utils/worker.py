@@ -20,6 +20,7 @@ import os
 import sys
 
 from ._agent import call
+from .dist import print_line
 
 
 def main(argv=None) -> int:
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
         print(f"python -m course_utils.worker: error: --args/--kwargs must be JSON ({exc})", file=sys.stderr)
         return 2
     value = call(ns.target, tuple(args), kwargs)
-    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "result": value}, default=repr), flush=True)
+    print_line(json.dumps({"rank": int(os.environ.get("RANK", 0)), "result": value}, default=repr))
     return 0
 
 

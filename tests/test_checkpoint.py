@@ -65,6 +65,8 @@ def test_resume_after_a_lost_rank_is_bit_identical(tmp_path_factory, reference, 
     # nobody finished the step the dead rank never sent its gradients for
     assert all(r["last_step_done"] == step - 1 for r in first)
     assert all(r["ending"] != ck.ENDINGS["finished"] for r in first)
+    last = [r for r in rows if r["attempt"] == report["restarts"]]
+    assert len(last) == 2 and all(r["ending"] == ck.ENDINGS["finished"] for r in last)
     assert weights_sha256(ck.load_weights(d)) == ref["weights_sha256"]  # readable without any process group
     if strategy == "zero3":
         assert ck.read_commit(d, STEPS)["format"] == "zero-flat"
