@@ -46,8 +46,13 @@ slides: setup
 	@echo "==> exporting slide decks from build/notebooks/ into slides/"
 	@$(BIN)/python tools/build_course.py slides
 
-test: unit-tests notebook-tests
-	@echo "==> all tests passed"
+# Both phases always run, so one failing unit test does not hide what the notebooks would say.
+test: setup browser-setup
+	@status=0; \
+	$(MAKE) --no-print-directory unit-tests || status=1; \
+	$(MAKE) --no-print-directory notebook-tests || status=1; \
+	if [ $$status = 0 ]; then echo "==> all tests passed"; else echo "==> some tests FAILED (see above)"; fi; \
+	exit $$status
 
 # The browser tests (tests/test_browser.py) drive Debian's chromium and chromedriver. Installed here
 # when missing and this is root with apt-get (CI): about a minute, once. Otherwise those tests skip.
