@@ -151,6 +151,11 @@ class _Progress:
                 parts.append(f"rank {r}: starting")
         return f"[{elapsed:5.1f}s] " + " | ".join(parts)
 
+    def quiet_s(self) -> float | None:
+        """Seconds since any rank last reported progress; None if none ever did."""
+        times = [f.stat().st_mtime for f in self.folder.glob("rank*.json")]
+        return max(0.0, time.time() - max(times)) if times else None
+
     def update(self, elapsed: float, final: bool = False) -> None:
         if not self.enabled or (elapsed < 2.0 and not final):
             return
@@ -277,8 +282,10 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
         args, kwargs: passed to ``fn`` on every rank; must be picklable.
         backend: "auto" (NCCL with one GPU per rank if there are enough GPUs, else gloo on
             CPU), "gloo" or "nccl".
-        timeout_s: a collective waiting longer than this raises in the worker; the kernel
-            gives up a grace period later (``timeout_s``, at most ``GRACE_S``) and ends every process of the run.
+        timeout_s: a collective waiting longer than this raises in the worker. It also bounds
+            the whole run: the kernel gives up a grace period later (``timeout_s``, at most
+            ``GRACE_S``), counted from when the run's agent started, and ends every process of
+            the run. Raise it for long runs.
         max_restarts: how many times the elastic agent restarts the whole group after a
             worker failure (torchrun's ``--max-restarts``).
         mesh_shape: optional device-mesh shape; its product must equal ``nproc``. Workers
@@ -338,6 +345,9 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
     try:
         pgid = _start_agent(spec_path, result_path, agent_log, base_env,
                             use_server=start_method == "fork")
+        # The run's clock starts once its agent exists: a cold agent server (torch imported once,
+        # about 5 s, more on a busy machine) must not eat into a short ``timeout_s``.
+        started = time.monotonic()
         with open(agent_log, "rb") as log:
             buffer = b""
             while True:
@@ -354,14 +364,19 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
                     break
                 elapsed = time.monotonic() - start
                 status.update(elapsed)
-                if elapsed > timeout_s + _grace(timeout_s):
-                    last = status.line(elapsed)
+                if time.monotonic() - started > timeout_s + _grace(timeout_s):
+                    last, quiet = status.line(elapsed), status.quiet_s()
                     _kill_group(pgid)
+                    if quiet is not None and quiet < timeout_s:
+                        why = (f"The workers were still making progress ({quiet:.0f} s before the end): the run is "
+                               "not hung, only longer than timeout_s, which also bounds the whole run; pass a "
+                               "larger timeout_s (or fewer steps)")
+                    else:
+                        why = ("A collective was probably waiting for a rank that never arrived (mismatched "
+                               "collectives, or a rank stuck or dead)")
                     raise LaunchTimeout(
                         f"the run did not finish within {timeout_s:g} s (+{_grace(timeout_s):g} s grace) and every "
-                        f"process was stopped. Last progress: {last}. A collective was probably waiting "
-                        "for a rank that never arrived (mismatched collectives, or a rank stuck or dead); "
-                        f"logs: {log_dir}")
+                        f"process was stopped. Last progress: {last}. {why}; logs: {log_dir}")
                 _reap()
                 time.sleep(0.05)
     except KeyboardInterrupt:

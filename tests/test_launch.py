@@ -68,6 +68,7 @@ def test_stuck_workers_are_stopped_and_none_left_behind(tmp_path):
         launch(examples.count_with_progress, nproc=2, kwargs={"steps": 1000, "delay_s": 0.2},
                timeout_s=2, run_dir=tmp_path, echo=False)
     assert "rank 0:" in str(info.value)  # last progress per rank is reported
+    assert "still making progress" in str(info.value)  # slow, not hung: the message says to raise timeout_s
     pids = _progress_pids(tmp_path)
     assert len(pids) == 2
     time.sleep(0.5)
