@@ -56,6 +56,8 @@ NOTHING_FITS = ("no data-parallel strategy fits: activations / a single layer ar
 BUCKET_BYTES = 25 * 10**6
 #: Head dimension used when heads are not given (width / 128 heads, as in GPT-3 and Llama).
 HEAD_DIM = 128
+#: Widths synthesized from Ψ alone are multiples of this (two heads), like published models' widths.
+WIDTH_STEP = 2 * HEAD_DIM
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,8 +128,10 @@ def model_spec(params=None, *, layers: int | None = None, width: int | None = No
                vocab: int = 32000, seq: int = 2048, micro_batch: int = 1, checkpointing: bool = True) -> ModelSpec:
     """A ``ModelSpec`` from Ψ alone, from a shape, or from both (they must agree within 25%) (notebook 05).
 
-    From Ψ alone the shape is GPT-like: width h ≈ (128Ψ/12)^(1/3) rounded to a multiple of 128
-    (so that L ≈ h/128, the aspect of GPT-3 and Llama), L = (Ψ − V·h) / (12h² + 13h).
+    From Ψ alone the shape is GPT-like: width h ≈ (128Ψ/12)^(1/3) (so that L ≈ h/128, the aspect
+    of GPT-3 and Llama) rounded to a multiple of 256, as published widths are (an even number of
+    128-wide heads: 7B gives h = 4096 and 32 heads, 13B 5120 and 40, 175B 12288 and 96), then
+    L = (Ψ − V·h) / (12h² + 13h).
     Raises CourseInputError for a model that cannot exist (non-positive sizes, heads that do not
     divide the width, a Ψ too small for its own vocabulary, a Ψ that contradicts the shape).
     """
@@ -148,7 +152,7 @@ def model_spec(params=None, *, layers: int | None = None, width: int | None = No
                   f"have {fmt_count(implied)} parameters, not {fmt_count(params)}; drop --params or fix the shape")
     else:
         _need(params is not None, "give the model: params (Ψ), or layers and width")
-        width = max(128, int(round((HEAD_DIM * params / 12.0) ** (1 / 3) / 128.0)) * 128)
+        width = max(HEAD_DIM, int(round((HEAD_DIM * params / 12.0) ** (1 / 3) / WIDTH_STEP)) * WIDTH_STEP)
         body = params - vocab * width
         _need(body >= 0.5 * shape_block_params(width),
               f"a model that cannot exist: {fmt_count(params)} parameters is less than a {vocab}-token vocabulary "

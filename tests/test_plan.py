@@ -118,6 +118,15 @@ def test_model_spec_from_params_is_gpt_like():
     assert m.width % m.heads == 0 and 60 <= m.layers <= 90
 
 
+@pytest.mark.parametrize("params, width, heads", [
+    ("7B", 4096, 32), ("13B", 5120, 40), ("175B", 12288, 96),  # LLaMA 7B and 13B, GPT-3: the published widths
+])
+def test_shape_from_params_alone_lands_on_published_widths(params, width, heads):
+    m = plan.model_spec(params)
+    assert (m.width, m.heads) == (width, heads) and m.width % plan.WIDTH_STEP == 0
+    assert plan.shape_params(m.layers, m.width, m.vocab) == pytest.approx(plan.parse_count(params), rel=0.05)
+
+
 def test_overlap_crossover_is_flops_over_bandwidth():
     r = plan.overlap_ratio([1000.0, 4000.0], 4096, flops=200e12, bandwidth=50e9, n=32)
     assert r[1] == pytest.approx(4 * r[0])
