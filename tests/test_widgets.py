@@ -43,8 +43,12 @@ def test_is_headless(monkeypatch):
 def test_headless_memory_chart_is_a_png_with_readout(headless):
     out = widgets.memory_chart(7.5e9, nd=64)
     assert isinstance(out, plots.StaticFigure)
-    assert out._repr_png_().startswith(PNG_MAGIC)
+    data, size = out._repr_png_()
+    assert data.startswith(PNG_MAGIC)
     assert "31.4 GB" in repr(out) and "1.88 GB" in repr(out)
+    # drawn at SHOW_SCALE x the pixels it is displayed at (sharp when projected); PNG width/height at bytes 16-24
+    pixels = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert pixels == (plots.SHOW_SCALE * size["width"], plots.SHOW_SCALE * size["height"])
 
 
 def test_headless_bill_bars(headless):
