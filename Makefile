@@ -72,17 +72,23 @@ browser-setup:
 	else echo "==> note: chromium/chromedriver missing and not root: the browser tests will skip" \
 	  "(apt-get install chromium chromium-driver)"; fi
 
+# Two pytest-xdist workers: half the time on 2 cores, because a multi-process test spends much of its
+# time starting processes and waiting on them, not computing. Files stay whole on one worker (their
+# module fixtures are shared runs); tests/conftest.py puts the longest file first. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS))
+
 unit-tests: setup browser-setup
-	@echo "==> unit tests (pytest tests/)"
-	@$(BIN)/python -m pytest tests -q
+	@echo "==> unit tests (pytest tests/, $(TEST_WORKERS) workers)"
+	@$(BIN)/python -m pytest tests -q $(XDIST) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadfile --no-loadscope-reorder)
 
 notebook-tests: export COURSE_HEADLESS = 1
 notebooks: export COURSE_HEADLESS = 1
 unit-tests: export COURSE_HEADLESS = 1
 
 notebook-tests: setup
-	@echo "==> executing every notebook as a test (pytest --nbval-lax notebooks/)"
-	@$(BIN)/python -m pytest --nbval-lax -q -p no:cacheprovider notebooks
+	@echo "==> executing every notebook as a test (pytest --nbval-lax notebooks/, $(TEST_WORKERS) workers)"
+	@$(BIN)/python -m pytest --nbval-lax -q -p no:cacheprovider $(XDIST) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadscope) notebooks
 
 lab: setup
 	@echo "==> JupyterLab on http://127.0.0.1 (token kept; Ctrl-C to stop)"
