@@ -76,11 +76,17 @@ browser-setup:
 # time starting processes and waiting on them, not computing. Files stay whole on one worker (their
 # module fixtures are shared runs); tests/conftest.py puts the longest file first. TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS))
+ifeq ($(TEST_WORKERS),0)
+UNIT_WORKERS     := -p no:xdist
+NOTEBOOK_WORKERS := -p no:xdist
+else
+UNIT_WORKERS     := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+NOTEBOOK_WORKERS := -n $(TEST_WORKERS) --dist loadscope
+endif
 
 unit-tests: setup browser-setup
 	@echo "==> unit tests (pytest tests/, $(TEST_WORKERS) workers)"
-	@$(BIN)/python -m pytest tests -q $(XDIST) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadfile --no-loadscope-reorder)
+	@$(BIN)/python -m pytest tests -q $(UNIT_WORKERS)
 
 notebook-tests: export COURSE_HEADLESS = 1
 notebooks: export COURSE_HEADLESS = 1
@@ -88,7 +94,7 @@ unit-tests: export COURSE_HEADLESS = 1
 
 notebook-tests: setup
 	@echo "==> executing every notebook as a test (pytest --nbval-lax notebooks/, $(TEST_WORKERS) workers)"
-	@$(BIN)/python -m pytest --nbval-lax -q -p no:cacheprovider $(XDIST) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadscope) notebooks
+	@$(BIN)/python -m pytest --nbval-lax -q -p no:cacheprovider $(NOTEBOOK_WORKERS) notebooks
 
 lab: setup
 	@echo "==> JupyterLab on http://127.0.0.1 (token kept; Ctrl-C to stop)"
