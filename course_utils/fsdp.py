@@ -761,7 +761,7 @@ def _run_one(cfg, info, rank, world, single, sync_every_step, cross_check):
     mcfg = get_config(cfg.model)
     model = build_model(mcfg, seed=cfg.seed, device=info.device)
     prepared = resolve_strategy(cfg.strategy)(model, cfg, info)
-    comm, debug_counts = CommCounter(), {}
+    comm, debug_counts = CommCounter(node_size=cfg.node_size), {}  # counted like train_worker
     losses, held = [], None
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)

@@ -18,6 +18,13 @@ is what one rank puts on the wire in a ring algorithm over a group of N ranks:
     broadcast              1 × payload   (pipelined ring; the root sends it once)
 
 which is the accounting behind the ZeRO paper's 2Ψ (stages 1, 2) against 3Ψ (stage 3).
+
+Across nodes (notebook 05): given ``node_size`` (ranks per node; rank r lives on node
+r // node_size, as torchrun numbers them), each collective is also marked by whether its
+group spans nodes, and ``cross_node_sent_bytes`` adds up the sent bytes of those only. That is
+the process-group view: in a ring over a group that spans nodes, the busiest node-to-node cable
+carries, in each direction, what one rank sends; a group that stays inside a node sends nothing
+across.
 """
 from __future__ import annotations
 
@@ -71,16 +78,43 @@ def _nbytes(obj) -> int:
     return 0
 
 
-def _group_size(args) -> int:
+def _group(args):
+    """The ProcessGroup among a collective's arguments (boxed for c10d ops, a name for functional ones)."""
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
     for a in args:
         if isinstance(a, torch._C.ScriptObject):
-            try:  # a c10d op receives its ProcessGroup boxed; unbox it to ask its size
-                return int(dist.ProcessGroup.unbox(a).size())
+            try:  # a c10d op receives its ProcessGroup boxed; unbox it
+                return dist.ProcessGroup.unbox(a)
             except Exception:  # not a ProcessGroup (e.g. a ReduceOp)
                 continue
+        if isinstance(a, str):  # functional collectives name their group
+            try:
+                return _resolve_process_group(a)
+            except Exception:
+                continue
+    return None
+
+
+def _group_size(args) -> int:
+    import torch.distributed as dist
+
+    group = _group(args)
+    if group is not None:
+        return int(group.size())
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _spans_nodes(args, node_size: int | None) -> bool:
+    """Whether the collective's group holds ranks of more than one node (rank r on node r // node_size)."""
+    import torch.distributed as dist
+
+    if not node_size or not dist.is_initialized():
+        return False
+    group = _group(args)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    return len({r // node_size for r in ranks}) > 1
 
 
 def ring_bytes_sent(kind: str, payload_bytes: float, group_size: int) -> float:
@@ -92,12 +126,15 @@ class CommCounter(TorchDispatchMode):
     """Count collectives by kind: calls, payload bytes and ring bytes sent (notebook 02).
 
     Use as ``with CommCounter() as comm: ...``; then ``comm.summary(steps)`` gives per-step
-    numbers for this rank. ``comm.events`` keeps (kind, payload, group size) in issue order.
+    numbers for this rank. ``comm.events`` keeps (kind, payload, group size) in issue order,
+    ``comm.spans`` beside it whether each group spans nodes of ``node_size`` ranks (notebook 05).
     """
 
-    def __init__(self):
+    def __init__(self, node_size: int | None = None):
         super().__init__()
         self.events: list[tuple[str, int, int]] = []
+        self.spans: list[bool] = []
+        self.node_size = node_size
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -110,6 +147,7 @@ class CommCounter(TorchDispatchMode):
                 if kind == "all_gather" and name == "allgather_":
                     payload = _nbytes(args[0])  # list of lists of outputs
                 self.events.append((kind, payload, _group_size(args)))
+                self.spans.append(_spans_nodes(args, self.node_size))
             elif ns == "_c10d_functional" and name in _FUNCTIONAL:
                 kind = _FUNCTIONAL[name]
                 group_size = next((a for a in args[1:] if isinstance(a, int)), None)
@@ -117,18 +155,20 @@ class CommCounter(TorchDispatchMode):
                 if kind == "all_gather":
                     payload *= group_size or 1
                 self.events.append((kind, payload, group_size or _group_size(args)))
+                self.spans.append(_spans_nodes(args, self.node_size))
         return func(*args, **kwargs)
 
     def summary(self, steps: int = 1) -> dict:
-        """``{kind: {"calls", "payload_bytes", "sent_bytes"}}`` per step for this rank."""
-        out: dict = defaultdict(lambda: {"calls": 0, "payload_bytes": 0.0, "sent_bytes": 0.0})
-        for kind, payload, n in self.events:
+        """``{kind: {"calls", "payload_bytes", "sent_bytes", "cross_node_sent_bytes"}}`` per step for this rank."""
+        keys = ("calls", "payload_bytes", "sent_bytes", "cross_node_sent_bytes")
+        out: dict = defaultdict(lambda: dict.fromkeys(keys, 0.0))
+        for (kind, payload, n), spans in zip(self.events, self.spans):
             row = out[kind]
             row["calls"] += 1
             row["payload_bytes"] += payload
             row["sent_bytes"] += ring_bytes_sent(kind, payload, n)
-        return {k: {"calls": v["calls"] / steps, "payload_bytes": v["payload_bytes"] / steps,
-                    "sent_bytes": v["sent_bytes"] / steps} for k, v in sorted(out.items())}
+            row["cross_node_sent_bytes"] += ring_bytes_sent(kind, payload, n) if spans else 0.0
+        return {k: {key: v[key] / steps for key in keys} for k, v in sorted(out.items())}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -235,6 +235,51 @@ def ring_time(nbytes: float, n: int, cluster: Cluster, *, spans_nodes: bool, kin
     return factor * nbytes * (n - 1) / n / bw
 
 
+def network_step(strategy: str, params: float, cluster: Cluster, *, bytes_per_value: float = memory.GRAD_BYTES) -> dict:
+    """What one step puts on the links between nodes, in the ring model above (notebook 05).
+
+    Returns ``cross_node_bytes``: ring bytes one GPU sends per step in collectives whose group spans
+    nodes (what ``instrument.CommCounter`` measures as ``cross_node_sent_bytes``), and ``network_s``:
+    how long those collectives keep the node's link (``inter_bw``) busy, nothing hidden behind
+    compute. With P = ``bytes_per_value``·Ψ/Nm, Nd GPUs, n per node:
+
+    - ddp: one all-reduce of P over Nd, 2(Nd−1)/Nd·P; stages 1, 2: a reduce-scatter and an all-gather,
+      the same bytes;
+    - zero3 (FULL_SHARD): two all-gathers and one reduce-scatter over Nd, 3(Nd−1)/Nd·P;
+    - hsdp: gathers and reduce-scatters inside the node (nothing across); across, an all-reduce of
+      its P/n shard over the nodes, 2(P/n)(nodes−1)/nodes, and the node's n GPUs run those n
+      rings side by side over the same link (hence ``ring_time`` of n·P/n = P, as ``plan`` times it).
+    """
+    _need(strategy in STRATEGIES, f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    p = bytes_per_value * params / cluster.mp
+    nd, nodes, n = cluster.nd, cluster.nodes, cluster.gpus_per_node // cluster.mp
+    if nodes == 1:
+        return {"cross_node_bytes": 0.0, "network_s": 0.0}
+    if strategy == "hsdp":
+        return {"cross_node_bytes": 2 * (p / n) * (nodes - 1) / nodes,
+                "network_s": ring_time(p, nodes, cluster, spans_nodes=True, kind="all_reduce")}
+    if strategy in ("zero3", "zero3_offload"):
+        return {"cross_node_bytes": 3 * p * (nd - 1) / nd,
+                "network_s": 2 * ring_time(p, nd, cluster, spans_nodes=True)
+                + ring_time(p, nd, cluster, spans_nodes=True, kind="reduce_scatter")}
+    return {"cross_node_bytes": 2 * p * (nd - 1) / nd,
+            "network_s": ring_time(p, nd, cluster, spans_nodes=True, kind="all_reduce")}
+
+
+def crossover_bandwidth(base_a: float, link_bytes_a: float, base_b: float, link_bytes_b: float) -> float | None:
+    """The link bandwidth (bytes/s) at which strategies a and b take equally long per step (notebook 05).
+
+    Each step takes ``base + link_bytes / bandwidth``: ``base`` measured on an unlimited link,
+    ``link_bytes`` what the step puts on the busiest link (``network_step``'s ``network_s`` times
+    the bandwidth). Below the crossover the one with fewer link bytes is faster. None when the
+    lines never cross (one of the two is faster on every link).
+    """
+    if link_bytes_a == link_bytes_b or base_a == base_b:
+        return None
+    bandwidth = (link_bytes_b - link_bytes_a) / (base_a - base_b)
+    return bandwidth if bandwidth > 0 else None
+
+
 def block_flops(model: ModelSpec) -> float:
     """Forward FLOPs of one block for one micro-batch: 24·b·s·h² + 4·b·s²·h (notebook 05)."""
     b, s, h = model.micro_batch, model.seq, model.width

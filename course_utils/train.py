@@ -75,7 +75,8 @@ class TrainConfig:
     seed: int = 0
     precision: str = "fp32"        # "fp32" (exact comparisons) or "mixed" (16-bit working copy, where supported)
     bucket_cap_mb: float = 25.0    # DDP bucket size cap (ddp, ddp_scratch)
-    node_size: int = 2             # ranks per "node" for hybrid_shard (shard inside, replicate across)
+    node_size: int = 2             # ranks per "node": hybrid_shard shards inside one, replicates across;
+                                   # cross-node bytes count groups spanning more than one (notebook 05)
     options: dict = field(default_factory=dict)  # strategy-specific knobs, e.g. {"prefetch": True}
     backend: str = "auto"
     timeout_s: float = 120.0
@@ -219,72 +220,88 @@ def train_worker(config: dict) -> dict:
     """
     cfg = TrainConfig(**config).validate()
     with cdist.session(cfg.backend if cfg.backend != "auto" else None) as info:
-        if info.world_size != cfg.nproc:
-            cfg.nproc = info.world_size  # torchrun decides the world size; the batch split follows it
-            cfg.validate()
-        mcfg = get_config(cfg.model)
-        model = build_model(mcfg, seed=cfg.seed, device=info.device)
-        prepared = resolve_strategy(cfg.strategy)(model, cfg, info)
-        # notebook 06: resume from the newest complete checkpoint; die on purpose where asked
-        ckpt = Checkpointer(cfg, prepared, info) if cfg.checkpoint_dir else None
-        start_step = ckpt.resume() if ckpt else 0
-        fail_step = planned_failure(cfg.fail_at, info.rank, info.restart_count)
-        held = loss = None
-        local_losses, step_times = [], []
-        comm = CommCounter()
-        with comm:
-            for step in range(start_step, cfg.steps):
-                t0 = time.perf_counter()
-                x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
-                                      vocab=mcfg.vocab, seed=cfg.seed, device=info.device)
-                loss = prepared.model(x, y)
-                if step == fail_step:  # mid-step: the peers are about to wait for this rank's gradients
-                    die_hard(f"fail_at {info.rank}:{step} on attempt {info.restart_count}")
-                loss.backward()
-                prepared.before_step()
-                prepared.optimizer.step()
-                if step == cfg.steps - 1:  # bytes held at rest, gradients still present
-                    comm.paused = True
-                    held = held_bytes(*prepared.held())
-                    comm.paused = False
-                prepared.optimizer.zero_grad(set_to_none=True)
-                step_times.append(time.perf_counter() - t0)
-                local_losses.append(loss.detach().float().cpu())
-                if ckpt:  # saving is not training: its collectives are not counted
-                    comm.paused = True
-                    ckpt.after_step(step + 1, local_losses)
-                    comm.paused = False
-                cdist.report_progress(step + 1, cfg.steps, loss=float(local_losses[-1]))
-        cdist.log(f"{FINISHED_LINE} at step {cfg.steps - 1}")  # how attempt_logs tells a finished rank
-        # Everything below is bookkeeping, outside the counted window.
-        if held is None:  # nothing left to train (resumed at the last step)
-            held = held_bytes(*prepared.held())
-        losses = (ckpt.history if ckpt else []) + global_mean_losses(local_losses, info)
-        full = prepared.full_state_dict()
-        if cfg.save_weights and info.rank == 0:  # for comparing strategies within a tolerance
-            torch.save({k: v.detach().to("cpu", torch.float32) for k, v in full.items()}, cfg.save_weights)
-        mine = {"held_bytes": held, "comm_per_step": comm.summary(max(1, cfg.steps - start_step)),
-                "step_time_s": statistics.median(step_times[1:] or step_times or [0.0])}
-        everyone = [None] * info.world_size
-        dist.all_gather_object(everyone, mine)  # rank 0 reports for all, under launch or torchrun
-        strategy_info = prepared.info
-        recovery = ckpt.report() if ckpt else {"restarts": info.restart_count, "resumed_from": [], "steps_redone": None}
-        # Free the strategy while the process group is alive. DDP's reducer holds the group; a gloo
-        # group destroyed from there (after destroy_process_group) waits for its worker thread while
-        # holding the GIL that thread may need: an occasional hang at exit.
-        del prepared, ckpt, model, loss
-        gc.collect()
-        if info.rank != 0:
-            return {"rank": info.rank}
-        return {
-            "strategy": cfg.strategy, "world_size": info.world_size, "backend": info.backend,
-            "steps": cfg.steps, "losses": losses, "weights_sha256": weights_sha256(full),
-            "per_rank": [dict(rank=r, **row["held_bytes"]) for r, row in enumerate(everyone)],
-            "comm_per_step": everyone[0]["comm_per_step"],
-            "comm_per_step_by_rank": [row["comm_per_step"] for row in everyone],
-            "step_time_s": max(row["step_time_s"] for row in everyone),
-            "strategy_info": strategy_info, "config": asdict(cfg), **recovery,
-        }
+        return run_training(cfg, info)
+
+
+def run_training(cfg: TrainConfig, info) -> dict:
+    """``train_worker``'s loop inside a process group that is already up (notebooks 02, 05).
+
+    Several runs can share one group this way (``course_utils.cluster.sweep_worker``); the
+    report is the same.
+    """
+    if info.world_size != cfg.nproc:
+        cfg.nproc = info.world_size  # torchrun decides the world size; the batch split follows it
+        cfg.validate()
+    if info.local_world_size < info.world_size and cfg.node_size != info.local_world_size:
+        raise CourseInputError(  # several real nodes: a "node" must be what torchrun put on one
+            f"--node-size {cfg.node_size} but torchrun put {info.local_world_size} ranks on each node; "
+            f"pass --node-size {info.local_world_size} (equal to --nproc-per-node)")
+    mcfg = get_config(cfg.model)
+    model = build_model(mcfg, seed=cfg.seed, device=info.device)
+    prepared = resolve_strategy(cfg.strategy)(model, cfg, info)
+    # notebook 06: resume from the newest complete checkpoint; die on purpose where asked
+    ckpt = Checkpointer(cfg, prepared, info) if cfg.checkpoint_dir else None
+    start_step = ckpt.resume() if ckpt else 0
+    fail_step = planned_failure(cfg.fail_at, info.rank, info.restart_count)
+    held = loss = None
+    local_losses, step_times = [], []
+    comm = CommCounter(node_size=cfg.node_size)
+    with comm:
+        for step in range(start_step, cfg.steps):
+            t0 = time.perf_counter()
+            x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
+                                  vocab=mcfg.vocab, seed=cfg.seed, device=info.device)
+            loss = prepared.model(x, y)
+            if step == fail_step:  # mid-step: the peers are about to wait for this rank's gradients
+                die_hard(f"fail_at {info.rank}:{step} on attempt {info.restart_count}")
+            loss.backward()
+            prepared.before_step()
+            prepared.optimizer.step()
+            if step == cfg.steps - 1:  # bytes held at rest, gradients still present
+                comm.paused = True
+                held = held_bytes(*prepared.held())
+                comm.paused = False
+            prepared.optimizer.zero_grad(set_to_none=True)
+            step_times.append(time.perf_counter() - t0)
+            local_losses.append(loss.detach().float().cpu())
+            if ckpt:  # saving is not training: its collectives are not counted
+                comm.paused = True
+                ckpt.after_step(step + 1, local_losses)
+                comm.paused = False
+            cdist.report_progress(step + 1, cfg.steps, loss=float(local_losses[-1]))
+    cdist.log(f"{FINISHED_LINE} at step {cfg.steps - 1}")  # how attempt_logs tells a finished rank
+    # Everything below is bookkeeping, outside the counted window.
+    if held is None:  # nothing left to train (resumed at the last step)
+        held = held_bytes(*prepared.held())
+    losses = (ckpt.history if ckpt else []) + global_mean_losses(local_losses, info)
+    full = prepared.full_state_dict()
+    if cfg.save_weights and info.rank == 0:  # for comparing strategies within a tolerance
+        torch.save({k: v.detach().to("cpu", torch.float32) for k, v in full.items()}, cfg.save_weights)
+    mine = {"held_bytes": held, "comm_per_step": comm.summary(max(1, cfg.steps - start_step)),
+            "step_time_s": statistics.median(step_times[1:] or step_times or [0.0])}
+    everyone = [None] * info.world_size
+    dist.all_gather_object(everyone, mine)  # rank 0 reports for all, under launch or torchrun
+    strategy_info = prepared.info
+    recovery = ckpt.report() if ckpt else {"restarts": info.restart_count, "resumed_from": [], "steps_redone": None}
+    # Free the strategy while the process group is alive. DDP's reducer holds the group; a gloo
+    # group destroyed from there (after destroy_process_group) waits for its worker thread while
+    # holding the GIL that thread may need: an occasional hang at exit.
+    del prepared, ckpt, model, loss
+    gc.collect()
+    if info.rank != 0:
+        return {"rank": info.rank}
+    return {
+        "strategy": cfg.strategy, "world_size": info.world_size, "backend": info.backend,
+        "steps": cfg.steps, "losses": losses, "weights_sha256": weights_sha256(full),
+        "per_rank": [dict(rank=r, **row["held_bytes"]) for r, row in enumerate(everyone)],
+        "comm_per_step": everyone[0]["comm_per_step"],
+        "comm_per_step_by_rank": [row["comm_per_step"] for row in everyone],
+        "step_time_s": max(row["step_time_s"] for row in everyone),
+        # the busiest rank's bytes to other nodes (ranks on nodes of cfg.node_size; notebook 05)
+        "cross_node_bytes_per_step": max(sum(v["cross_node_sent_bytes"] for v in row["comm_per_step"].values())
+                                         for row in everyone),
+        "strategy_info": strategy_info, "config": asdict(cfg), **recovery,
+    }
 
 
 def train(cfg: TrainConfig | None = None, *, echo: bool = False, **overrides) -> dict:
@@ -293,7 +310,9 @@ def train(cfg: TrainConfig | None = None, *, echo: bool = False, **overrides) ->
     The report holds ``strategy``, ``world_size``, ``backend``, ``steps``, ``losses`` (global
     mean per step), ``weights_sha256`` (full fp32 weights), ``per_rank`` (bytes of params,
     grads and optimizer state each rank holds), ``comm_per_step`` (per collective kind:
-    calls, payload and ring bytes sent by one rank per step), ``step_time_s``.
+    calls, payload and ring bytes sent by one rank per step), ``step_time_s`` and
+    ``cross_node_bytes_per_step`` (the busiest rank's ring bytes in groups that span nodes of
+    ``cfg.node_size`` ranks: on one host, the nodes the mesh pretends to have; notebook 05).
     """
     from .launch import launch
 
@@ -308,22 +327,28 @@ def train(cfg: TrainConfig | None = None, *, echo: bool = False, **overrides) ->
 
 def torchrun_train_command(cfg: TrainConfig) -> str:
     """The torchrun line that runs this same training outside the notebook (notebook 02)."""
-    defaults = TrainConfig()
     parts = [f"torchrun --standalone --nproc-per-node {cfg.nproc}"]
     if cfg.max_restarts:
         # a fresh rendezvous store per restart (pytorch/pytorch#135712; course_utils._agent does the same)
         parts = ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"] + parts + [f"--max-restarts {cfg.max_restarts}"]
     parts.append("-m course_utils.train")
+    return " ".join(parts + train_flags(cfg))
+
+
+def train_flags(cfg: TrainConfig) -> list[str]:
+    """``course_utils.train``'s flags for ``cfg``, defaults left out; the launcher decides
+    ``nproc``, ``backend``, ``timeout_s`` and ``max_restarts`` (notebooks 02, 05)."""
+    defaults, parts = TrainConfig(), []
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
         if f.name in ("nproc", "backend", "timeout_s", "max_restarts") or value == getattr(defaults, f.name):
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.name == "options":
-            parts += [f"--option {k}={v}" for k, v in value.items()]
+            parts += [part for k, v in value.items() for part in ("--option", f"{k}={v}")]
         else:
-            parts.append(f"{flag} {value}")
-    return " ".join(parts)
+            parts += [flag, str(value)]
+    return parts
 
 
 # ---------------------------------------------------------------- command line
