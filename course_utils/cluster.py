@@ -300,12 +300,21 @@ class Cluster:
                    "import socket; s = socket.socket(); s.bind(('" + node.addr + "', 0)); print(s.getsockname()[1])")
         return int(out.stdout)
 
+    def cores(self, node: Node) -> set[int]:
+        """The host cores a node runs on: its own share (real machines do not lend each other cores),
+        so a node's ranks size their thread pools from its share (``dist.usable_cores``)."""
+        host = sorted(os.sched_getaffinity(0))
+        slot = self.nodes.index(node) % self.size
+        return {c for i, c in enumerate(host) if i % self.size == slot % len(host)} or set(host)
+
     def start(self, node: Node, argv: list[str], env: dict | None = None, name: str | None = None) -> subprocess.Popen:
         """Run ``argv`` inside ``node`` in a session of its own; output goes to ``self.log_dir/<name>.log``."""
         log = open(self.log_dir / f"{name or node.ns}.log", "ab")
         full_env = {**os.environ, **(env or {})}
+        cores = self.cores(node)
         proc = subprocess.Popen(["ip", "netns", "exec", node.ns, *argv], env=full_env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=lambda: os.sched_setaffinity(0, cores))
         log.close()
         self.procs.append(proc)
         return proc
@@ -569,6 +578,7 @@ def cluster_arguments(parser) -> None:
             parser._remove_action(action)
             for flag in action.option_strings:
                 parser._option_string_actions.pop(flag, None)
+    parser.set_defaults(strategy="hybrid_shard")  # the strategy a slow link between nodes is for
     parser.add_argument("--nodes", type=int, default=2, help="namespaces (\"machines\") on the switch")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node")
     parser.add_argument("--link", default="unlimited",
@@ -580,10 +590,15 @@ def cluster_command(args) -> int:
     """``python -m course_utils cluster ...`` (notebook 05)."""
     from .train import _config_from_args, print_report
 
+    require()  # first: on a machine without the cluster, nothing else matters
     args.nproc, args.node_size = args.nodes * args.nproc_per_node, args.nproc_per_node
     cfg = _config_from_args(args)
-    report = train_on_cluster(cfg, nodes=args.nodes, nproc_per_node=args.nproc_per_node, link=args.link,
-                              timeout_s=args.wall_timeout_s)
+    try:
+        report = train_on_cluster(cfg, nodes=args.nodes, nproc_per_node=args.nproc_per_node, link=args.link,
+                                  timeout_s=args.wall_timeout_s)
+    except (RuntimeError, TimeoutError) as exc:  # a failed run, already torn down: say why, no traceback
+        print(f"python -m course_utils cluster: {exc}", file=sys.stderr)
+        return 1
     print_report(report, args.json)
     if not args.json:
         print(f"link {report['link']['rate'] or 'unlimited'}, delay {report['link']['delay'] or 'none'}; "

@@ -66,6 +66,14 @@ class DistInfo:
         return self.rank == 0
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask where the OS has one (a node of
+    ``course_utils.cluster`` gets its own share of the host), else the machine's count (notebook 00)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return default if value in (None, "") else int(value)
@@ -93,7 +101,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
         device = torch.device("cpu")
         # N processes on a few cores: split the cores instead of oversubscribing them
         # (torchrun sets OMP_NUM_THREADS=1 for the same reason).
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        torch.set_num_threads(max(1, usable_cores() // max(1, local_world)))
     if not dist.is_initialized():
         timeout = timedelta(seconds=float(timeout_s or os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
         if "MASTER_ADDR" in os.environ:  # torchrun / elastic agent: rendezvous through env://
