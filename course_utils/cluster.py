@@ -567,6 +567,67 @@ def sweep_on_cluster(strategies, links, *, nodes: int = 2, nproc_per_node: int =
     return out
 
 
+def links_vs_planner(strategies=("ddp", "full_shard", "hybrid_shard"), links=("unlimited", "1gbit", "100mbit"), *,
+                     nodes: int = 2, nproc_per_node: int = 2, timeout_s: float = 120.0, **config) -> dict:
+    """Each strategy on each link, measured, beside the planner's prediction for that link (notebook 05).
+
+    Where the cluster can be built, ``sweep_on_cluster``. Where it cannot (``missing()`` says why),
+    the same worker on one host under ``launch``, link "loopback": the same mesh, the cross-node
+    bytes counted the same way (ranks in "nodes" of ``nproc_per_node``), no step time over a link.
+
+    Each row gains ``planned_cross_node_bytes`` and ``link_bytes`` (``plan.network_step``, fp32
+    values), and ``planned_step_time_s``: the step measured on the unlimited link plus the planner's
+    seconds on this link. ``crossover[other]``: ``bandwidth`` (bytes/s) where HSDP and ``other``
+    take equally long (``plan.crossover_bandwidth``; None: never) and ``hsdp_faster``: "below" or
+    "above" it, "always" or "never"; ``text``: that in words.
+    """
+    from . import plan
+    from .bench import PLAN_ROW
+    from .models import build_model, param_count
+    from .train import TrainConfig
+
+    cfg = TrainConfig(**config, nproc=nodes * nproc_per_node, node_size=nproc_per_node)
+    if cfg.precision != "fp32":
+        raise CourseInputError("links_vs_planner compares fp32 runs with the planner; use precision='fp32'")
+    why_not = missing()
+    if why_not is None:
+        out = sweep_on_cluster(strategies, links, nodes=nodes, nproc_per_node=nproc_per_node, timeout_s=timeout_s,
+                               **config)
+    else:
+        from .launch import launch
+
+        rows = launch(sweep_worker, nproc=cfg.nproc, args=(asdict(cfg), list(strategies), ["loopback"]),
+                      timeout_s=timeout_s, echo=False, progress=False)[0]
+        out = {"rows": rows, "links": {}, "commands": []}
+    psi = param_count(build_model(cfg.model))
+    base = {r["strategy"]: r["step_time_s"] for r in out["rows"] if r["link"] == "unlimited"}
+    for r in out["rows"]:
+        rate = None if r["link"] == "loopback" else parse_link(r["link"]).bytes_per_s
+        machines = plan.Cluster(gpus_per_node=nproc_per_node, nodes=nodes, inter_bw=rate or 1e12)
+        net = plan.network_step(PLAN_ROW[r["strategy"]], psi, machines, bytes_per_value=4)
+        r["planned_cross_node_bytes"] = net["cross_node_bytes"]
+        r["link_bytes"] = net["network_s"] * machines.inter_bw  # what the busiest cable carries per step
+        r["planned_step_time_s"] = None if r["strategy"] not in base else base[r["strategy"]] + (
+            net["network_s"] if rate else 0.0)
+    crossover = {}
+    if "hybrid_shard" in base:
+        link_bytes = {r["strategy"]: r["link_bytes"] for r in out["rows"]}
+        for other in base:
+            if other == "hybrid_shard":
+                continue
+            h, o = (base["hybrid_shard"], link_bytes["hybrid_shard"]), (base[other], link_bytes[other])
+            bandwidth = plan.crossover_bandwidth(*h, *o)
+            if bandwidth:
+                wins = "below" if h[1] < o[1] else "above"
+            else:
+                wins = "always" if h[0] <= o[0] and h[1] <= o[1] else "never"
+            where = {"below": "below", "above": "above"}.get(wins)
+            text = (f"HSDP is faster than {other} {where} {bandwidth * 8 / 1e6:,.0f} Mbit/s" if where else
+                    f"HSDP is {'faster than' if wins == 'always' else 'never faster than'} {other} on every link")
+            crossover[other] = {"bandwidth": bandwidth, "hsdp_faster": wins, "text": text}
+    return {**out, "why_not": why_not, "psi": psi, "crossover": crossover}
+
+
 # ------------------------------------------------------------------ command line
 
 def cluster_arguments(parser) -> None:
