@@ -110,7 +110,7 @@ def missing() -> str | None:
         return f"the cluster needs Linux network namespaces, and this is {sys.platform}"
     if not _is_root():
         return "the cluster needs root (network namespaces and tc); run it as root, e.g. with sudo"
-    for tool, package in (("ip", "iproute2"), ("tc", "iproute2")):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("taskset", "util-linux")):
         if _which(tool) is None:
             return f"the cluster needs the `{tool}` command, which is not installed (package {package})"
     probe = f"{PREFIX}{os.getpid()}-probe-{secrets.token_hex(3)}"
@@ -214,12 +214,13 @@ class Cluster:
         self.namespaces: list[str] = []
         self.procs: list[subprocess.Popen] = []
         self.netem = False
-        self.log_dir = Path(tempfile.mkdtemp(prefix="course-cluster-"))
+        self.log_dir: Path | None = None
         self._count = 0
 
     def __enter__(self) -> "Cluster":
         require()
         remove_leftovers()
+        self.log_dir = Path(tempfile.mkdtemp(prefix="course-cluster-"))
         try:
             self._make_namespace(self.switch)
             _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -311,10 +312,10 @@ class Cluster:
         """Run ``argv`` inside ``node`` in a session of its own; output goes to ``self.log_dir/<name>.log``."""
         log = open(self.log_dir / f"{name or node.ns}.log", "ab")
         full_env = {**os.environ, **(env or {})}
-        cores = self.cores(node)
-        proc = subprocess.Popen(["ip", "netns", "exec", node.ns, *argv], env=full_env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=lambda: os.sched_setaffinity(0, cores))
+        cores = ",".join(map(str, sorted(self.cores(node))))
+        proc = subprocess.Popen(["ip", "netns", "exec", node.ns, "taskset", "-c", cores, *argv], env=full_env,
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
         log.close()
         self.procs.append(proc)
         return proc
@@ -327,7 +328,8 @@ class Cluster:
         self.nodes.remove(node)
 
     def close(self) -> None:
-        """Kill every process of every node, then delete the namespaces (cables and qdiscs go with them)."""
+        """Kill every process of every node, then delete the namespaces (cables and qdiscs go with them)
+        and the nodes' logs (read them before: a failed run's error message quotes their tails)."""
         for ns in reversed(self.namespaces):
             _remove_namespace(ns)
         self.namespaces.clear()
@@ -335,6 +337,8 @@ class Cluster:
             if proc.poll() is None:  # an `ip netns exec` that never got its namespace
                 proc.kill()
             proc.wait()
+        if self.log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def describe_link(self) -> dict:
         """``{"rate", "delay", "netem"}`` of the cables: what was really set."""
@@ -477,7 +481,6 @@ def train_on_cluster(cfg=None, *, nodes: int = 2, nproc_per_node: int = 2, link=
                 report["lost_after_step"] = lost[0] if lost else None
     finally:
         shutil.rmtree(progress, ignore_errors=True)
-    shutil.rmtree(cluster.log_dir, ignore_errors=True)
     return report
 
 
@@ -563,7 +566,6 @@ def sweep_on_cluster(strategies, links, *, nodes: int = 2, nproc_per_node: int =
                    "commands": [" ".join(["torchrun", *argv_of(n)[3:]]) for n in cluster.nodes]}
     finally:
         shutil.rmtree(phases, ignore_errors=True)
-    shutil.rmtree(cluster.log_dir, ignore_errors=True)
     return out
 
 
