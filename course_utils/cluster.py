@@ -46,7 +46,8 @@ PREFIX = "course-"
 SUBNET = "10.213.0"
 #: The node's network card, inside its namespace.
 IFACE = "eth0"
-#: Bridges are small; nine nodes keep every address two digits long (and the order of --local-addr).
+#: Nodes per cluster, replacements included: addresses .11 to .19 stay two digits, so their string order
+#: (by which c10d ranks the nodes, through --local-addr) is the nodes' order.
 MAX_NODES = 9
 
 
@@ -306,7 +307,7 @@ class Cluster:
         so a node's ranks size their thread pools from its share (``dist.usable_cores``)."""
         host = sorted(os.sched_getaffinity(0))
         slot = self.nodes.index(node) % self.size
-        return {c for i, c in enumerate(host) if i % self.size == slot % len(host)} or set(host)
+        return {c for i, c in enumerate(host) if i % self.size == slot} or set(host)  # fewer cores than nodes: share
 
     def start(self, node: Node, argv: list[str], env: dict | None = None, name: str | None = None) -> subprocess.Popen:
         """Run ``argv`` inside ``node`` in a session of its own; output goes to ``self.log_dir/<name>.log``."""

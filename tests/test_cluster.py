@@ -116,6 +116,24 @@ def test_link_rates_are_decimal_like_tc():
     assert cluster.parse_link("unlimited").bytes_per_s is None
 
 
+def test_cross_node_bytes_on_one_host_match_the_planner():
+    """No root needed: the same sweep worker under launch, 4 ranks in 2 pretend nodes of 2, over loopback."""
+    from dataclasses import asdict
+
+    from course_utils.launch import launch
+    from course_utils.train import TrainConfig
+
+    cfg = TrainConfig(nproc=4, node_size=2, steps=2)
+    rows = launch(cluster.sweep_worker, nproc=4, args=(asdict(cfg), ["hybrid_shard", "full_shard"], ["loopback"]),
+                  echo=False, progress=False)[0]
+    got = {r["strategy"]: r["cross_node_bytes_per_step"] for r in rows}
+    psi = param_count(build_model("tiny"))
+    machines = plan.Cluster(gpus_per_node=2, nodes=2)
+    assert got == {"hybrid_shard": plan.network_step("hsdp", psi, machines, bytes_per_value=4)["cross_node_bytes"],
+                   "full_shard": plan.network_step("zero3", psi, machines, bytes_per_value=4)["cross_node_bytes"]}
+    assert 0 < got["hybrid_shard"] < got["full_shard"]
+
+
 # ------------------------------------------------------------------ teardown (root)
 
 def test_teardown_on_error_interrupt_and_timeout(as_root):
