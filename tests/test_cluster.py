@@ -116,8 +116,9 @@ def test_link_rates_are_decimal_like_tc():
     assert cluster.parse_link("unlimited").bytes_per_s is None
 
 
-def test_cross_node_bytes_on_one_host_match_the_planner():
-    """No root needed: the same sweep worker under launch, 4 ranks in 2 pretend nodes of 2, over loopback."""
+@pytest.fixture(scope="module")
+def one_host():
+    """No root needed: the sweep worker under launch, 4 ranks in 2 pretend nodes of 2, over loopback."""
     from dataclasses import asdict
 
     from course_utils.launch import launch
@@ -126,12 +127,21 @@ def test_cross_node_bytes_on_one_host_match_the_planner():
     cfg = TrainConfig(nproc=4, node_size=2, steps=2)
     rows = launch(cluster.sweep_worker, nproc=4, args=(asdict(cfg), ["hybrid_shard", "full_shard"], ["loopback"]),
                   echo=False, progress=False)[0]
-    got = {r["strategy"]: r["cross_node_bytes_per_step"] for r in rows}
+    return {r["strategy"]: r for r in rows}
+
+
+def _planned(strategy: str) -> float:
     psi = param_count(build_model("tiny"))
-    machines = plan.Cluster(gpus_per_node=2, nodes=2)
-    assert got == {"hybrid_shard": plan.network_step("hsdp", psi, machines, bytes_per_value=4)["cross_node_bytes"],
-                   "full_shard": plan.network_step("zero3", psi, machines, bytes_per_value=4)["cross_node_bytes"]}
+    return plan.network_step(strategy, psi, plan.Cluster(gpus_per_node=2, nodes=2), bytes_per_value=4)["cross_node_bytes"]
+
+
+def test_cross_node_bytes_on_one_host_match_the_planner(one_host):
+    got = {s: r["cross_node_bytes_per_step"] for s, r in one_host.items()}
+    assert got == {"hybrid_shard": _planned("hsdp"), "full_shard": _planned("zero3")}
     assert 0 < got["hybrid_shard"] < got["full_shard"]
+    # inside a node HSDP gathers; none of that crosses
+    gathers = one_host["hybrid_shard"]["comm_per_step"]["all_gather"]
+    assert gathers["cross_node_sent_bytes"] == 0 < gathers["sent_bytes"]
 
 
 # ------------------------------------------------------------------ teardown (root)
@@ -211,25 +221,16 @@ def _cli(*args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_short_form_hsdp_sends_less_across_nodes(as_root):
+def test_short_form_hsdp_sends_less_across_nodes(as_root, one_host):
     before = _host_state()
-    psi = param_count(build_model("tiny"))
-    link = plan.Cluster(gpus_per_node=2, nodes=2, inter_bw=12.5e6)
-    runs = {}
-    for strategy in ("hybrid_shard", "full_shard"):
-        r = _cli("--nodes", "2", "--nproc-per-node", "2", "--link", "100mbit", "--strategy", strategy, "--steps", "2")
-        run_id = r["commands"][0].split("--rdzv-id ")[1].split()[0]
-        _assert_nothing_left(before, run_id)
-        assert r["world_size"] == 4 and r["link"] == {"rate": "100mbit", "delay": None, "netem": False}
-        assert r["step_time_s"] > 0 and len(r["losses"]) == 2
-        runs[strategy] = r
-    hsdp, fs = runs["hybrid_shard"], runs["full_shard"]
-    assert 0 < hsdp["cross_node_bytes_per_step"] < fs["cross_node_bytes_per_step"]
-    # counted from the collectives the ranks really issued, against the planner's ring formula (fp32)
-    assert hsdp["cross_node_bytes_per_step"] == plan.network_step("hsdp", psi, link, bytes_per_value=4)["cross_node_bytes"]
-    assert fs["cross_node_bytes_per_step"] == plan.network_step("zero3", psi, link, bytes_per_value=4)["cross_node_bytes"]
-    # inside a node HSDP gathers; none of that crosses
-    assert hsdp["comm_per_step"]["all_gather"]["cross_node_sent_bytes"] == 0 < hsdp["comm_per_step"]["all_gather"]["sent_bytes"]
+    r = _cli("--nodes", "2", "--nproc-per-node", "2", "--link", "100mbit", "--strategy", "hybrid_shard", "--steps", "2")
+    _assert_nothing_left(before, r["commands"][0].split("--rdzv-id ")[1].split()[0])
+    assert r["world_size"] == 4 and r["link"] == {"rate": "100mbit", "delay": None, "netem": False}
+    assert r["step_time_s"] > 0 and len(r["losses"]) == 2 and r["nodes"] == 2 and r["nproc_per_node"] == 2
+    # across a real link, the same bytes as counted on one host and as the planner's ring formula
+    assert r["cross_node_bytes_per_step"] == one_host["hybrid_shard"]["cross_node_bytes_per_step"] == _planned("hsdp")
+    assert r["cross_node_bytes_per_step"] < one_host["full_shard"]["cross_node_bytes_per_step"]
+    assert r["weights_sha256"] == one_host["hybrid_shard"]["weights_sha256"]  # and the same training, bit for bit
 
 
 def test_a_lost_node_is_replaced_and_the_run_ends_bit_identical(as_root, tmp_path):
