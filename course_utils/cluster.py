@@ -71,6 +71,7 @@ class Link:
         return float(number) * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[unit] / 8
 
     def describe(self) -> str:
+        """"100mbit", "unlimited" or "100mbit, 5ms delay": the link in words."""
         return (self.rate or "unlimited") + (f", {self.delay} delay" if self.delay else "")
 
 
@@ -139,7 +140,7 @@ def course_namespaces() -> list[str]:
 
 
 def namespace_pids(ns: str) -> list[int]:
-    """Processes living in namespace ``ns`` (``ip netns pids``)."""
+    """Processes living in namespace ``ns`` (``ip netns pids``; notebook 05)."""
     out = _run("ip", "netns", "pids", ns, check=False).stdout
     return [int(p) for p in out.split()]
 
@@ -189,7 +190,7 @@ def remove_leftovers() -> list[str]:
 
 @dataclass
 class Node:
-    """One "machine": a namespace, its address, and the port of its cable on the switch."""
+    """One "machine": a namespace, its address, and the port of its cable on the switch (notebook 05)."""
 
     index: int
     ns: str
@@ -634,14 +635,10 @@ def links_vs_planner(strategies=("ddp", "full_shard", "hybrid_shard"), links=("u
 # ------------------------------------------------------------------ command line
 
 def cluster_arguments(parser) -> None:
+    """``train``'s flags, less ``--nproc`` and ``--node-size`` (the cluster's shape sets them), plus its own (notebook 05)."""
     from .train import train_arguments
 
-    train_arguments(parser)
-    for action in list(parser._actions):  # the cluster decides these two
-        if action.dest in ("nproc", "node_size"):
-            parser._remove_action(action)
-            for flag in action.option_strings:
-                parser._option_string_actions.pop(flag, None)
+    train_arguments(parser, one_machine=False)
     parser.set_defaults(strategy="hybrid_shard")  # the strategy a slow link between nodes is for
     parser.add_argument("--nodes", type=int, default=2, help="namespaces (\"machines\") on the switch")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node")

@@ -363,10 +363,13 @@ def _parse_option(text: str):
         return key, value
 
 
-def train_arguments(parser: argparse.ArgumentParser) -> None:
+def train_arguments(parser: argparse.ArgumentParser, *, one_machine: bool = True) -> None:
+    """``train``'s flags; ``one_machine=False`` leaves out ``--nproc`` and ``--node-size``, which the
+    shape of a cluster decides (``python -m course_utils cluster``, notebook 05)."""
     d = TrainConfig()
     parser.add_argument("--strategy", default=d.strategy, help=f"one of: {', '.join(STRATEGIES)}")
-    parser.add_argument("--nproc", type=int, default=d.nproc, help="ranks on this machine")
+    if one_machine:
+        parser.add_argument("--nproc", type=int, default=d.nproc, help="ranks on this machine")
     parser.add_argument("--steps", type=int, default=d.steps)
     parser.add_argument("--model", default=d.model, help="tiny, small or medium")
     parser.add_argument("--batch", type=int, default=d.batch, help="global batch (all ranks together)")
@@ -374,7 +377,8 @@ def train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--precision", default=d.precision, help="fp32 or mixed")
     parser.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
-    parser.add_argument("--node-size", type=int, default=d.node_size, help="ranks per node (hybrid_shard)")
+    if one_machine:
+        parser.add_argument("--node-size", type=int, default=d.node_size, help="ranks per node (hybrid_shard)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="strategy-specific knob, repeatable")
     parser.add_argument("--backend", default=d.backend, help="auto, gloo or nccl")
