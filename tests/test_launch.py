@@ -104,7 +104,7 @@ def test_interrupt_stops_every_worker(tmp_path):
     assert len(pids) == 2, "workers never started"
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 3 and "all 2 worker processes were stopped" in out
+    assert proc.returncode == 3 and "every process of the run (2 workers and their agent) was stopped" in out
     time.sleep(0.5)
     assert not any(pid_alive(p) for p in pids)
 
@@ -126,20 +126,41 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path, kwargs, needle):
     assert not run_dir.exists()
 
 
-def test_functions_workers_cannot_import_are_refused(tmp_path):
-    def local_fn():
-        return 1
-    with pytest.raises(CourseInputError, match="lambda"):
-        launch(lambda: 1, nproc=1, run_dir=tmp_path / "a")
-    with pytest.raises(CourseInputError, match="put it in a module"):
-        launch(local_fn, nproc=1, run_dir=tmp_path / "b")
-    main_fn = type(local_fn)(local_fn.__code__, {})
+def test_functions_defined_in_a_cell_launch_by_value(tmp_path):
+    offset = 10
+
+    def local_fn(n):  # a closure: it travels by value, with the variable it reads
+        import torch.distributed as tdist
+
+        from course_utils import dist as cdist
+        with cdist.session() as info:
+            x = torch.full((1,), float(info.rank + offset + n))
+            tdist.all_reduce(x)
+            return float(x)
+
+    import torch
+    main_fn = type(local_fn)(local_fn.__code__, local_fn.__globals__, "cell_fn", None, local_fn.__closure__)
     main_fn.__module__ = "__main__"
-    with pytest.raises(CourseInputError, match="put it in a module"):
-        launch(main_fn, nproc=1, run_dir=tmp_path / "c")
+    for fn in (local_fn, main_fn):
+        result = launch(fn, nproc=2, args=(1,), run_dir=tmp_path / fn.__name__, echo=False)
+        assert dict(result) == {0: 23.0, 1: 23.0}  # (0 + 11) + (1 + 11)
+        assert result.command.startswith("# ") and "put it in a .py module" in result.command
+    assert launch(lambda: 7, nproc=1, echo=False) == {0: 7}
     with pytest.raises(CourseInputError, match="cannot import"):
         launch("course_utils.examples:no_such_function", nproc=1, run_dir=tmp_path / "d")
-    assert not any((tmp_path / x).exists() for x in "abcd")
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_function_holding_a_lock_is_refused_in_one_sentence(tmp_path):
+    import threading
+    lock = threading.Lock()
+
+    def uses_lock():
+        with lock:
+            return 1
+    with pytest.raises(CourseInputError, match="cannot be copied to another process") as info:
+        launch(uses_lock, nproc=1, run_dir=tmp_path / "run")
+    assert "\n" not in str(info.value) and not (tmp_path / "run").exists()
 
 
 def test_torchrun_command_for_several_nodes():
