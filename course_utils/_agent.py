@@ -75,6 +75,16 @@ def _looks_like_a_collective_timeout(exc: BaseException) -> bool:
     return "Timed out" in text or "timed out" in text or "Timeout" in type(exc).__name__
 
 
+def _ask_peers_where_they_are() -> None:
+    """A collective of this rank timed out: every process of the run (the rank that never arrived
+    too) writes its stack now, before the agent stops them; the launcher puts it in the error."""
+    try:
+        os.killpg(os.getpgrp(), signal.SIGUSR1)
+        time.sleep(0.3)
+    except OSError:
+        pass
+
+
 def run_in_worker(payload: bytes, progress_dir: str) -> None:
     """What every worker of a ``launch`` runs: unpack the call, run it, leave its result in a file.
 
@@ -92,13 +102,7 @@ def run_in_worker(payload: bytes, progress_dir: str) -> None:
         value = fn(*args, **kwargs)
     except BaseException as exc:
         if _looks_like_a_collective_timeout(exc):
-            # Ask every process of the run (the rank that never arrived too) where it is, before the
-            # agent stops them: the launcher puts it in the error.
-            try:
-                os.killpg(os.getpgrp(), signal.SIGUSR1)
-                time.sleep(0.3)
-            except OSError:
-                pass
+            _ask_peers_where_they_are()
         raise
     try:
         data = pickle.dumps((int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), value))
@@ -143,6 +147,36 @@ def _record_exit_codes() -> None:
     MultiprocessContext._close = _close
 
 
+def _stores_listen_on_loopback() -> None:
+    """Make the agent's TCPStore servers listen on 127.0.0.1 only (single-machine runs).
+
+    torch's TCPStore server binds every interface whatever host it is given; a run of this
+    course on one machine needs nothing beyond loopback. TCPStore takes an already-bound
+    listening socket (``master_listen_fd``), so the two stores an agent creates (the c10d
+    rendezvous store, and the store it shares with the workers) get a socket bound to
+    127.0.0.1 instead. The workers reach it because the node's address is 127.0.0.1 too
+    (``LaunchConfig(local_addr=...)``).
+    """
+    import socket
+
+    import torch.distributed as tdist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
+
+    def loopback_store(host_name, port, world_size=None, is_master=False, **kwargs):
+        if not is_master:
+            return tdist.TCPStore(host_name, port, world_size, is_master, **kwargs)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+        return tdist.TCPStore("127.0.0.1", sock.getsockname()[1], world_size, True,
+                              master_listen_fd=sock.detach(), **kwargs)
+
+    c10d_rendezvous_backend.TCPStore = loopback_store
+    dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = (
+        lambda self, addr, port: loopback_store(addr, port, is_master=True, multi_tenant=True))
+
+
 def run_agent(spec: dict, result_path: str) -> None:
     """Run the elastic agent for one launch and write its outcome to ``result_path``."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -159,11 +193,16 @@ def run_agent(spec: dict, result_path: str) -> None:
     # The agent's INFO lines are noise in a notebook; its warnings and errors still show.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     _record_exit_codes()
+    _stores_listen_on_loopback()
+    # gloo (and NCCL's bootstrap) listen on the address of the interface they pick: loopback here.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=spec["nproc"],
         run_id=f"course-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",                # LaunchConfig's default is "etcd"; torchrun's is c10d
         rdzv_endpoint="127.0.0.1:0",        # port 0: the OS picks a free port, every run
+        local_addr="127.0.0.1",             # what workers are told to connect to (MASTER_ADDR)
         max_restarts=spec["max_restarts"],  # LaunchConfig's default is 3, torchrun's 0: be explicit
         monitor_interval=0.1,
         start_method=spec["start_method"],

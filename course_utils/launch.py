@@ -363,21 +363,29 @@ def _last_dump(text: str) -> list[list[tuple[str, int, str]]]:
 
 
 def _where(frames: list[tuple[str, int, str]]) -> str:
-    """The innermost frame of the course's or the user's code, and what it had called."""
+    """Where a worker was: the innermost frame of the course's or the user's code, and what it had called."""
     import linecache
 
     for i, (path, number, func) in enumerate(frames):
-        if path.startswith(_LIBRARY_DIRS) or "site-packages" in path and "course_utils" not in path:
+        if path.startswith("<") or path.startswith(_LIBRARY_DIRS) or ("site-packages" in path
+                                                                       and "course_utils" not in path):
             continue
+        if func == "_ask_peers_where_they_are":
+            return "raised: its collective timed out (its traceback is above)"
         if path.endswith(os.path.join("course_utils", "_agent.py")):
             continue
         source = linecache.getline(path, number).strip()
         called = [f for _, _, f in frames[:i] if f not in ("wrapper", "_fn", "inner")]
         waiting = f"in {called[-1]}, called from " if called else "in "
         return f"{waiting}{func} ({Path(path).name} line {number}: {source})" if source else f"{waiting}{func}"
-    if frames and frames[0][2] == "_wrap":
+    if any(f == "_wrap" for _, _, f in frames[:3]):
         return "returned"
-    return f"in {frames[0][2]} ({Path(frames[0][0]).name} line {frames[0][1]})" if frames else "unknown"
+    return _innermost(frames)
+
+
+def _innermost(frames: list[tuple[str, int, str]], depth: int = 3) -> str:
+    """The last few calls of a stack, innermost first: ``poll (api.py 785) < _monitor_workers < _invoke_run``."""
+    return " < ".join(f"{f} ({Path(p).name} {n})" if i == 0 else f for i, (p, n, f) in enumerate(frames[:depth]))
 
 
 def where_ranks_were(folder: Path, nproc: int, since: dict[str, int] | None = None) -> dict:
@@ -399,7 +407,7 @@ def where_ranks_were(folder: Path, nproc: int, since: dict[str, int] | None = No
             continue
         main = next((t for t in threads if any(p.endswith("_agent.py") and f in ("run_in_worker", "_child")
                                                for p, _, f in t)), threads[-1])
-        out[name] = _where(main)
+        out[name] = _innermost(main, 4) if name == "agent" else _where(main)
     return out
 
 
@@ -591,9 +599,15 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
         if max_restarts:
             head += f" (the group was restarted up to {max_restarts} time(s) first)"
         where = where_ranks_were(progress_dir, nproc)
-        seen = {r: w for r, w in where.items() if not w.startswith("no stack") and r != "agent"}
-        note = ("\nWhere each rank was when the collective timed out:\n" + "\n".join(
-            f"  {r}: {w}" for r, w in seen.items())) if seen else ""
+        seen = {int(r[4:]): w for r, w in where.items() if not w.startswith("no stack") and r != "agent"}
+        note = ""
+        if seen:  # a collective timed out and its rank asked everyone where they were
+            absent = [r for r, w in seen.items() if not w.startswith(("raised", "returned"))]
+            note = "\nWhere each rank was when the collective timed out:\n" + "\n".join(
+                f"  rank {r}: {w}" for r, w in seen.items())
+            if absent:
+                head = (f"rank {rank} timed out in a collective that rank(s) {', '.join(map(str, absent))} never "
+                        f"reached")
         raise WorkerFailed(f"{head}; logs: {log_dir}\n{outcome.get('message', 'no result from any rank')}{note}",
                            rank=rank, exitcode=outcome.get("exitcode"))
     status.update(time.monotonic() - start, final={r: "done" for r in range(nproc)})
