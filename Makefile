@@ -3,6 +3,7 @@
 #   make test     set up, run the unit tests, execute every notebook as a test (nbval + papermill)
 #   make lab      set up, open JupyterLab on the notebooks (localhost only, token kept)
 #   make bench    set up, run the benchmarks into benchmarks/
+#   make stress   set up, run the launcher's stress test (2 x 300 launches) into benchmarks/
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -23,7 +24,7 @@ INSTALL_ARGS = -c constraints.txt $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
 	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch -e ".[notebooks,test]"
 QUIET_PIP = 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup browser-setup course notebooks slides test unit-tests notebook-tests lab bench clean
+.PHONY: setup browser-setup course notebooks slides test unit-tests notebook-tests lab bench stress clean
 
 setup: $(STAMP)
 
@@ -103,6 +104,12 @@ lab: setup
 bench: setup
 	@echo "==> benchmarks into benchmarks/"
 	@$(BIN)/python -m course_utils bench
+
+# The launcher's long stress test (issue 14): 2 x 300 launches beside a CPU hog; results in benchmarks/.
+stress: setup
+	@echo "==> launcher stress test: 2 callers x 300 launches beside a CPU hog (about 7 minutes)"
+	@$(BIN)/python tools/stress_launch.py --launches 300 --callers 2 --hogs 1 --out build/stress \
+	  --json benchmarks/stress-after.json
 
 clean:
 	rm -rf build .pytest_cache
