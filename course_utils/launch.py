@@ -260,14 +260,15 @@ def _start_agent(spec_path: Path, result_path: Path, log_path: Path, env: dict, 
     return pid
 
 
-def _log_launch(target: str, nproc: int, wall_s: float, cold: bool, finished: bool) -> None:
+def _log_launch(target: str, nproc: int, wall_s: float, cold: bool, finished: bool, backend: str) -> None:
     """One JSON line per launch appended to $COURSE_LAUNCH_LOG, when set (``python -m course_utils bench``
-    counts a notebook's launches with it; ``cold``: this launch started the agent server)."""
+    counts a notebook's launches with it, the GPU check which of them ran on NCCL; ``cold``: this
+    launch started the agent server)."""
     path = os.environ.get("COURSE_LAUNCH_LOG")
     if path:
         with open(path, "a") as fh:
             fh.write(json.dumps({"target": target, "nproc": nproc, "wall_s": wall_s, "cold": cold,
-                                 "finished": finished}) + "\n")
+                                 "finished": finished, "backend": backend}) + "\n")
 
 
 def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeout_s: float = 120.0,
@@ -391,7 +392,7 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
                 time.sleep(0.02)
             _kill_group(pgid, grace_s=1.0)
         _reap()
-        _log_launch(target, nproc, time.monotonic() - start, cold, result_path.exists())
+        _log_launch(target, nproc, time.monotonic() - start, cold, result_path.exists(), backend_name)
     status.update(time.monotonic() - start, final=True)
 
     if not result_path.exists():
