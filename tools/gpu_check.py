@@ -1,12 +1,14 @@
 """Run the course's CUDA paths on this machine's GPUs and write benchmarks/gpu.md and gpu.json.
 
-The exact command (after `make setup TORCH_INDEX=`, which installs PyPI's CUDA build of torch):
+The exact command, on a Linux machine with at least one CUDA GPU, in a fresh checkout (an empty
+``TORCH_INDEX`` makes the set-up install PyPI's CUDA build of torch instead of the CPU build):
 
-    make gpu-check TORCH_INDEX=        # = .venv/bin/python tools/gpu_check.py
+    make gpu-check TORCH_INDEX=        # set-up, then: .venv/bin/python tools/gpu_check.py
 
 Options: ``--out DIR`` (default benchmarks/), ``--budget-s`` (default 540: no section or notebook
-starts after it, so the whole check stays under ten minutes), ``--micro-batch`` (sequences per step of the 1B run, default 8), ``--only
-a,b`` (run only these sections). Without a CUDA device it exits with status 2 and one line.
+starts after it, so the check stays under ten minutes), ``--micro-batch`` (sequences per step of
+the 1B run, default 8), ``--only a,b`` (run only these sections). Without a CUDA device it exits
+with status 2 and one line.
 
 Sections, in order; each is guarded (a failure is written into the report with its error, and
 the next section still runs), and the report is rewritten after each one:
@@ -37,7 +39,9 @@ the next section still runs), and the report is rewritten after each one:
 
 MFU counts model FLOPs only: ``course_utils.bench.train_flops``, 6Ψ per token plus 12·L·s·h per
 token for attention (PaLM's accounting, causal masking not discounted); the recomputation of
-activation checkpointing is not counted, so it shows as lost MFU.
+activation checkpointing is not counted, so it shows as lost MFU. The 1B timing run joins with
+``dist.init(deterministic=False)`` (the fast kernels); every other run keeps the deterministic
+settings ``dist.init`` applies on CUDA, which the bit-for-bit checks need.
 """
 from __future__ import annotations
 
