@@ -415,14 +415,15 @@ def _result_files(folder: Path) -> dict[int, Path]:
     return {int(f.name[len("result-rank"):-len(".pkl")]): f for f in folder.glob("result-rank*.pkl")}
 
 
-def _log_launch(target: str, nproc: int, wall_s: float, cold: bool, finished: bool) -> None:
+def _log_launch(target: str, nproc: int, wall_s: float, cold: bool, finished: bool, backend: str) -> None:
     """One JSON line per launch appended to $COURSE_LAUNCH_LOG, when set (``python -m course_utils bench``
-    counts a notebook's launches with it; ``cold``: this launch started the agent server)."""
+    counts a notebook's launches with it, the GPU check which of them ran on NCCL; ``cold``: this
+    launch started the agent server)."""
     path = os.environ.get("COURSE_LAUNCH_LOG")
     if path:
         with open(path, "a") as fh:
             fh.write(json.dumps({"target": target, "nproc": nproc, "wall_s": wall_s, "cold": cold,
-                                 "finished": finished}) + "\n")
+                                 "finished": finished, "backend": backend}) + "\n")
 
 
 #: Seconds the launcher waits for the agent once every rank has left its result, before it takes the
@@ -575,7 +576,8 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
                 time.sleep(0.02)
             _kill_group(pgid, grace_s=1.0)
         _reap()
-        _log_launch(label, nproc, time.monotonic() - start, cold, result_path.exists() or values is not None)
+        _log_launch(label, nproc, time.monotonic() - start, cold, result_path.exists() or values is not None,
+                    backend_name)
 
     outcome = None
     if values is None:
