@@ -272,15 +272,27 @@ def test_a_timed_out_run_says_where_every_process_was(tmp_path):
 
 def _freeze_the_agent_then_return(value):
     """Rank 0 stops its agent (SIGSTOP) before returning: a test double of an agent that never
-    collects the workers' results, the stall of issue 14."""
+    collects the workers' results, the stall of issue 14.
+
+    The agent also hosts the store the ranks met through, so rank 0 stops it only once every other
+    rank has left the process group (each leaves a file saying so).
+    """
     import os
     import signal
+    import time
+    from pathlib import Path
 
     from course_utils import dist as cdist
+    folder = Path(os.environ["COURSE_PROGRESS_DIR"])
     with cdist.session() as info:
-        if info.rank == 0:
-            os.kill(os.getppid(), signal.SIGSTOP)
-        return value + info.rank
+        rank, world = info.rank, info.world_size
+    (folder / f"left-{rank}").touch()
+    if rank == 0:
+        deadline = time.monotonic() + 30
+        while not all((folder / f"left-{r}").exists() for r in range(world)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getppid(), signal.SIGSTOP)
+    return value + rank
 
 
 def test_an_agent_that_never_collects_does_not_stall_the_caller(tmp_path, monkeypatch, capsys):
