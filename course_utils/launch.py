@@ -230,12 +230,19 @@ class _AgentServer:
     proc: subprocess.Popen | None = None
 
     @classmethod
+    def ensure_started(cls, env: dict | None = None) -> bool:
+        """Start the server if it is not running; True if this call started it (a cold launch)."""
+        if cls.proc is not None and cls.proc.poll() is None:
+            return False
+        cls.proc = subprocess.Popen([sys.executable, "-m", "course_utils._agent", "--serve"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env or _server_env(),
+                                    start_new_session=True)
+        atexit.register(cls.stop)
+        return True
+
+    @classmethod
     def start_agent(cls, spec_path: Path, result_path: Path, log_path: Path, env: dict) -> int:
-        if cls.proc is None or cls.proc.poll() is not None:
-            cls.proc = subprocess.Popen([sys.executable, "-m", "course_utils._agent", "--serve"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                        start_new_session=True)
-            atexit.register(cls.stop)
+        cls.ensure_started(env)
         try:
             cls.proc.stdin.write(f"{spec_path}\t{result_path}\t{log_path}\n".encode())
             cls.proc.stdin.flush()
@@ -270,6 +277,29 @@ class _AgentServer:
             except subprocess.TimeoutExpired:
                 cls.proc.kill()
         cls.proc = None
+
+
+def _server_env() -> dict:
+    """The agent server's environment: the caller's, with this course_utils first on PYTHONPATH.
+
+    (Each agent it forks replaces its environment with the caller's at that launch.)
+    """
+    env = dict(os.environ)
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def warm_up() -> None:
+    """Start the agent server now, in the background (notebook 00).
+
+    The first launch of a kernel otherwise waits for it (torch and FSDP imported once, about 4 s
+    on a laptop CPU). A notebook kernel does this when it imports this module, so the server
+    starts while the notebook's next cells run; elsewhere (tests, scripts) nothing starts until
+    the first launch. Only on Linux, where the server forks the agents.
+    """
+    if sys.platform.startswith("linux"):
+        _AgentServer.ensure_started()
 
 
 _popen_agents: list[subprocess.Popen] = []
@@ -502,9 +532,7 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
     log_dir = run_dir / "logs"
     # The workers see the caller's environment as it is now (not as it was when the agent server
     # started), plus what the run needs. Workers must import the same course_utils as the caller.
-    environ = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parent.parent)
-    environ["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, environ.get("PYTHONPATH")) if p)
+    environ = _server_env()
     environ.update({k: str(v) for k, v in (env or {}).items()})
     environ.update(COURSE_BACKEND=backend_name, COURSE_TIMEOUT_S=str(timeout_s),
                    COURSE_PROGRESS_DIR=str(progress_dir), PYTHONUNBUFFERED="1")
@@ -651,3 +679,7 @@ def _timed_out(pgid: int, folder: Path, nproc: int, timeout_s: float, status: _P
     return LaunchTimeout(
         f"the run did not finish within {timeout_s:g} s (+{_grace(timeout_s):g} s grace) and every process was "
         f"stopped. {why}.\nWhere each process was:\n{lines}\nLast progress: {last}; logs: {log_dir}")
+
+
+if "ipykernel" in sys.modules and os.environ.get("COURSE_WARM_UP", "1") != "0":
+    warm_up()  # a notebook's first launch should not wait for torch to import a second time
