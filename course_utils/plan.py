@@ -310,7 +310,8 @@ class Plan:
     limits: dict
 
     def to_dict(self) -> dict:
-        return {"model": asdict(self.model), "cluster": asdict(self.cluster), "k": self.k,
+        return {"model": asdict(self.model), "cluster": {**asdict(self.cluster),
+                                                          "network": network_class(self.cluster.inter_bw)}, "k": self.k,
                 "strategies": {s: p.to_dict() for s, p in self.strategies.items()},
                 "recommendation": dict(self.recommendation), "limits": dict(self.limits)}
 
@@ -476,48 +477,90 @@ def _limits(model: ModelSpec, cluster: Cluster, k: float) -> dict:
             "zero3_min_nodes": None if min_gpus is None else math.ceil(min_gpus / cluster.gpus_per_node)}
 
 
+#: Step times within this fraction of the fastest count as a tie, and a tie goes to the lower stage
+#: (less sharding: fewer collectives, simpler to run and to debug).
+TIE_MARGIN = 0.05
+
+#: What to run in PyTorch for each strategy (checked against torch 2.13's FSDP2 and ZeRO sources).
+PYTORCH = {
+    "ddp": "torch.nn.parallel.DistributedDataParallel (FSDP1's NO_SHARD is the same layout)",
+    "zero1": ("FSDP has no stage 1: DDP + torch.distributed.optim.ZeroRedundancyOptimizer (notebook 03; it "
+              "all-reduces full gradients, then broadcasts each owner's updated parameters), or DeepSpeed's "
+              "ZeRO stage 1"),
+    "zero2": ("fully_shard(block, reshard_after_forward=False) on every block and the root (FSDP1: SHARD_GRAD_OP); "
+              "FSDP2 keeps the parameters unsharded from forward to backward, stage 2's traffic"),
+    "zero3": "fully_shard(block) on every block, then fully_shard(model) (FSDP1: FULL_SHARD)",
+    "hsdp": ("fully_shard(..., mesh=init_device_mesh('cuda', (replicas, shard_size), "
+             "mesh_dim_names=('replicate', 'shard'))) (FSDP1: HYBRID_SHARD)"),
+    "zero2_offload": ("DeepSpeed's ZeRO-Offload (stage 2, optimizer state and Adam on the CPU); FSDP2 has no "
+                      "optimizer-only offload"),
+    "zero3_offload": ("DeepSpeed's ZeRO-3 with offload_optimizer (optimizer state and Adam on the CPU). FSDP2's "
+                      "CPUOffloadPolicy is not this: it keeps parameters and gradients on the CPU too and copies "
+                      "each unit's shard to the GPU for every gather (notebook 04)"),
+}
+
+#: How the planner labels an inter-node bandwidth (bytes/s per node), slowest first.
+NETWORK_CLASSES = ((1.25e9, "10 GbE-class (a slow link)"), (12.5e9, "100 Gb/s-class Ethernet or InfiniBand"),
+                   (50e9, "a modest training cluster (4 x 100 Gb/s or 1 x 400 Gb/s per node)"),
+                   (200e9, "a current training cluster (4 x 400 Gb/s per node)"),
+                   (float("inf"), "a current training cluster (8 x 400 Gb/s per node or more)"))
+
+
+def network_class(inter_bw: float) -> str:
+    """The kind of network a per-node bandwidth in bytes/s describes (notebook 05)."""
+    return next(label for limit, label in NETWORK_CLASSES if inter_bw <= limit)
+
+
 def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits: dict) -> dict:
+    """Among the strategies that fit, the fastest by estimated step time; a tie within TIE_MARGIN
+    goes to the lower stage (the order of STRATEGIES). The reason says what it beat and by how much."""
     def gb(x):
         return f"{x / GB:.1f} GB"
 
+    def name(s):
+        return STRATEGY_NAMES[s].split(" (")[0]
+
     fit = [s for s in STRATEGIES if s in plans and plans[s].fits]
-    on_gpu = [s for s in fit if not s.endswith("_offload")]
-    if on_gpu:
-        s = on_gpu[0]
+    times = {s: plans[s].step_s for s in fit}
+    if fit:
+        fastest = min(times.values())
+        s = next(s for s in fit if times[s] <= fastest * (1 + TIE_MARGIN))  # the lowest stage within the margin
         p = plans[s]
+        others = sorted((t, o) for o, t in times.items() if o != s)
+        runner_up = others[0][1] if others else None
         head = f"{gb(p.total)} per GPU with {gb(p.headroom)} to spare"
-        if s == "ddp":
-            reason = f"plain data parallelism fits ({head}), so nothing needs sharding."
-        elif s in ("zero1", "zero2"):
-            lower = "plain DP" if s == "zero1" else "stage 1"
-            below = plans["ddp" if s == "zero1" else "zero1"]
-            reason = (f"{STRATEGY_NAMES[s].split(' (')[0]} is the lowest stage that fits ({head}; {lower} needs "
-                      f"{gb(below.total)}) and its communication volume is the same as plain DP's.")
+        if runner_up is None:
+            unfit = [o for o in STRATEGIES if o in plans and o != s and not plans[o].fits]
+            floors = ", ".join(f"{name(o)} {gb(plans[o].total)}" for o in unfit[:3])
+            beat = f"it is the only strategy that fits ({floors} do not)"
         else:
+            t2 = times[runner_up]
+            if t2 <= times[s] * (1 + TIE_MARGIN):
+                beat = (f"{name(runner_up)} is as fast ({t2:.3g} s, within {TIE_MARGIN:.0%}), and a tie goes to the "
+                        f"lower stage")
+            else:
+                beat = (f"it beats the runner-up, {name(runner_up)} ({t2:.3g} s), by {t2 - times[s]:.3g} s a step "
+                        f"({t2 / times[s] - 1:.0%})")
+        reason = f"{name(s)} fits ({head}) at an estimated {times[s]:.3g} s a step; {beat}."
+        if p.block:
             b = p.block
             hidden = b["hides_fwd"] and b["hides_bwd"]
-            gather = (f"each block's all-gather ({b['gather_s'] * 1e3:.3g} ms) hides behind its compute "
-                      f"({b['fwd_compute_s'] * 1e3:.3g} ms forward)" if hidden else
-                      f"each block's all-gather ({b['gather_s'] * 1e3:.3g} ms) does not hide behind its compute "
-                      f"({b['fwd_compute_s'] * 1e3:.3g} ms forward), the price of admission")
-            floors = (f"stages 1 and 2 need {gb(plans['zero1'].total)} and {gb(plans['zero2'].total)}")
-            if s == "hsdp":
-                reason = (f"only full sharding fits, and sharding within each node is enough ({head}; {floors}), "
-                          f"so gathers stay on NVLink and {gather}.")
-            else:
-                reason = f"only stage 3 fits ({head}; {floors}); {gather}."
-        return {"strategy": s, "reason": reason}
-    offload = [s for s in fit if s.endswith("_offload")]
-    if offload:
-        s = offload[0]
-        p = plans[s]
-        more = limits["zero3_min_nodes"]
-        more_text = (f"; with {more} nodes ({more * cluster.gpus_per_node} GPUs) stage 3 would fit without offload, "
-                     "the better answer" if more else "")
-        reason = (f"nothing fits on the GPUs alone (stage 3 needs {gb(plans['zero3'].total)} per GPU), but "
-                  f"{STRATEGY_NAMES[s]} fits ({gb(p.total)}, optimizer state in host memory) at about "
-                  f"{p.step_s:.3g} s a step: offload turns an impossible run into a slow one{more_text}.")
-        return {"strategy": s, "reason": reason}
+            reason += (f" Each block's all-gather ({b['gather_s'] * 1e3:.3g} ms over {b['link']}) "
+                       + ("hides behind its compute." if hidden else
+                          f"does not hide behind its compute ({b['fwd_compute_s'] * 1e3:.3g} ms forward)."))
+        if s.endswith("_offload"):
+            more = limits["zero3_min_nodes"]
+            reason += (" Offload turns an impossible run into a slow one"
+                       + (f"; with {more} nodes ({more * cluster.gpus_per_node} GPUs) stage 3 would fit without "
+                          "it, the better answer." if more else "."))
+        practice = ""
+        z3 = plans.get("zero3")
+        if s in ("ddp", "zero1", "zero2") and z3 is not None and z3.fits and z3.block and z3.block["hides_fwd"] \
+                and z3.block["hides_bwd"]:
+            practice = (f"Common practice often runs FULL_SHARD here anyway: its gathers hide, and the "
+                        f"{gb(z3.headroom - p.headroom)} per GPU it frees buys a larger micro-batch.")
+        return {"strategy": s, "reason": reason, "pytorch": PYTORCH[s], "runner_up": runner_up,
+                "step_s": dict(times), "tie_margin": TIE_MARGIN, "practice": practice}
     causes = []
     if limits["activations_limit"]:
         causes.append(f"activations alone need {gb(limits['activations'])} per GPU")
@@ -530,7 +573,9 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
     hint = ""
     if not model.checkpointing and limits["activations_if_checkpointed"] < limits["activations"]:
         hint = f"; with checkpointing activations would be {gb(limits['activations_if_checkpointed'])}"
-    return {"strategy": "none", "reason": f"{NOTHING_FITS} ({'; '.join(causes)}{hint})."}
+    return {"strategy": "none", "reason": f"{NOTHING_FITS} ({'; '.join(causes)}{hint}).",
+            "pytorch": "none of the data-parallel wrappers: add tensor, pipeline or context (sequence) parallelism",
+            "runner_up": None, "step_s": {}, "tie_margin": TIE_MARGIN, "practice": ""}
 
 
 def offload_arithmetic(psi: float, nd: int, cluster: Cluster | None = None) -> dict:
@@ -675,7 +720,7 @@ def format_plan(p: Plan) -> str:
              f"b = {m.micro_batch}, s = {m.seq}, checkpointing {'on' if m.checkpointing else 'off'}; K = {p.k:g}",
              f"Cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs x {c.gpu_mem / GB:g} GB (usable {c.usable / GB:.1f} GB), "
              f"Nm = {c.mp}, Nd = {c.nd}; NVLink {c.intra_bw / 1e9:g} GB/s per GPU, network {c.inter_bw / 1e9:g} GB/s "
-             f"per node, {c.flops / 1e12:g} TFLOP/s per GPU",
+             f"per node ({network_class(c.inter_bw)}), {c.flops / 1e12:g} TFLOP/s per GPU",
              "",
              "Memory per GPU, GB (10^9 bytes)",
              f"{'strategy':<40} {'states':>8} {'activ.':>8} {'buffers':>8} {'total':>8} {'headroom':>9}  fits",
@@ -698,7 +743,9 @@ def format_plan(p: Plan) -> str:
         lines.append(f"{STRATEGY_NAMES[s]:<40} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
                      f"{sp.compute_s:>10.3g} {sp.exposed_comm_s:>10.3g} {sp.step_s:>8.3g}")
     r = p.recommendation
-    lines += ["", f"Recommendation: {r['strategy']}", f"Reason: {r['reason']}"]
+    lines += ["", f"Recommendation: {r['strategy']}", f"Reason: {r['reason']}", f"In PyTorch: {r['pytorch']}"]
+    if r.get("practice"):
+        lines.append(f"Practice: {r['practice']}")
     return "\n".join(lines)
 
 
