@@ -45,7 +45,7 @@ STRATEGY_NAMES = {
     "zero1": "stage 1 (P_os)",
     "zero2": "stage 2 (P_os+g, SHARD_GRAD_OP)",
     "zero3": "stage 3 (P_os+g+p, FULL_SHARD)",
-    "hsdp": "HSDP (HYBRID_SHARD: stage 3 per node)",
+    "hsdp": "HSDP (HYBRID_SHARD: stage 3 per shard group)",
     "zero2_offload": "stage 2 + optimizer offload",
     "zero3_offload": "stage 3 + optimizer offload",
 }
@@ -282,6 +282,7 @@ class StrategyPlan:
     exposed_comm_s: float
     step_s: float
     block: dict | None = field(default=None)
+    shard_size: int | None = None  # HSDP: GPUs per shard group (the planner picks it)
 
     @property
     def model_states(self) -> float:
@@ -325,13 +326,26 @@ def _applicable(strategy: str, cluster: Cluster) -> bool:
     return True
 
 
-def memory_breakdown(model: ModelSpec, cluster: Cluster, strategy: str, *, k: float = memory.ADAM_MIXED_K) -> dict:
+def hsdp_shard_sizes(cluster: Cluster) -> list[int]:
+    """HSDP's possible shard-group sizes, smallest first: one node's data-parallel GPUs times each
+    proper divisor of the node count (notebook 05). FSDP2's 2-D mesh takes any shape; a shard group
+    of several nodes gathers over the network but needs fewer bytes per GPU."""
+    per_node = cluster.gpus_per_node // cluster.mp
+    return [per_node * m for m in range(1, cluster.nodes) if cluster.nodes % m == 0]
+
+
+def _hsdp_shard(cluster: Cluster, shard_size: int | None) -> int:
+    return shard_size or cluster.gpus_per_node // cluster.mp
+
+
+def memory_breakdown(model: ModelSpec, cluster: Cluster, strategy: str, *, k: float = memory.ADAM_MIXED_K,
+                     shard_size: int | None = None) -> dict:
     """Bytes per GPU a strategy needs, split into weights, gradients, optimizer (the model states),
     activations and buffers, plus what it parks in host memory (notebook 05; notebook 05b compares
     its measured peaks with this).
 
-    Model states follow the paper with Ψ/Nm per GPU; HSDP shards over the data-parallel GPUs of
-    one node; offload moves the K·Ψ optimizer bytes to the host. Activations: the paper's rule
+    Model states follow the paper with Ψ/Nm per GPU; HSDP shards over ``shard_size`` data-parallel
+    GPUs (one node's by default); offload moves the K·Ψ optimizer bytes to the host. Activations: the paper's rule
     divided by Nm (as with ZeRO-R's partitioned activations). Buffers: two 25 MB gradient buckets
     for DP and stages 1-2; for stage 3 and HSDP, the largest unit gathered in 16-bit twice (the
     current block and the prefetched next one) plus its unsharded 16-bit gradient.
@@ -339,7 +353,7 @@ def memory_breakdown(model: ModelSpec, cluster: Cluster, strategy: str, *, k: fl
     _need(strategy in STRATEGIES, f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     p = model.params / cluster.mp
     nd = cluster.nd
-    shard = {"hsdp": cluster.gpus_per_node // cluster.mp if cluster.gpus_per_node % cluster.mp == 0 else 1}.get(strategy, nd)
+    shard = _hsdp_shard(cluster, shard_size) if strategy == "hsdp" else nd
     sharded = {"ddp": (), "zero1": ("optimizer",), "zero2": ("optimizer", "gradients"),
                "zero3": ("optimizer", "gradients", "weights"), "hsdp": ("optimizer", "gradients", "weights"),
                "zero2_offload": ("optimizer", "gradients"),
@@ -359,11 +373,11 @@ def memory_breakdown(model: ModelSpec, cluster: Cluster, strategy: str, *, k: fl
             "model_states": sum(held.values()), "total": sum(held.values()) + activations + buffers}
 
 
-def _block_overlap(model: ModelSpec, cluster: Cluster, strategy: str) -> dict | None:
+def _block_overlap(model: ModelSpec, cluster: Cluster, strategy: str, shard_size: int | None = None) -> dict | None:
     if strategy not in ("zero3", "hsdp", "zero3_offload"):
         return None
-    n = cluster.gpus_per_node // cluster.mp if strategy == "hsdp" else cluster.nd
-    spans = strategy != "hsdp" and cluster.nodes > 1
+    n = _hsdp_shard(cluster, shard_size) if strategy == "hsdp" else cluster.nd
+    spans = n > cluster.gpus_per_node // cluster.mp if strategy == "hsdp" else cluster.nodes > 1
     fwd = block_flops(model) / cluster.mp / cluster.flops
     bwd = (3.0 if model.checkpointing else 2.0) * fwd  # backward is 2x forward; checkpointing recomputes 1x
     nbytes = memory.WEIGHT_BYTES * model.block_params / cluster.mp
@@ -374,7 +388,8 @@ def _block_overlap(model: ModelSpec, cluster: Cluster, strategy: str) -> dict | 
             "link": "network" if spans else "NVLink (intra-node)"}
 
 
-def _time(model: ModelSpec, cluster: Cluster, strategy: str, k: float, block: dict | None):
+def _time(model: ModelSpec, cluster: Cluster, strategy: str, k: float, block: dict | None,
+          shard_size: int | None = None):
     """(link, network bytes per GPU, PCIe bytes per GPU, compute s, exposed communication s)."""
     p = model.params / cluster.mp
     grad_bytes = memory.GRAD_BYTES * p
@@ -400,15 +415,16 @@ def _time(model: ModelSpec, cluster: Cluster, strategy: str, k: float, block: di
         L = model.layers
         exposed = block["gather_s"] + L * max(0.0, block["gather_s"] - block["fwd_compute_s"]) \
             + L * max(0.0, block["gather_s"] + block["reduce_scatter_s"] - block["bwd_compute_s"])
-        n = cluster.gpus_per_node // cluster.mp if strategy == "hsdp" else nd
+        n = _hsdp_shard(cluster, shard_size) if strategy == "hsdp" else nd
         volume = 3 * grad_bytes * (n - 1) / n
         link = block["link"]
-        if strategy == "hsdp":  # replicas across nodes all-reduce their gradient shards during the backward
+        if strategy == "hsdp":  # replicas (one per shard group) all-reduce their gradient shards in the backward
+            replicas = nd // n
             shard = grad_bytes / n
-            ar = ring_time(shard * n, cluster.nodes, cluster, spans_nodes=True, kind="all_reduce")
+            ar = ring_time(shard * n, replicas, cluster, spans_nodes=True, kind="all_reduce")
             exposed += max(0.0, ar - bwd_all)
-            volume += 2 * shard * (cluster.nodes - 1) / cluster.nodes
-            link = "NVLink for gathers, network for the gradient all-reduce"
+            volume += 2 * shard * (replicas - 1) / replicas
+            link = f"{block['link']} for gathers, network for the gradient all-reduce"
     if strategy.endswith("_offload"):
         # 16-bit gradients down to the host, updated 16-bit weights back up, over each GPU's PCIe;
         # the CPU runs Adam over its shard: reads and writes K bytes of state, reads the gradient,
@@ -438,9 +454,14 @@ def plan(model: ModelSpec | None = None, cluster: Cluster | None = None, *, k: f
     for s in STRATEGIES:
         if not _applicable(s, cluster):
             continue
-        mem = memory_breakdown(model, cluster, s, k=k)
-        block = _block_overlap(model, cluster, s)
-        link, volume, pcie, compute, exposed = _time(model, cluster, s, k, block)
+        shard_size = None
+        if s == "hsdp":  # the smallest shard group that fits: the fewest gathers over the network
+            sizes = hsdp_shard_sizes(cluster)
+            shard_size = next((n for n in sizes if memory_breakdown(model, cluster, s, k=k, shard_size=n)["total"]
+                               <= cluster.usable), sizes[0])
+        mem = memory_breakdown(model, cluster, s, k=k, shard_size=shard_size)
+        block = _block_overlap(model, cluster, s, shard_size)
+        link, volume, pcie, compute, exposed = _time(model, cluster, s, k, block, shard_size)
         headroom = cluster.usable - mem["total"]
         why = ""
         if headroom < 0:
@@ -451,7 +472,8 @@ def plan(model: ModelSpec | None = None, cluster: Cluster | None = None, *, k: f
                 f"of {cluster.host_mem / GB:.0f} GB")
         strategies[s] = StrategyPlan(
             s, mem["weights"], mem["gradients"], mem["optimizer"], mem["activations"], mem["buffers"],
-            mem["host_bytes"], not why, headroom, why, link, volume, pcie, compute, exposed, compute + exposed, block)
+            mem["host_bytes"], not why, headroom, why, link, volume, pcie, compute, exposed, compute + exposed, block,
+            shard_size)
     limits = _limits(model, cluster, k)
     return Plan(model, cluster, k, strategies, _recommend(model, cluster, k, strategies, limits), limits)
 
@@ -559,7 +581,13 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
                 and z3.block["hides_bwd"]:
             practice = (f"Common practice often runs FULL_SHARD here anyway: its gathers hide, and the "
                         f"{gb(z3.headroom - p.headroom)} per GPU it frees buys a larger micro-batch.")
-        return {"strategy": s, "reason": reason, "pytorch": PYTORCH[s], "runner_up": runner_up,
+        pytorch = PYTORCH[s]
+        if s == "hsdp":
+            groups = p.shard_size // (cluster.gpus_per_node // cluster.mp)
+            reason += (f" Its shard groups are {p.shard_size} GPUs ({groups} node{'s' if groups > 1 else ''}), the "
+                       "smallest that fits: gathers cross the network only if a group spans nodes.")
+            pytorch = pytorch.replace("(replicas, shard_size)", f"({cluster.nd // p.shard_size}, {p.shard_size})")
+        return {"strategy": s, "reason": reason, "pytorch": pytorch, "runner_up": runner_up,
                 "step_s": dict(times), "tie_margin": TIE_MARGIN, "practice": practice}
     causes = []
     if limits["activations_limit"]:
@@ -713,6 +741,12 @@ def _model_from_args(args) -> ModelSpec:
                       seq=args.seq, micro_batch=args.micro_batch, checkpointing=args.checkpointing)
 
 
+def _label(sp: StrategyPlan) -> str:
+    if sp.strategy == "hsdp" and sp.shard_size:
+        return f"HSDP (HYBRID_SHARD, shard groups of {sp.shard_size})"
+    return STRATEGY_NAMES[sp.strategy]
+
+
 def format_plan(p: Plan) -> str:
     """The plan as a text table (notebook 05)."""
     m, c = p.model, p.cluster
@@ -726,7 +760,7 @@ def format_plan(p: Plan) -> str:
              f"{'strategy':<40} {'states':>8} {'activ.':>8} {'buffers':>8} {'total':>8} {'headroom':>9}  fits",
              ]
     for s, sp in p.strategies.items():
-        lines.append(f"{STRATEGY_NAMES[s]:<40} {sp.model_states / GB:>8.1f} {sp.activations / GB:>8.1f} "
+        lines.append(f"{_label(sp):<40} {sp.model_states / GB:>8.1f} {sp.activations / GB:>8.1f} "
                      f"{sp.buffers / GB:>8.2f} {sp.total / GB:>8.1f} {sp.headroom / GB:>9.1f}  "
                      f"{'yes' if sp.fits else 'no: ' + sp.why_not}")
     lines += ["", "Per transformer block (stage 3 family): compute against the all-gather of its parameters",
@@ -734,13 +768,13 @@ def format_plan(p: Plan) -> str:
     for s, sp in p.strategies.items():
         b = sp.block
         if b:
-            lines.append(f"{STRATEGY_NAMES[s]:<40} {b['fwd_compute_s'] * 1e3:>8.3g} {b['gather_s'] * 1e3:>10.3g} "
+            lines.append(f"{_label(sp):<40} {b['fwd_compute_s'] * 1e3:>8.3g} {b['gather_s'] * 1e3:>10.3g} "
                          f"{b['bwd_compute_s'] * 1e3:>8.3g} {(b['gather_s'] + b['reduce_scatter_s']) * 1e3:>11.3g}  "
                          f"{'yes' if b['hides_fwd'] and b['hides_bwd'] else 'no':<6}  {b['link']}")
     lines += ["", "Step: communication per GPU and estimated time",
               f"{'strategy':<40} {'comm GB':>8} {'PCIe GB':>8} {'compute s':>10} {'exposed s':>10} {'step s':>8}"]
     for s, sp in p.strategies.items():
-        lines.append(f"{STRATEGY_NAMES[s]:<40} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
+        lines.append(f"{_label(sp):<40} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
                      f"{sp.compute_s:>10.3g} {sp.exposed_comm_s:>10.3g} {sp.step_s:>8.3g}")
     r = p.recommendation
     lines += ["", f"Recommendation: {r['strategy']}", f"Reason: {r['reason']}", f"In PyTorch: {r['pytorch']}"]

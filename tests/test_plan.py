@@ -64,7 +64,7 @@ def test_slow_ethernet_stage_3_cannot_hide_and_stage_2_is_faster():
     assert r["strategy"] == "hsdp" and r["runner_up"] == "zero1"
     assert r["step_s"]["hsdp"] == hsdp.step_s and r["step_s"]["zero1"] == p.strategies["zero1"].step_s
     assert f"{p.strategies['zero1'].step_s - hsdp.step_s:.3g} s a step" in r["reason"]
-    assert "HYBRID_SHARD" in r["pytorch"] and "init_device_mesh" in r["pytorch"]
+    assert "HYBRID_SHARD" in r["pytorch"] and "init_device_mesh('cuda', (2, 8)" in r["pytorch"]
     fast = plan.plan(plan.model_spec(13e9, micro_batch=4), plan.Cluster(nodes=2, inter_bw=100e9))
     assert fast.strategies["zero3"].block["hides_fwd"] and fast.strategies["zero3"].block["hides_bwd"]
 
@@ -106,7 +106,22 @@ def test_the_recommendation_is_the_fastest_that_fits_with_ties_to_the_lower_stag
         # no strategy lower in the order was within the margin
         lower = fits[:fits.index(chosen)]
         assert all(p.strategies[s].step_s > best * (1 + plan.TIE_MARGIN) for s in lower)
-        assert p.recommendation["pytorch"] == plan.PYTORCH[chosen]
+        if chosen != "hsdp":  # HSDP's line names its mesh shape
+            assert p.recommendation["pytorch"] == plan.PYTORCH[chosen]
+
+
+def test_hsdp_picks_the_smallest_shard_group_that_fits():
+    # issue 18: a shard group may span nodes (a 2-D mesh of any shape), not only one node
+    p = plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=8))
+    assert plan.hsdp_shard_sizes(p.cluster) == [8, 16, 32]
+    h = p.strategies["hsdp"]
+    assert h.fits and h.shard_size == 32  # 8 and 16 GPUs per group hold 140 and 70 GB of model states: too many
+    assert h.model_states == 16 * 70e9 / 32
+    for n in (8, 16):
+        assert plan.memory_breakdown(p.model, p.cluster, "hsdp", shard_size=n)["total"] > p.cluster.usable
+    assert "network" in h.block["link"]  # a 4-node group gathers across nodes
+    one = plan.plan(plan.model_spec(13e9), plan.Cluster(nodes=2, inter_bw=1.25e9)).strategies["hsdp"]
+    assert one.shard_size == 8 and "NVLink" in one.block["link"]
 
 
 def test_the_network_is_labelled_by_what_it_is():
