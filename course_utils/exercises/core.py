@@ -1,0 +1,394 @@
+"""The checking machinery behind every notebook's "Exercises" section (notebooks 01 to 06).
+
+An ``Exercise`` is one record: its task (markdown), the stub the student fills in, its hints,
+and how it is checked. A check runs the student's function the way the course runs its own:
+in this process for arithmetic, on real ranks through ``course_utils.launch.launch`` for
+anything distributed, and compares the result with the course's reference (the same functions
+the notebook's lecture cells call). The answer is one ``Outcome``: passed, failed with one
+sentence in the exercise's terms, or not done (the stub is untouched). A check never raises on
+a wrong answer, so a notebook with untouched stubs still runs from top to bottom.
+
+Notebook side::
+
+    from course_utils.exercises import check, show_hint, load_solution
+    check("02", "averaging_hook", averaging_hook)     # prints passed / failed: why / not done
+    show_hint("02", "averaging_hook", 1)              # hints open one at a time
+    averaging_hook = load_solution("02", "averaging_hook")   # prints the reference, defines it
+
+Teacher side: ``python -m course_utils exercises --json | --run solutions | --run stubs |
+--grade STUDENT.ipynb`` (see ``exercises_command``).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import os
+import pickle
+import sys
+import textwrap
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import CourseInputError
+
+NOTEBOOKS = ("01", "02", "03", "04", "05", "06")
+#: Where ``check`` appends its outcomes when set (the grader sets it for the notebook it runs).
+REPORT_ENV = "COURSE_EXERCISE_REPORT"
+#: What an untouched stub raises; any NotImplementedError counts as "not done".
+STUB_MARKER = "NotImplementedError"
+PASSED, FAILED, NOT_DONE = "passed", "failed", "not done"
+
+
+class Wrong(Exception):
+    """Raised inside a check with the one sentence a student sees (notebooks 01-06)."""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise: what the student reads, writes and is checked on (notebooks 01-06).
+
+    Either ``judge(fn)`` runs in this process and raises ``Wrong("...")`` on a wrong answer, or
+    (distributed exercises, ``nproc`` > 0) ``on_rank(fn, info)`` runs on every rank of a launch
+    and returns plain data, and ``verdict(results_by_rank)`` raises ``Wrong`` on a wrong answer.
+    """
+
+    notebook: str
+    name: str
+    title: str
+    checks: str                     # what the check compares, in one sentence
+    task: str                       # the markdown the student reads
+    stub: str                       # the code cell the student fills in (defines ``name``)
+    hints: tuple[str, ...]
+    judge: Callable | None = None
+    on_rank: Callable | None = None
+    verdict: Callable | None = None
+    nproc: int = 0
+    timeout_s: float = 60.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.notebook}.{self.name}"
+
+    def describe(self) -> dict:
+        return {"notebook": self.notebook, "name": self.name, "title": self.title, "checks": self.checks,
+                "distributed": bool(self.nproc), "nproc": self.nproc, "hints": len(self.hints)}
+
+
+@dataclass
+class Outcome:
+    """A check's answer: ``status`` is "passed", "failed" or "not done"; ``message`` one sentence."""
+
+    notebook: str
+    name: str
+    status: str
+    message: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASSED
+
+    def to_dict(self) -> dict:
+        return {"notebook": self.notebook, "name": self.name, "status": self.status, "message": self.message}
+
+    def __str__(self) -> str:
+        mark = {PASSED: "PASSED", FAILED: "NOT YET", NOT_DONE: "NOT DONE"}[self.status]
+        return f"[{mark}] exercise {self.notebook}.{self.name}" + (f": {self.message}" if self.message else "")
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython shows the sentence, not a dataclass dump
+        p.text(str(self))
+
+
+REGISTRY: dict[tuple[str, str], Exercise] = {}
+
+
+def register(ex: Exercise) -> Exercise:
+    """Add an exercise to the registry (each ``nbNN`` module registers its own at import)."""
+    REGISTRY[(ex.notebook, ex.name)] = ex
+    return ex
+
+
+def _load_all() -> None:
+    for nb in NOTEBOOKS:
+        try:
+            importlib.import_module(f"course_utils.exercises.nb{nb}")
+        except ModuleNotFoundError as exc:  # a notebook without exercises yet
+            if exc.name != f"course_utils.exercises.nb{nb}":
+                raise
+
+
+def exercises(notebook: str | None = None) -> list[Exercise]:
+    """Every exercise, in notebook order (or one notebook's) (notebooks 01-06)."""
+    _load_all()
+    out = [ex for ex in REGISTRY.values() if notebook is None or ex.notebook == _nb(notebook)]
+    return sorted(out, key=lambda ex: NOTEBOOKS.index(ex.notebook))
+
+
+def _nb(notebook) -> str:
+    text = str(notebook).zfill(2)
+    if text not in NOTEBOOKS:
+        raise CourseInputError(f"notebook {notebook!r} has no exercises; choose one of {', '.join(NOTEBOOKS)}")
+    return text
+
+
+def get(notebook, name: str) -> Exercise:
+    """The exercise ``name`` of ``notebook`` ("02" or 2), or a CourseInputError that lists the names."""
+    nb = _nb(notebook)
+    _load_all()
+    ex = REGISTRY.get((nb, name))
+    if ex is None:
+        names = ", ".join(n for (b, n) in REGISTRY if b == nb)
+        raise CourseInputError(f"notebook {nb} has no exercise {name!r}; its exercises are: {names}")
+    return ex
+
+
+# ---------------------------------------------------------------------------------------------
+# Not done, and how a student's error reads
+# ---------------------------------------------------------------------------------------------
+
+def is_stub(fn) -> bool:
+    """True when ``fn`` is an untouched stub: its body (after a docstring) starts by raising
+    NotImplementedError (notebooks 01-06). Found from the source, so nothing is launched for it."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        code = getattr(fn, "__code__", None)  # no source (exec'd): a tiny body that names the marker
+        return code is not None and STUB_MARKER in code.co_names and len(code.co_code) < 40
+    node = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))), None)
+    if node is None:
+        return False
+    body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if isinstance(node, ast.ClassDef):  # a class stub: its first method decides
+        method = next((s for s in body if isinstance(s, ast.FunctionDef)), None)
+        body = [] if method is None else [s for s in method.body
+                                          if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    first = body[0] if body else None
+    if not isinstance(first, ast.Raise) or first.exc is None:
+        return False
+    target = first.exc.func if isinstance(first.exc, ast.Call) else first.exc
+    return isinstance(target, ast.Name) and target.id == STUB_MARKER
+
+
+def student_error(exc: BaseException) -> str:
+    """One line for an exception raised by the student's code: its type, message and where."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if "course_utils" not in f.filename.replace("\\", "/").split("/site-packages/")[-1]
+            or "<" in f.filename]
+    where = f" (line {mine[-1].lineno}: {mine[-1].line.strip()})" if mine and mine[-1].line else ""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"your code raised {type(exc).__name__}{': ' + text if text else ''}{where}"
+
+
+def _outcome(ex: Exercise, status: str, message: str = "") -> Outcome:
+    return Outcome(ex.notebook, ex.name, status, message)
+
+
+def _not_done(ex: Exercise) -> Outcome:
+    return _outcome(ex, NOT_DONE, f"the stub is untouched: fill in {ex.name} above, then run this cell again "
+                                  f"(hints: show_hint({ex.notebook!r}, {ex.name!r}, 1))")
+
+
+# ---------------------------------------------------------------------------------------------
+# Moving a student's function to the worker processes
+# ---------------------------------------------------------------------------------------------
+
+#: Names a function written in a notebook cell may use without importing them in its body.
+CELL_GLOBALS = "import math\nimport torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n" \
+               "import torch.distributed as dist\n"
+
+
+def portable(fn):
+    """What a worker process needs to call ``fn``: the function itself when it can be imported
+    (a module's), else its pickle by value (cloudpickle, when installed), else its source."""
+    module = getattr(fn, "__module__", None)
+    if module not in (None, "__main__") and "<locals>" not in getattr(fn, "__qualname__", ""):
+        return ("ref", fn)
+    try:
+        import cloudpickle
+        return ("cloudpickle", cloudpickle.dumps(fn))
+    except ImportError:
+        pass
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        raise CourseInputError(f"cannot send {fn!r} to the worker processes: define it with def in a cell") from None
+    return ("source", fn.__name__, source)
+
+
+def unpack(payload):
+    """The function ``portable`` packed, in the worker process."""
+    kind = payload[0]
+    if kind == "ref":
+        return payload[1]
+    if kind == "cloudpickle":
+        return pickle.loads(payload[1])
+    namespace: dict = {}
+    exec(compile(CELL_GLOBALS + payload[2], f"<cell: {payload[1]}>", "exec"), namespace)
+    return namespace[payload[1]]
+
+
+def run_on_ranks(jobs: list) -> list:
+    """Worker: run each ``(notebook, name, payload)`` job's ``on_rank`` on this rank, in order.
+
+    A job whose student code raises returns ``{"error": one line}``; the other jobs still run.
+    """
+    from .. import dist as cdist
+
+    out = []
+    with cdist.session() as info:
+        for notebook, name, payload in jobs:
+            ex = get(notebook, name)
+            try:
+                out.append({"value": ex.on_rank(unpack(payload), info)})
+            except NotImplementedError:
+                out.append({"not_done": True})
+            except Wrong as exc:
+                out.append({"wrong": str(exc)})
+            except Exception as exc:  # the student's code: one line, never a traceback wall
+                out.append({"error": student_error(exc)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking
+# ---------------------------------------------------------------------------------------------
+
+def _judge_local(ex: Exercise, fn) -> Outcome:
+    try:
+        ex.judge(fn)
+    except NotImplementedError:
+        return _not_done(ex)
+    except Wrong as exc:
+        return _outcome(ex, FAILED, str(exc))
+    except Exception as exc:
+        return _outcome(ex, FAILED, student_error(exc))
+    return _outcome(ex, PASSED, "matches the course's reference")
+
+
+def _verdict(ex: Exercise, per_rank: dict) -> Outcome:
+    for rank in sorted(per_rank):
+        r = per_rank[rank]
+        if r.get("not_done"):
+            return _not_done(ex)
+        if "wrong" in r:
+            return _outcome(ex, FAILED, f"rank {rank}: {r['wrong']}")
+        if "error" in r:
+            return _outcome(ex, FAILED, f"on rank {rank}, {r['error']}")
+    try:
+        ex.verdict({rank: r["value"] for rank, r in per_rank.items()})
+    except Wrong as exc:
+        return _outcome(ex, FAILED, str(exc))
+    return _outcome(ex, PASSED, f"matches the course's reference on {len(per_rank)} real ranks")
+
+
+def check_many(pairs: list, *, record: bool = True) -> list[Outcome]:
+    """Check several ``(exercise, fn)`` pairs; the distributed ones share one launch per world size.
+
+    Each launch costs about a second, so the tests and ``--run`` batch their checks here.
+    """
+    from ..launch import LaunchError, launch
+
+    results: dict[int, Outcome] = {}
+    batches: dict[int, list] = {}
+    for i, (ex, fn) in enumerate(pairs):
+        if fn is None or is_stub(fn):
+            results[i] = _not_done(ex)
+        elif ex.nproc:
+            batches.setdefault(ex.nproc, []).append(i)
+        else:
+            results[i] = _judge_local(ex, fn)
+    for nproc, idxs in batches.items():
+        jobs = [(pairs[i][0].notebook, pairs[i][0].name, portable(pairs[i][1])) for i in idxs]
+        timeout = sum(pairs[i][0].timeout_s for i in idxs)
+        try:
+            run = launch(run_on_ranks, nproc=nproc, args=(jobs,), timeout_s=timeout, progress=False)
+        except LaunchError as exc:
+            first = str(exc).strip().splitlines()[0]
+            for i in idxs:
+                results[i] = _outcome(pairs[i][0], FAILED,
+                                      f"the ranks did not finish together ({first}); a collective that some "
+                                      "ranks call and others do not waits forever: call the same collectives, "
+                                      "in the same order, on every rank")
+            continue
+        for j, i in enumerate(idxs):
+            results[i] = _verdict(pairs[i][0], {rank: values[j] for rank, values in run.items()})
+    out = [results[i] for i in range(len(pairs))]
+    if record:
+        _record(out)
+    return out
+
+
+def check(notebook, name: str, fn) -> Outcome:
+    """Check the student's ``fn`` for exercise ``name`` of ``notebook`` and print the answer (notebooks 01-06).
+
+    Never raises on a wrong or unfinished answer: it returns (and the notebook shows) an
+    ``Outcome``, so a notebook with untouched stubs still runs to the end.
+    """
+    return check_many([(get(notebook, name), fn)])[0]
+
+
+def _record(outcomes: list[Outcome]) -> None:
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    with open(path, "a") as fh:
+        for o in outcomes:
+            fh.write(json.dumps(o.to_dict()) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hints and solutions
+# ---------------------------------------------------------------------------------------------
+
+def hint_text(notebook, name: str, n: int) -> str:
+    """Hint ``n`` (1-based) of an exercise, with how many there are."""
+    ex = get(notebook, name)
+    if not isinstance(n, int) or not 1 <= n <= len(ex.hints):
+        raise CourseInputError(f"exercise {ex.key} has hints 1 to {len(ex.hints)}; ask for one of those")
+    more = (f" (next: show_hint({ex.notebook!r}, {ex.name!r}, {n + 1}))" if n < len(ex.hints) else " (the last hint)")
+    return f"Hint {n} of {len(ex.hints)}{more}: {ex.hints[n - 1]}"
+
+
+def show_hint(notebook, name: str, n: int = 1) -> None:
+    """Print hint ``n`` of an exercise; the hints open one at a time (notebooks 01-06)."""
+    print(hint_text(notebook, name, n))
+
+
+def solutions_dir() -> Path:
+    """The repository's ``solutions/`` folder (reference solutions, kept out of the notebooks)."""
+    return Path(__file__).resolve().parents[2] / "solutions"
+
+
+def solution(notebook, name: str):
+    """The reference solution of an exercise, imported from ``solutions/nbNN.py``."""
+    ex = get(notebook, name)
+    folder = solutions_dir()
+    if not (folder / f"nb{ex.notebook}.py").is_file():
+        raise CourseInputError(f"the reference solutions are not installed here (no {folder.name}/nb{ex.notebook}.py); "
+                               "use a source checkout of the course")
+    root = str(folder.parent)
+    if root not in sys.path:
+        sys.path.append(root)  # the launcher puts the same folder on the workers' path
+    module = importlib.import_module(f"solutions.nb{ex.notebook}")
+    return getattr(module, ex.name)
+
+
+def load_solution(notebook, name: str, *, quiet: bool = False):
+    """Give up on an exercise: print the reference solution, define it in the caller, return it (notebooks 01-06)."""
+    fn = solution(notebook, name)
+    if not quiet:
+        print(inspect.getsource(fn))
+    caller = sys._getframe(1).f_globals
+    if caller.get("__name__") == "__main__":
+        caller[name] = fn
+    return fn
+
+
+def run_stub(ex: Exercise):
+    """The stub's function, defined from the exercise's stub source (what the notebook cell holds)."""
+    namespace: dict = {}
+    exec(compile(CELL_GLOBALS + ex.stub, f"<stub {ex.key}>", "exec"), namespace)
+    return namespace[ex.name]
