@@ -392,3 +392,129 @@ def run_stub(ex: Exercise):
     namespace: dict = {}
     exec(compile(CELL_GLOBALS + ex.stub, f"<stub {ex.key}>", "exec"), namespace)
     return namespace[ex.name]
+
+
+# ---------------------------------------------------------------------------------------------
+# For teachers and CI: list, run on solutions or stubs, grade a student's notebook
+# ---------------------------------------------------------------------------------------------
+
+_CHECK_CALL = r"""check\(\s*["'](\d\d)["']\s*,\s*["'](\w+)["']"""
+
+
+def run_all(which: str) -> list[Outcome]:
+    """Every exercise's check on the reference solutions ("solutions") or the untouched stubs ("stubs")."""
+    if which not in ("solutions", "stubs"):
+        raise CourseInputError(f"--run takes 'solutions' or 'stubs', got {which!r}")
+    pairs = [(ex, solution(ex.notebook, ex.name) if which == "solutions" else run_stub(ex)) for ex in exercises()]
+    return check_many(pairs, record=False)
+
+
+def grade(path, *, timeout_s: float = 900.0) -> list[Outcome]:
+    """Execute a student's notebook headless (papermill) and report every exercise in it (notebooks 01-06).
+
+    Each exercise whose check cell appears in the notebook is passed, failed (with its message)
+    or not done; an exercise whose check cell never ran (the notebook stopped earlier) is failed
+    with the error that stopped it.
+    """
+    import re
+    import tempfile
+
+    import nbformat
+    import papermill
+
+    path = Path(path)
+    if not path.is_file():
+        raise CourseInputError(f"no notebook at {path}; give the path of the student's .ipynb")
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as exc:
+        raise CourseInputError(f"{path} is not a readable notebook ({exc}); give a .ipynb file") from None
+    wanted = []
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            for nb_id, name in re.findall(_CHECK_CALL, cell.source):
+                if (nb_id, name) not in wanted:
+                    wanted.append((nb_id, name))
+    if not wanted:
+        raise CourseInputError(f"{path} has no exercise check cells (check(\"NN\", \"name\", fn)); is it a course notebook?")
+    stopped = ""
+    with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
+        report = Path(tmp) / "outcomes.jsonl"
+        before = os.environ.get(REPORT_ENV)
+        os.environ[REPORT_ENV] = str(report)
+        try:
+            papermill.execute_notebook(str(path), str(Path(tmp) / "executed.ipynb"), cwd=str(path.parent),
+                                       progress_bar=False, execution_timeout=timeout_s, kernel_name="python3")
+        except papermill.PapermillExecutionError as exc:
+            stopped = f"the notebook stopped at cell {exc.exec_count} ({exc.ename}: {exc.evalue.splitlines()[0] if exc.evalue else ''})"
+        finally:
+            if before is None:
+                os.environ.pop(REPORT_ENV, None)
+            else:
+                os.environ[REPORT_ENV] = before
+        seen = {}
+        if report.exists():
+            for line in report.read_text().splitlines():
+                o = json.loads(line)
+                seen[(o["notebook"], o["name"])] = Outcome(**o)  # the last check of an exercise counts
+    return [seen.get(key) or Outcome(*key, FAILED, f"its check cell did not run: {stopped or 'it was not executed'}")
+            for key in wanted]
+
+
+def table_text(outcomes: list[Outcome]) -> str:
+    """Outcomes as a plain-text table: exercise, status, message."""
+    rows = [(f"{o.notebook}.{o.name}", o.status, o.message) for o in outcomes]
+    width = max([len("exercise")] + [len(r[0]) for r in rows])
+    lines = [f"{'exercise':<{width}}  {'status':<8}  message"]
+    lines += [f"{a:<{width}}  {b:<8}  {c}" for a, b, c in rows]
+    counts = {s: sum(o.status == s for o in outcomes) for s in (PASSED, FAILED, NOT_DONE)}
+    lines.append(f"{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[NOT_DONE]} not done, of {len(outcomes)}")
+    return "\n".join(lines)
+
+
+def exercises_arguments(parser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--run", choices=("solutions", "stubs"),
+                       help="run every check on the reference solutions (all must pass) or on the untouched stubs "
+                            "(all must be 'not done')")
+    group.add_argument("--grade", metavar="STUDENT.ipynb", nargs="+",
+                       help="execute each student's notebook headless and report every exercise in it")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def exercises_command(args) -> int:
+    """``python -m course_utils exercises``: list, run or grade the exercises (notebooks 01-06).
+
+    Exit status: 0, or 1 when ``--run solutions`` has a check that does not pass or ``--run stubs``
+    one that is not "not done".
+    """
+    if args.run is None and not args.grade:
+        listing = [ex.describe() for ex in exercises()]
+        if args.json:
+            print(json.dumps(listing, indent=1))
+        else:
+            for row in listing:
+                where = f"{row['nproc']} ranks" if row["distributed"] else "in process"
+                print(f"{row['notebook']}.{row['name']:<24} {where:<10} {row['checks']}")
+        return 0
+    if args.run:
+        outcomes = run_all(args.run)
+        want = PASSED if args.run == "solutions" else NOT_DONE
+        status = 0 if all(o.status == want for o in outcomes) else 1
+        graded = {"run": args.run, "outcomes": [o.to_dict() for o in outcomes]}
+    else:
+        graded = {"grades": {}}
+        status = 0
+        for path in args.grade:
+            outcomes = grade(path)
+            graded["grades"][str(path)] = [o.to_dict() for o in outcomes]
+            if not args.json:
+                print(f"== {path}")
+                print(table_text(outcomes))
+        if not args.json:
+            return status
+    if args.json:
+        print(json.dumps(graded, indent=1))
+    else:
+        print(table_text(outcomes))
+    return status

@@ -1,0 +1,111 @@
+"""The notebooks' exercises (course_utils.exercises, notebooks 01-06).
+
+Every check passes on the reference solutions, says "not done" on the untouched stubs (without
+launching anything), and fails with its message in the exercise's terms on a known wrong
+answer. The distributed checks of solutions and mistakes share one launch.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from course_utils.exercises import core
+from course_utils.errors import CourseInputError
+
+sys.path.insert(0, str(core.solutions_dir().parent))
+from solutions.mistakes import MISTAKES  # noqa: E402
+from tools import exercise_cells  # noqa: E402
+
+
+def test_every_notebook_has_at_least_two_exercises():
+    exs = core.exercises()
+    assert len(exs) >= 14
+    for nb in core.NOTEBOOKS:
+        assert len(core.exercises(nb)) >= 2, nb
+    for ex in exs:
+        assert len(ex.hints) >= 2 and ex.task and ex.checks
+        assert (ex.judge is None) != (ex.on_rank is None and ex.verdict is None), ex.key
+        assert (ex.notebook, ex.name) in MISTAKES, f"{ex.key} has no known wrong answer"
+
+
+def test_notebook_sections_are_the_records():
+    """The Exercises cells of each notebook are what tools/exercise_cells.py writes from the records."""
+    for nb in core.NOTEBOOKS:
+        data = json.loads(exercise_cells.notebook_path(nb).read_text())
+        cells = [c for c in data["cells"] if c["id"].startswith(f"{nb}-ex-")]
+        assert cells == exercise_cells.section(nb), f"notebook {nb}: run python -m tools.exercise_cells {nb}"
+        assert data["cells"][-len(cells):] == cells  # the section ends the notebook
+        tasks = [c for c in cells if c["source"].startswith("### Exercise")]
+        assert all(c["metadata"]["slideshow"]["slide_type"] == "slide" for c in tasks)
+        stubs = [c for c in cells if c["cell_type"] == "code" and "NotImplementedError" in c["source"]]
+        assert all(c["metadata"]["slideshow"]["slide_type"] == "skip" for c in stubs)
+
+
+def test_stubs_are_not_done_without_launching(monkeypatch):
+    import course_utils.launch as launch_module
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a stub must be recognised without starting processes")
+    monkeypatch.setattr(launch_module, "launch", no_launch)
+    outcomes = core.run_all("stubs")
+    assert [o.status for o in outcomes] == [core.NOT_DONE] * len(outcomes)
+    assert all(f"show_hint({o.notebook!r}, {o.name!r}, 1)" in o.message for o in outcomes)
+
+
+def test_solutions_pass_and_known_mistakes_fail_with_their_message():
+    pairs, expected = [], []
+    for ex in core.exercises():
+        pairs.append((ex, core.solution(ex.notebook, ex.name)))
+        expected.append((core.PASSED, None))
+        for fn, words in MISTAKES[(ex.notebook, ex.name)]:
+            pairs.append((ex, fn))
+            expected.append((core.FAILED, words))
+    outcomes = core.check_many(pairs, record=False)
+    for (ex, fn), outcome, (status, words) in zip(pairs, outcomes, expected):
+        assert outcome.status == status, (ex.key, fn.__name__, outcome.message)
+        if words:
+            assert words in outcome.message, (ex.key, fn.__name__, outcome.message)
+            assert "Traceback" not in outcome.message and "\n" not in outcome.message
+
+
+def test_a_function_written_in_a_cell_is_checked_on_real_ranks():
+    """A function with no module (as a notebook cell defines it) travels to the workers by value."""
+    source = ("def averaging_hook(grad):\n    g = grad.clone()\n    dist.all_reduce(g)\n"
+              "    return g / dist.get_world_size()\n")
+    namespace = {"__name__": "__main__"}
+    exec(core.CELL_GLOBALS + source, namespace)
+    fn = namespace["averaging_hook"]
+    assert fn.__module__ == "__main__"
+    # and a student's exception is one line naming it, not a traceback wall
+    broken = {"__name__": "__main__"}
+    exec(core.CELL_GLOBALS + "def averaging_hook(grad):\n    return grad.undefined_thing\n", broken)
+    ok, bad = core.check_many([(core.get("02", "averaging_hook"), fn),
+                               (core.get("02", "averaging_hook"), broken["averaging_hook"])], record=False)
+    assert ok.status == core.PASSED, ok.message
+    assert bad.status == core.FAILED and "AttributeError" in bad.message and "\n" not in bad.message
+
+
+def test_hints_open_one_at_a_time_and_solutions_load(capsys):
+    text = core.hint_text("02", "averaging_hook", 1)
+    assert text.startswith("Hint 1 of 3") and "show_hint('02', 'averaging_hook', 2)" in text
+    assert "the last hint" in core.hint_text("02", "averaging_hook", 3)
+    with pytest.raises(CourseInputError):
+        core.hint_text("02", "averaging_hook", 4)
+    fn = core.load_solution("01", "model_state_bill")
+    assert "def model_state_bill" in capsys.readouterr().out
+    assert core.check("01", "model_state_bill", fn).passed
+    with pytest.raises(CourseInputError):
+        core.get("07", "anything")
+    with pytest.raises(CourseInputError):
+        core.get("02", "no_such_exercise")
+
+
+def test_cli_lists_every_exercise_and_rejects_bad_input(root):
+    out = subprocess.run([sys.executable, "-m", "course_utils", "exercises", "--json"], capture_output=True,
+                         text=True, check=True, cwd=root)
+    listing = json.loads(out.stdout)
+    assert [(r["notebook"], r["name"]) for r in listing] == [(e.notebook, e.name) for e in core.exercises()]
+    bad = subprocess.run([sys.executable, "-m", "course_utils", "exercises", "--grade", "no-such.ipynb"],
+                         capture_output=True, text=True, cwd=root)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no notebook" in bad.stderr
