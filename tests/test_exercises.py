@@ -5,11 +5,12 @@ launching anything), and fails with its message in the exercise's terms on a kno
 answer. The distributed checks of solutions and mistakes share one launch.
 """
 import json
-import subprocess
+import linecache
 import sys
 
 import pytest
 
+from course_utils import cli
 from course_utils.exercises import core
 from course_utils.errors import CourseInputError
 
@@ -69,21 +70,29 @@ def test_solutions_pass_and_known_mistakes_fail_with_their_message():
             assert "Traceback" not in outcome.message and "\n" not in outcome.message
 
 
+def _cell_function(source: str, name: str, cell: int):
+    """Define ``name`` the way a notebook cell does: module ``__main__``, source kept in linecache."""
+    filename = f"<ipython-input-{cell}>"  # IPython registers each cell's source under such a name
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"__name__": "__main__"}
+    exec(core.CELL_GLOBALS, namespace)
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[name]
+
+
 def test_a_function_written_in_a_cell_is_checked_on_real_ranks():
     """A function with no module (as a notebook cell defines it) travels to the workers by value."""
-    source = ("def averaging_hook(grad):\n    g = grad.clone()\n    dist.all_reduce(g)\n"
-              "    return g / dist.get_world_size()\n")
-    namespace = {"__name__": "__main__"}
-    exec(core.CELL_GLOBALS + source, namespace)
-    fn = namespace["averaging_hook"]
+    fn = _cell_function("def averaging_hook(grad):\n    g = grad.clone()\n    dist.all_reduce(g)\n"
+                        "    return g / dist.get_world_size()\n", "averaging_hook", 1)
+    broken = _cell_function("def averaging_hook(grad):\n    return grad.undefined_thing\n", "averaging_hook", 2)
+    stub = _cell_function(core.get("02", "averaging_hook").stub, "averaging_hook", 3)
     assert fn.__module__ == "__main__"
-    # and a student's exception is one line naming it, not a traceback wall
-    broken = {"__name__": "__main__"}
-    exec(core.CELL_GLOBALS + "def averaging_hook(grad):\n    return grad.undefined_thing\n", broken)
-    ok, bad = core.check_many([(core.get("02", "averaging_hook"), fn),
-                               (core.get("02", "averaging_hook"), broken["averaging_hook"])], record=False)
+    ex = core.get("02", "averaging_hook")
+    ok, bad, not_done = core.check_many([(ex, fn), (ex, broken), (ex, stub)], record=False)
     assert ok.status == core.PASSED, ok.message
+    # a student's exception is one line that names it, not a traceback wall
     assert bad.status == core.FAILED and "AttributeError" in bad.message and "\n" not in bad.message
+    assert not_done.status == core.NOT_DONE and core.is_stub(stub)
 
 
 def test_hints_open_one_at_a_time_and_solutions_load(capsys):
@@ -101,11 +110,10 @@ def test_hints_open_one_at_a_time_and_solutions_load(capsys):
         core.get("02", "no_such_exercise")
 
 
-def test_cli_lists_every_exercise_and_rejects_bad_input(root):
-    out = subprocess.run([sys.executable, "-m", "course_utils", "exercises", "--json"], capture_output=True,
-                         text=True, check=True, cwd=root)
-    listing = json.loads(out.stdout)
+def test_cli_lists_every_exercise_and_rejects_bad_input(capsys):
+    assert cli.main(["exercises", "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
     assert [(r["notebook"], r["name"]) for r in listing] == [(e.notebook, e.name) for e in core.exercises()]
-    bad = subprocess.run([sys.executable, "-m", "course_utils", "exercises", "--grade", "no-such.ipynb"],
-                         capture_output=True, text=True, cwd=root)
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no notebook" in bad.stderr
+    assert cli.main(["exercises", "--grade", "no-such.ipynb"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no notebook" in err
