@@ -117,3 +117,32 @@ def test_cli_lists_every_exercise_and_rejects_bad_input(capsys):
     assert cli.main(["exercises", "--grade", "no-such.ipynb"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "no notebook" in err
+
+
+def test_grade_reports_passed_failed_and_not_done(tmp_path):
+    """A student's notebook, executed headless: one exercise solved, one wrong, one untouched, one never reached."""
+    import inspect
+
+    import nbformat
+
+    from solutions import mistakes
+
+    def cells(nb, name, body):
+        return [nbformat.v4.new_code_cell(body), nbformat.v4.new_code_cell(f"check({nb!r}, {name!r}, {name})")]
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("from course_utils.exercises import check")]
+    nb.cells += cells("01", "model_state_bill", inspect.getsource(core.solution("01", "model_state_bill")))
+    nb.cells += cells("05", "decide", inspect.getsource(mistakes.decide_fastest).replace("decide_fastest", "decide"))
+    nb.cells += cells("06", "newest_complete", core.get("06", "newest_complete").stub)
+    nb.cells += [nbformat.v4.new_code_cell("raise RuntimeError('the student broke this cell')")]
+    nb.cells += cells("01", "block_activation_bytes", core.get("01", "block_activation_bytes").stub)
+    path = tmp_path / "student.ipynb"
+    nbformat.write(nb, path)
+    got = {o.name: o for o in core.grade(path)}
+    assert [got[n].status for n in ("model_state_bill", "decide", "newest_complete", "block_activation_bytes")] == \
+        [core.PASSED, core.FAILED, core.NOT_DONE, core.FAILED]
+    assert "least sharding that fits" in got["decide"].message
+    assert "did not run" in got["block_activation_bytes"].message and "the student broke this cell" in \
+        got["block_activation_bytes"].message
+    assert "1 passed, 2 failed, 1 not done, of 4" in core.table_text(list(got.values()))

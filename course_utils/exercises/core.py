@@ -29,9 +29,9 @@ import pickle
 import sys
 import textwrap
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from ..errors import CourseInputError
 
@@ -111,8 +111,10 @@ def register(ex: Exercise) -> Exercise:
     return ex
 
 
-def _load_all() -> None:
-    for nb in NOTEBOOKS:
+def _load(notebooks=NOTEBOOKS) -> None:
+    """Import the exercise modules of these notebooks (each registers its exercises); a notebook's
+    check imports only its own, so the section adds nothing heavy to the notebook's run."""
+    for nb in notebooks:
         try:
             importlib.import_module(f"course_utils.exercises.nb{nb}")
         except ModuleNotFoundError as exc:  # a notebook without exercises yet
@@ -122,7 +124,7 @@ def _load_all() -> None:
 
 def exercises(notebook: str | None = None) -> list[Exercise]:
     """Every exercise, in notebook order (or one notebook's) (notebooks 01-06)."""
-    _load_all()
+    _load(NOTEBOOKS if notebook is None else (_nb(notebook),))
     out = [ex for ex in REGISTRY.values() if notebook is None or ex.notebook == _nb(notebook)]
     return sorted(out, key=lambda ex: NOTEBOOKS.index(ex.notebook))
 
@@ -137,7 +139,7 @@ def _nb(notebook) -> str:
 def get(notebook, name: str) -> Exercise:
     """The exercise ``name`` of ``notebook`` ("02" or 2), or a CourseInputError that lists the names."""
     nb = _nb(notebook)
-    _load_all()
+    _load((nb,))
     ex = REGISTRY.get((nb, name))
     if ex is None:
         names = ", ".join(n for (b, n) in REGISTRY if b == nb)

@@ -7,6 +7,8 @@ layout), ``CommCounter`` against ``comm.reduce_scatter_sent``/``all_gather_sent`
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from ..comm import all_gather_sent, reduce_scatter_sent
@@ -16,21 +18,26 @@ from ..zero import padded_numel, shard_bounds
 from .core import Exercise, Wrong, register
 
 LR = 0.1
-PSI = param_count("tiny")
+
+
+@lru_cache(maxsize=None)
+def psi() -> int:
+    """Ψ of the tiny model (computed on first use: importing this module stays cheap)."""
+    return param_count(build_model("tiny", seed=0))
 
 
 def flat_start(world: int) -> torch.Tensor:
     """The tiny model's weights end to end, padded with zeros to Nd·S (the course's flat layout)."""
     model = build_model("tiny", seed=0)
-    flat = torch.zeros(padded_numel(PSI, world))
-    torch.cat([p.detach().reshape(-1) for p in model.parameters()], out=flat[:PSI])
+    flat = torch.zeros(padded_numel(psi(), world))
+    torch.cat([p.detach().reshape(-1) for p in model.parameters()], out=flat[:psi()])
     return flat
 
 
 def flat_grad(step: int, rank: int, like: torch.Tensor) -> torch.Tensor:
     """Rank r's gradient at a step: fixed by (step, rank), zero on the padding."""
     g = torch.randn(like.numel(), generator=torch.Generator().manual_seed(1000 * step + rank)) * 1e-2
-    g[PSI:] = 0
+    g[psi():] = 0
     return g
 
 

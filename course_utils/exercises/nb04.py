@@ -8,7 +8,6 @@ and ``per_param.PerParamSharded``'s tracker of gathered bytes.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .. import per_param
 from ..comm import all_gather_sent

@@ -12,7 +12,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from .. import checkpoint
