@@ -14,13 +14,13 @@ from course_utils.fsdp import TOLERANCE
 from course_utils.launch import launch
 from course_utils.models import build_model, param_count
 
-CASES = [
+CASES = [dict(case, steps=2) for case in (
     {"optimizer": "SGD"},
     {"optimizer": "Adam"},
     {"optimizer": "AdamW", "reshard_after_forward": False},
     {"optimizer": "AdamW", "compute_dtype": "bfloat16"},
     {"optimizer": "Adam", "frozen": ["pos_emb.weight", "blocks.0.ln1.weight", "blocks.1.attn.qkv.weight"]},
-]
+)]
 
 
 def test_rows_are_torch_chunks_padded():
