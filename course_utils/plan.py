@@ -16,9 +16,9 @@ The decision rule of the course (the lesson on the stages, and the ZeRO paper's 
 Symbols: Ψ parameters, K optimizer bytes per parameter, Nd data-parallel degree, Nm
 model-parallel degree; h width, L layers, s sequence length, b micro-batch per GPU.
 
-Everything here is arithmetic on the inputs, except ``block_overlap_worker`` (the last
-section), a worker function that ``course_utils.launch`` runs to time a block's compute and
-an all-gather on this host; it imports torch only when it runs.
+Everything here is arithmetic on the inputs, except the last section: ``block_overlap_worker``,
+a worker function that ``course_utils.launch`` runs to time a block's compute and an all-gather
+on this host (it imports torch only when it runs), and its timer ``time_on_device``.
 
 A time model is a model: per-GPU FLOP/s you can actually reach, ring collectives whose speed
 is that of the slowest link they cross, overlap as "hidden if shorter than the compute beside
@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import re
+import time
 from dataclasses import asdict, dataclass, field
 
 from . import memory
@@ -714,17 +715,34 @@ def plan_command(args) -> int:
 # Measured on this host (notebook 05): a block's compute against an all-gather of its parameters
 # ---------------------------------------------------------------------------------------------
 
+def time_on_device(fn, sync) -> float:
+    """Seconds one call of ``fn()`` takes, with ``sync()`` called before the clock starts and again
+    before it stops (notebook 05).
+
+    ``sync`` is ``course_utils.dist.synchronize`` for the device the work runs on. CUDA queues
+    kernels and returns at once, so without it the clock would stop when the work was launched,
+    not when it was done (and the first reading would include whatever was still queued). On CPU
+    it does nothing.
+    """
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
 def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats: int = 3, seq: int = 64) -> list:
     """Worker for ``course_utils.launch``: time one course-model block's forward and backward, and
     an all-gather of its parameters sharded over the ranks, for each width and tokens per
     micro-batch (notebook 05).
 
-    Runs in fp32 on CPU (16-bit matmuls are slow there) with one thread per rank. Returns, on
+    Runs in fp32 with one thread per rank, on CPU (16-bit matmuls are slow there) or on this
+    rank's GPU; every timer waits for the device (``time_on_device``). Returns, on
     every rank, rows ``{"width", "tokens", "params", "fwd_s", "fwd_bwd_s", "gather_s",
     "gather_bytes", "world_size", "backend"}`` (medians over ``repeats``; times are rank 0's).
     """
+    import functools
     import statistics
-    import time
 
     import torch
     import torch.distributed as dist
@@ -733,6 +751,7 @@ def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats:
     from .models import Block, get_config
 
     info = cdist.init()
+    sync = functools.partial(cdist.synchronize, info.device)  # CUDA work is asynchronous: wait before each clock read
     try:
         torch.set_num_threads(1)
         rows = []
@@ -750,21 +769,14 @@ def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats:
             gathers = []
             for _ in range(repeats + 1):
                 dist.barrier()
-                t0 = time.perf_counter()
-                dist.all_gather(out, shard)
-                gathers.append(time.perf_counter() - t0)
+                gathers.append(time_on_device(lambda: dist.all_gather(out, shard), sync))
             for ntok in tokens:
                 b = max(1, ntok // seq)
                 x = torch.randn(b, min(seq, ntok), width, device=info.device, requires_grad=True)
                 fwd, both = [], []
                 for _ in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    with torch.no_grad():
-                        block(x)
-                    fwd.append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    block(x).sum().backward()
-                    both.append(time.perf_counter() - t0)
+                    fwd.append(time_on_device(torch.no_grad()(lambda: block(x)), sync))
+                    both.append(time_on_device(lambda: block(x).sum().backward(), sync))
                 rows.append({"width": width, "tokens": b * min(seq, ntok), "params": flat.numel(),
                              "fwd_s": statistics.median(fwd[1:]), "fwd_bwd_s": statistics.median(both[1:]),
                              "gather_s": statistics.median(gathers[1:]), "gather_bytes": 4 * shard_len * n,
