@@ -71,7 +71,8 @@ def test_solutions_pass_and_known_mistakes_fail_with_their_message():
 
 
 def _cell_function(source: str, name: str, cell: int):
-    """Define ``name`` the way a notebook cell does: module ``__main__``, source kept in linecache."""
+    """Define ``name`` the way a notebook cell does: module ``__main__``, source kept in linecache
+    (how the not-done detection reads a stub), sent to the workers by value by ``launch``."""
     filename = f"<ipython-input-{cell}>"  # IPython registers each cell's source under such a name
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = {"__name__": "__main__"}
@@ -120,7 +121,8 @@ def test_cli_lists_every_exercise_and_rejects_bad_input(capsys):
 
 
 def test_grade_reports_passed_failed_and_not_done(tmp_path):
-    """A student's notebook, executed headless: one exercise solved, one wrong, one untouched, one never reached."""
+    """A student's notebook, executed headless: solved (one on real ranks, its function written in a cell and
+    launched by value), wrong, untouched, and never reached."""
     import inspect
 
     import nbformat
@@ -133,6 +135,8 @@ def test_grade_reports_passed_failed_and_not_done(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("from course_utils.exercises import check")]
     nb.cells += cells("01", "model_state_bill", inspect.getsource(core.solution("01", "model_state_bill")))
+    nb.cells += cells("02", "averaging_hook", "import torch.distributed as dist\n\n"
+                      + inspect.getsource(core.solution("02", "averaging_hook")))
     nb.cells += cells("05", "decide", inspect.getsource(mistakes.decide_fastest).replace("decide_fastest", "decide"))
     nb.cells += cells("06", "newest_complete", core.get("06", "newest_complete").stub)
     nb.cells += [nbformat.v4.new_code_cell("raise RuntimeError('the student broke this cell')")]
@@ -140,9 +144,11 @@ def test_grade_reports_passed_failed_and_not_done(tmp_path):
     path = tmp_path / "student.ipynb"
     nbformat.write(nb, path)
     got = {o.name: o for o in core.grade(path)}
-    assert [got[n].status for n in ("model_state_bill", "decide", "newest_complete", "block_activation_bytes")] == \
-        [core.PASSED, core.FAILED, core.NOT_DONE, core.FAILED]
+    assert [got[n].status for n in ("model_state_bill", "averaging_hook", "decide", "newest_complete",
+                                    "block_activation_bytes")] == \
+        [core.PASSED, core.PASSED, core.FAILED, core.NOT_DONE, core.FAILED], {n: o.message for n, o in got.items()}
+    assert "on 2 real ranks" in got["averaging_hook"].message
     assert "least sharding that fits" in got["decide"].message
     assert "did not run" in got["block_activation_bytes"].message and "the student broke this cell" in \
         got["block_activation_bytes"].message
-    assert "1 passed, 2 failed, 1 not done, of 4" in core.table_text(list(got.values()))
+    assert "2 passed, 2 failed, 1 not done, of 5" in core.table_text(list(got.values()))

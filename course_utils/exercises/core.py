@@ -25,7 +25,6 @@ import importlib
 import inspect
 import json
 import os
-import pickle
 import sys
 import textwrap
 import traceback
@@ -194,46 +193,17 @@ def _not_done(ex: Exercise) -> Outcome:
 
 
 # ---------------------------------------------------------------------------------------------
-# Moving a student's function to the worker processes
+# Running on real ranks: the student's function travels with the launch (by value when it was
+# written in a notebook cell: ``launch`` serialises its arguments with cloudpickle)
 # ---------------------------------------------------------------------------------------------
 
-#: Names a function written in a notebook cell may use without importing them in its body.
+#: Names a stub may use without importing them (what ``run_stub`` defines it with).
 CELL_GLOBALS = "import math\nimport torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n" \
                "import torch.distributed as dist\n"
 
 
-def portable(fn):
-    """What a worker process needs to call ``fn``: the function itself when it can be imported
-    (a module's), else its pickle by value (cloudpickle, when installed), else its source."""
-    module = getattr(fn, "__module__", None)
-    if module not in (None, "__main__") and "<locals>" not in getattr(fn, "__qualname__", ""):
-        return ("ref", fn)
-    try:
-        import cloudpickle
-        return ("cloudpickle", cloudpickle.dumps(fn))
-    except ImportError:
-        pass
-    try:
-        source = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        raise CourseInputError(f"cannot send {fn!r} to the worker processes: define it with def in a cell") from None
-    return ("source", fn.__name__, source)
-
-
-def unpack(payload):
-    """The function ``portable`` packed, in the worker process."""
-    kind = payload[0]
-    if kind == "ref":
-        return payload[1]
-    if kind == "cloudpickle":
-        return pickle.loads(payload[1])
-    namespace: dict = {}
-    exec(compile(CELL_GLOBALS + payload[2], f"<cell: {payload[1]}>", "exec"), namespace)
-    return namespace[payload[1]]
-
-
 def run_on_ranks(jobs: list) -> list:
-    """Worker: run each ``(notebook, name, payload)`` job's ``on_rank`` on this rank, in order.
+    """Worker: run each ``(notebook, name, fn)`` job's ``on_rank`` on this rank, in order.
 
     A job whose student code raises returns ``{"error": one line}``; the other jobs still run.
     """
@@ -241,10 +211,10 @@ def run_on_ranks(jobs: list) -> list:
 
     out = []
     with cdist.session() as info:
-        for notebook, name, payload in jobs:
+        for notebook, name, fn in jobs:
             ex = get(notebook, name)
             try:
-                out.append({"value": ex.on_rank(unpack(payload), info)})
+                out.append({"value": ex.on_rank(fn, info)})
             except NotImplementedError:
                 out.append({"not_done": True})
             except Wrong as exc:
@@ -303,7 +273,7 @@ def check_many(pairs: list, *, record: bool = True) -> list[Outcome]:
         else:
             results[i] = _judge_local(ex, fn)
     for nproc, idxs in batches.items():
-        jobs = [(pairs[i][0].notebook, pairs[i][0].name, portable(pairs[i][1])) for i in idxs]
+        jobs = [(pairs[i][0].notebook, pairs[i][0].name, pairs[i][1]) for i in idxs]
         timeout = sum(pairs[i][0].timeout_s for i in idxs)
         try:
             run = launch(run_on_ranks, nproc=nproc, args=(jobs,), timeout_s=timeout, progress=False)
