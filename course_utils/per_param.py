@@ -283,7 +283,7 @@ class PerParamSharded(nn.Module):
         """The full fp32 weights keyed like the wrapped module's ``state_dict()`` (collective)."""
         values = {}
         for sp in self.sharded_params():
-            gathered = torch.empty((sp.nd * sp.c, *sp.shape[1:]), dtype=sp.padded.dtype)
+            gathered = torch.empty((sp.nd * sp.c, *sp.shape[1:]), dtype=sp.padded.dtype, device=sp.padded.device)
             dist.all_gather_single(gathered, sp.padded, group=sp.group)
             values[sp.local] = unshard_rows(gathered, sp.shape[0]).clone()
         out = {}
@@ -305,7 +305,7 @@ def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
     what ``torch.nn.utils.clip_grad_norm_`` does to the full gradients of one process.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
     for g in grads:
         total += g.float().pow(2).sum()
     dist.all_reduce(total, group=group)
@@ -385,16 +385,16 @@ def compare_worker(cases: list[dict]) -> list[dict]:
     from .models import build_model, get_config
 
     cfg = get_config("tiny")
-    kw = dict(batch=8, seq=cfg.seq, vocab=cfg.vocab)
     out = []
     with cdist.session() as info:
+        kw = dict(batch=8, seq=cfg.seq, vocab=cfg.vocab, device=info.device)
         for case in cases:
             opt_kw = {"SGD": {"lr": 0.05, "momentum": 0.9}, "Adam": {"lr": 3e-3},
                       "AdamW": {"lr": 3e-3, "weight_decay": 0.1}}[case["optimizer"]]
             cls = getattr(torch.optim, case["optimizer"])
             dtype = getattr(torch, case["compute_dtype"]) if case.get("compute_dtype") else None
             reshard = case.get("reshard_after_forward", True)
-            ref, model = build_model(cfg, seed=0), build_model(cfg, seed=0)
+            ref, model = build_model(cfg, seed=0, device=info.device), build_model(cfg, seed=0, device=info.device)
             for m in (ref, model):
                 _freeze(m, case.get("frozen", ()))
             sharded = PerParamSharded(model, units=list(model.blocks), reshard_after_forward=reshard,
@@ -442,11 +442,11 @@ def _rows_match_fully_shard(info) -> bool:
 
     from .models import build_model
 
-    theirs = build_model("tiny", seed=0)
+    theirs = build_model("tiny", seed=0, device=info.device)
     for block in theirs.blocks:
         fully_shard(block)
     fully_shard(theirs)
-    mine = build_model("tiny", seed=0)
+    mine = build_model("tiny", seed=0, device=info.device)
     PerParamSharded(mine, units=list(mine.blocks))
     ours = dict(mine.named_parameters())
     return all(torch.equal(ours[name].detach(), p.to_local().detach()) for name, p in theirs.named_parameters())
@@ -459,9 +459,9 @@ def clip_worker(max_norm: float = 0.05) -> dict:
     from .models import build_model, get_config
 
     cfg = get_config("tiny")
-    kw = dict(batch=8, seq=cfg.seq, vocab=cfg.vocab)
     with cdist.session() as info:
-        ref, model = build_model(cfg, seed=0), build_model(cfg, seed=0)
+        kw = dict(batch=8, seq=cfg.seq, vocab=cfg.vocab, device=info.device)
+        ref, model = build_model(cfg, seed=0, device=info.device), build_model(cfg, seed=0, device=info.device)
         ref(*batch_for_rank(0, 0, 1, **kw)).backward()
         reference_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
         sharded = PerParamSharded(model, units=list(model.blocks))

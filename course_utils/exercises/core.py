@@ -276,7 +276,10 @@ def check_many(pairs: list, *, record: bool = True) -> list[Outcome]:
         jobs = [(pairs[i][0].notebook, pairs[i][0].name, pairs[i][1]) for i in idxs]
         timeout = sum(pairs[i][0].timeout_s for i in idxs)
         try:
-            run = launch(run_on_ranks, nproc=nproc, args=(jobs,), timeout_s=timeout, progress=False)
+            # gloo on CPU everywhere: the checks build their tensors on the CPU, and a check is about
+            # correctness and bytes, which the CPU shows exactly (NCCL needs every tensor on a GPU).
+            run = launch(run_on_ranks, nproc=nproc, args=(jobs,), timeout_s=timeout, progress=False,
+                         backend="gloo")
         except LaunchError as exc:
             first = str(exc).strip().splitlines()[0]
             for i in idxs:
