@@ -1,0 +1,28 @@
+"""Reference solutions, notebook 05 (``load_solution("05", name)`` prints and defines one)."""
+
+
+def model_states_per_gpu(params, gpus_per_node, nodes, mp, strategy):
+    """{"gpu": bytes, "host": bytes} of model states per GPU for one of plan.STRATEGIES."""
+    p = params / mp
+    nd = gpus_per_node * nodes // mp
+    parts = {"weights": 2 * p, "gradients": 2 * p, "optimizer": 12 * p}
+    sharded = {"ddp": (), "zero1": ("optimizer",), "zero2": ("optimizer", "gradients"),
+               "zero3": ("optimizer", "gradients", "weights"), "hsdp": ("optimizer", "gradients", "weights"),
+               "zero2_offload": ("optimizer", "gradients"),
+               "zero3_offload": ("optimizer", "gradients", "weights")}[strategy]
+    over = gpus_per_node // mp if strategy == "hsdp" else nd   # HSDP: shard inside one node
+    held = {k: v / over if k in sharded else v for k, v in parts.items()}
+    host = 0.0
+    if strategy.endswith("_offload"):
+        host, held["optimizer"] = held["optimizer"], 0.0
+    return {"gpu": sum(held.values()), "host": host}
+
+
+def decide(numbers):
+    """The strategy to use given {strategy: {"fits", "total", "step_s"}}, or "none"."""
+    fitting = [s for s, n in numbers.items() if n["fits"]]
+    on_gpu = [s for s in fitting if not s.endswith("_offload")]
+    if on_gpu:
+        return on_gpu[0]
+    offload = [s for s in fitting if s.endswith("_offload")]
+    return offload[0] if offload else "none"
