@@ -104,9 +104,9 @@ def hsdp_sharded_over_every_gpu(params, gpus_per_node, nodes, mp, strategy):
     return {"gpu": gpu, "host": host}
 
 
-def decide_fastest(numbers):
-    fitting = [s for s, n in numbers.items() if n["fits"]]
-    return min(fitting, key=lambda s: numbers[s]["step_s"]) if fitting else "none"
+def decide_first_that_fits(numbers):
+    fitting = [s for s, n in numbers.items() if n["fits"]]  # the seed's rule: never looks at the step time
+    return fitting[0] if fitting else "none"
 
 
 # 06 -------------------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ MISTAKES = {
     ("04", "clip_sharded"): [(clip_with_local_norm, "all-reduce the sum of squares")],
     ("04", "choose_layout"): [(layout_always_reshard, "reshard_after_forward=False")],
     ("05", "model_states_per_gpu"): [(hsdp_sharded_over_every_gpu, "HSDP shards within one node")],
-    ("05", "decide"): [(decide_fastest, "least sharding that fits")],
+    ("05", "decide"): [(decide_first_that_fits, "lowest estimated step time")],
     ("06", "newest_complete"): [(newest_by_name, "no commit.json")],
     ("06", "resume"): [(resume_without_optimizer, "optimizer state")],
 }

@@ -20,9 +20,10 @@ def model_states_per_gpu(params, gpus_per_node, nodes, mp, strategy):
 
 def decide(numbers):
     """The strategy to use given {strategy: {"fits", "total", "step_s"}}, or "none"."""
+    from course_utils import plan
+
     fitting = [s for s, n in numbers.items() if n["fits"]]
-    on_gpu = [s for s in fitting if not s.endswith("_offload")]
-    if on_gpu:
-        return on_gpu[0]
-    offload = [s for s in fitting if s.endswith("_offload")]
-    return offload[0] if offload else "none"
+    if not fitting:
+        return "none"
+    fastest = min(numbers[s]["step_s"] for s in fitting)
+    return next(s for s in fitting if numbers[s]["step_s"] <= fastest * (1 + plan.TIE_MARGIN))

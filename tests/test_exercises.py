@@ -137,7 +137,7 @@ def test_grade_reports_passed_failed_and_not_done(tmp_path):
     nb.cells += cells("01", "model_state_bill", inspect.getsource(core.solution("01", "model_state_bill")))
     nb.cells += cells("02", "averaging_hook", "import torch.distributed as dist\n\n"
                       + inspect.getsource(core.solution("02", "averaging_hook")))
-    nb.cells += cells("05", "decide", inspect.getsource(mistakes.decide_fastest).replace("decide_fastest", "decide"))
+    nb.cells += cells("05", "decide", inspect.getsource(mistakes.decide_first_that_fits).replace("decide_first_that_fits", "decide"))
     nb.cells += cells("06", "newest_complete", core.get("06", "newest_complete").stub)
     nb.cells += [nbformat.v4.new_code_cell("raise RuntimeError('the student broke this cell')")]
     nb.cells += cells("01", "block_activation_bytes", core.get("01", "block_activation_bytes").stub)
@@ -148,7 +148,7 @@ def test_grade_reports_passed_failed_and_not_done(tmp_path):
                                     "block_activation_bytes")] == \
         [core.PASSED, core.PASSED, core.FAILED, core.NOT_DONE, core.FAILED], {n: o.message for n, o in got.items()}
     assert "on 2 real ranks" in got["averaging_hook"].message
-    assert "least sharding that fits" in got["decide"].message
+    assert "lowest estimated step time" in got["decide"].message
     assert "did not run" in got["block_activation_bytes"].message and "the student broke this cell" in \
         got["block_activation_bytes"].message
     assert "2 passed, 2 failed, 1 not done, of 5" in core.table_text(list(got.values()))

@@ -11,7 +11,8 @@ from .core import Exercise, Wrong, register
 
 PARAMS = (1e9, 7e9, 30e9, 70e9, 175e9, 1e12)
 CLUSTERS = (plan.Cluster(nodes=1), plan.Cluster(nodes=4), plan.Cluster(nodes=4, mp=2),
-            plan.Cluster(nodes=16, gpu_mem=40 * GB), plan.Cluster(nodes=2, gpus_per_node=4, gpu_mem=24 * GB))
+            plan.Cluster(nodes=16, gpu_mem=40 * GB), plan.Cluster(nodes=2, gpus_per_node=4, gpu_mem=24 * GB),
+            plan.Cluster(nodes=2, inter_bw=1.25e9))  # 10 GbE: where the lowest stage that fits is not the fastest
 
 
 def _cases():
@@ -69,9 +70,10 @@ def judge_decide(fn) -> None:
         if got != want:
             fitting = [s for s, n in numbers.items() if n["fits"]]
             raise Wrong(f"for {model.params:.3g} parameters on {_cluster_text(cluster)} (fitting: "
-                        f"{', '.join(fitting) or 'none'}) you chose {got!r}, the planner {want!r}: the rule takes the "
-                        "least sharding that fits on the GPUs (it communicates least), offload only when nothing "
-                        "fits on the GPUs, and 'none' when nothing fits at all")
+                        f"{', '.join(fitting) or 'none'}) you chose {got!r}, the planner {want!r}: the rule takes, "
+                        "among the strategies that fit, the one with the lowest estimated step time; a strategy "
+                        f"within {plan.TIE_MARGIN:.0%} of the fastest counts as a tie, and a tie goes to the one "
+                        "earlier in the order (less sharding); 'none' when nothing fits")
 
 
 register(Exercise(
@@ -79,11 +81,12 @@ register(Exercise(
     "the chosen strategy for 6 model sizes on 5 clusters against plan.plan(...).recommendation",
     task="Write `decide(numbers)`: `numbers` maps each applicable strategy (in `plan.STRATEGIES` order: ddp, "
          "zero1, zero2, hsdp, zero3, zero2_offload, zero3_offload) to `{\"fits\", \"total\", \"step_s\"}` from "
-         "the planner. Return the strategy the notebook's rule picks, or `\"none\"`.",
+         "the planner. Return the strategy the notebook's rule picks, or `\"none\"`. Predict first: 13B on 2 "
+         "nodes over 10 GbE fits stage 1 at 39 s a step and HSDP at 21 s; which does the rule pick?",
     stub='def decide(numbers):\n'
          '    """The strategy to use given {strategy: {"fits", "total", "step_s"}}, or "none"."""\n'
          '    raise NotImplementedError("exercise 05.decide: your code here")\n',
-    hints=("Walk the strategies in the order given: less sharding first.",
-           "The first on-GPU strategy (no _offload) that fits wins: it communicates least.",
-           "If none fits on the GPUs, the first fitting _offload strategy; else 'none'."),
+    hints=("Keep the strategies that fit; if there are none, the answer is 'none'.",
+           "Find the fastest step time among them; every strategy within plan.TIE_MARGIN (5%) of it is a tie.",
+           "Walk the strategies in the order given (less sharding first) and return the first one in the tie."),
     judge=judge_decide))
