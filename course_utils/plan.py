@@ -50,8 +50,9 @@ STRATEGY_NAMES = {
     "zero3_offload": "stage 3 + optimizer offload",
 }
 #: The recommendation when nothing fits.
-NOTHING_FITS = ("no data-parallel strategy fits: activations / a single layer are the limit; use activation "
-                "checkpointing, a smaller micro-batch, tensor or pipeline parallelism")
+NOTHING_FITS = ("no data-parallel strategy fits: activations / a single FSDP unit are the limit; use activation "
+                "checkpointing, a smaller micro-batch, context (sequence) parallelism for long sequences, smaller "
+                "FSDP units, tensor or pipeline parallelism")
 
 #: PyTorch DDP's default gradient bucket (bucket_cap_mb = 25); two are alive while one is reduced.
 BUCKET_BYTES = 25 * 10**6
@@ -488,6 +489,8 @@ def _limits(model: ModelSpec, cluster: Cluster, k: float) -> dict:
     layer_acts = memory.activation_bytes(model.width, model.micro_batch, model.seq, 1) / cluster.mp
     # one layer at its moment of execution: its gathered weights and gradient, and its activations
     single_layer = 2 * memory.WEIGHT_BYTES * model.largest_unit_params / cluster.mp + layer_acts
+    # wrapped per linear layer, FSDP's largest unit is one matrix: the MLP's h x 4h
+    single_matrix = 2 * memory.WEIGHT_BYTES * 4.0 * model.width ** 2 / cluster.mp + layer_acts
     room = cluster.usable - acts - unit
     per_replica = (memory.WEIGHT_BYTES + memory.GRAD_BYTES + k) * model.params / cluster.mp
     min_nd = math.ceil(per_replica / room) if room > 0 else None
@@ -495,6 +498,7 @@ def _limits(model: ModelSpec, cluster: Cluster, k: float) -> dict:
     return {"activations": acts, "activations_if_checkpointed": acts_ckpt, "single_layer": single_layer,
             "activations_limit": acts + 2.0 * BUCKET_BYTES > cluster.usable,
             "single_layer_limit": single_layer > cluster.usable,
+            "single_matrix": single_matrix, "single_matrix_limit": single_matrix > cluster.usable,
             "zero3_min_gpus": min_gpus,
             "zero3_min_nodes": None if min_gpus is None else math.ceil(min_gpus / cluster.gpus_per_node)}
 
@@ -593,7 +597,13 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
     if limits["activations_limit"]:
         causes.append(f"activations alone need {gb(limits['activations'])} per GPU")
     if limits["single_layer_limit"]:
-        causes.append(f"one gathered layer needs {gb(limits['single_layer'])}")
+        causes.append(f"one gathered unit (a block) needs {gb(limits['single_layer'])}" + (
+            f", and even one weight matrix gathered needs {gb(limits['single_matrix'])}: tensor parallelism splits it"
+            if limits["single_matrix_limit"] else
+            f"; wrapped per linear layer the largest unit is one h x 4h matrix, {gb(limits['single_matrix'])}, "
+            "which fits"))
+    if limits["activations_limit"] and model.seq >= 32768:
+        causes.append(f"at sequence length {model.seq:,} context (sequence) parallelism is the standard remedy")
     if not causes:
         more = limits["zero3_min_nodes"]
         causes.append(f"on {cluster.gpus} GPUs the model states do not fit even with offload"
