@@ -1,7 +1,7 @@
 """Fault tolerance without a restart: a live TorchFT run beside torchrun's restart (notebook 06).
 
 Under torchrun one dead rank stops the whole group; the group restarts and reloads the last
-checkpoint. TorchFT (pytorch/torchft) splits the job into *replica groups* that each hold a whole
+checkpoint. TorchFT (the ``torchft`` library) splits the job into *replica groups* that each hold a whole
 copy of the model. A lighthouse forms a quorum of the live groups before every step; when a group
 dies, the others drop the step the failure touched and go on without it, and the restarted group
 copies the weights and optimizer state from a live peer ("heals") instead of reading a checkpoint.
