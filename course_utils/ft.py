@@ -8,21 +8,21 @@ copies the weights and optimizer state from a live peer ("heals") instead of rea
 
 From a shell (``make setup`` installs torchft; elsewhere ``pip install course-utils[ft]``)::
 
-    python -m course_utils ft --replicas 2 --steps 12 --kill 1:4 --json
-    python -m course_utils ft --replicas 2 --steps 12 --kill 1:4 --during-allreduce --json
+    python -m course_utils ft --replicas 2 --steps 16 --kill 1:3 --json
+    python -m course_utils ft --replicas 2 --steps 16 --kill 1:3 --during-allreduce --json
 
 From a notebook::
 
     from course_utils.ft import ft_run
-    report = ft_run(replicas=2, steps=12, kill="1:4", during_allreduce=True)
+    report = ft_run(replicas=2, steps=16, kill="1:3", during_allreduce=True)
 
 What runs:
 
 - the lighthouse, torchft's own (``LighthouseServer``, the server behind the ``torchft_lighthouse``
   command), in the calling process, bound to 127.0.0.1 on a free port;
-- a small job manager process that imports torch and torchft once and forks one process per
-  replica group; when a group dies it forks a new one at once, as ``torchrun --max-restarts 1`` or
-  a cluster scheduler would restart that group (each group is restarted at most once);
+- a job manager: one ``course_utils.launch`` worker (the launcher has imported torch already) that
+  forks one process per replica group; when a group dies it forks a new one, as
+  ``torchrun --max-restarts 1`` or a cluster scheduler would restart that group (once per group);
 - in each replica group, the course model, its slice of the course data and the course's Adam,
   wrapped in torchft's ``Manager``, ``DistributedDataParallel`` and ``Optimizer`` over
   ``ProcessGroupGloo``. Weights and optimizer state heal over that same process group
@@ -38,8 +38,8 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +57,7 @@ class FTConfig:
     """One TorchFT run: R replica groups of one process each, K steps, one planned failure (notebook 06)."""
 
     replicas: int = 2               # replica groups (R); each holds the whole model
-    steps: int = 12                 # committed steps every group ends at (K)
+    steps: int = 16                 # committed steps every group ends at (K)
     kill: str | None = None         # "REPLICA:STEP": that group dies at that step (first attempt only)
     during_allreduce: bool = False  # die inside the step's gradient all-reduce, not between steps
     # The job manager restarts the dead group once the survivors have committed this many steps
@@ -166,6 +166,16 @@ def replica_main(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, run
     ddp = torchft.DistributedDataParallel(manager, model)
     optimizer = torchft.Optimizer(manager, inner)
 
+    votes = []
+    should_commit = manager.should_commit
+
+    def timed_commit(*args, **kwargs):  # the commit vote, the other half of TorchFT's cost per step
+        t0 = time.perf_counter()
+        decision = should_commit(*args, **kwargs)
+        votes.append(time.perf_counter() - t0)
+        return decision
+
+    manager.should_commit = timed_commit  # the optimizer wrapper's step() calls manager.should_commit
     kill = cfg.kill_at() if attempt == 0 else None
     events = open(run_dir / f"events-{replica}-{attempt}.jsonl", "w")
 
@@ -207,7 +217,7 @@ def replica_main(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, run
         loss.backward()        # the gradient all-reduce across the groups in the quorum
         optimizer.step()       # applied only if should_commit() says every group's all-reduce worked
         record(step=step, committed=manager.current_step() > step, participants=manager.num_participants(),
-               t0=t0, quorum_s=t_quorum - t0, t1=time.time(), loss=float(loss))
+               t0=t0, quorum_s=t_quorum - t0, commit_s=votes.pop(), t1=time.time(), loss=float(loss))
 
     # A group that finished keeps answering quorums (no steps) until every group has finished, so a
     # restarted group that arrives late can still heal from it.
@@ -229,6 +239,7 @@ def _fork_replica(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, ru
         return pid
     code = 0
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's SIGTERM to the group ends it at once
         fd = os.open(run_dir / f"replica-{replica}-{attempt}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -253,23 +264,29 @@ def _committed_without(run_dir: Path, cfg: FTConfig, replica: int) -> int:
     return len(steps)
 
 
-def job_manager(run_dir: Path) -> int:
+def job_manager(config: dict, lighthouse: str, run_dir: str) -> dict:
     """Start every replica group, restart a group that dies (once), wait for all (notebook 06).
 
-    Reads ``{"config": ..., "lighthouse": ADDRESS}`` from stdin once torch and torchft are
-    imported (the caller starts the lighthouse meanwhile), then forks the groups: a restart costs
-    a fork, not a fresh Python and torch import. A dead group is restarted once the survivors
-    have committed ``restart_after`` steps without it (or have all finished). Writes
-    ``run_dir/jobs.json``.
+    Runs as one ``launch`` worker, forked from the launcher's agent server with torch already
+    imported, and forks the groups itself: starting or restarting a group costs a fork, not a
+    fresh Python and torch import. A dead group is restarted once the survivors have committed
+    ``restart_after`` steps without it (or have all finished). Every pid goes to ``pids.txt``.
     """
-    import torch  # noqa: F401  (imported once, before the forks)
-    import torch._dynamo  # noqa: F401  (building any torch optimizer imports it)
+    import torch._dynamo  # noqa: F401  (building any torch optimizer imports it: once, before the forks)
     import torchft  # noqa: F401
     from torchft.checkpointing.pg_transport import PGTransport  # noqa: F401
 
-    spec = json.loads(sys.stdin.readline())
-    cfg, lighthouse = FTConfig(**spec["config"]), spec["lighthouse"]
-    running = {_fork_replica(cfg, r, 0, lighthouse, run_dir): (r, 0) for r in range(cfg.replicas)}
+    cfg, run_dir = FTConfig(**config), Path(run_dir)
+    pids = open(run_dir / "pids.txt", "a")
+
+    def start(replica: int, attempt: int) -> int:
+        pid = _fork_replica(cfg, replica, attempt, lighthouse, run_dir)
+        pids.write(f"{pid}\n")
+        pids.flush()
+        return pid
+
+    pids.write(f"{os.getpid()}\n")
+    running = {start(r, 0): (r, 0) for r in range(cfg.replicas)}
     jobs, dead = {"exits": [], "restarts": []}, []
     while running or dead:
         pid, status = os.waitpid(-1, os.WNOHANG) if running else (0, 0)
@@ -278,19 +295,18 @@ def job_manager(run_dir: Path) -> int:
             code = os.waitstatus_to_exitcode(status)
             jobs["exits"].append({"replica": replica, "attempt": attempt, "code": code, "pid": pid, "t": time.time()})
             if code != 0 and attempt > 0:
-                jobs["error"] = f"replica {replica} failed again after its restart (exit code {code})"
-                break
+                raise RuntimeError(f"replica {replica} failed again after its restart (exit code {code}); "
+                                   f"its log: {run_dir / f'replica-{replica}-{attempt}.log'}")
             if code != 0:  # the job manager's answer to a dead group: start it again
                 dead.append(replica)
         for replica in list(dead):
             others_done = all((run_dir / f"done-{r}").exists() for r in range(cfg.replicas) if r != replica)
             if others_done or _committed_without(run_dir, cfg, replica) >= cfg.restart_after:
-                running[_fork_replica(cfg, replica, 1, lighthouse, run_dir)] = (replica, 1)
+                running[start(replica, 1)] = (replica, 1)
                 jobs["restarts"].append({"replica": replica, "t": time.time()})
                 dead.remove(replica)
         time.sleep(0.02)
-    (run_dir / "jobs.json").write_text(json.dumps(jobs))
-    return 1 if "error" in jobs else 0
+    return jobs
 
 
 # ---------------------------------------------------------------- the caller's side
@@ -306,7 +322,7 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
     """The report of one run, from the groups' event logs (notebook 06)."""
     rows = _events(run_dir)
     tries = [r for r in rows if "committed" in r]
-    finals = {r["replica"]: r for r in rows if r.get("final")}  # a restarted group's final replaces none
+    finals = {r["replica"]: r for r in rows if r.get("final")}  # a dead attempt writes no final row
     kill = next((r for r in rows if "kill" in r), None)
     per_step = []
     for step in range(cfg.steps):
@@ -317,17 +333,19 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
                          "discarded": sum(not r["committed"] for r in mine)})
     # An ordinary step: every group took part, none healed, no kill inside it; step 0 warms up.
     heal_steps = {r["healed_to_step"] for r in rows if "healed_to_step" in r}
-    ordinary = [r["t1"] - r["t0"] for r in tries if r["committed"] and r["participants"] == cfg.replicas
-                and 0 < r["step"] and r["step"] not in heal_steps
-                and not (kill and r["t0"] <= kill["t"] <= r["t1"])]
-    step_time = statistics.median(ordinary) if ordinary else None
+    ordinary = [r for r in tries if r["committed"] and r["participants"] == cfg.replicas
+                and 0 < r["step"] and r["step"] not in heal_steps and not (kill and r["t0"] <= kill["t"] <= r["t1"])]
+    step_time = statistics.median(r["t1"] - r["t0"] for r in ordinary) if ordinary else None
+    # TorchFT's own cost per step: the quorum and the commit vote. The rest of a step (forward,
+    # backward, the gradient all-reduce, Adam) is what plain DDP does too.
+    overhead = statistics.median(r["quorum_s"] + r["commit_s"] for r in ordinary) if ordinary else None
     heals = [r for r in rows if "healed_to_step" in r]
     report = {
         "replicas": cfg.replicas, "steps": cfg.steps, "kill": cfg.kill, "during_allreduce": cfg.during_allreduce,
         "heartbeat_timeout_ms": cfg.heartbeat_timeout_ms, "per_step": per_step,
         "steps_discarded": sum(not r["committed"] for r in tries),
         "discarded_steps": sorted({r["step"] for r in tries if not r["committed"]}),
-        "step_time_s": step_time, "stall_s": None, "lost_s": None, "heal_s": heals[0]["heal_s"] if heals else None,
+        "step_time_s": step_time, "overhead_s": overhead, "stall_s": None, "lost_s": None, "heal_s": heals[0]["heal_s"] if heals else None,
         "healed_to_step": heals[0]["healed_to_step"] if heals else None,
         "steps_while_away": sum(0 < row["participants"] < cfg.replicas for row in per_step),
         "weights_sha256": {str(r): finals[r]["weights_sha256"] for r in sorted(finals)},
@@ -350,77 +368,54 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
     return report
 
 
-def _job_env() -> dict:
-    env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parent.parent)  # the same course_utils as the caller
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO
-    if os.path.exists("/sys/class/net/lo"):  # gloo's sockets on the loopback interface
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    return env
-
-
-def ft_run(cfg: FTConfig | None = None, **overrides) -> dict:
+def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
     """Train R replica groups under TorchFT, lose one, restart and heal it; return the report (notebook 06).
 
     Report: ``per_step`` (for each step: committed, which groups committed it, the quorum's
-    number of participants, tries discarded), ``steps_discarded`` (step tries thrown away),
-    ``stall_s`` (from the kill until the survivors committed their next step, less one ordinary
-    step: about the lighthouse's heartbeat timeout), ``heal_s`` (copying the model and Adam state
-    from a live peer), ``step_time_s`` (median step with every group in), ``weights_sha256`` per
-    group and ``weights_equal``. Measured here (2 CPU cores, tiny model, heartbeat timeout 1 s):
-    stall about 1 s, heal a few milliseconds.
+    number of groups, tries discarded), ``steps_discarded`` (step tries thrown away) and
+    ``discarded_steps`` (which steps), ``stall_s`` (time the survivors waited for a quorum without
+    the dead group: about the lighthouse's heartbeat timeout), ``lost_s`` (wall clock from the kill
+    to the survivors' first step without the dead group, less the useful steps in between),
+    ``heal_s`` (the restarted group copying the model and Adam state from a live peer) and
+    ``healed_to_step``, ``steps_while_away``, ``step_time_s`` (median step with every group in) and
+    ``overhead_s`` (its median quorum plus commit vote: what TorchFT adds to a plain DDP step),
+    ``weights_sha256`` per group and ``weights_equal``, ``pids`` (every process started) and
+    ``lighthouse`` (its address). ``run_dir`` keeps each group's log and event file.
 
     Raises:
         CourseInputError: bad input, or torchft missing (nothing is started).
         LaunchTimeout: the run outlived ``timeout_s`` (everything was stopped).
         WorkerFailed: a group failed other than as planned.
     """
-    from .launch import LaunchTimeout, WorkerFailed, _kill_group
+    from .launch import launch
 
     cfg = FTConfig(**{**asdict(cfg or FTConfig()), **overrides}).validate()
     if importlib.util.find_spec("torchft") is None:
         raise CourseInputError(INSTALL_HINT)
-    run_dir = Path(tempfile.mkdtemp(prefix="course-ft-"))
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="course-ft-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    lighthouse = job = None
+    rust_log = os.environ.get("RUST_LOG")
+    os.environ["RUST_LOG"] = rust_log or "warn"  # torchft's Rust side logs every quorum at INFO; read at import
     try:
-        with open(run_dir / "job-manager.log", "wb") as log:
-            job = subprocess.Popen([sys.executable, "-m", "course_utils.ft", str(run_dir)], stdin=subprocess.PIPE,
-                                   stdout=log, stderr=subprocess.STDOUT, env=_job_env(), start_new_session=True)
-        rust_log = os.environ.get("RUST_LOG")
-        os.environ["RUST_LOG"] = rust_log or "warn"  # read once, when torchft's Rust module is first imported
-        try:
-            from torchft._torchft import LighthouseServer  # imported while the job manager imports torch
-        finally:
-            if rust_log is None:
-                del os.environ["RUST_LOG"]
-
-        lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=5000,
-                                      quorum_tick_ms=20, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
-        # it advertises the machine's host name; we bound it to 127.0.0.1
+        from torchft._torchft import LighthouseServer
+    finally:
+        if rust_log is None:
+            del os.environ["RUST_LOG"]
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=5000, quorum_tick_ms=20,
+                                  heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
+    try:
+        # it advertises the machine's host name; it is bound to 127.0.0.1
         address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
-        job.stdin.write((json.dumps({"config": asdict(cfg), "lighthouse": address}) + "\n").encode())
-        job.stdin.close()
-        try:
-            code = job.wait(timeout=cfg.timeout_s)
-        except subprocess.TimeoutExpired:
-            raise LaunchTimeout(f"the TorchFT run did not finish within {cfg.timeout_s:g} s and every process was "
-                                f"stopped; logs: {run_dir}") from None
-        if code != 0:
-            jobs = run_dir / "jobs.json"
-            why = json.loads(jobs.read_text()).get("error") if jobs.exists() else f"the job manager exited with {code}"
-            raise WorkerFailed(f"{why}; logs: {run_dir}")
-    finally:  # nothing of this run may outlive it
-        if job is not None:
-            _kill_group(job.pid, grace_s=1.0)
-            job.wait()
-        if lighthouse is not None:
-            lighthouse.shutdown()
-    jobs = json.loads((run_dir / "jobs.json").read_text())
-    started = {"lighthouse": address, "pids": [job.pid] + [e["pid"] for e in jobs["exits"]]}
-    return summarize(cfg, run_dir, time.monotonic() - start, started)
+        env = {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        if os.path.exists("/sys/class/net/lo"):  # gloo's sockets on the loopback interface
+            env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+        jobs = launch(job_manager, nproc=1, args=(asdict(cfg), address, str(run_dir)), timeout_s=cfg.timeout_s,
+                      run_dir=run_dir, env=env, progress=False, echo=False)[0]
+    finally:  # launch has stopped every process it started (job manager and groups) by now
+        lighthouse.shutdown()
+    pids = [int(line) for line in (run_dir / "pids.txt").read_text().split()]
+    return summarize(cfg, run_dir, time.monotonic() - start, {"lighthouse": address, "pids": pids, **jobs})
 
 
 # ---------------------------------------------------------------- command line
@@ -454,10 +449,10 @@ def ft_command(args) -> int:
     for row in report["per_step"]:
         print(f"step {row['step']:3d}: committed by {row['replicas']} ({row['participants']} in the quorum)"
               + (f", {row['discarded']} try discarded" if row["discarded"] else ""))
-    print(f"steps discarded {report['steps_discarded']}, stall {report['stall_s']} s, heal {report['heal_s']} s, "
-          f"step {report['step_time_s']} s (CPU/gloo timings), final weights equal: {report['weights_equal']}")
+    ms = lambda s: "-" if s is None else f"{s * 1e3:.0f} ms"  # noqa: E731
+    print(f"steps discarded {report['steps_discarded']}, survivors waited {ms(report['stall_s'])}, heal "
+          f"{ms(report['heal_s'])}; a step {ms(report['step_time_s'])}, of which quorum + commit vote "
+          f"{ms(report['overhead_s'])} (CPU/gloo timings); final weights equal: {report['weights_equal']}")
     return 0
 
 
-if __name__ == "__main__":  # the job manager: python -m course_utils.ft RUN_DIR (spec on stdin)
-    sys.exit(job_manager(Path(sys.argv[1])))
