@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .errors import CourseInputError
@@ -93,7 +93,8 @@ class FTConfig:
         if not isinstance(self.restart_after, int) or isinstance(self.restart_after, bool) or self.restart_after < 0:
             raise CourseInputError(f"--restart-after must be a whole number of steps >= 0, got {self.restart_after!r}")
         if not isinstance(self.heartbeat_timeout_ms, int) or self.heartbeat_timeout_ms < 200:
-            raise CourseInputError(f"heartbeat_timeout_ms must be a whole number >= 200, got {self.heartbeat_timeout_ms!r}")
+            raise CourseInputError(
+                f"heartbeat_timeout_ms must be a whole number >= 200, got {self.heartbeat_timeout_ms!r}")
         if not self.timeout_s or self.timeout_s <= 0:
             raise CourseInputError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         return self
@@ -105,6 +106,7 @@ class FTConfig:
                            batch=self.batch, lr=self.lr, seed=self.seed).validate()
 
     def kill_at(self) -> tuple[int, int] | None:
+        """``(replica, step)`` of the planned failure, or None (notebook 06)."""
         from .checkpoint import parse_failures
         kills = parse_failures(self.kill, "--kill")
         return kills[0] if kills else None
@@ -345,8 +347,8 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
         "heartbeat_timeout_ms": cfg.heartbeat_timeout_ms, "per_step": per_step,
         "steps_discarded": sum(not r["committed"] for r in tries),
         "discarded_steps": sorted({r["step"] for r in tries if not r["committed"]}),
-        "step_time_s": step_time, "overhead_s": overhead, "stall_s": None, "lost_s": None, "heal_s": heals[0]["heal_s"] if heals else None,
-        "healed_to_step": heals[0]["healed_to_step"] if heals else None,
+        "step_time_s": step_time, "overhead_s": overhead, "stall_s": None, "lost_s": None,
+        "heal_s": heals[0]["heal_s"] if heals else None, "healed_to_step": heals[0]["healed_to_step"] if heals else None,
         "steps_while_away": sum(0 < row["participants"] < cfg.replicas for row in per_step),
         "weights_sha256": {str(r): finals[r]["weights_sha256"] for r in sorted(finals)},
         "final_steps": {str(r): finals[r]["step"] for r in sorted(finals)},
@@ -439,10 +441,7 @@ def ft_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def ft_command(args) -> int:
-    report = ft_run(FTConfig(replicas=args.replicas, steps=args.steps, kill=args.kill,
-                             during_allreduce=args.during_allreduce, restart_after=args.restart_after, model=args.model, batch=args.batch,
-                             lr=args.lr, seed=args.seed, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-                             timeout_s=args.timeout_s))
+    report = ft_run(FTConfig(**{f.name: getattr(args, f.name) for f in fields(FTConfig)}))
     if args.json:
         print(json.dumps(report, sort_keys=True))
         return 0
