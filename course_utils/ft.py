@@ -80,7 +80,10 @@ class FTConfig:
         if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 2:
             raise CourseInputError(f"--replicas must be a whole number >= 2 (one group to lose, one to survive), "
                                    f"got {self.replicas!r}")
-        self.train_config()  # steps, batch split, lr, model: the checks train.py makes
+        if isinstance(self.batch, int) and self.batch >= 1 and self.batch % self.replicas:
+            raise CourseInputError(f"--batch {self.batch} does not split across {self.replicas} replica groups; "
+                                   f"pick a multiple of {self.replicas}")
+        self.train_config()  # steps, lr, model: the checks train.py makes
         kills = parse_failures(self.kill, "--kill")
         if len(kills) > 1:
             raise CourseInputError(f"--kill takes one REPLICA:STEP, got {self.kill!r}")
