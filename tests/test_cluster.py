@@ -144,6 +144,13 @@ def test_cross_node_bytes_on_one_host_match_the_planner(one_host):
     assert gathers["cross_node_sent_bytes"] == 0 < gathers["sent_bytes"]
 
 
+def test_crossover_is_where_the_two_step_times_meet():
+    bw = plan.crossover_bandwidth(0.5, 1.0e6, 0.3, 3.0e6)  # a: slower alone, fewer bytes on the link
+    assert bw is not None and 0.5 + 1.0e6 / bw == pytest.approx(0.3 + 3.0e6 / bw)
+    assert 0.5 + 1.0e6 / (bw / 2) < 0.3 + 3.0e6 / (bw / 2)  # below it, fewer bytes wins
+    assert plan.crossover_bandwidth(0.3, 1.0e6, 0.5, 3.0e6) is None  # faster alone and fewer bytes: never meet
+
+
 # ------------------------------------------------------------------ teardown (root)
 
 def test_teardown_on_error_interrupt_and_timeout(as_root):
