@@ -2,7 +2,7 @@
 #   make course   set up, execute every notebook into build/notebooks/, export slide decks into build/slides/
 #   make publish-slides  (teachers) refresh the committed decks in slides/ from build/slides/
 #   make test     set up, run the unit tests, execute every notebook as a test (nbval + papermill)
-#   make lab      set up, open JupyterLab on the notebooks (localhost only, token kept)
+#   make lab      set up, open JupyterLab on the notebooks (localhost only, a free port, a token; prints the URL)
 #   make bench    set up, run the benchmarks into benchmarks/
 #   make stress   set up, run the launcher's stress test (2 x 300 launches) into benchmarks/
 #   make gpu-check  on a CUDA machine: the course's GPU paths, measured into benchmarks/gpu.md (< 10 min)
@@ -105,9 +105,10 @@ notebook-tests: setup
 	@echo "==> executing every notebook as a test (pytest --nbval-lax notebooks/, $(TEST_WORKERS) workers)"
 	@$(BIN)/python -m pytest --nbval-lax -q -p no:cacheprovider $(NOTEBOOK_WORKERS) notebooks
 
+# tools/lab.py: a free port of 127.0.0.1, a token made for this run, the URL printed once; the lab's
+# settings (news prompt off) live in build/lab/, not in your home.
 lab: setup
-	@echo "==> JupyterLab on http://127.0.0.1 (token kept; Ctrl-C to stop)"
-	@$(BIN)/jupyter lab --ip=127.0.0.1 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root) notebooks
+	@$(BIN)/python tools/lab.py
 
 bench: setup
 	@echo "==> benchmarks into benchmarks/"
