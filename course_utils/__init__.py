@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 _SUBMODULES = {
     "errors", "units", "memory", "comm", "plan", "launch", "dist", "models", "data",
     "instrument", "train", "ddp", "zero", "fsdp", "checkpoint", "widgets", "plots",
-    "rehearse", "bench", "examples", "colab",
+    "rehearse", "bench", "examples", "colab", "compat",
 }
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import CourseInputError
-from .units import GB, GiB, fmt_bytes, fmt_count, parse_bytes, parse_count
+from .units import GB, GiB, fmt_bytes, fmt_count, fmt_size, parse_bytes, parse_count
 
 #: The four rows of the paper's memory table, in order of how much they shard.
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -335,7 +335,7 @@ def _chart_title(view: dict) -> str:
 
 def readout_text(view: dict) -> str:
     """One line of exact values at the chosen Nd, the text the chart's widget shows (notebook 01)."""
-    parts = [f"{STAGE_NAMES[s]}: {view['readout'][s] / GB:.3g} GB{' ✓' if view['fits'][s] else ''}"
+    parts = [f"{STAGE_NAMES[s]}: {fmt_size(view['readout'][s])}{' ✓' if view['fits'][s] else ''}"
              for s in STAGES]
     return (f"Ψ = {fmt_count(view['psi'])}, K = {view['k']:g}, Nd = {view['nd']}: " + " · ".join(parts)
             + f"  (✓ fits {view['gpu_mem'] / GB:g} GB)")

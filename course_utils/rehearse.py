@@ -54,12 +54,13 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 
 from . import memory
+from .compat import TESTED_TORCH
 from .errors import CourseInputError
 from .models import GPTConfig, get_config
 from .units import GB, MB, GiB, fmt_count
 
 #: The torch version the set-up installs (constraints.txt) and the tracker was checked against.
-PINNED_TORCH = "2.13.0"
+PINNED_TORCH = TESTED_TORCH  # one place: course_utils.compat
 
 STRATEGIES = ("no_shard", "shard_grad_op", "full_shard", "hybrid_shard")
 #: Which row of the ZeRO table (``memory.STAGES``) each FSDP strategy is.

@@ -211,3 +211,11 @@ def test_measured_activations_against_rule():
         assert r["measured_blocks_ckpt"] == 2 * r["batch"] * r["seq"] * r["width"] * r["layers"]
         assert r["measured_total_ckpt"] < r["measured_total"] / 2
     assert rows[1]["measured_blocks"] == 2 * rows[0]["measured_blocks"] * 2  # linear in b·s
+
+
+def test_fmt_size_picks_a_unit_and_never_writes_an_exponent():
+    from course_utils.units import fmt_size
+
+    assert fmt_size(8.48e12) == "8.48 TB" and fmt_size(31.4e9) == "31.4 GB" and fmt_size(1.88e9) == "1.88 GB"
+    assert fmt_size(999.96e9) == "1 TB"  # rounds to 1000 GB: the next unit up
+    assert fmt_size(2.5e15) == "2,500 TB" and fmt_size(512) == "512 bytes"

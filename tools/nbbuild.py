@@ -22,17 +22,7 @@ from pathlib import Path
 
 import nbformat
 
-REPO_URL = "https://github.com/zero-fsdp-course/course"
-COLAB_URL = "https://colab.research.google.com/github/zero-fsdp-course/course/blob/main/"
-
-COLAB_SETUP = '''\
-# Set-up: on Colab, install course_utils (Colab's own torch, matplotlib and ipywidgets are kept).
-# Elsewhere this does nothing: `make course` / `make lab` have already installed it into .venv.
-import sys
-if "google.colab" in sys.modules:
-    import subprocess
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "course-utils @ git+''' + REPO_URL + '''"], check=True)'''
+from tools import colab  # the badge and the set-up cell, generated from pyproject.toml (one place)
 
 
 def _src(text: str) -> str:
@@ -62,7 +52,8 @@ def code(text: str, slide: str | None = None, tags=()):
 def frame(number: str, title: str, *, promise: str, needs: str, minutes: float, parameters: str,
           filename: str) -> list:
     """Title cell, parameters cell, Colab set-up cell: the start of every notebook."""
-    badge = f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({COLAB_URL}notebooks/{filename})"
+    meta = colab.metadata()
+    badge = colab.badge(meta, filename)
     head = md(f"""
         # {number} · {title}
 
@@ -73,7 +64,7 @@ def frame(number: str, title: str, *, promise: str, needs: str, minutes: float, 
         *You need:* {needs} · *Runs in:* about {minutes:g} min on a 2-core laptop CPU (no GPU needed).
         """, slide="slide")
     params = code(parameters, tags=("parameters",))
-    setup = code(COLAB_SETUP, slide="skip")
+    setup = code(colab.setup_source(meta), slide="skip")
     return [head, params, setup]
 
 
