@@ -94,7 +94,7 @@ def test_figures_render():
 def test_headless_planner(headless):
     out = widgets.planner(7e9)
     assert out.png.startswith(PNG_MAGIC)
-    assert out.text.startswith("stage 1 (P_os): stage 1 is the lowest stage that fits")
+    assert out.text.startswith("stage 1 (P_os): stage 1 fits") and "a tie goes to the lower stage" in out.text
 
 
 def test_live_planner_follows_controls(live):
@@ -108,7 +108,7 @@ def test_live_planner_follows_controls(live):
     _find(box, "course-plan-model").value = 70e9
     assert "offload" in readout.value
     _find(box, "course-plan-nodes").value = 4
-    assert "only stage 3 fits" in readout.value
+    assert "stage 3 fits" in readout.value and "beats the runner-up, stage 3 + optimizer offload" in readout.value
     _find(box, "course-plan-seq").value = 131072
     assert "no data-parallel strategy fits" in readout.value
 
