@@ -459,12 +459,35 @@ def worker_input_error(exc: BaseException) -> str | None:
     return None
 
 
+def die_with_torchrun() -> None:
+    """Under torchrun on Linux, have the kernel end this worker when torchrun dies (notebook 06).
+
+    torchrun stops its workers when it is asked to (SIGTERM, Ctrl-C), but a torchrun that is
+    killed outright (SIGKILL, an OOM kill, a closed job step) cannot: its workers, stuck in a
+    collective, were left running under init. ``PR_SET_PDEATHSIG`` (prctl(2)) is the kernel's
+    own "kill me when my parent exits"; torchrun starts ``-m`` workers itself, so the parent is it.
+    """
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # torchrun died before the request was in place
+        os._exit(1)
+
+
 def main(argv=None) -> int:
     """``python -m course_utils.train``: the worker entry point for plain torchrun (notebook 02)."""
+    from .validate import check_numbers
+
+    die_with_torchrun()
     parser = argparse.ArgumentParser(prog="python -m course_utils.train", description=__doc__.split("\n")[0])
     train_arguments(parser)
     args = parser.parse_args(argv)
     try:
+        check_numbers(args)
         args.nproc = int(os.environ.get("WORLD_SIZE", 1))  # torchrun decides the world size
         cfg = _config_from_args(args)
         report = train_worker(asdict(cfg))
