@@ -14,6 +14,7 @@ On disk, under a checkpoint folder ``D``::
         commit.json      our marker, written after every rank finished: this folder counts
     D/step-6/
     D/.step-8-x1y2.partial/   a save in progress, or one that died: never loaded, pruned later
+    D/_rejected/step-2-<time>/   a checkpoint a resume could not verify, kept with REJECTED.txt (why)
     D/_runs/<run id>/attempt_<n>.json   what each attempt of a run resumed from and reached
 
 Rules (each one a failure seen in real jobs):
@@ -29,6 +30,11 @@ Rules (each one a failure seen in real jobs):
   for a replicated weight.
 - The newest ``keep`` (>= 2) complete checkpoints are kept; a step counts as saved only when
   its checkpoint is complete (as in torchtitan).
+- A resume verifies everything it loaded (weights, optimizer state, step, data position, RNG)
+  against checksums written in ``commit.json`` at save time (``state_checksums``: sums over
+  shards, so they compare across world sizes and strategies); a checkpoint that fails is set
+  aside under ``_rejected/`` and the one before is tried. Rank 0 alone decides which steps to
+  try and broadcasts that list: on a shared filesystem two ranks can see different folders.
 
 What is saved comes from the strategy (``course_utils.train.Prepared``): by default the
 model and optimizer through ``torch.distributed.checkpoint.state_dict.get_state_dict`` (plain
@@ -647,10 +653,13 @@ def load(root, step: int, prepared, info, *, strategy: str = "") -> dict:
         problems.append(f"it holds step {int(state['step'])}, its name says {step}")
     if f"data.rank{r}" in state and int(state[f"data.rank{r}"][0]) != step:
         problems.append(f"rank {r}'s saved data position is at step {int(state[f'data.rank{r}'][0])}, not {step}")
-    if f"rng.rank{r}" in state:
-        torch.set_rng_state(state[f"rng.rank{r}"])
-    if f"cuda_rng.rank{r}" in state and info.device.type == "cuda":
-        torch.cuda.set_rng_state(state[f"cuda_rng.rank{r}"], info.device)
+    try:  # a damaged generator state can be refused here, before its checksum is compared
+        if f"rng.rank{r}" in state:
+            torch.set_rng_state(state[f"rng.rank{r}"])
+        if f"cuda_rng.rank{r}" in state and info.device.type == "cuda":
+            torch.cuda.set_rng_state(state[f"cuda_rng.rank{r}"], info.device)
+    except RuntimeError as exc:
+        problems.append(f"rank {r}'s RNG state cannot be restored: {_first_line(exc)}")
     # what the model and optimizer now hold, and the rank-local state as it was read
     live = {**source.get(), **{k: state[k] for k in local}, "step": state["step"]}
     mismatch = checksum_problems(state_checksums(live, info), marker.get("checksums", {}))
@@ -658,8 +667,12 @@ def load(root, step: int, prepared, info, *, strategy: str = "") -> dict:
         problems.append(f"checksum of {mismatch[0]}" + (f" (and {len(mismatch) - 1} more)" if len(mismatch) > 1 else ""))
     everyone = [None] * info.world_size
     dist.all_gather_object(everyone, problems)
-    found = [f"rank {i}: {p}" for i, rows in enumerate(everyone) for p in rows]
-    if found:
+    ranks: dict[str, list[int]] = {}
+    for i, rows in enumerate(everyone):
+        for p in rows:
+            ranks.setdefault(p, []).append(i)
+    if ranks:  # one clause per problem, with the ranks that saw it
+        found = [f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {p}" for p, rs in ranks.items()]
         raise CheckpointUnusable("; ".join(found[:3]) + (f"; {len(found) - 3} more" if len(found) > 3 else ""))
     return {**marker, "verified": True}
 

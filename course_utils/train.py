@@ -352,9 +352,8 @@ def torchrun_train_command(cfg: TrainConfig) -> str:
     """The torchrun line that runs this same training outside the notebook (notebook 02)."""
     defaults = TrainConfig()
     parts = [f"torchrun --standalone --nproc-per-node {cfg.nproc}"]
-    if cfg.max_restarts:
-        # a fresh rendezvous store per restart (pytorch/pytorch#135712; course_utils._agent does the same)
-        parts = ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"] + parts + [f"--max-restarts {cfg.max_restarts}"]
+    if cfg.max_restarts:  # restarts need nothing in torchrun's environment: see dist.attempt_store
+        parts.append(f"--max-restarts {cfg.max_restarts}")
     parts.append("-m course_utils.train")
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
