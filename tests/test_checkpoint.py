@@ -247,8 +247,14 @@ def _single(tmp_path, steps, **extra):
                                            checkpoint_every=2, **extra)))
 
 
+@pytest.fixture(scope="module")
+def single_straight():
+    """The single-process reference: 6 steps, never interrupted, no checkpoints."""
+    return train_worker(asdict(TrainConfig(strategy="single", steps=6)))
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "metadata"])
-def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, damage):
+def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, single_straight, damage):
     _single(tmp_path, 4)
     step4 = tmp_path / "step-4"
     if damage == "flip":
@@ -261,8 +267,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, damage
         with open(step4 / ".metadata", "r+b") as fh:
             fh.write(b"\0" * 16)
     resumed = _single(tmp_path, 6)
-    straight = train_worker(asdict(TrainConfig(strategy="single", steps=6)))
-    assert resumed["resumed_from"] == [2] and resumed["weights_sha256"] == straight["weights_sha256"]
+    assert resumed["resumed_from"] == [2] and resumed["weights_sha256"] == single_straight["weights_sha256"]
     assert [p.name.split("-2026")[0][:6] for p in (tmp_path / "_rejected").iterdir()] == ["step-4"]
 
 
