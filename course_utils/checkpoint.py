@@ -386,13 +386,23 @@ def _flat_items(state, prefix: str = ""):
         yield prefix[:-1], state
 
 
+#: Elements hashed at once: the int64 temporaries stay ~100 MB however large a tensor is.
+_CHUNK = 1 << 22
+
+
 def _positional_sum(local: torch.Tensor, offsets, global_shape) -> torch.Tensor:
     """Σ over elements of mix(bits of the value, index in the global tensor), modulo 2^64.
 
     A sum, so the pieces of a sharded tensor add up to the same number in any layout (2 ranks,
     4 ranks, whole on one): the check needs no gather. Mixing in the global index makes a
-    value moved to another position count as a change.
+    value moved to another position count as a change. Large tensors go in slices of rows.
     """
+    if local.dim() > 0 and local.numel() > _CHUNK:
+        rows = max(1, _CHUNK // max(1, local[0].numel()))
+        total = torch.zeros((), dtype=torch.int64, device=local.device)
+        for start in range(0, local.shape[0], rows):
+            total += _positional_sum(local[start:start + rows], [int(offsets[0]) + start, *offsets[1:]], global_shape)
+        return total
     t = local.detach()
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
