@@ -560,20 +560,20 @@ def rank0_full_weights(prepared, strategy: str = "") -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(source.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k: v.detach().to("cpu", torch.float32) for k, v in full.items()} if info_rank() == 0 else {}
+        return {k: v.detach().to("cpu", torch.float32) for k, v in full.items()} if _rank() == 0 else {}
     if isinstance(source, FlatState):
         flats = {}
         for key, value in source.get()["model"].items():
             whole = value.full_tensor()  # one flat buffer at a time
-            if info_rank() == 0:
+            if _rank() == 0:
                 flats[key] = whole.detach().to("cpu", torch.float32)
             del whole
-        return _unflatten(flats, source.layout()["flats"]) if info_rank() == 0 else {}
+        return _unflatten(flats, source.layout()["flats"]) if _rank() == 0 else {}
     full = prepared.full_state_dict()
-    return {k: v.detach().to("cpu", torch.float32) for k, v in full.items()} if info_rank() == 0 else {}
+    return {k: v.detach().to("cpu", torch.float32) for k, v in full.items()} if _rank() == 0 else {}
 
 
-def info_rank() -> int:
+def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -597,7 +597,7 @@ class CheckpointUnusable(Exception):
 
 
 def precheck(root, step: int) -> str | None:
-    """Why ``root/step-N`` cannot be resumed, from what is on disk alone, or None (no process group).
+    """Why ``root/step-N`` cannot be resumed, from what is on disk alone, or None (notebook 06).
 
     Cheap: reads the commit marker and compares every file's size with the size written.
     Changed bytes of the same size are caught after loading, by the checksums.

@@ -19,7 +19,7 @@ INT64_MAX = 2**63 - 1
 
 
 def flag(dest: str) -> str:
-    """``bucket_cap_mb`` -> ``--bucket-cap-mb``: the flag an argparse destination came from."""
+    """``bucket_cap_mb`` -> ``--bucket-cap-mb``: the flag an argparse destination came from (notebook 00)."""
     return "--" + dest.replace("_", "-")
 
 
@@ -42,7 +42,7 @@ def check_numbers(args) -> None:
 
 
 def finite_result(name: str, value: float) -> float:
-    """Refuse a result that overflowed to inf (or nan): the inputs were beyond what the formula can hold."""
+    """Refuse a result that overflowed to inf (or nan): the inputs were beyond what the formula can hold (notebook 01)."""
     if not math.isfinite(value):
         raise CourseInputError(f"{name} overflows ({value}); use smaller numbers")
     return value
@@ -74,7 +74,7 @@ def writable_dir(name: str, path) -> Path:
 
 
 def writable_file(name: str, path) -> Path:
-    """A file path whose folder exists (or can be created) and is writable, and that is not a folder."""
+    """A file path whose folder exists (or can be created) and is writable, and that is not a folder (notebook 02)."""
     p = Path(path)
     if str(path).strip() == "" or p.is_dir():
         raise CourseInputError(f"{name} {path!r} is {'a folder' if p.is_dir() else 'empty'}; give a file path, "
@@ -86,7 +86,7 @@ def writable_file(name: str, path) -> Path:
 
 
 def not_empty(name: str, text) -> None:
-    """A text flag that was given must say something: ``--params ''`` is a typo, not the default."""
+    """A text flag that was given must say something: ``--params ''`` is a typo, not the default (notebook 05b)."""
     if text is not None and not str(text).strip():
         raise CourseInputError(f"{name} is empty; give a value or leave the flag out")
 
