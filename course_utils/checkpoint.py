@@ -781,10 +781,26 @@ def check_marker(root, step: int, cfg) -> dict:
 def check_resume(cfg) -> None:
     """Before any worker starts: would the newest complete checkpoint of ``cfg.checkpoint_dir`` be refused? (notebook 06)"""
     if cfg.checkpoint_dir:
-        for step in reversed(scan(cfg.checkpoint_dir)["complete"]):
+        complete = scan(cfg.checkpoint_dir)["complete"]
+        for step in reversed(complete):
             if precheck(cfg.checkpoint_dir, step) is None:  # the one the resume will try first
                 check_marker(cfg.checkpoint_dir, step, cfg)
                 return
+        if not complete:
+            nothing_left_to_resume(cfg.checkpoint_dir)
+
+
+def nothing_left_to_resume(root) -> None:
+    """No complete checkpoint, but some were set aside: starting at step 0 here would be a silent restart (notebook 06).
+
+    A restarted attempt (torchrun ``--max-restarts``) after "no checkpoint can be resumed"
+    would otherwise find the folder empty and train from scratch.
+    """
+    rejected = Path(root) / "_rejected"
+    if rejected.is_dir() and any(rejected.iterdir()):
+        raise CourseInputError(
+            f"no checkpoint in {root} can be resumed: every one was set aside in {rejected} (REJECTED.txt in each "
+            f"says why); start over with a fresh --checkpoint-dir, or delete {rejected} to train this folder from step 0")
 
 
 def _run_id() -> str:
@@ -880,6 +896,8 @@ class Checkpointer:
                 continue
             check_marker(self.root, step, self.cfg)  # another run's settings or strategy: an input error
             candidates.append(step)
+        if not candidates and not rejected:
+            nothing_left_to_resume(self.root)
         return {"seen": seen, "candidates": candidates, "rejected": rejected}
 
     def _set_aside(self, step: int, why: str) -> None:

@@ -282,6 +282,11 @@ def test_no_checkpoint_verifies_one_error(tmp_path):
     finally:
         cdist.shutdown()
     assert ck.scan(tmp_path)["complete"] == [] and len(list((tmp_path / "_rejected").iterdir())) == 2
+    try:  # the same command again (or torchrun's restart) must not quietly train from step 0
+        with pytest.raises(CourseInputError, match="every one was set aside"):
+            _single(tmp_path, 6)
+    finally:
+        cdist.shutdown()
 
 
 def test_cli_reports_an_unusable_folder_in_one_line(tmp_path, capsys):

@@ -105,6 +105,7 @@ ROWS = [
     ("train-resume-other-strategy", ["train", "--strategy", "ddp", "--nproc", "2", "--checkpoint-dir", "{ckpt_zero}"]),
     ("train-resume-other-buckets", ["train", "--strategy", "zero2", "--nproc", "2", "--checkpoint-dir", "{ckpt_zero}",
                                     "--bucket-cap-mb", "1"]),
+    ("train-resume-all-set-aside", ["train", "--checkpoint-dir", "{ckpt_rejected}"]),
     # rehearse (notebook 05b)
     ("rehearse-params-empty", ["rehearse", "--params", ""]),
     ("rehearse-params-text", ["rehearse", "--params", "huge"]),
@@ -152,9 +153,11 @@ def paths(tmp_path):
     (tmp_path / "corrupt").mkdir()
     (tmp_path / "corrupt" / "results.json").write_text("{not json")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "ck-rejected" / "_rejected" / "step-2-20260101-000000-abcd").mkdir(parents=True)
     return {"file": str(tmp_path / "a-file"), "dir": str(tmp_path / "empty"), "corrupt": str(tmp_path / "corrupt"),
             "ckpt_single": str(_commit(tmp_path / "ck-single", strategy="single", format="torch")),
-            "ckpt_zero": str(_commit(tmp_path / "ck-zero", strategy="zero2", format="zero-flat"))}
+            "ckpt_zero": str(_commit(tmp_path / "ck-zero", strategy="zero2", format="zero-flat")),
+            "ckpt_rejected": str(tmp_path / "ck-rejected")}
 
 
 @pytest.fixture
