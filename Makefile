@@ -3,6 +3,8 @@
 #   make test     set up, run the unit tests, execute every notebook as a test (nbval + papermill)
 #   make lab      set up, open JupyterLab on the notebooks (localhost only, token kept)
 #   make bench    set up, run the benchmarks into benchmarks/
+#   make stress   set up, run the launcher's stress test (2 x 300 launches) into benchmarks/
+#   make gpu-check  on a CUDA machine: the course's GPU paths, measured into benchmarks/gpu.md (< 10 min)
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -20,10 +22,10 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 # image sets it) Python never writes them either, so every kernel, agent and worker would compile torch
 # from source on import: 7.4 s instead of 3.7 s, hundreds of times in `make test`.
 INSTALL_ARGS = -c constraints.txt $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) \
-	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch -e ".[notebooks,test]"
+	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch -e ".[notebooks,test,ft]"
 QUIET_PIP = 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup browser-setup course notebooks slides test unit-tests notebook-tests lab bench clean
+.PHONY: setup browser-setup course notebooks slides test unit-tests notebook-tests lab bench stress gpu-check clean
 
 setup: $(STAMP)
 
@@ -103,6 +105,17 @@ lab: setup
 bench: setup
 	@echo "==> benchmarks into benchmarks/"
 	@$(BIN)/python -m course_utils bench
+
+# The launcher's long stress test (issue 14): 2 x 300 launches beside a CPU hog; results in benchmarks/.
+stress: setup
+	@echo "==> launcher stress test: 2 callers x 300 launches beside a CPU hog (about 7 minutes)"
+	@$(BIN)/python tools/stress_launch.py --launches 300 --callers 2 --hogs 1 --out build/stress \
+	  --json benchmarks/stress-after.json
+
+# Needs a CUDA build of torch: in a fresh checkout on the GPU machine, `make gpu-check TORCH_INDEX=`.
+gpu-check: setup
+	@echo "==> the course's CUDA paths on this machine's GPUs, into benchmarks/gpu.md and gpu.json"
+	@$(BIN)/python tools/gpu_check.py
 
 clean:
 	rm -rf build .pytest_cache

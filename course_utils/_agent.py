@@ -18,6 +18,7 @@ edited course module is picked up by the next launch.
 """
 from __future__ import annotations
 
+import faulthandler
 import gc
 import importlib
 import logging
@@ -26,17 +27,154 @@ import pickle
 import select
 import signal
 import sys
+import threading
+import time
 import traceback
 import uuid
 
 
 def call(target: str, args: tuple, kwargs: dict):
-    """Worker entry point: import ``module:qualname`` and call it (runs in each worker)."""
+    """Worker entry point under plain torchrun: import ``module:qualname`` and call it (``course_utils.worker``)."""
+    return _resolve(target)(*args, **kwargs)
+
+
+def _resolve(target: str):
     module, _, qualname = target.partition(":")
     fn = importlib.import_module(module)
     for part in qualname.split("."):
         fn = getattr(fn, part)
-    return fn(*args, **kwargs)
+    return fn
+
+
+# ---------------------------------------------------------------- the worker side of a launch
+
+_stack_file = None  # kept open for the life of the worker: faulthandler writes to its descriptor
+
+
+def dump_stacks_on(path: str) -> None:
+    """On SIGUSR1, write every thread's Python stack to ``path`` (appended; read from the end).
+
+    The launcher sends SIGUSR1 to a run's whole process group before it stops a hung run, so the
+    error can say where each rank was waiting, and a rank whose collective timed out sends it to
+    its peers before it raises, so a hang names the rank that never arrived.
+    """
+    global _stack_file
+    if _stack_file is not None:
+        _stack_file.close()
+    _stack_file = open(path, "a")
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)
+
+
+def adopt_sys_path(caller_path: list) -> None:
+    """Put the caller's ``sys.path`` first, so what imports in the notebook imports here too."""
+    sys.path[:] = list(caller_path) + [p for p in sys.path if p not in caller_path]
+
+
+def _looks_like_a_collective_timeout(exc: BaseException) -> bool:
+    text = str(exc)
+    return "Timed out" in text or "timed out" in text or "Timeout" in type(exc).__name__
+
+
+def _ask_peers_where_they_are() -> None:
+    """A collective of this rank timed out: every process of the run (the rank that never arrived
+    too) writes its stack now, before the agent stops them; the launcher puts it in the error."""
+    try:
+        os.killpg(os.getpgrp(), signal.SIGUSR1)
+        time.sleep(0.3)
+    except OSError:
+        pass
+
+
+def run_in_worker(payload: bytes, progress_dir: str) -> None:
+    """What every worker of a ``launch`` runs: unpack the call, run it, leave its result in a file.
+
+    ``payload`` is ``(sys.path, fn or "module:qualname", args, kwargs)`` pickled by the caller with
+    cloudpickle, so a function defined in a notebook cell travels by value. The return value goes
+    to ``result-rank<r>.pkl`` in the run's folder, written by the rank itself: the caller reads the
+    results from there, whatever the agent does after the workers return.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    dump_stacks_on(os.path.join(progress_dir, f"stack-rank{rank}.txt"))
+    _, fn, args, kwargs = _unpack(payload)
+    if isinstance(fn, str):
+        fn = _resolve(fn)
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as exc:
+        if _looks_like_a_collective_timeout(exc):
+            _ask_peers_where_they_are()
+        raise
+    try:
+        data = pickle.dumps((int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), value))
+    except Exception as exc:
+        raise TypeError(f"rank {rank} returned a value that cannot be sent back to the caller ({exc}); "
+                        "return plain data (numbers, strings, lists, dicts, tensors)") from None
+    tmp = os.path.join(progress_dir, f".result-rank{rank}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, os.path.join(progress_dir, f"result-rank{rank}.pkl"))
+
+
+def _unpack(payload: bytes):
+    caller_path, blob = pickle.loads(payload)
+    adopt_sys_path(caller_path)  # before the call is unpickled: it may name the caller's modules
+    return (caller_path, *pickle.loads(blob))
+
+
+#: Every worker's exit code in the last attempt, recorded as torch's process context closes (see below).
+_exit_codes: dict[int, int | None] = {}
+
+
+def _record_exit_codes() -> None:
+    """Keep each worker's own exit code: torch reports only the first failure it polls.
+
+    When rank 1 dies with ``os._exit(3)``, rank 0 fails a moment later in a collective; if the
+    agent polls after both are gone, torch names rank 0 and its exit code 1. The process context's
+    ``_close`` joins every worker, so just after it every exit code is known: record them.
+    """
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    original = MultiprocessContext._close
+
+    def _close(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if self._pc is not None:
+                _exit_codes.clear()
+                _exit_codes.update({i: p.exitcode for i, p in enumerate(self._pc.processes)})
+
+    MultiprocessContext._close = _close
+
+
+def _stores_listen_on_loopback() -> None:
+    """Make the agent's TCPStore servers listen on 127.0.0.1 only (single-machine runs).
+
+    torch's TCPStore server binds every interface whatever host it is given; a run of this
+    course on one machine needs nothing beyond loopback. TCPStore takes an already-bound
+    listening socket (``master_listen_fd``), so the two stores an agent creates (the c10d
+    rendezvous store, and the store it shares with the workers) get a socket bound to
+    127.0.0.1 instead. The workers reach it because the node's address is 127.0.0.1 too
+    (``LaunchConfig(local_addr=...)``).
+    """
+    import socket
+
+    import torch.distributed as tdist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
+
+    def loopback_store(host_name, port, world_size=None, is_master=False, **kwargs):
+        if not is_master:
+            return tdist.TCPStore(host_name, port, world_size, is_master, **kwargs)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+        return tdist.TCPStore("127.0.0.1", sock.getsockname()[1], world_size, True,
+                              master_listen_fd=sock.detach(), **kwargs)
+
+    c10d_rendezvous_backend.TCPStore = loopback_store
+    dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = (
+        lambda self, addr, port: loopback_store(addr, port, is_master=True, multi_tenant=True))
 
 
 def run_agent(spec: dict, result_path: str) -> None:
@@ -45,20 +183,26 @@ def run_agent(spec: dict, result_path: str) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ.update(spec["env"])
     if spec["max_restarts"]:
         # torch shares the rendezvous TCPStore with the workers and keeps it across restarts, so a
-        # restarted group can read the previous attempt's gloo/NCCL addresses and fail to connect
-        # (pytorch/pytorch#135712). The documented opt-out gives every attempt a fresh store.
+        # restarted group can read the previous attempt's gloo addresses and fail to connect or hang
+        # (reproduced here on torch 2.13 with gloo). The documented opt-out gives every attempt a
+        # fresh store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.chdir(spec["cwd"])
     # The agent's INFO lines are noise in a notebook; its warnings and errors still show.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    _record_exit_codes()
+    _stores_listen_on_loopback()
+    # gloo (and NCCL's bootstrap) listen on the address of the interface they pick: loopback here.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=spec["nproc"],
         run_id=f"course-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",                # LaunchConfig's default is "etcd"; torchrun's is c10d
-        rdzv_endpoint="localhost:0",        # port 0: the OS picks a free port, every run
+        rdzv_endpoint="127.0.0.1:0",        # port 0: the OS picks a free port, every run
+        local_addr="127.0.0.1",             # what workers are told to connect to (MASTER_ADDR)
         max_restarts=spec["max_restarts"],  # LaunchConfig's default is 3, torchrun's 0: be explicit
         monitor_interval=0.1,
         start_method=spec["start_method"],
@@ -66,8 +210,8 @@ def run_agent(spec: dict, result_path: str) -> None:
         log_line_prefix_template="[rank${rank}]:",
     )
     try:
-        values = elastic_launch(config, call)(spec["target"], spec["args"], spec["kwargs"])
-        result = {"ok": True, "values": dict(values)}
+        elastic_launch(config, run_in_worker)(spec["payload"], spec["progress_dir"])
+        result = {"ok": True}
     except ChildFailedError as exc:
         rank, first = exc.get_first_failure()
         result = {"ok": False, "rank": rank, "message": exc.format_msg(), "exitcode": first.exitcode}
@@ -77,6 +221,9 @@ def run_agent(spec: dict, result_path: str) -> None:
             result["message"] = (f"rank {rank} died without a Python error (exit code {first.exitcode}): no "
                                  "traceback, like a lost GPU or os._exit; the agent stopped the other ranks.\n"
                                  + exc.format_msg())
+        if result["rank"] in _exit_codes:  # the failing rank's own exit code, not the first one polled
+            result["exitcode"] = _exit_codes[result["rank"]]
+        result["exit_codes"] = dict(_exit_codes)
     except BaseException:  # the agent itself failed (rendezvous, pickling, a signal...)
         result = {"ok": False, "rank": None, "message": traceback.format_exc(), "exitcode": None}
     tmp = result_path + ".tmp"
@@ -133,8 +280,22 @@ def root_cause(log_dir: str) -> dict | None:
     return {"rank": rank, "message": message, "attempt": last}
 
 
+def _watch_parent(parent: int) -> None:
+    """End this run (agent and workers, one process group) at once if the process that started it dies.
+
+    The launcher stops a run itself on a timeout or an interrupt; this covers a killed notebook
+    kernel, where nobody is left to do it: without it a worker that ignores SIGTERM keeps the agent
+    waiting for its 30 s grace, under init.
+    """
+    while True:
+        time.sleep(0.25)
+        if os.getppid() != parent:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 def _child(spec_path: str, result_path: str, log_path: str) -> None:
-    """Become one launch's agent: own session, output to the run's log, then run."""
+    """Become one launch's agent: own session, the caller's environment, output to the run's log, then run."""
+    parent = os.getppid()
     os.setsid()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
@@ -142,8 +303,18 @@ def _child(spec_path: str, result_path: str, log_path: str) -> None:
     os.close(fd)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
+    folder = os.path.dirname(result_path)
+    with open(os.path.join(folder, "agent.pid"), "w") as fh:  # the launcher's handle if its handshake broke
+        fh.write(str(os.getpid()))
+    if os.path.exists(os.path.join(folder, "cancel")):  # the caller was interrupted before it knew our pid
+        return
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     with open(spec_path, "rb") as fh:
         spec = pickle.load(fh)
+    # The caller's environment as it is at this launch (the server's is as it was at its start).
+    os.environ.clear()
+    os.environ.update(spec["environ"])
+    dump_stacks_on(os.path.join(folder, "stack-agent.txt"))
     run_agent(spec, result_path)
 
 

@@ -1,4 +1,4 @@
-"""The command line: ``python -m course_utils {memory, table, plan, train, rehearse, bench}``.
+"""The command line: ``python -m course_utils {memory, table, plan, train, rehearse, exercises, ft, bench}``.
 
 Each subcommand is a thin shell over the same functions the notebooks call. A module that
 owns a subcommand NAME defines ``NAME_arguments(parser)`` and ``NAME_command(args) -> int``;
@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("course_utils.train", "train the course model with one strategy and report losses, bytes, traffic (notebook 02)"),
     "plan": ("course_utils.plan", "choose a data-parallel strategy for a model and cluster (notebook 05)"),
     "rehearse": ("course_utils.rehearse", "a real-size FSDP2 run on fake tensors: peak memory per GPU (notebook 05b)"),
+    "exercises": ("course_utils.exercises.core", "list the exercises, run their checks on the solutions or stubs, grade a student's notebook (notebooks 01-06)"),
+    "ft": ("course_utils.ft", "TorchFT: lose a replica group, keep training, heal it from a live peer (notebook 06)"),
     "bench": ("course_utils.bench", "benchmarks: course run time, launch overhead, hand-built vs torch (README)"),
 }
 

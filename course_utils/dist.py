@@ -66,12 +66,64 @@ class DistInfo:
         return self.rank == 0
 
 
+#: cuBLAS's workspace setting for reproducible results (NVIDIA's cuBLAS guide, "Results reproducibility";
+#: torch's reproducibility notes). It must be in the environment before the first cuBLAS call.
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+
+
+def make_deterministic(device: torch.device) -> dict:
+    """Make this process's CUDA kernels deterministic, so the course's bit-for-bit comparisons hold
+    on GPUs as they do on CPU (called by ``init``; notebooks 02, 03 and 06 compare SHA-256s).
+
+    On CPU nothing is changed: torch's CPU kernels the course uses already give the same bits for
+    the same inputs, and the CPU comparisons are what the tests check. On CUDA:
+
+    - ``torch.use_deterministic_algorithms(True)`` (strict, not ``warn_only``): operations with a
+      deterministic variant use it (for example scaled-dot-product attention's flash and
+      memory-efficient backward passes, which otherwise add with atomics), and one without raises
+      rather than silently differing;
+    - ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (set only if unset): what torch asked for before cuBLAS
+      workspaces became per handle and stream; harmless where torch no longer checks it;
+    - ``torch.backends.cudnn.deterministic = True``, ``torch.backends.cudnn.benchmark = False``:
+      cuDNN picks the same deterministic algorithm every run instead of the fastest it timed.
+
+    What this cannot promise: NCCL chooses a ring or tree algorithm from the message size and the
+    topology, and the order a ring or tree adds the ranks' values follows from it. With 2 ranks
+    every element is one addition a + b, the same bits in either order, so 2-rank comparisons stay
+    bit for bit. With more ranks, runs whose gradients travel in different message sizes (DDP's
+    buckets against a hand-built layout, a reduce-scatter against an all-reduce) can round
+    differently: those comparisons get the tolerance the notebooks already use on CPU for more
+    than 2 ranks (relative weight difference <= 1e-4, fsdp.TOLERANCE["fp32"]). The same run
+    repeated (same ranks, sizes, GPUs and NCCL version), as a resumed run is, reduces in the same
+    order. Returns the settings in force, for reports.
+    """
+    if device.type != "cuda":
+        return {"deterministic": False, "why": "CPU kernels need no settings"}
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    return {"deterministic": True, "use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"],
+            "cudnn.deterministic": torch.backends.cudnn.deterministic, "cudnn.benchmark": torch.backends.cudnn.benchmark}
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has finished the work queued on it; nothing to wait for on CPU (notebook 05).
+
+    CUDA kernels run asynchronously: a host clock read right after a launch measures the launch,
+    not the work. Every host-side timer of device work calls this before reading the clock.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return default if value in (None, "") else int(value)
 
 
-def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo:
+def init(backend: str | None = None, timeout_s: float | None = None, *, deterministic: bool = True) -> DistInfo:
     """Join the process group (or create a world of one) and pick this rank's device (notebook 00).
 
     Args:
@@ -79,6 +131,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
         timeout_s: how long a collective may wait for the other ranks before it raises;
             default from ``COURSE_TIMEOUT_S``, else 300 s. This is what turns a hang
             (a rank that never arrives) into an error.
+        deterministic: on a GPU, apply ``make_deterministic`` (what the bit-for-bit comparisons
+            need); a pure timing run may pass False for the faster, non-deterministic kernels.
     """
     rank = _env_int("RANK", 0)
     world = _env_int("WORLD_SIZE", 1)
@@ -89,6 +143,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> DistInfo
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        if deterministic:
+            make_deterministic(device)
     else:
         device = torch.device("cpu")
         # N processes on a few cores: split the cores instead of oversubscribing them

@@ -69,3 +69,15 @@ def fail_after_progress(bad_rank: int = 1) -> int:
             os._exit(1)  # no clean-up, no error file: like a lost GPU
         dist.barrier()
         return info.rank
+
+
+def model_sha256(model: str = "tiny", seed: int = 0) -> dict:
+    """Build the course model from ``seed`` in this process and hash its weights (notebook 00).
+
+    Launched on N ranks it shows that the seed alone fixes the weights: every process, with its
+    own memory and its own random generator, gets the same SHA-256 as the notebook's kernel.
+    """
+    from .instrument import weights_sha256
+    from .models import build_model, get_config
+
+    return {"pid": os.getpid(), "sha256": weights_sha256(build_model(get_config(model), seed=seed).state_dict())}

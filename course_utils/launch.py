@@ -24,9 +24,11 @@ from __future__ import annotations
 import atexit
 import importlib
 import json
+import math
 import os
 import pickle
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .dist import check_mesh_shape, pick_backend
+from .dist import check_mesh_shape, pick_backend, warn
 from .errors import CourseInputError
 
 #: Extra seconds (at most) the kernel waits beyond ``timeout_s`` for the workers' own timeout errors.
@@ -76,22 +78,14 @@ class RunResult(dict):
     command: str
 
 
-def _target_of(fn) -> str:
-    """``module:qualname`` of a function the worker processes can import, or a clear error."""
+def _target_of(fn) -> str | None:
+    """``module:qualname`` when the workers can import ``fn`` by name, else None (it travels by value)."""
     if isinstance(fn, str):
         target = fn
     else:
         module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-        name = getattr(fn, "__name__", repr(fn))
-        if qualname == "<lambda>" or "<lambda>" in qualname:
-            raise CourseInputError(
-                "launch needs a function the worker processes can import, not a lambda; "
-                "define it with def in a module (a .py file) and import it in the notebook")
-        if module in (None, "__main__") or "<locals>" in qualname:
-            raise CourseInputError(
-                f"launch cannot start {name!r}: it is defined in the notebook (or inside another "
-                "function), and new processes cannot import it; put it in a module (a .py file), "
-                "import it, and launch that")
+        if module in (None, "__main__") or "<" in qualname:  # a notebook cell, a lambda, a nested def
+            return None
         target = f"{module}:{qualname}"
     module, _, qualname = target.partition(":")
     try:
@@ -99,10 +93,34 @@ def _target_of(fn) -> str:
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
-        raise CourseInputError(f"launch cannot import {target!r} ({exc}); check the module and name") from None
+        if isinstance(fn, str):
+            raise CourseInputError(f"launch cannot import {target!r} ({exc}); check the module and name") from None
+        return None
     if not callable(obj):
-        raise CourseInputError(f"{target!r} is not callable")
+        raise CourseInputError(f"{target!r} is not callable; pass a function")
     return target
+
+
+def _payload(fn, args, kwargs) -> tuple[str, bytes, bool]:
+    """What the workers run, as bytes: ``(label, payload, by_value)``.
+
+    A function the workers can import (a module-level function of a .py file) travels by name
+    and is imported fresh in each worker. Anything else, a function defined in a notebook cell
+    above all, travels by value, serialised with cloudpickle together with its arguments. The
+    caller's ``sys.path`` goes along, so a module next to the notebook imports in the workers too.
+    """
+    import cloudpickle
+
+    target = _target_of(fn)
+    name = target or getattr(fn, "__qualname__", repr(fn))
+    try:
+        blob = cloudpickle.dumps((target or fn, tuple(args), dict(kwargs)))
+    except Exception as exc:
+        raise CourseInputError(
+            f"launch cannot send {name!r} or its arguments to the worker processes ({exc}): something it "
+            "uses cannot be copied to another process (an open file, a lock, a socket, a generator); "
+            "create that inside the function instead") from None
+    return name, pickle.dumps((list(sys.path), blob)), target is None
 
 
 def torchrun_command(target: str, nproc: int, args=(), kwargs=None, *, max_restarts: int = 0,
@@ -133,22 +151,29 @@ def torchrun_command(target: str, nproc: int, args=(), kwargs=None, *, max_resta
 
 
 class _Progress:
-    """One status line per run, updated in place: in a notebook a display handle, else stderr."""
+    """One status line per run, updated in place: in a notebook a display handle, else stderr.
+
+    While the run lasts each rank shows its last reported step (``starting`` before the first);
+    at the end each rank shows how it ended: ``done``, ``failed`` or ``killed``.
+    """
 
     def __init__(self, folder: Path, nproc: int, enabled: bool):
         self.folder, self.nproc, self.enabled = folder, nproc, enabled
         self.handle, self.last = None, ""
 
-    def line(self, elapsed: float) -> str:
+    def line(self, elapsed: float, final: dict[int, str] | None = None) -> str:
         parts = []
         for r in range(self.nproc):
             try:
                 p = json.loads((self.folder / f"rank{r}.json").read_text())
                 extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                  for k, v in p.items() if k not in ("rank", "step", "total", "pid"))
-                parts.append(f"rank {r}: {p['step']}/{p['total']}" + (f" {extra}" if extra else ""))
+                state = f"{p['step']}/{p['total']}" + (f" {extra}" if extra else "")
             except (OSError, ValueError, KeyError):
-                parts.append(f"rank {r}: starting")
+                state = "starting"
+            if final is not None:
+                state = final.get(r, "killed") + ("" if state == "starting" else f" (at {state})")
+            parts.append(f"rank {r}: {state}")
         return f"[{elapsed:5.1f}s] " + " | ".join(parts)
 
     def quiet_s(self) -> float | None:
@@ -156,10 +181,11 @@ class _Progress:
         times = [f.stat().st_mtime for f in self.folder.glob("rank*.json")]
         return max(0.0, time.time() - max(times)) if times else None
 
-    def update(self, elapsed: float, final: bool = False) -> None:
-        if not self.enabled or (elapsed < 2.0 and not final):
-            return
-        text = self.line(elapsed)
+    def update(self, elapsed: float, final: dict[int, str] | None = None) -> None:
+        if not self.enabled or (elapsed < 2.0 and final is None) or (final is not None and self.handle is None
+                                                                       and "ipykernel" in sys.modules):
+            return  # a run too short to have drawn a line gets no final line either
+        text = self.line(elapsed, final)
         if text == self.last:
             return
         self.last = text
@@ -169,7 +195,7 @@ class _Progress:
                 self.handle = display({"text/plain": text}, raw=True, display_id=True)
             else:
                 self.handle.update({"text/plain": text}, raw=True)
-        elif final and sys.stderr.isatty():
+        elif final is not None and sys.stderr.isatty():
             print(text, file=sys.stderr)
 
 
@@ -204,19 +230,43 @@ class _AgentServer:
     proc: subprocess.Popen | None = None
 
     @classmethod
+    def ensure_started(cls, env: dict | None = None) -> bool:
+        """Start the server if it is not running; True if this call started it (a cold launch)."""
+        if cls.proc is not None and cls.proc.poll() is None:
+            return False
+        cls.proc = subprocess.Popen([sys.executable, "-m", "course_utils._agent", "--serve"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env or _server_env(),
+                                    start_new_session=True)
+        atexit.register(cls.stop)
+        return True
+
+    @classmethod
     def start_agent(cls, spec_path: Path, result_path: Path, log_path: Path, env: dict) -> int:
-        if cls.proc is None or cls.proc.poll() is not None:
-            cls.proc = subprocess.Popen([sys.executable, "-m", "course_utils._agent", "--serve"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                        start_new_session=True)
-            atexit.register(cls.stop)
-        cls.proc.stdin.write(f"{spec_path}\t{result_path}\t{log_path}\n".encode())
-        cls.proc.stdin.flush()
-        line = cls.proc.stdout.readline()
+        cls.ensure_started(env)
+        try:
+            cls.proc.stdin.write(f"{spec_path}\t{result_path}\t{log_path}\n".encode())
+            cls.proc.stdin.flush()
+            line = cls.proc.stdout.readline()
+        except BaseException:
+            # Interrupted (or broken) between the request and the answer: the reply would be read by
+            # the next launch, off by one for ever. Drop this server; its agent, if it was forked
+            # already, ends itself when its parent goes (and finds the cancel file the caller writes).
+            cls.kill()
+            raise
         if not line:
             cls.proc = None
             raise LaunchError("the launcher's agent server ended unexpectedly; run the cell again")
         return int(line)
+
+    @classmethod
+    def kill(cls) -> None:
+        if cls.proc is not None:
+            try:
+                os.killpg(cls.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            cls.proc.wait()
+        cls.proc = None
 
     @classmethod
     def stop(cls) -> None:
@@ -227,6 +277,29 @@ class _AgentServer:
             except subprocess.TimeoutExpired:
                 cls.proc.kill()
         cls.proc = None
+
+
+def _server_env() -> dict:
+    """The agent server's environment: the caller's, with this course_utils first on PYTHONPATH.
+
+    (Each agent it forks replaces its environment with the caller's at that launch.)
+    """
+    env = dict(os.environ)
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def warm_up() -> None:
+    """Start the agent server now, in the background (notebook 00).
+
+    The first launch of a kernel otherwise waits for it (torch and FSDP imported once, about 4 s
+    on a laptop CPU). A notebook kernel does this when it imports this module, so the server
+    starts while the notebook's next cells run; elsewhere (tests, scripts) nothing starts until
+    the first launch. Only on Linux, where the server forks the agents.
+    """
+    if sys.platform.startswith("linux"):
+        _AgentServer.ensure_started()
 
 
 _popen_agents: list[subprocess.Popen] = []
@@ -260,14 +333,146 @@ def _start_agent(spec_path: Path, result_path: Path, log_path: Path, env: dict, 
     return pid
 
 
-def _log_launch(target: str, nproc: int, wall_s: float, cold: bool, finished: bool) -> None:
+def _cancel_unknown_agent(folder: Path) -> None:
+    """An interrupt came before the agent's pid was known: make sure that agent never runs.
+
+    The agent writes ``agent.pid`` and then looks for ``cancel``; so either it sees the cancel
+    file and returns, or its pid file is there to be read here and its group is ended.
+    """
+    (folder / "cancel").touch()
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        try:
+            pid = int((folder / "agent.pid").read_text())
+        except (OSError, ValueError):
+            time.sleep(0.02)
+            continue
+        _kill_group(pid, grace_s=0.5)
+        return
+
+
+# ---------------------------------------------------------------- where each rank was
+
+_LIBRARY_DIRS = tuple({os.path.dirname(os.__file__), os.path.dirname(importlib.__file__),
+                       str(Path(importlib.import_module("torch").__file__).parent)})
+
+
+def _stack_sizes(folder: Path) -> dict[str, int]:
+    return {f.name: f.stat().st_size for f in folder.glob("stack-*.txt")}
+
+
+def _ask_for_stacks(pgid: int, folder: Path, wait_s: float = 0.5) -> dict[str, int]:
+    """SIGUSR1 to the run's whole group: every worker and the agent append their Python stacks."""
+    before = _stack_sizes(folder)
+    try:
+        os.killpg(pgid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return before
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    return before
+
+
+def _last_dump(text: str) -> list[list[tuple[str, int, str]]]:
+    """The threads of the last faulthandler dump in ``text``: per thread, frames most recent first."""
+    threads, current = [], None
+    for line in text.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            current = []
+            threads.append(current)
+        elif line.strip().startswith('File "') and current is not None:
+            rest = line.strip()[len('File "'):]
+            path, _, tail = rest.partition('", line ')
+            number, _, func = tail.partition(" in ")
+            try:
+                current.append((path, int(number), func.strip()))
+            except ValueError:
+                pass
+    return threads
+
+
+def _where(frames: list[tuple[str, int, str]]) -> str:
+    """Where a worker was: the innermost frame of the course's or the user's code, and what it had called."""
+    import linecache
+
+    for i, (path, number, func) in enumerate(frames):
+        if path.startswith("<") or path.startswith(_LIBRARY_DIRS) or ("site-packages" in path
+                                                                       and "course_utils" not in path):
+            continue
+        if func == "_ask_peers_where_they_are":
+            return "raised: its collective timed out (its traceback is above)"
+        if path.endswith(os.path.join("course_utils", "_agent.py")):
+            continue
+        source = linecache.getline(path, number).strip()
+        called = [f for _, _, f in frames[:i] if f not in ("wrapper", "_fn", "inner")]
+        waiting = f"in {called[-1]}, called from " if called else "in "
+        return f"{waiting}{func} ({Path(path).name} line {number}: {source})" if source else f"{waiting}{func}"
+    if any(f == "_wrap" for _, _, f in frames[:3]):
+        return "returned"
+    return _innermost(frames)
+
+
+def _innermost(frames: list[tuple[str, int, str]], depth: int = 3) -> str:
+    """The last few calls of a stack, innermost first: ``poll (api.py 785) < _monitor_workers < _invoke_run``."""
+    return " < ".join(f"{f} ({Path(p).name} {n})" if i == 0 else f for i, (p, n, f) in enumerate(frames[:depth]))
+
+
+def where_ranks_were(folder: Path, nproc: int, since: dict[str, int] | None = None) -> dict:
+    """Per rank, where its main thread was at the last stack dump (and the agent's), from the run's folder."""
+    out = {}
+    for name in [f"rank{r}" for r in range(nproc)] + ["agent"]:
+        path = folder / f"stack-{name}.txt"
+        if not path.exists():
+            out[name] = "no stack (the process had not started, or was stuck outside Python)"
+            continue
+        with open(path, errors="replace") as fh:
+            fh.seek((since or {}).get(path.name, 0))
+            threads = _last_dump(fh.read())
+        if not threads:
+            out[name] = "no stack (the process had not started, or was stuck outside Python)"
+            continue
+        if name != "agent" and _result_files(folder).get(int(name[4:])) is not None:
+            out[name] = "returned its result"
+            continue
+        main = next((t for t in threads if any(p.endswith("_agent.py") and f in ("run_in_worker", "_child")
+                                               for p, _, f in t)), threads[-1])
+        out[name] = _innermost(main, 4) if name == "agent" else _where(main)
+    return out
+
+
+def _result_files(folder: Path) -> dict[int, Path]:
+    return {int(f.name[len("result-rank"):-len(".pkl")]): f for f in folder.glob("result-rank*.pkl")}
+
+
+def _log_launch(target: str, nproc: int, wall_s: float, cold: bool, finished: bool, backend: str) -> None:
     """One JSON line per launch appended to $COURSE_LAUNCH_LOG, when set (``python -m course_utils bench``
-    counts a notebook's launches with it; ``cold``: this launch started the agent server)."""
+    counts a notebook's launches with it, the GPU check which of them ran on NCCL; ``cold``: this
+    launch started the agent server)."""
     path = os.environ.get("COURSE_LAUNCH_LOG")
     if path:
         with open(path, "a") as fh:
             fh.write(json.dumps({"target": target, "nproc": nproc, "wall_s": wall_s, "cold": cold,
-                                 "finished": finished}) + "\n")
+                                 "finished": finished, "backend": backend}) + "\n")
+
+
+#: Seconds the launcher waits for the agent once every rank has left its result, before it takes the
+#: results itself and stops the agent (it normally reports within a monitor interval, 0.1 s).
+COLLECT_GRACE_S = 10.0
+
+
+def _read_results(folder: Path, nproc: int) -> dict[int, object] | None:
+    """Every rank's return value, if all ``nproc`` ranks of the same (latest) attempt left one."""
+    found = {}
+    for rank, path in _result_files(folder).items():
+        try:
+            with open(path, "rb") as fh:
+                found[rank] = pickle.load(fh)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return None
+    if sorted(found) != list(range(nproc)) or len({attempt for attempt, _ in found.values()}) != 1:
+        return None
+    return {rank: value for rank, (_, value) in found.items()}
 
 
 def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeout_s: float = 120.0,
@@ -276,10 +481,12 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
     """Run ``fn(*args, **kwargs)`` on ``nproc`` local worker processes; return ``{rank: value}`` (notebook 00).
 
     Args:
-        fn: a module-level function (or "module:function" string) the workers can import.
-            Inside it, call ``course_utils.dist.init()`` to join the group.
+        fn: the function every rank runs: a module-level function (or "module:function"
+            string), imported by name in each worker, or a function defined in a notebook
+            cell, sent by value (cloudpickle). Inside it, call ``course_utils.dist.init()``
+            (or ``with dist.session() as info:``) to join the group.
         nproc: number of worker processes (ranks) on this machine.
-        args, kwargs: passed to ``fn`` on every rank; must be picklable.
+        args, kwargs: passed to ``fn`` on every rank (anything cloudpickle can copy).
         backend: "auto" (NCCL with one GPU per rank if there are enough GPUs, else gloo on
             CPU), "gloo" or "nccl".
         timeout_s: a collective waiting longer than this raises in the worker. It also bounds
@@ -290,64 +497,70 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
             worker failure (torchrun's ``--max-restarts``).
         mesh_shape: optional device-mesh shape; its product must equal ``nproc``. Workers
             read it from ``COURSE_MESH_SHAPE``.
-        run_dir: folder for this run's logs (``run_dir/logs``) and progress files; a fresh
-            temporary folder by default. Checkpoints go wherever ``fn`` puts them.
-        env: extra environment variables for the workers.
+        run_dir: folder for this run's logs (``run_dir/logs``) and progress files. By default
+            a temporary folder, removed after a run that succeeded and kept (its path is in
+            the error) after one that did not.
+        env: extra environment variables for the workers, on top of the caller's environment
+            as it is at this call.
         progress: draw a live per-rank status line for runs longer than ~2 s.
         echo: stream the workers' output into the notebook as it comes.
 
     Raises:
         CourseInputError: bad arguments (nothing is started).
         WorkerFailed: a worker raised or died (after ``max_restarts`` restarts).
-        LaunchTimeout: the run did not finish in time.
-        KeyboardInterrupt: the launch was interrupted; every worker was stopped first.
+        LaunchTimeout: the run did not finish in time; the message says where each rank was.
+        KeyboardInterrupt: the launch was interrupted; every process of the run was stopped first.
     """
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise CourseInputError(f"nproc must be a whole number of processes >= 1, got {nproc!r}")
-    if not isinstance(max_restarts, int) or max_restarts < 0:
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
         raise CourseInputError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
-    if not timeout_s or timeout_s <= 0:
-        raise CourseInputError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s)
+            or timeout_s <= 0):
+        raise CourseInputError(f"timeout_s must be a finite number of seconds above 0 (e.g. 120), got {timeout_s!r}")
     backend_name, device_type = pick_backend(nproc, backend)
     if mesh_shape is not None:
         mesh_shape = check_mesh_shape(nproc, mesh_shape)
-    target = _target_of(fn)
-    kwargs = dict(kwargs or {})
+    label, payload, by_value = _payload(fn, args, kwargs or {})
 
+    own_dir = run_dir is None
     run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="course-run-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     progress_dir = Path(tempfile.mkdtemp(prefix="launch-", dir=run_dir))
     spec_path, result_path = progress_dir / "spec.pkl", progress_dir / "result.pkl"
     agent_log = progress_dir / "agent.log"
     log_dir = run_dir / "logs"
-    worker_env = {k: str(v) for k, v in (env or {}).items()}
-    worker_env.update(COURSE_BACKEND=backend_name, COURSE_TIMEOUT_S=str(timeout_s),
-                      COURSE_PROGRESS_DIR=str(progress_dir), PYTHONUNBUFFERED="1")
+    # The workers see the caller's environment as it is now (not as it was when the agent server
+    # started), plus what the run needs. Workers must import the same course_utils as the caller.
+    environ = _server_env()
+    environ.update({k: str(v) for k, v in (env or {}).items()})
+    environ.update(COURSE_BACKEND=backend_name, COURSE_TIMEOUT_S=str(timeout_s),
+                   COURSE_PROGRESS_DIR=str(progress_dir), PYTHONUNBUFFERED="1")
     if mesh_shape is not None:
-        worker_env["COURSE_MESH_SHAPE"] = ",".join(map(str, mesh_shape))
+        environ["COURSE_MESH_SHAPE"] = ",".join(map(str, mesh_shape))
     # fork is milliseconds and safe on CPU; CUDA must not be forked, so GPU runs spawn.
     start_method = "spawn" if device_type == "cuda" or not sys.platform.startswith("linux") else "fork"
     with open(spec_path, "wb") as fh:
-        pickle.dump({"target": target, "args": tuple(args), "kwargs": kwargs, "nproc": nproc,
-                     "max_restarts": max_restarts, "log_dir": str(log_dir), "env": worker_env,
-                     "cwd": os.getcwd(), "start_method": start_method}, fh)
+        pickle.dump({"payload": payload, "label": label, "nproc": nproc, "max_restarts": max_restarts,
+                     "log_dir": str(log_dir), "environ": environ, "cwd": os.getcwd(),
+                     "start_method": start_method, "progress_dir": str(progress_dir)}, fh)
     agent_log.touch()
-    # Workers must import the same course_utils the kernel uses, even from a source checkout.
-    base_env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parent.parent)
-    base_env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, base_env.get("PYTHONPATH")) if p)
 
     start = time.monotonic()
     cold = start_method == "fork" and (_AgentServer.proc is None or _AgentServer.proc.poll() is not None)
     status = _Progress(progress_dir, nproc, progress)
     tail: list[str] = []
-    pgid = None
+    pgid, values, collected_by_hand = None, None, None
     try:
-        pgid = _start_agent(spec_path, result_path, agent_log, base_env,
-                            use_server=start_method == "fork")
+        try:
+            pgid = _start_agent(spec_path, result_path, agent_log, environ, use_server=start_method == "fork")
+        except BaseException:
+            _cancel_unknown_agent(progress_dir)
+            raise
         # The run's clock starts once its agent exists: a cold agent server (torch imported once,
         # about 5 s, more on a busy machine) must not eat into a short ``timeout_s``.
         started = time.monotonic()
+        all_returned_at = None
         with open(agent_log, "rb") as log:
             buffer = b""
             while True:
@@ -364,25 +577,25 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
                     break
                 elapsed = time.monotonic() - start
                 status.update(elapsed)
+                if all_returned_at is None and len(_result_files(progress_dir)) == nproc:
+                    all_returned_at = time.monotonic()
+                if all_returned_at is not None and time.monotonic() - all_returned_at > COLLECT_GRACE_S:
+                    values = _read_results(progress_dir, nproc)
+                    if values is not None:  # every rank returned; the agent did not collect: see COLLECT_GRACE_S
+                        since = _ask_for_stacks(pgid, progress_dir)
+                        collected_by_hand = where_ranks_were(progress_dir, nproc, since)["agent"]
+                        _kill_group(pgid)
+                        break
+                    all_returned_at = None
                 if time.monotonic() - started > timeout_s + _grace(timeout_s):
-                    last, quiet = status.line(elapsed), status.quiet_s()
-                    _kill_group(pgid)
-                    if quiet is not None and quiet < timeout_s:
-                        why = (f"The workers were still making progress ({quiet:.0f} s before the end): the run is "
-                               "not hung, only longer than timeout_s, which also bounds the whole run; pass a "
-                               "larger timeout_s (or fewer steps)")
-                    else:
-                        why = ("A collective was probably waiting for a rank that never arrived (mismatched "
-                               "collectives, or a rank stuck or dead)")
-                    raise LaunchTimeout(
-                        f"the run did not finish within {timeout_s:g} s (+{_grace(timeout_s):g} s grace) and every "
-                        f"process was stopped. Last progress: {last}. {why}; logs: {log_dir}")
+                    raise _timed_out(pgid, progress_dir, nproc, timeout_s, status, elapsed, log_dir)
                 _reap()
                 time.sleep(0.05)
     except KeyboardInterrupt:
         if pgid is not None:
             _kill_group(pgid)
-        raise KeyboardInterrupt(f"launch interrupted: all {nproc} worker processes were stopped") from None
+        raise KeyboardInterrupt(f"launch interrupted: every process of the run ({nproc} workers and their "
+                                "agent) was stopped") from None
     finally:
         if pgid is not None:  # nothing of this run may outlive it
             deadline = time.monotonic() + 2.0
@@ -391,22 +604,82 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
                 time.sleep(0.02)
             _kill_group(pgid, grace_s=1.0)
         _reap()
-        _log_launch(target, nproc, time.monotonic() - start, cold, result_path.exists())
-    status.update(time.monotonic() - start, final=True)
+        _log_launch(label, nproc, time.monotonic() - start, cold, result_path.exists() or values is not None,
+                    backend_name)
 
-    if not result_path.exists():
-        raise LaunchError("the launcher's agent ended without a result; its last output:\n" + "\n".join(tail[-30:]))
-    with open(result_path, "rb") as fh:
-        outcome = pickle.load(fh)
-    if not outcome["ok"]:
-        rank = outcome["rank"]
+    outcome = None
+    if values is None:
+        if not result_path.exists():
+            status.update(time.monotonic() - start, final={})
+            raise LaunchError(f"the launcher's agent ended without a result (logs: {log_dir}); its last output:\n"
+                              + "\n".join(tail[-30:]))
+        with open(result_path, "rb") as fh:
+            outcome = pickle.load(fh)
+        if outcome["ok"]:
+            values = _read_results(progress_dir, nproc)
+    if values is None:
+        outcome = outcome or {}
+        rank = outcome.get("rank")
+        status.update(time.monotonic() - start, final={r: ("failed" if r == rank else "done" if r in
+                                                           _result_files(progress_dir) else "killed")
+                                                       for r in range(nproc)})
         head = f"rank {rank} failed" if rank is not None else "the launch failed"
+        if outcome.get("exitcode") is not None:
+            head += f" (exit code {outcome['exitcode']})"
         if max_restarts:
             head += f" (the group was restarted up to {max_restarts} time(s) first)"
-        raise WorkerFailed(f"{head}; logs: {log_dir}\n{outcome['message']}", rank=rank,
-                           exitcode=outcome["exitcode"])
-    result = RunResult(sorted(outcome["values"].items()))
+        where = where_ranks_were(progress_dir, nproc)
+        seen = {int(r[4:]): w for r, w in where.items() if not w.startswith("no stack") and r != "agent"}
+        note = ""
+        if seen:  # a collective timed out and its rank asked everyone where they were
+            absent = [r for r, w in seen.items() if not w.startswith(("raised", "returned"))]
+            note = "\nWhere each rank was when the collective timed out:\n" + "\n".join(
+                f"  rank {r}: {w}" for r, w in seen.items())
+            if absent:
+                head = (f"rank {rank} timed out in a collective that rank(s) {', '.join(map(str, absent))} never "
+                        f"reached")
+        raise WorkerFailed(f"{head}; logs: {log_dir}\n{outcome.get('message', 'no result from any rank')}{note}",
+                           rank=rank, exitcode=outcome.get("exitcode"))
+    status.update(time.monotonic() - start, final={r: "done" for r in range(nproc)})
+    if collected_by_hand is not None:
+        warn(f"every rank had returned, but torch's elastic agent had not collected the results "
+             f"{COLLECT_GRACE_S:g} s later (it was {collected_by_hand}); the launcher read them from the ranks' "
+             f"files and stopped the agent. Logs: {log_dir}")
+    result = RunResult(sorted(values.items()))
     result.backend, result.device_type, result.nproc = backend_name, device_type, nproc
     result.wall_s, result.log_dir = time.monotonic() - start, str(log_dir)
-    result.command = torchrun_command(target, nproc, args, kwargs, max_restarts=max_restarts)
+    result.command = (torchrun_command(label, nproc, args, kwargs, max_restarts=max_restarts) if not by_value else
+                      f"# {label} was defined in the notebook: put it in a .py module to run it under torchrun")
+    if own_dir and collected_by_hand is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        result.log_dir = None
     return result
+
+
+def _timed_out(pgid: int, folder: Path, nproc: int, timeout_s: float, status: _Progress, elapsed: float,
+               log_dir: Path) -> LaunchTimeout:
+    """Ask every process where it is, stop them all, and say what happened, rank by rank."""
+    last, quiet = status.line(elapsed), status.quiet_s()
+    since = _ask_for_stacks(pgid, folder)
+    where = where_ranks_were(folder, nproc, since)
+    _kill_group(pgid)
+    ranks = {r: where[f"rank{r}"] for r in range(nproc)}
+    status.update(elapsed, final={r: "done" if w == "returned its result" else "killed" for r, w in ranks.items()})
+    lines = "\n".join(f"  rank {r}: {w}" for r, w in ranks.items()) + f"\n  agent: {where['agent']}"
+    if all(w == "returned its result" for w in ranks.values()):
+        why = ("Every rank had returned its result, but torch's elastic agent did not collect the results: "
+               "this is the launcher's fault, not your code's; run the cell again")
+    elif quiet is not None and quiet < timeout_s:
+        why = (f"The workers were still making progress ({quiet:.0f} s before the end): the run is not hung, only "
+               "longer than timeout_s, which also bounds the whole run; pass a larger timeout_s (or fewer steps)")
+    else:
+        waiting = [r for r, w in ranks.items() if w != "returned its result"]
+        why = (f"Rank(s) {', '.join(map(str, waiting))} did not finish: look above for the rank that never reached "
+               "the collective the others wait in")
+    return LaunchTimeout(
+        f"the run did not finish within {timeout_s:g} s (+{_grace(timeout_s):g} s grace) and every process was "
+        f"stopped. {why}.\nWhere each process was:\n{lines}\nLast progress: {last}; logs: {log_dir}")
+
+
+if "ipykernel" in sys.modules and os.environ.get("COURSE_WARM_UP", "1") != "0":
+    warm_up()  # a notebook's first launch should not wait for torch to import a second time

@@ -273,13 +273,16 @@ def shard_group_size(strategy: str, nproc: int, node_size: int = 8) -> int:
     return mesh_shape(strategy, nproc, node_size)[-1]
 
 
-def make_mesh(strategy: str, nproc: int, node_size: int = 8):
-    """A CPU DeviceMesh for ``strategy`` over the current process group (notebook 05b)."""
+def make_mesh(strategy: str, nproc: int, node_size: int = 8, device_type: str = "cpu"):
+    """A DeviceMesh for ``strategy`` over the current process group (notebook 05b).
+
+    "cpu" for the rehearsal (fake ranks) and gloo ranks; a run on GPUs (NCCL) passes "cuda".
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = mesh_shape(strategy, nproc, node_size)
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def shard_model(model, mesh, strategy: str, *, mixed_precision: str = "bf16", act_ckpt: bool = False):
@@ -754,9 +757,10 @@ def real_state_worker(cfg: dict, strategies: list, node_size: int = 2, mixed_pre
     """One real optimizer step per strategy of the course model on this rank; bytes held (notebook 05b).
 
     A worker for ``launch``: the same ``shard_model`` and ``make_optimizer`` as the rehearsal,
-    on a CPU mesh of real gloo ranks. Returns ``{strategy: {"params", "grads", "optim",
-    "total", "loss"}}``, the bytes of the local shards this rank holds after the step, counted
-    by ``instrument.tensor_bytes`` (the optimizer's 0-dim step counters included).
+    on real ranks: gloo on CPU, or NCCL on a CUDA mesh where there is a GPU per rank. Returns
+    ``{strategy: {"params", "grads", "optim", "total", "loss"}}``, the bytes of the local shards
+    this rank holds after the step, counted by ``instrument.tensor_bytes`` (the optimizer's 0-dim
+    step counters included).
     """
     import torch
 
@@ -770,11 +774,12 @@ def real_state_worker(cfg: dict, strategies: list, node_size: int = 2, mixed_pre
         gcfg = GPTConfig(**cfg)
         out = {}
         for strategy in strategies:
-            mesh = make_mesh(strategy, info.world_size, node_size)
-            net = shard_model(build_model(gcfg, seed), mesh, strategy, mixed_precision=mixed_precision)
+            mesh = make_mesh(strategy, info.world_size, node_size, info.device.type)
+            net = shard_model(build_model(gcfg, seed, device=info.device), mesh, strategy,
+                              mixed_precision=mixed_precision)
             opt = make_optimizer(net)
             idx, tgt = batch_for_rank(0, info.rank, info.world_size, batch=micro_batch * info.world_size,
-                                      seq=gcfg.seq, vocab=gcfg.vocab, seed=seed)
+                                      seq=gcfg.seq, vocab=gcfg.vocab, seed=seed, device=info.device)
             loss = net(idx, tgt)
             loss.backward()
             opt.step()

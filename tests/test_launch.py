@@ -104,7 +104,7 @@ def test_interrupt_stops_every_worker(tmp_path):
     assert len(pids) == 2, "workers never started"
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 3 and "all 2 worker processes were stopped" in out
+    assert proc.returncode == 3 and "every process of the run (2 workers and their agent) was stopped" in out
     time.sleep(0.5)
     assert not any(pid_alive(p) for p in pids)
 
@@ -126,20 +126,41 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path, kwargs, needle):
     assert not run_dir.exists()
 
 
-def test_functions_workers_cannot_import_are_refused(tmp_path):
-    def local_fn():
-        return 1
-    with pytest.raises(CourseInputError, match="lambda"):
-        launch(lambda: 1, nproc=1, run_dir=tmp_path / "a")
-    with pytest.raises(CourseInputError, match="put it in a module"):
-        launch(local_fn, nproc=1, run_dir=tmp_path / "b")
-    main_fn = type(local_fn)(local_fn.__code__, {})
+def test_functions_defined_in_a_cell_launch_by_value(tmp_path):
+    offset = 10
+
+    def local_fn(n):  # a closure: it travels by value, with the variable it reads
+        import torch.distributed as tdist
+
+        from course_utils import dist as cdist
+        with cdist.session() as info:
+            x = torch.full((1,), float(info.rank + offset + n))
+            tdist.all_reduce(x)
+            return float(x)
+
+    import torch
+    main_fn = type(local_fn)(local_fn.__code__, local_fn.__globals__, "cell_fn", None, local_fn.__closure__)
     main_fn.__module__ = "__main__"
-    with pytest.raises(CourseInputError, match="put it in a module"):
-        launch(main_fn, nproc=1, run_dir=tmp_path / "c")
+    for fn in (local_fn, main_fn):
+        result = launch(fn, nproc=2, args=(1,), run_dir=tmp_path / fn.__name__, echo=False)
+        assert dict(result) == {0: 23.0, 1: 23.0}  # (0 + 11) + (1 + 11)
+        assert result.command.startswith("# ") and "put it in a .py module" in result.command
+    assert launch(lambda: 7, nproc=1, echo=False) == {0: 7}
     with pytest.raises(CourseInputError, match="cannot import"):
         launch("course_utils.examples:no_such_function", nproc=1, run_dir=tmp_path / "d")
-    assert not any((tmp_path / x).exists() for x in "abcd")
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_function_holding_a_lock_is_refused_in_one_sentence(tmp_path):
+    import threading
+    lock = threading.Lock()
+
+    def uses_lock():
+        with lock:
+            return 1
+    with pytest.raises(CourseInputError, match="cannot be copied to another process") as info:
+        launch(uses_lock, nproc=1, run_dir=tmp_path / "run")
+    assert "\n" not in str(info.value) and not (tmp_path / "run").exists()
 
 
 def test_torchrun_command_for_several_nodes():
@@ -158,3 +179,257 @@ def test_same_worker_runs_under_plain_torchrun():
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert all(r["result"]["result"] == [3.0, 3.0] for r in results)
+
+
+# ---------------------------------------------------------------- issue 14: what a launch promises
+
+def _env_value(name):
+    import os
+    return os.environ.get(name)
+
+
+def test_each_launch_sees_the_callers_environment_as_it_is_then(monkeypatch):
+    monkeypatch.setenv("COURSE_TEST_FOO", "first")
+    assert launch(_env_value, nproc=1, args=("COURSE_TEST_FOO",), echo=False) == {0: "first"}
+    monkeypatch.setenv("COURSE_TEST_FOO", "second")
+    assert launch(_env_value, nproc=2, args=("COURSE_TEST_FOO",), echo=False) == {0: "second", 1: "second"}
+    monkeypatch.delenv("COURSE_TEST_FOO")
+    assert launch(_env_value, nproc=1, args=("COURSE_TEST_FOO",), echo=False) == {0: None}
+
+
+def test_the_callers_sys_path_reaches_the_workers(tmp_path, monkeypatch):
+    (tmp_path / "student_helpers.py").write_text("def triple(x):\n    return 3 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import student_helpers
+
+    def uses_module(x):  # defined here, so by value; it imports the student's module by name
+        import student_helpers as sh
+        return sh.triple(x)
+    assert launch(student_helpers.triple, nproc=1, args=(5,), echo=False) == {0: 15}  # by name
+    assert launch(uses_module, nproc=2, args=(2,), echo=False) == {0: 6, 1: 6}
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -1, "5"])
+def test_timeouts_that_would_never_fire_are_refused(tmp_path, timeout_s):
+    with pytest.raises(CourseInputError, match="finite number of seconds"):
+        launch(examples.all_reduce_demo, nproc=1, timeout_s=timeout_s, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def _returns_a_lock():
+    import threading
+    return threading.Lock()
+
+
+def test_an_unpicklable_result_names_the_rank_and_the_cause(tmp_path):
+    with pytest.raises(WorkerFailed) as info:
+        launch(_returns_a_lock, nproc=2, run_dir=tmp_path, echo=False)
+    message = str(info.value)
+    assert "cannot be sent back" in message and "_thread.lock" in message
+    assert "died without a Python error" not in message
+
+
+def _exit_on_rank(bad_rank, code):
+    import os
+
+    import torch.distributed as tdist
+
+    from course_utils import dist as cdist
+    with cdist.session() as info:
+        tdist.barrier()
+        if info.rank == bad_rank:
+            os._exit(code)
+        tdist.barrier()
+        return info.rank
+
+
+def test_a_failing_rank_reports_its_own_exit_code(tmp_path):
+    with pytest.raises(WorkerFailed) as info:
+        launch(_exit_on_rank, nproc=2, args=(1, 3), run_dir=tmp_path, echo=False)
+    assert info.value.rank == 1 and info.value.exitcode == 3
+    assert "exit code 3" in str(info.value)
+
+
+def test_a_hang_names_the_rank_that_never_arrived_and_where_it_was(tmp_path):
+    with pytest.raises(WorkerFailed) as info:
+        launch(examples.hang_on_rank, nproc=2, kwargs={"stuck_rank": 1}, timeout_s=3, run_dir=tmp_path, echo=False)
+    message = str(info.value)
+    assert "Timed out" in message  # the collective's own error: a timeout, not some other failure
+    assert message.startswith("rank 0 timed out in a collective that rank(s) 1 never reached")
+    assert "rank 1: in hang_on_rank (examples.py" in message and "time.sleep(seconds)" in message
+    assert "rank 0: raised: its collective timed out" in message
+
+
+def test_a_timed_out_run_says_where_every_process_was(tmp_path):
+    with pytest.raises(LaunchTimeout) as info:
+        launch(examples.count_with_progress, nproc=2, kwargs={"steps": 1000, "delay_s": 0.2}, timeout_s=2,
+               run_dir=tmp_path, echo=False)
+    message = str(info.value)
+    for rank in (0, 1):
+        assert f"rank {rank}: in count_with_progress (examples.py" in message
+    assert "agent: " in message and str(tmp_path) in message
+
+
+def _freeze_the_agent_then_return(value):
+    """Rank 0 stops its agent (SIGSTOP) before returning: a test double of an agent that never
+    collects the workers' results, the stall of issue 14.
+
+    The agent also hosts the store the ranks met through, so rank 0 stops it only once every other
+    rank has left the process group (each leaves a file saying so).
+    """
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from course_utils import dist as cdist
+    folder = Path(os.environ["COURSE_PROGRESS_DIR"])
+    with cdist.session() as info:
+        rank, world = info.rank, info.world_size
+    (folder / f"left-{rank}").touch()
+    if rank == 0:
+        deadline = time.monotonic() + 30
+        while not all((folder / f"left-{r}").exists() for r in range(world)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getppid(), signal.SIGSTOP)
+    return value + rank
+
+
+def test_an_agent_that_never_collects_does_not_stall_the_caller(tmp_path, monkeypatch, capsys):
+    from course_utils import launch as launch_module
+    monkeypatch.setattr(launch_module, "COLLECT_GRACE_S", 1.0)
+    start = time.monotonic()
+    result = launch(_freeze_the_agent_then_return, nproc=2, args=(10,), timeout_s=60, run_dir=tmp_path, echo=False)
+    assert dict(result) == {0: 10, 1: 11}
+    assert time.monotonic() - start < 40  # not the 60 s timeout (+ grace): the caller took the results
+    assert "had not collected the results" in capsys.readouterr().err
+
+
+def test_a_timeout_after_every_rank_returned_blames_the_agent_not_a_collective(tmp_path, monkeypatch):
+    from course_utils import launch as launch_module
+    monkeypatch.setattr(launch_module, "COLLECT_GRACE_S", 1e9)
+    with pytest.raises(LaunchTimeout) as info:
+        launch(_freeze_the_agent_then_return, nproc=2, args=(10,), timeout_s=3, run_dir=tmp_path, echo=False)
+    message = str(info.value)
+    assert "Every rank had returned its result, but torch's elastic agent did not collect" in message
+    assert "rank 0: returned its result" in message and "rank 1: returned its result" in message
+    assert "collective was probably" not in message
+
+
+def test_the_final_progress_line_says_how_each_rank_ended(tmp_path):
+    from course_utils.launch import _Progress
+    (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "step": 3, "total": 8, "pid": 1}))
+    status = _Progress(tmp_path, 3, enabled=False)
+    assert status.line(1.0) == "[  1.0s] rank 0: 3/8 | rank 1: starting | rank 2: starting"
+    final = status.line(2.0, final={0: "failed", 1: "done"})
+    assert final == "[  2.0s] rank 0: failed (at 3/8) | rank 1: done | rank 2: killed"
+
+
+def _listening_sockets_of_this_run():
+    """Every TCP socket that a process of this run (agent and workers: one process group) listens on."""
+    import os
+
+    import torch.distributed as tdist
+
+    from course_utils import dist as cdist
+    with cdist.session():
+        tdist.barrier()
+        group = os.getpgrp()
+        inodes = set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.getpgid(int(pid)) != group:
+                    continue
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+            except OSError:
+                continue
+        listening = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in open(table).read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    listening.append((table, fields[1]))
+        tdist.barrier()
+        return listening
+
+
+def test_nothing_of_a_run_listens_beyond_loopback(tmp_path):
+    result = launch(_listening_sockets_of_this_run, nproc=2, run_dir=tmp_path, echo=False)
+    listening = result[0]
+    assert listening, "found no listening socket at all: the check itself is broken"
+    for table, address in listening:
+        host = address.split(":")[0]
+        loopback = host.endswith("7F") if table.endswith("tcp") else host in (
+            "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+        assert loopback, f"a socket of the run listens on {address} ({table})"
+
+
+def test_an_interrupt_during_the_first_launch_leaves_nothing_and_the_next_launch_right(tmp_path):
+    """Ctrl-C while the very first launch still waits for its agent (the agent server is cold)."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading, time
+        from course_utils import examples
+        from course_utils.launch import launch
+        # The interrupt lands while launch() waits for the cold agent server's answer.
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            launch(examples.pid_of_rank, nproc=2, run_dir={str(tmp_path / 'first')!r}, echo=False)
+            print("NOT INTERRUPTED", flush=True)
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+        for n in (2, 3):
+            out = launch(examples.all_reduce_demo, nproc=n, kwargs={{"n": 1}}, echo=False)
+            print("RESULT", n, sorted(out), [v["result"] for v in out.values()], flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "INTERRUPTED" in proc.stdout
+    assert "RESULT 2 [0, 1] [[3.0], [3.0]]" in proc.stdout
+    assert "RESULT 3 [0, 1, 2] [[6.0], [6.0], [6.0]]" in proc.stdout
+    time.sleep(1.0)  # the cancelled agent, if it had been forked, ends itself within 0.25 s
+    assert not _processes_mentioning(str(tmp_path)), "a process of the interrupted launch outlived it"
+
+
+def _processes_mentioning(text):
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if text.encode() in fh.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return [p for p in found if pid_alive(p)]
+
+
+def test_a_killed_kernel_takes_its_runs_with_it_even_when_a_worker_ignores_sigterm(tmp_path):
+    script = textwrap.dedent(f"""
+        from course_utils.launch import launch
+        from tests_helpers_sigterm import stubborn
+        launch(stubborn, nproc=2, run_dir={str(tmp_path / 'run')!r}, timeout_s=600, echo=False)
+    """)
+    (tmp_path / "tests_helpers_sigterm.py").write_text(textwrap.dedent("""
+        import os, signal, time
+        from course_utils import dist as cdist
+        def stubborn():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            cdist.report_progress(1, 2)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    deadline = time.monotonic() + 60
+    while len(_progress_pids(tmp_path / "run")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = _progress_pids(tmp_path / "run")
+    assert len(pids) == 2, "workers never started"
+    proc.kill()  # the kernel dies: nobody is left to stop the run
+    proc.wait()
+    deadline = time.monotonic() + 10  # the agent's own grace for stubborn workers is 30 s
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_alive(p) for p in pids), "workers outlived their killed kernel"
+    assert not _processes_mentioning(str(tmp_path / "run"))

@@ -47,6 +47,12 @@ SCREENSHOTS = ROOT / "build" / "screenshots"
 SLIDES = ROOT / "slides"
 TEMPLATE_DIR = Path(__file__).resolve().parent / "deck_template"
 
+#: Kernels talk to the build over Unix sockets, not TCP: nothing listens on a port, and ipykernel has
+#: no reason to print its "Kernel is running over TCP without encryption" warning once per notebook.
+if str(ROOT) not in sys.path:  # run as a script, this folder is on sys.path, not the repository
+    sys.path.insert(0, str(ROOT))
+from tools.kernels import IPCKernelManager as IPC_KERNEL_MANAGER  # noqa: E402
+
 #: Code cells this short show their source on the slide (the call that drew the chart).
 SHORT_CODE_LINES = 3
 SHOW_CODE_TAG, HIDE_CODE_TAG = "slide-code", "slide-no-code"
@@ -92,7 +98,8 @@ def execute(names=()) -> int:
         print(f"    {path.name} ...", end="", flush=True)
         try:
             papermill.execute_notebook(str(path), str(BUILD / path.name), cwd=str(NOTEBOOKS),
-                                       kernel_name="python3", progress_bar=False, log_output=False)
+                                       kernel_name="python3", progress_bar=False, log_output=False,
+                                       kernel_manager_class=IPC_KERNEL_MANAGER)
         except papermill.PapermillExecutionError as err:
             failed.append(path.name)
             print(f" FAILED in cell {err.exec_count}: {err.ename}: {err.evalue}", flush=True)
