@@ -121,6 +121,21 @@ ROWS = [
     ("rehearse-node-size", ["rehearse", "--strategy", "hybrid_shard", "--node-size", "3"]),
     ("rehearse-unit", ["rehearse", "--unit", "TB"]),
     ("rehearse-precision", ["rehearse", "--mixed-precision", "fp8"]),
+    # ft (notebook 06)
+    ("ft-replicas-0", ["ft", "--replicas", "0"]),
+    ("ft-steps-0", ["ft", "--steps", "0"]),
+    ("ft-kill-form", ["ft", "--kill", "x"]),
+    ("ft-kill-beyond-steps", ["ft", "--steps", "4", "--kill", "1:9"]),
+    ("ft-lr-inf", ["ft", "--lr", "inf"]),
+    ("ft-seed-beyond-64-bits", ["ft", "--seed", BEYOND_64_BITS]),
+    ("ft-timeout-nan", ["ft", "--timeout-s", "nan"]),
+    ("ft-heartbeat-0", ["ft", "--heartbeat-timeout-ms", "0"]),
+    ("ft-restart-after-negative", ["ft", "--restart-after", "-1"]),
+    ("ft-model", ["ft", "--model", "huge"]),
+    ("ft-batch", ["ft", "--batch", "3"]),
+    # exercises (notebooks 01-06)
+    ("exercises-grade-missing", ["exercises", "--grade", "{file}.ipynb"]),
+    ("exercises-run", ["exercises", "--run", "bogus"]),
     # bench (README)
     ("bench-out-file", ["bench", "--render-only", "--out", "{file}"]),
     ("bench-out-corrupt", ["bench", "--render-only", "--out", "{corrupt}"]),
