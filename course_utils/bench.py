@@ -40,6 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import CourseInputError
+from .validate import writable_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "benchmarks"
@@ -948,6 +949,9 @@ def check_arguments(args) -> None:
         if not isinstance(value, int) or value < low:
             raise CourseInputError(f"--{name} must be a whole number >= {low}, got {value!r}"
                                    + (" (the first step is warm-up and not timed)" if name == "steps" else ""))
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise CourseInputError(f"--peak-tflops must be a positive number of TFLOP/s, got {args.peak_tflops:g}")
+    writable_dir("--out", args.out)
 
 
 def bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -972,7 +976,10 @@ def bench_command(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "results.json"
-    results = json.loads(json_path.read_text()) if json_path.exists() else {}
+    try:
+        results = json.loads(json_path.read_text()) if json_path.exists() else {}
+    except (OSError, ValueError) as exc:
+        raise CourseInputError(f"cannot read {json_path} ({exc}); fix or delete it, or give another --out") from None
     if args.render_only:
         if not results:
             raise CourseInputError(f"no {json_path} to render; run the benchmark first")

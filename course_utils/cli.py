@@ -13,6 +13,7 @@ import importlib
 import sys
 
 from .errors import CourseInputError
+from .validate import check_numbers
 
 # name -> (module that implements it, one-line help, notebook that introduces it)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_numbers(args)  # nan, inf, 400 digits: refused for every flag, before anything runs
         return int(args._run(args) or 0)
     except CourseInputError as exc:
         print(f"python -m course_utils {args.command}: error: {exc}", file=sys.stderr)

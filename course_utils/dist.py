@@ -161,14 +161,34 @@ def init(backend: str | None = None, timeout_s: float | None = None, *, determin
     if not dist.is_initialized():
         timeout = timedelta(seconds=float(timeout_s or os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
         if "MASTER_ADDR" in os.environ:  # torchrun / elastic agent: rendezvous through env://
-            dist.init_process_group(backend_name, rank=rank, world_size=world, timeout=timeout,
-                                    device_id=device if device_type == "cuda" else None)
+            dist.init_process_group(backend_name, store=attempt_store(timeout), rank=rank, world_size=world,
+                                    timeout=timeout, device_id=device if device_type == "cuda" else None)
         else:  # a plain process: a world of one, so the same collectives still run
             dist.init_process_group(backend_name, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                     local_world_size=local_world, backend=backend_name, device=device,
                     restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def attempt_store(timeout: timedelta):
+    """Under plain torchrun, the agent's store seen through a prefix of this attempt, else None (notebook 06).
+
+    torchrun (torch 2.13) hands its own rendezvous TCPStore to the workers and keeps it across
+    restarts, with no prefix per attempt (``torch.distributed.rendezvous._create_c10d_store``:
+    "We create a new TCPStore for every retry"; the agent does not). A restarted group then
+    reads the dead attempt's gloo addresses under the same keys: "Gloo connectFullMesh failed
+    ... Connection refused", or a hang (pytorch/pytorch#135712). Measured with the README's
+    torchrun line on 4 gloo ranks: 0 of 3 tries finished. Prefixing every key with the attempt
+    number gives each attempt keys of its own, whatever torchrun's environment; setting
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment (as ``launch`` does)
+    avoids the shared store altogether, and then this returns None.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None  # init_process_group's env:// store, as usual
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"course_utils/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 
 @contextmanager

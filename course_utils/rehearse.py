@@ -58,6 +58,7 @@ from .compat import TESTED_TORCH
 from .errors import CourseInputError
 from .models import GPTConfig, get_config
 from .units import GB, MB, GiB, fmt_count
+from .validate import not_empty
 
 #: The torch version the set-up installs (constraints.txt) and the tracker was checked against.
 PINNED_TORCH = TESTED_TORCH  # one place: course_utils.compat
@@ -1094,6 +1095,7 @@ def rehearse_arguments(parser: argparse.ArgumentParser) -> None:
 
 def rehearse_command(args) -> int:
     """Run one rehearsal from the command line; bad input raises CourseInputError (exit 2) (notebook 05b)."""
+    not_empty("--params", args.params)  # '' is a typo, not the 7B default
     cfg = model_config(args.params or "7B", layers=args.layers, width=args.width, heads=args.heads,
                        vocab=args.vocab, seq=args.seq)
     r = rehearse(cfg, args.nproc, args.strategy, node_size=args.node_size, micro_batch=args.micro_batch,

@@ -30,6 +30,7 @@ import argparse
 import gc
 import importlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -43,7 +44,7 @@ import torch.distributed as dist
 from . import dist as cdist
 from .data import batch_for_rank
 from .errors import CourseInputError
-from .checkpoint import FINISHED_LINE, Checkpointer, die_hard, planned_failure
+from .checkpoint import FINISHED_LINE, Checkpointer, die_hard, planned_failure, rank0_full_weights
 from .instrument import CommCounter, held_bytes, optimizer_tensors, weights_sha256
 from .models import build_model, get_config
 
@@ -111,8 +112,39 @@ class TrainConfig:
         if not self.lr > 0:
             raise CourseInputError(f"lr must be positive, got {self.lr!r}")
         get_config(self.model)
+        self._validate_numbers_and_paths()
         self._validate_recovery()
         return self
+
+    def _validate_numbers_and_paths(self) -> None:
+        """What argparse lets through: nan and inf, seeds beyond 64 bits, knobs a strategy ignores, bad paths."""
+        from . import validate
+        from .dist import BACKENDS
+
+        for name, what in (("lr", "a learning rate, e.g. 3e-3"), ("bucket_cap_mb", "a bucket size in MB, e.g. 25"),
+                           ("timeout_s", "seconds, e.g. 120")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise CourseInputError(f"{name} must be a finite number > 0 ({what}), got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= validate.INT64_MAX:
+            raise CourseInputError(f"seed must be a whole number in 0..2^63-1, got {self.seed!r}")
+        if isinstance(self.node_size, bool) or not isinstance(self.node_size, int) or self.node_size < 1:
+            raise CourseInputError(f"node_size must be a whole number >= 1, got {self.node_size!r}")
+        if self.backend not in BACKENDS:
+            raise CourseInputError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not isinstance(self.options, dict):
+            raise CourseInputError(f"options must be a dict of KEY: VALUE, got {self.options!r}")
+        if self.options and STRATEGIES[self.strategy].startswith("course_utils.fsdp:"):
+            from .fsdp import fsdp_options
+
+            fsdp_options(self)
+        elif self.options:
+            raise CourseInputError(f"strategy {self.strategy!r} takes no --option (got {', '.join(self.options)}); "
+                                   "the knobs are for no_shard, shard_grad_op, full_shard and hybrid_shard")
+        if self.checkpoint_dir is not None:
+            validate.writable_dir("--checkpoint-dir", self.checkpoint_dir)
+        if self.save_weights is not None:
+            validate.writable_file("--save-weights", self.save_weights)
 
     def _validate_recovery(self) -> None:
         """Checkpoint and failure-injection settings (notebook 06)."""
@@ -124,14 +156,18 @@ class TrainConfig:
                 raise CourseInputError(f"{name} must be a whole number >= 0, got {value!r}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise CourseInputError("--checkpoint-every needs --checkpoint-dir (where the step-N/ folders go)")
-        if self.keep_checkpoints < 2:
+        if isinstance(self.keep_checkpoints, bool) or not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 2:
             raise CourseInputError(
                 f"keep_checkpoints must be >= 2, got {self.keep_checkpoints}: if the newest checkpoint turns out "
                 "unusable, the one before it is what a restart falls back to")
         for flag, text in (("--fail-at", self.fail_at), ("--fail-during-save", self.fail_during_save)):
             for rank, step in parse_failures(text, flag):
-                if not 0 <= rank < self.nproc or not 0 <= step <= self.steps:
-                    raise CourseInputError(f"{flag} {text}: rank must be in 0..{self.nproc - 1} and step in 0..{self.steps}")
+                # --fail-at names the step that dies (0..steps-1); --fail-during-save the save after N steps
+                last = self.steps - 1 if flag == "--fail-at" else self.steps
+                first = 0 if flag == "--fail-at" else 1
+                if not 0 <= rank < self.nproc or not first <= step <= last:
+                    raise CourseInputError(f"{flag} {text}: rank must be in 0..{self.nproc - 1} and step in "
+                                           f"{first}..{last} (a failure after the last step never fires)")
                 if flag == "--fail-during-save" and not (self.checkpoint_every and step % self.checkpoint_every == 0):
                     raise CourseInputError(
                         f"--fail-during-save {text}: step {step} is not a checkpoint step; use a multiple of "
@@ -268,13 +304,17 @@ def run_training(cfg: TrainConfig, info) -> dict:
                 comm.paused = True
                 ckpt.after_step(step + 1, local_losses)
                 comm.paused = False
-            cdist.report_progress(step + 1, cfg.steps, loss=float(local_losses[-1]))
+            value = float(local_losses[-1])  # already on the CPU: this adds no sync
+            if not math.isfinite(value):  # nan or inf stays so: stop now, not after the last step
+                raise CourseInputError(f"the loss of step {step} is {value} on rank {info.rank}: training diverged; "
+                                       f"lower the learning rate (now {cfg.lr:g})")
+            cdist.report_progress(step + 1, cfg.steps, loss=value)
     cdist.log(f"{FINISHED_LINE} at step {cfg.steps - 1}")  # how attempt_logs tells a finished rank
     # Everything below is bookkeeping, outside the counted window.
     if held is None:  # nothing left to train (resumed at the last step)
         held = held_bytes(*prepared.held())
     losses = (ckpt.history if ckpt else []) + global_mean_losses(local_losses, info)
-    full = prepared.full_state_dict()
+    full = rank0_full_weights(prepared, cfg.strategy)  # {} on the other ranks: no full copy on their devices
     if cfg.save_weights and info.rank == 0:  # for comparing strategies within a tolerance
         torch.save({k: v.detach().to("cpu", torch.float32) for k, v in full.items()}, cfg.save_weights)
     mine = {"held_bytes": held, "comm_per_step": comm.summary(max(1, cfg.steps - start_step)),
@@ -314,9 +354,11 @@ def train(cfg: TrainConfig | None = None, *, echo: bool = False, **overrides) ->
     ``cross_node_bytes_per_step`` (the busiest rank's ring bytes in groups that span nodes of
     ``cfg.node_size`` ranks: on one host, the nodes the mesh pretends to have; notebook 05).
     """
+    from .checkpoint import check_resume
     from .launch import launch
 
     cfg = TrainConfig(**{**asdict(cfg or TrainConfig()), **overrides}).validate()
+    check_resume(cfg)  # another run's checkpoint, or another strategy's: refused before any worker starts
     results = launch(train_worker, nproc=cfg.nproc, args=(asdict(cfg),), backend=cfg.backend,
                      timeout_s=cfg.timeout_s, max_restarts=cfg.max_restarts, echo=echo,
                      run_dir=cfg.checkpoint_dir and os.path.join(cfg.checkpoint_dir, "_launch"))
@@ -328,9 +370,8 @@ def train(cfg: TrainConfig | None = None, *, echo: bool = False, **overrides) ->
 def torchrun_train_command(cfg: TrainConfig) -> str:
     """The torchrun line that runs this same training outside the notebook (notebook 02)."""
     parts = [f"torchrun --standalone --nproc-per-node {cfg.nproc}"]
-    if cfg.max_restarts:
-        # a fresh rendezvous store per restart (pytorch/pytorch#135712; course_utils._agent does the same)
-        parts = ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"] + parts + [f"--max-restarts {cfg.max_restarts}"]
+    if cfg.max_restarts:  # restarts need nothing in torchrun's environment: see dist.attempt_store
+        parts.append(f"--max-restarts {cfg.max_restarts}")
     parts.append("-m course_utils.train")
     return " ".join(parts + train_flags(cfg))
 
@@ -418,17 +459,63 @@ def print_report(report: dict, as_json: bool) -> None:
 
 
 def train_command(args) -> int:
+    from .launch import WorkerFailed
+
     cfg = _config_from_args(args)
-    print_report(train(cfg, echo=not args.json), args.json)
+    try:
+        report = train(cfg, echo=not args.json)
+    except WorkerFailed as exc:
+        cause = worker_input_error(exc)
+        if cause is None:
+            raise
+        raise CourseInputError(cause) from None  # one line, as if it had been found before the launch
+    print_report(report, args.json)
     return 0
+
+
+def worker_input_error(exc: BaseException) -> str | None:
+    """The message of a ``CourseInputError`` a worker raised (found only once it ran), or None (notebook 06).
+
+    Some input can only be judged by the workers: whether the checkpoints in a folder verify,
+    whether a learning rate drives the loss to nan. Its one sentence is what the user needs,
+    not the launch's traceback.
+    """
+    for line in str(exc).splitlines():
+        head, sep, message = line.partition("CourseInputError: ")
+        if sep and message.strip():
+            return message.strip()
+    return None
+
+
+def die_with_torchrun() -> None:
+    """Under torchrun on Linux, have the kernel end this worker when torchrun dies (notebook 06).
+
+    torchrun stops its workers when it is asked to (SIGTERM, Ctrl-C), but a torchrun that is
+    killed outright (SIGKILL, an OOM kill, a closed job step) cannot: its workers, stuck in a
+    collective, were left running under init. ``PR_SET_PDEATHSIG`` (prctl(2)) is the kernel's
+    own "kill me when my parent exits"; torchrun starts ``-m`` workers itself, so the parent is it.
+    """
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # torchrun died before the request was in place
+        os._exit(1)
 
 
 def main(argv=None) -> int:
     """``python -m course_utils.train``: the worker entry point for plain torchrun (notebook 02)."""
+    from .validate import check_numbers
+
+    die_with_torchrun()
     parser = argparse.ArgumentParser(prog="python -m course_utils.train", description=__doc__.split("\n")[0])
     train_arguments(parser)
     args = parser.parse_args(argv)
     try:
+        check_numbers(args)
         args.nproc = int(os.environ.get("WORLD_SIZE", 1))  # torchrun decides the world size
         cfg = _config_from_args(args)
         report = train_worker(asdict(cfg))
