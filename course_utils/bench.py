@@ -10,7 +10,7 @@ number) and ``benchmarks/scaling.png``:
 - ``pairs``: hand-built vs torch on the same model, data, world size and steps: ``ddp_scratch`` /
   ``ddp``, ``zero2`` / ``shard_grad_op``, ``zero3`` / ``full_shard``, as step-time ratios from
   interleaved runs (A B A B ...), reported as min / median / max over rounds.
-- ``theory``: every strategy in ``train.STRATEGIES``: bytes held per rank and bytes sent per step
+- ``theory``: every strategy in ``strategies.STRATEGIES``: bytes held per rank and bytes sent per step
   against the formulas (the paper's, and the same formula with the padding the run really has).
 - ``scaling``: step time and bytes per rank on 1, 2 and 4 ranks for 3 model widths (plotted).
 - ``notebooks``: each notebook executed headless with its defaults (papermill), and the whole
@@ -40,6 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import CourseInputError
+from .strategies import FSDP_STRATEGIES, STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "benchmarks"
@@ -81,10 +82,6 @@ BF16_PEAK = (("B200", 2250e12), ("H200", 989e12), ("GH200", 989e12), ("H100 PCIe
              ("H800", 989e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
              ("L4", 121e12))
 
-#: Which row of the planner (``plan.STRATEGIES``) each training strategy's memory follows.
-PLAN_ROW = {"single": "ddp", "ddp": "ddp", "ddp_scratch": "ddp", "no_shard": "ddp", "zero1": "zero1",
-            "zero2": "zero2", "shard_grad_op": "zero2", "zero3": "zero3", "full_shard": "zero3",
-            "hybrid_shard": "hsdp"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,17 +209,15 @@ def paper_sent_bytes(strategy: str, psi: float, nproc: int, node_size: int = 2, 
 
     if strategy == "single" or nproc == 1:
         return 0.0
-    row = {"ddp": "ddp", "ddp_scratch": "ddp", "no_shard": "ddp", "zero1": "zero1", "zero2": "zero2",
-           "shard_grad_op": "zero2", "zero3": "zero3", "full_shard": "zero3"}
     if strategy == "hybrid_shard":
         nodes = nproc // node_size
         elements = comm.step_sent("zero3", psi, node_size) if node_size > 1 else 0.0
         if nodes > 1:
             elements += comm.all_reduce_sent(psi / node_size, nodes)
         return elements * bytes_per_element
-    if strategy not in row:
+    if strategy not in STRATEGIES:
         raise CourseInputError(f"no traffic formula for strategy {strategy!r}")
-    return comm.step_sent(row[strategy], psi, nproc) * bytes_per_element
+    return comm.step_sent(STRATEGIES[strategy].zero_row_at_peak, psi, nproc) * bytes_per_element
 
 
 def expected_bytes(strategy: str, psi: int, nproc: int, *, node_size: int = 2, precision: str = "fp32",
@@ -264,7 +259,7 @@ def expected_bytes(strategy: str, psi: int, nproc: int, *, node_size: int = 2, p
                 "source": "zero.expected_held_bytes, zero.expected_traffic"}
     from . import fsdp
 
-    if strategy not in fsdp.FSDP_STRATEGIES:
+    if strategy not in FSDP_STRATEGIES:
         raise CourseInputError(f"no formula for strategy {strategy!r}")
     held = fsdp.expected_held_bytes(strategy, psi, nproc, node_size)["total"]
     sent_exact = sent_paper
@@ -399,11 +394,9 @@ def strategy_available(name: str) -> tuple[bool, str]:
     """``(True, "")`` if the strategy's module and function import, else ``(False, why)`` (README)."""
     import importlib
 
-    from .train import STRATEGIES
-
     if name not in STRATEGIES:
-        return False, f"{name!r} is not in train.STRATEGIES"
-    module, _, fn = STRATEGIES[name].partition(":")
+        return False, f"{name!r} is not in strategies.STRATEGIES"
+    module, _, fn = STRATEGIES[name].apply.partition(":")
     try:
         getattr(importlib.import_module(module), fn)
     except (ImportError, AttributeError) as exc:
@@ -560,8 +553,6 @@ def _calls(report: dict) -> dict:
 
 def theory_section(steps: int, shape: dict, cache: dict | None = None) -> dict:
     """Every registered strategy: bytes held per rank and sent per step against ``expected_bytes`` (README)."""
-    from .train import STRATEGIES
-
     cache = {} if cache is None else cache
     psi = psi_of(shape)
     rows = []
@@ -719,7 +710,6 @@ def cuda_section(steps: int = 20, strategies=None, peak_flops: float | None = No
     import torch
 
     from . import plan as cplan
-    from .train import STRATEGIES
 
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device on this host"}
@@ -752,7 +742,7 @@ def cuda_section(steps: int = 20, strategies=None, peak_flops: float | None = No
                                 vocab=shape["vocab"], seq=shape["seq"], micro_batch=batch // nproc,
                                 checkpointing=False)
         cluster = cplan.Cluster(gpus_per_node=nproc, nodes=1, gpu_mem=gpu_mem)
-        row = PLAN_ROW[s] if PLAN_ROW[s] != "hsdp" else "zero3"
+        row = STRATEGIES[s].plan_row if STRATEGIES[s].plan_row != "hsdp" else "zero3"
         predicted = cplan.memory_breakdown(spec, cluster, row)["total"]
         measured = max(r.get("max_memory_allocated", 0) for r in rep["ranks"])
         rows.append({"strategy": s, "nproc": nproc, "step_time_s": t, "tokens_per_s": tokens / t,

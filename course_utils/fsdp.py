@@ -66,21 +66,8 @@ from .data import batch_for_rank
 from .errors import CourseInputError
 from .instrument import CommCounter, held_bytes, weights_sha256
 from .models import Block, build_model, get_config
+from .strategies import FSDP_STRATEGIES, get, get_fsdp, mesh_shape, shard_group_size
 from .train import Prepared, TrainConfig, make_optimizer, module_held, resolve_strategy
-
-#: The four FSDP strategies of this module, in the order the notebook shows them.
-FSDP_STRATEGIES = ("no_shard", "shard_grad_op", "full_shard", "hybrid_shard")
-
-#: The FSDP1 ``ShardingStrategy`` member each strategy corresponds to (notebook 04).
-FSDP1_NAMES = {"no_shard": "NO_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "full_shard": "FULL_SHARD",
-               "hybrid_shard": "HYBRID_SHARD"}
-
-#: ``fully_shard(reshard_after_forward=...)`` for each strategy (notebook 04).
-RESHARD_AFTER_FORWARD = {"no_shard": False, "shard_grad_op": False, "full_shard": True, "hybrid_shard": True}
-
-#: The row of the ZeRO memory table whose bytes each strategy holds (``memory.STAGES``) (notebook 04).
-ZERO_ROW = {"single": "ddp", "no_shard": "ddp", "shard_grad_op": "zero2", "full_shard": "zero3",
-            "hybrid_shard": "zero3"}
 
 #: Accepted values of the strategy knobs in ``TrainConfig.options``; the first is the default.
 OPTIONS = {"api": ("fsdp2", "fsdp1"), "wrap": ("block", "model", "linear"),
@@ -114,26 +101,6 @@ def fsdp_options(cfg: TrainConfig) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Meshes, units, prefetching, policies
 # ---------------------------------------------------------------------------------------------
-
-def mesh_shape(strategy: str, nproc: int, node_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """``(shape, names)`` of the device mesh a strategy shards over (notebook 04).
-
-    full_shard and shard_grad_op shard over all N ranks: ``(N,)``. hybrid_shard shards inside
-    nodes of n = ``node_size`` ranks and replicates across the N/n nodes: ``(N/n, n)``.
-    no_shard is the 2-D mesh with shard size 1: ``(N, 1)``.
-    """
-    if strategy in ("full_shard", "shard_grad_op"):
-        return (nproc,), ("shard",)
-    if strategy == "no_shard":
-        return (nproc, 1), ("replicate", "shard")
-    if strategy == "hybrid_shard":
-        if node_size < 1 or nproc % node_size:
-            raise CourseInputError(
-                f"hybrid_shard needs nproc ({nproc}) divisible by node_size ({node_size}); "
-                "e.g. --nproc 4 --node-size 2 (2 nodes x 2 ranks)")
-        return (nproc // node_size, node_size), ("replicate", "shard")
-    raise CourseInputError(f"unknown FSDP strategy {strategy!r}; choose one of {', '.join(FSDP_STRATEGIES)}")
-
 
 #: Meshes already built in this process, keyed by (device type, shape, names); each entry keeps
 #: the default process group it was built under, so a new session never reuses a stale one.
@@ -226,23 +193,34 @@ def offload_policy(enabled: bool, device: torch.device):
 
 
 def shard_model(model: nn.Module, mesh, *, reshard_after_forward: bool, granularity: str = "block",
-                mp_policy=None, offload=None, prefetch: str = "default") -> list:
+                mp_policy=None, offload=None, prefetch: str = "default", act_ckpt: bool = False) -> list:
     """Apply ``fully_shard`` bottom-up: each unit module, then the root; return the units, root last (notebook 04).
+
+    The one wrapping function of the course: real runs (``apply_full_shard`` and the other
+    FSDP strategies) and the dress rehearsal (notebook 05b) both wrap through it.
 
     Args:
         model: the course model (same seed on every rank).
         mesh: from ``fsdp_mesh``: 1-D shards over it, 2-D shards over dim 1, replicates over dim 0.
         reshard_after_forward: True frees each unit after its forward (FULL_SHARD), False keeps
-            it gathered until its backward (SHARD_GRAD_OP).
+            it gathered until its backward (SHARD_GRAD_OP); the record's ``reshard_after_forward``.
         granularity: what a unit is (``unit_modules``).
         mp_policy, offload: ``mixed_precision_policy`` / ``offload_policy`` results, or None.
         prefetch: ``set_prefetch`` mode.
+        act_ckpt: recompute each unit's activations in backward (torch's composable
+            ``checkpoint``), keeping only each unit's input (notebook 05b).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,
                   mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload or OffloadPolicy())
-    units = [fully_shard(m, **kwargs) for m in unit_modules(model, granularity)]
+    modules = unit_modules(model, granularity)
+    if act_ckpt:
+        from torch.distributed._composable import checkpoint
+
+        for m in modules:
+            checkpoint(m)
+    units = [fully_shard(m, **kwargs) for m in modules]
     units.append(fully_shard(model, **kwargs))
     set_prefetch(units, prefetch)
     return units
@@ -382,7 +360,7 @@ def expected_peak_unsharded_bytes(units: list[dict], strategy: str, prefetch: st
     """
     root = sum(u["numel"] for u in units if u["name"] == "(root)")
     others = [u["numel"] for u in units if u["name"] != "(root)"]
-    if strategy in ("shard_grad_op", "no_shard") or not others:
+    if not get_fsdp(strategy).reshard_after_forward or not others:
         working = sum(others)
     elif prefetch == "none" or len(others) == 1:
         working = max(others)
@@ -420,13 +398,14 @@ def _apply_fsdp(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
         return apply_fsdp1(model, cfg, info, strategy)
     mesh = fsdp_mesh(info, strategy, cfg.node_size)
     mp = mixed_precision_policy(cfg)
-    units = shard_model(model, mesh, reshard_after_forward=RESHARD_AFTER_FORWARD[strategy],
+    spec = get_fsdp(strategy)
+    units = shard_model(model, mesh, reshard_after_forward=spec.reshard_after_forward,
                         granularity=opts["wrap"], mp_policy=mp, offload=offload_policy(opts["offload"], info.device),
                         prefetch=opts["prefetch"])
     optimizer = make_optimizer(model.parameters(), cfg)  # after sharding: over this rank's DTensor shards
-    report = {"library": "FSDP2 fully_shard", "fsdp1_name": FSDP1_NAMES[strategy],
+    report = {"library": "FSDP2 fully_shard", "fsdp1_name": spec.fsdp1_name,
               "mesh": {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names)},
-              "reshard_after_forward": RESHARD_AFTER_FORWARD[strategy], **opts,
+              "reshard_after_forward": spec.reshard_after_forward, **opts,
               "compute_bytes_per_element": 2 if mp else 4,
               "units": unit_table(model, mesh.shape[-1]), "peak_unsharded_bytes": 0}
     tracker = UnshardedTracker(model, report)
@@ -499,7 +478,7 @@ def apply_fsdp1(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
     Args:
         model, cfg, info: as for ``apply_full_shard``; ``cfg.options["wrap"]`` "block" uses
             ``ModuleWrapPolicy({Block})`` (one unit per block, like ``shard_model``), "model" none.
-        strategy: one of ``FSDP1_NAMES``; HYBRID_SHARD gets the same 2-D mesh as FSDP2.
+        strategy: one of ``strategies.FSDP_STRATEGIES``; HYBRID_SHARD gets the same 2-D mesh as FSDP2.
 
     FSDP1 flattens each unit's parameters into one ``FlatParameter`` and shards that (padded to a
     multiple of N); the optimizer sees the flat shards. On CPU ``device_id`` is the CPU device.
@@ -516,10 +495,10 @@ def apply_fsdp1(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
     policy = ModuleWrapPolicy({Block}) if opts["wrap"] == "block" else None
     with warnings.catch_warnings():  # FSDP1 announces its own deprecation; the notebook says so in words
         warnings.simplefilter("ignore", FutureWarning)
-        wrapped = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy[FSDP1_NAMES[strategy]],
+        wrapped = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy[get_fsdp(strategy).fsdp1_name],
                                            device_id=info.device, auto_wrap_policy=policy, **kwargs)
     optimizer = make_optimizer(wrapped.parameters(), cfg)
-    report = {"library": "FSDP1 FullyShardedDataParallel", "fsdp1_name": FSDP1_NAMES[strategy], **opts,
+    report = {"library": "FSDP1 FullyShardedDataParallel", "fsdp1_name": get_fsdp(strategy).fsdp1_name, **opts,
               "flat_shard_numel": [p.numel() for p in wrapped.parameters()]}
     return Prepared(model=wrapped, optimizer=optimizer, full_state_dict=lambda: full_state_dict(wrapped),
                     held=lambda: module_held(wrapped, optimizer), info=report)
@@ -529,17 +508,13 @@ def apply_fsdp1(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
 # What the formulas predict for a run
 # ---------------------------------------------------------------------------------------------
 
-def zero_nd(strategy: str, nproc: int, node_size: int = 2) -> int:
-    """Nd of the ZeRO row a strategy's bytes follow: N, except HSDP shards over a node of n (notebook 04)."""
-    return {"single": 1, "hybrid_shard": node_size}.get(strategy, nproc)
-
-
 def expected_held_bytes(strategy: str, psi: int, nproc: int, node_size: int = 2) -> dict:
     """Bytes of parameters, gradients and Adam state one rank holds at rest, by the ZeRO table (notebook 04).
 
     FSDP2 keeps fp32 parameters and gradients and fp32 Adam moments, whatever the compute
     precision (bf16 is only the gathered working copy): 4 + 4 + K = 8 bytes per parameter, the
-    ``memory.OPTIMIZERS["adam_fp32"]`` bill. Sharded parts divide by Nd (``zero_nd``):
+    ``memory.OPTIMIZERS["adam_fp32"]`` bill. The row is the record's ``zero_row_at_rest``;
+    sharded parts divide by Nd (``strategies.shard_group_size``):
 
     - single, no_shard: the plain-DP row, 16Ψ;
     - full_shard, hybrid_shard: stage 3, 16Ψ/Nd;
@@ -552,8 +527,8 @@ def expected_held_bytes(strategy: str, psi: int, nproc: int, node_size: int = 2)
     from .memory import OPTIMIZERS, model_state_bytes
 
     bill = OPTIMIZERS["adam_fp32"]
-    nd = zero_nd(strategy, nproc, node_size)
-    row = "zero3" if strategy in ("full_shard", "shard_grad_op", "hybrid_shard") else "ddp"
+    nd = shard_group_size(strategy, nproc, node_size)
+    row = get(strategy).zero_row_at_rest
     sharded = 1 / nd if row == "zero3" else 1.0
     out = {"params": bill.weight_bytes * psi * sharded, "grads": bill.grad_bytes * psi * sharded,
            "optim": bill.k * psi * sharded}
@@ -621,8 +596,7 @@ def predict(strategy: str, *, model: str = "tiny", nproc: int, node_size: int = 
     held = expected_held_bytes(strategy, param_count(model), nproc, node_size)
     if strategy == "single":
         return {"units": [], "held": held, "comm": {}, "peak": None}
-    shard = mesh_shape(strategy, nproc, node_size)[0][-1]
-    units = planned_units(model, wrap, shard)
+    units = planned_units(model, wrap, shard_group_size(strategy, nproc, node_size))
     w = 2 if precision == "mixed" else 4
     return {"units": units, "held": held,
             "comm": expected_collectives(strategy, units, nproc, node_size, param_bytes=w, grad_bytes=4),
@@ -1063,11 +1037,10 @@ def state_dict_demo(cfg: TrainConfig | None = None, *, nproc: int, run_dir: str,
 
 
 __all__ = [
-    "FSDP_STRATEGIES", "FSDP1_NAMES", "RESHARD_AFTER_FORWARD", "ZERO_ROW", "OPTIONS", "fsdp_options",
-    "mesh_shape", "fsdp_mesh", "unit_modules", "set_prefetch", "mixed_precision_policy", "offload_policy",
+    "OPTIONS", "fsdp_options", "fsdp_mesh", "unit_modules", "set_prefetch", "mixed_precision_policy", "offload_policy",
     "shard_model", "unit_table", "UnshardedTracker", "expected_peak_unsharded_bytes", "full_state_dict",
     "full_state_dict_via_dtensor", "apply_full_shard", "apply_shard_grad_op", "apply_no_shard",
-    "apply_hybrid_shard", "apply_fsdp1", "zero_nd", "expected_held_bytes", "expected_collectives",
+    "apply_hybrid_shard", "apply_fsdp1", "expected_held_bytes", "expected_collectives",
     "planned_units", "predict", "calls_text", "comm_matches", "side_by_side_table", "COLUMNS", "measurements_table", "TOLERANCE", "trains_like_single", "run_one", "held_by_device", "weight_diff", "experiments_worker", "run_experiments",
     "state_dict_round_trip", "state_dict_demo",
 ]

@@ -46,21 +46,7 @@ from .errors import CourseInputError
 from .checkpoint import FINISHED_LINE, Checkpointer, die_hard, planned_failure
 from .instrument import CommCounter, held_bytes, optimizer_tensors, weights_sha256
 from .models import build_model, get_config
-
-#: strategy name -> "module:function" that applies it (imported only when used)
-STRATEGIES: dict[str, str] = {
-    "single": "course_utils.train:apply_single",          # notebook 02: the reference
-    "ddp": "course_utils.ddp:apply_ddp",                  # notebook 02: torch DistributedDataParallel
-    "ddp_scratch": "course_utils.ddp:apply_ddp_scratch",  # notebook 02: bucketed DDP built by hand
-    "zero1": "course_utils.zero:apply_zero1",             # notebook 03: P_os
-    "zero2": "course_utils.zero:apply_zero2",             # notebook 03: P_os+g
-    "zero3": "course_utils.zero:apply_zero3",             # notebook 03: P_os+g+p
-    "no_shard": "course_utils.fsdp:apply_no_shard",       # notebook 04
-    "shard_grad_op": "course_utils.fsdp:apply_shard_grad_op",
-    "full_shard": "course_utils.fsdp:apply_full_shard",
-    "hybrid_shard": "course_utils.fsdp:apply_hybrid_shard",
-}
-
+from .strategies import STRATEGIES, get, mesh_shape
 
 @dataclass
 class TrainConfig:
@@ -90,8 +76,7 @@ class TrainConfig:
     save_weights: str | None = None      # rank 0 writes the final full fp32 state dict here (torch.save)
 
     def validate(self) -> "TrainConfig":
-        if self.strategy not in STRATEGIES:
-            raise CourseInputError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        get(self.strategy)
         for name in ("nproc", "steps", "batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -103,10 +88,7 @@ class TrainConfig:
                 f"global batch {self.batch} does not divide by {self.nproc} ranks; pick a batch that is a multiple of {self.nproc}")
         if self.precision not in ("fp32", "mixed"):
             raise CourseInputError(f"precision must be 'fp32' or 'mixed', got {self.precision!r}")
-        if self.strategy == "hybrid_shard" and (self.node_size < 1 or self.nproc % self.node_size):
-            raise CourseInputError(
-                f"hybrid_shard needs nproc ({self.nproc}) divisible by node_size ({self.node_size}); "
-                "e.g. --nproc 4 --node-size 2 (2 nodes x 2 ranks)")
+        mesh_shape(self.strategy, self.nproc, self.node_size)  # hybrid_shard: nproc must divide by node_size
         if not self.lr > 0:
             raise CourseInputError(f"lr must be positive, got {self.lr!r}")
         get_config(self.model)
@@ -191,7 +173,8 @@ def apply_single(model, cfg: TrainConfig, info) -> Prepared:
 
 
 def resolve_strategy(name: str) -> Callable:
-    module, _, fn = STRATEGIES[name].partition(":")
+    """The record's ``apply`` function of ``name`` (``strategies.STRATEGIES``), imported on first use (notebook 02)."""
+    module, _, fn = get(name).apply.partition(":")
     return getattr(importlib.import_module(module), fn)
 
 

@@ -708,7 +708,7 @@ def apply_torch_zero1(model, cfg, info):
                     info={"library": "torch.distributed.optim.ZeroRedundancyOptimizer"})
 
 
-#: What ``agreement_worker`` can run besides the strategies of ``train.STRATEGIES``.
+#: What ``agreement_worker`` can run besides the strategies of ``strategies.STRATEGIES``.
 REFERENCES = {"torch_zero1": apply_torch_zero1}
 
 
@@ -832,7 +832,7 @@ def agreement(cfg=None, *, strategies=("ddp", "zero1", "zero2", "zero3", "torch_
     """Launch ``agreement_worker`` on ``cfg.nproc`` ranks and return rank 0's comparison (notebook 03).
 
     ``cfg`` is a ``train.TrainConfig`` (or its fields as keyword arguments); the strategies
-    are names from ``train.STRATEGIES`` or ``REFERENCES``.
+    are names from ``strategies.STRATEGIES`` or ``REFERENCES``.
     """
     from dataclasses import asdict
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from course_utils import fsdp
+from course_utils import fsdp, strategies
 from course_utils.errors import CourseInputError
 from course_utils.models import build_model, get_config, param_count
 from course_utils.train import TrainConfig, train
 
 MODEL = "tiny"
 NPROC, NODE = 4, 2
-STRATEGIES = fsdp.FSDP_STRATEGIES
+STRATEGIES = strategies.FSDP_STRATEGIES
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_bad_settings_are_refused_with_a_sentence():
     with pytest.raises(CourseInputError, match="divisible by node_size"):
         train(strategy="hybrid_shard", nproc=6, batch=12, node_size=4)
     with pytest.raises(CourseInputError, match="divisible by node_size"):
-        fsdp.mesh_shape("hybrid_shard", 6, 4)
+        strategies.mesh_shape("hybrid_shard", 6, 4)
     with pytest.raises(CourseInputError, match="prefetch"):
         fsdp.fsdp_options(TrainConfig(strategy="full_shard", options={"prefetch": "sometimes"}))
     with pytest.raises(CourseInputError, match="unknown FSDP option"):
