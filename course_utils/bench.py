@@ -104,12 +104,14 @@ def group_worker() -> dict:
     return {"entered": entered, "joined": joined, "left": time.time()}
 
 
-def bench_train_worker(config: dict, model: dict | None = None, cuda_peak: bool = False) -> dict:
+def bench_train_worker(config: dict, model: dict | None = None, cuda_peak: bool = False,
+                       observe: bool = True) -> dict:
     """``train.train_worker`` on a model shape of the benchmark's choosing (README, Benchmarks).
 
     ``model`` (``GPTConfig`` fields) is registered under ``config["model"]`` in this process
     first, so the run is the course's one training loop on a width the presets do not have.
     With ``cuda_peak`` every rank adds its ``torch.cuda.max_memory_allocated()`` to its result.
+    ``observe=False``: a timing run, no counting observer (``train_worker``).
     """
     import torch
 
@@ -121,7 +123,7 @@ def bench_train_worker(config: dict, model: dict | None = None, cuda_peak: bool 
     if cuda_peak and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.reset_peak_memory_stats()
-    out = train_worker(config)
+    out = train_worker(config, observe)
     if cuda_peak and torch.cuda.is_available():
         out["max_memory_allocated"] = int(torch.cuda.max_memory_allocated())
     return out
@@ -424,8 +426,11 @@ def psi_of(shape: dict) -> int:
 
 
 def run_train(strategy: str, nproc: int, shape: dict, *, steps: int, batch: int = 8, timeout_s: float = 300.0,
-              cuda_peak: bool = False, **config) -> dict:
+              cuda_peak: bool = False, observe: bool = True, **config) -> dict:
     """One ``train_worker`` run of ``strategy`` on ``nproc`` ranks and model ``shape`` (one launch) (README).
+
+    ``observe=False`` for the runs whose step time is the result: timing runs carry no
+    counting observer; counting runs (``observe=True``) make no timing claim.
 
     Returns the train report (rank 0's) plus ``ranks`` (every rank's result) and ``launch_wall_s``;
     on a failure ``{"error": ...}`` instead of raising, so one broken strategy does not stop the bench.
@@ -439,7 +444,7 @@ def run_train(strategy: str, nproc: int, shape: dict, *, steps: int, batch: int 
     cfg = TrainConfig(strategy=strategy, nproc=nproc, steps=steps, model=name, batch=batch, timeout_s=timeout_s,
                       **config).validate()
     try:
-        res = launch(bench_train_worker, nproc=nproc, args=(asdict(cfg), shape, cuda_peak), backend=cfg.backend,
+        res = launch(bench_train_worker, nproc=nproc, args=(asdict(cfg), shape, cuda_peak, observe), backend=cfg.backend,
                      timeout_s=timeout_s, echo=False, progress=False)
     except (LaunchError, CourseInputError) as exc:
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
@@ -520,29 +525,31 @@ def pairs_section(rounds: int, steps: int, shape: dict, nproc: int = 2, cache: d
     for i in range(rounds):
         for hand, lib in runnable:
             for s in (hand, lib):
-                rep = run_train(s, nproc, shape, steps=steps)
+                rep = run_train(s, nproc, shape, steps=steps, observe=False)
                 reports[s].append(rep)
                 if "error" not in rep:
                     series[s].append(rep["step_time_s"])
         _say(f"    pairs: round {i + 1}/{rounds} done")
+    # The timed runs carry no counting observer; one counted run per strategy gives the calls
+    # and losses (and serves the theory section).
+    counted = {s: run_train(s, nproc, shape, steps=steps) for pair in runnable for s in pair}
     rows = []
     for hand, lib in PAIRS:
         row = {"hand": hand, "torch": lib, "nproc": nproc, "steps": steps, "psi": psi}
         if (hand, lib) in missing:
             rows.append({**row, "error": missing[(hand, lib)]})
             continue
-        errors = [r["error"] for s in (hand, lib) for r in reports[s] if "error" in r]
+        errors = [r["error"] for s in (hand, lib) for r in [*reports[s], counted[s]] if "error" in r]
         if errors or not series[hand]:
             row["error"] = errors[0] if errors else "no runs"
         else:
             row.update(ratio=pair_ratios(series[hand], series[lib]), hand_s=spread(series[hand]),
                        torch_s=spread(series[lib]),
-                       hand_calls=_calls(reports[hand][-1]), torch_calls=_calls(reports[lib][-1]),
-                       same_losses=reports[hand][-1]["losses"] == reports[lib][-1]["losses"],
-                       max_loss_diff=max(abs(a - b) for a, b in zip(reports[hand][-1]["losses"],
-                                                                    reports[lib][-1]["losses"])))
+                       hand_calls=_calls(counted[hand]), torch_calls=_calls(counted[lib]),
+                       same_losses=counted[hand]["losses"] == counted[lib]["losses"],
+                       max_loss_diff=max(abs(a - b) for a, b in zip(counted[hand]["losses"], counted[lib]["losses"])))
             for s in (hand, lib):
-                cache[(s, nproc)] = reports[s][-1]
+                cache[(s, nproc)] = counted[s]
         rows.append(row)
     return {"rounds": rounds, "steps": steps, "model": shape, "psi": psi, "nproc": nproc, "rows": rows}
 
@@ -585,7 +592,8 @@ def scaling_section(steps: int, widths=SCALING_WIDTHS, ranks=SCALING_RANKS, stra
             shape = model_shape(width=w, heads=4)
             psi = psi_of(shape)
             for n in ranks:
-                tries = [run_train(s, n, shape, steps=steps) for _ in range(SINGLE_RANK_TRIES if n == 1 else 1)]
+                tries = [run_train(s, n, shape, steps=steps, observe=False)
+                         for _ in range(SINGLE_RANK_TRIES if n == 1 else 1)]
                 good = [r for r in tries if "error" not in r]
                 rep = min(good, key=lambda r: r["step_time_s"]) if good else tries[0]
                 if "error" in rep:
@@ -732,7 +740,7 @@ def cuda_section(steps: int = 20, strategies=None, peak_flops: float | None = No
         if not ok:
             rows.append({"strategy": s, "error": why})
             continue
-        rep = run_train(s, nproc, shape, steps=steps, batch=batch, precision="mixed", cuda_peak=True,
+        rep = run_train(s, nproc, shape, steps=steps, batch=batch, precision="mixed", cuda_peak=True, observe=False,
                         timeout_s=600.0)
         if "error" in rep:
             rows.append({"strategy": s, "error": rep["error"]})

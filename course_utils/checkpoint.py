@@ -562,7 +562,7 @@ class Checkpointer:
         self._record()
         k = self.cfg.checkpoint_every
         if k and done % k == 0:
-            from .train import global_mean_losses
+            from .instrument import global_mean_losses
 
             history = self.history + global_mean_losses(local_losses, self.info)
             extra = {**self._match(), "losses": history}
@@ -685,19 +685,12 @@ def attempt_logs(checkpoint_dir, run_id: str) -> list[dict]:
 # ---------------------------------------------------------------- two pitfalls, on real files (notebook 06)
 
 def _one_step(config: dict, info):
-    """Build the run's model and strategy and train one step, so that the optimizer has state."""
-    from .data import batch_for_rank
-    from .models import build_model, get_config
-    from .train import TrainConfig, resolve_strategy
+    """Build the run's model and strategy and train one step in the one loop, so that the optimizer has state."""
+    from .train import TrainConfig, prepare, run_steps
 
     cfg = TrainConfig(**{**config, "nproc": info.world_size}).validate()
-    mcfg = get_config(cfg.model)
-    prepared = resolve_strategy(cfg.strategy)(build_model(mcfg, seed=cfg.seed, device=info.device), cfg, info)
-    x, y = batch_for_rank(0, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab,
-                          seed=cfg.seed, device=info.device)
-    prepared.model(x, y).backward()
-    prepared.before_step()
-    prepared.optimizer.step()
+    prepared = prepare(cfg, info)
+    run_steps(prepared, cfg, info, range(1))
     return prepared
 
 

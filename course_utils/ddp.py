@@ -28,9 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import dist as cdist
 from .data import batch_for_rank
-from .instrument import CommCounter, weights_sha256
+from .instrument import CommCounter, CountCollectives, Observer, weights_sha256
 from .models import build_model, get_config
-from .train import Prepared, TrainConfig, make_optimizer, module_held
+from .train import Prepared, TrainConfig, make_optimizer, module_held, run_steps
 from .units import MiB  # torch's bucket_cap_mb counts MiB (2^20 bytes); so does BucketedDDP
 
 
@@ -252,55 +252,71 @@ def _gradient_vs_full_batch(model, cfg: TrainConfig, info) -> float | None:
     return float(sum((g - r).pow(2).sum() for g, r in pairs).sqrt() / sum(r.pow(2).sum() for _, r in pairs).sqrt())
 
 
+class _BucketWatch(Observer):
+    """What notebook 02 watches on ``BucketedDDP`` each step: the last step's timeline, the bytes
+    gloo wrote to its sockets during forward, backward and synchronisation, the step time, the
+    first averaged gradient against the full batch's, and whether the replicas still agree."""
+
+    def __init__(self, ddp: BucketedDDP, model, cfg: TrainConfig, info):
+        self.ddp, self.model, self.cfg, self.info = ddp, model, cfg, info
+        self.step_s, self.wire, self.replicas_identical, self.grad_rel = [], 0, [], None
+        self.w0 = None
+
+    def before_forward(self, step: int) -> None:
+        self.ddp.timeline.clear()
+        self.w0 = socket_bytes_written()
+        self.t0 = time.perf_counter()
+
+    def after_forward(self, step: int, loss) -> None:
+        self.t_backward = time.perf_counter()
+
+    def after_backward(self, step: int) -> None:
+        self.t_backward_end = time.perf_counter()
+
+    def before_update(self, step: int) -> None:  # finish_gradient_synchronization has run
+        self.t_synced = time.perf_counter()
+        if self.w0 is not None:
+            self.wire += socket_bytes_written() - self.w0
+        if step == 0:
+            self.grad_rel = _gradient_vs_full_batch(self.model, self.cfg, self.info)
+
+    def after_step(self, step: int, losses: list) -> None:
+        self.step_s.append(time.perf_counter() - self.t0)  # the median leaves out step 0 (and its check)
+        hashes = [None] * self.info.world_size  # the replica check: not training, not counted
+        dist.all_gather_object(hashes, weights_sha256(self.model.state_dict()))
+        self.replicas_identical.append(len(set(hashes)) == 1)
+
+    def timeline(self) -> dict:
+        rows = _timeline_rows(self.ddp.timeline, self.t_backward)
+        rows.update(forward_ms=(self.t0 - self.t_backward) * 1e3,
+                    backward_end_ms=(self.t_backward_end - self.t_backward) * 1e3,
+                    synced_ms=(self.t_synced - self.t_backward) * 1e3)
+        return rows
+
+
 def _sweep_one_cap(cfg: TrainConfig, info, cap_mb: float) -> dict:
-    """Train ``cfg.steps`` steps of BucketedDDP at one bucket cap and measure everything."""
-    mcfg = get_config(cfg.model)
-    model = build_model(mcfg, seed=cfg.seed, device=info.device)
+    """Train ``cfg.steps`` steps of BucketedDDP at one bucket cap in the one loop, and watch it."""
+    model = build_model(get_config(cfg.model), seed=cfg.seed, device=info.device)
     ddp = BucketedDDP(model, bucket_cap_mb=cap_mb, timeline=True)
     optimizer = make_optimizer(ddp.parameters(), cfg)
-    comm = CommCounter()
-    losses, step_s, wire, replicas_identical = [], [], 0, []
-    for step in range(cfg.steps):
-        x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
-                              vocab=mcfg.vocab, seed=cfg.seed, device=info.device)
-        ddp.timeline.clear()
-        w0 = socket_bytes_written()
-        t0 = time.perf_counter()
-        with comm:
-            loss = ddp(x, y)
-            t_backward = time.perf_counter()
-            loss.backward()
-            t_backward_end = time.perf_counter()
-            ddp.finish_gradient_synchronization()
-            t_synced = time.perf_counter()
-        if w0 is not None:
-            wire += socket_bytes_written() - w0
-        if step == 0:
-            grad_rel = _gradient_vs_full_batch(model, cfg, info)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step_s.append(time.perf_counter() - t0)  # the median below leaves out step 0 (and its check)
-        losses.append(loss.detach())
-        hashes = [None] * info.world_size  # the replica check, outside the counted window
-        dist.all_gather_object(hashes, weights_sha256(model.state_dict()))
-        replicas_identical.append(len(set(hashes)) == 1)
+    prepared = Prepared(model=ddp, optimizer=optimizer, full_state_dict=lambda: model.state_dict(),
+                        held=lambda: module_held(model, optimizer), before_step=ddp.finish_gradient_synchronization)
+    count, watch = CountCollectives(), _BucketWatch(ddp, model, cfg, info)
+    losses = run_steps(prepared, cfg, info, range(cfg.steps), [count, watch])
     mean_losses = torch.stack(losses).to(info.device)
     dist.all_reduce(mean_losses)
-    counted = comm.summary(cfg.steps).get("all_reduce", {"calls": 0, "payload_bytes": 0, "sent_bytes": 0})
-    timeline = _timeline_rows(ddp.timeline, t_backward)
-    timeline.update(forward_ms=(t0 - t_backward) * 1e3, backward_end_ms=(t_backward_end - t_backward) * 1e3,
-                    synced_ms=(t_synced - t_backward) * 1e3)
+    counted = count.summary(cfg.steps).get("all_reduce", {"calls": 0, "payload_bytes": 0, "sent_bytes": 0})
     return {
         "cap_mb": cap_mb, **ddp.describe(),
         "calls_per_step": counted["calls"], "payload_bytes_per_step": counted["payload_bytes"],
         "sent_bytes_per_step": counted["sent_bytes"],
-        "wire_bytes_per_step": None if w0 is None or info.backend != "gloo" else wire / cfg.steps,
-        "step_time_s": statistics.median(step_s[1:] or step_s),
+        "wire_bytes_per_step": None if watch.w0 is None or info.backend != "gloo" else watch.wire / cfg.steps,
+        "step_time_s": statistics.median(watch.step_s[1:] or watch.step_s),
         "losses": (mean_losses / info.world_size).cpu().tolist(),
-        "replicas_identical": replicas_identical, "weights_sha256": weights_sha256(model.state_dict()),
-        "grad_rel_vs_full_batch": grad_rel,
+        "replicas_identical": watch.replicas_identical, "weights_sha256": weights_sha256(model.state_dict()),
+        "grad_rel_vs_full_batch": watch.grad_rel,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "timeline": timeline,
+        "timeline": watch.timeline(),
     }
 
 
@@ -389,24 +405,27 @@ class GPTWithAuxHead(nn.Module):
         return self.gpt(idx, targets)  # aux_head is not used: its gradient never arrives
 
 
+class _ForwardBackwardTimer(Observer):
+    """Seconds from the start of forward to the end of gradient synchronisation, each step."""
+
+    def __init__(self):
+        self.times = []
+
+    def before_forward(self, step: int) -> None:
+        self.t0 = time.perf_counter()
+
+    def before_update(self, step: int) -> None:
+        self.times.append(time.perf_counter() - self.t0)
+
+
 def _timed_steps(wrapped, cfg: TrainConfig, info, steps: int, finish=None) -> tuple[list, float]:
-    """Train ``steps`` steps of ``wrapped``; return the losses and the median forward+backward time."""
-    mcfg = get_config(cfg.model)
+    """Train ``steps`` steps of ``wrapped`` in the one loop; return the losses and the median forward+backward time."""
     optimizer = make_optimizer(wrapped.parameters(), cfg)
-    losses, times = [], []
-    for step in range(steps):
-        x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
-                              vocab=mcfg.vocab, seed=cfg.seed, device=info.device)
-        t0 = time.perf_counter()
-        loss = wrapped(x, y)
-        loss.backward()
-        if finish:
-            finish()
-        times.append(time.perf_counter() - t0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-    return losses, statistics.median(times[1:] or times)
+    prepared = Prepared(model=wrapped, optimizer=optimizer, full_state_dict=wrapped.state_dict,
+                        held=lambda: module_held(wrapped, optimizer), before_step=finish or (lambda: None))
+    timer = _ForwardBackwardTimer()
+    losses = run_steps(prepared, cfg, info, range(steps), [timer])
+    return [float(loss) for loss in losses], statistics.median(timer.times[1:] or timer.times)
 
 
 def unused_parameters_demo(config: dict, mode: str) -> dict:

@@ -51,10 +51,8 @@ DTensor, and FSDP1's ``rank0_only`` pitfall).
 """
 from __future__ import annotations
 
-import contextlib
-import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -62,12 +60,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import dist as cdist
-from .data import batch_for_rank
 from .errors import CourseInputError
-from .instrument import CommCounter, held_bytes, weights_sha256
-from .models import Block, build_model, get_config
+from .instrument import CountCollectives, HeldAtRest, Observer, StepTimer, weights_sha256
+from .models import Block, build_model, get_config, init_weights
 from .strategies import FSDP_STRATEGIES, get, get_fsdp, mesh_shape, shard_group_size
-from .train import Prepared, TrainConfig, make_optimizer, module_held, resolve_strategy
+from .train import Prepared, TrainConfig, make_optimizer, module_held, prepare, resolve_strategy, run_steps
 
 #: Accepted values of the strategy knobs in ``TrainConfig.options``; the first is the default.
 OPTIONS = {"api": ("fsdp2", "fsdp1"), "wrap": ("block", "model", "linear"),
@@ -282,7 +279,7 @@ def _param_groups(unit) -> list:
     return list(groups)
 
 
-class UnshardedTracker:
+class UnshardedTracker(Observer):
     """The largest bytes of gathered (full-size) parameters alive at once during a step (notebook 04).
 
     This is what FULL_SHARD saves over SHARD_GRAD_OP. On a GPU ``torch.cuda.max_memory_allocated``
@@ -294,6 +291,9 @@ class UnshardedTracker:
 
     The gathered state is read from FSDP2's per-unit parameter group (``is_unsharded``, the
     pending all-gather): private attributes, checked against torch 2.13.
+
+    An observer of the training loop: its hooks are on the model from ``start`` to ``stop``
+    (a counting run's loop), never in a timing run.
 
     Args:
         model: a model after ``shard_model``.
@@ -308,8 +308,11 @@ class UnshardedTracker:
         self.samples = 0
         self.report = report if report is not None else {}
         self._bytes: dict[int, int] = {}
+        self.model = model
         self.handles = []
-        for m in model.modules():
+
+    def start(self) -> None:
+        for m in self.model.modules():
             if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None:
                 self.handles.append(m.register_forward_pre_hook(lambda *_: self.sample()))
                 self.handles.append(m.register_forward_hook(self._after_forward))
@@ -341,9 +344,10 @@ class UnshardedTracker:
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: self.sample())
 
-    def remove(self) -> None:
+    def stop(self) -> None:
         for h in self.handles:
             h.remove()
+        self.handles = []
 
 
 def expected_peak_unsharded_bytes(units: list[dict], strategy: str, prefetch: str = "default",
@@ -394,7 +398,10 @@ def full_state_dict_via_dtensor(model: nn.Module) -> dict:
 
 def _apply_fsdp(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
     opts = fsdp_options(cfg)
+    meta = next(model.parameters()).is_meta
     if opts["api"] == "fsdp1":
+        if meta:
+            init_weights(model, cfg.seed, info.device)
         return apply_fsdp1(model, cfg, info, strategy)
     mesh = fsdp_mesh(info, strategy, cfg.node_size)
     mp = mixed_precision_policy(cfg)
@@ -402,6 +409,8 @@ def _apply_fsdp(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
     units = shard_model(model, mesh, reshard_after_forward=spec.reshard_after_forward,
                         granularity=opts["wrap"], mp_policy=mp, offload=offload_policy(opts["offload"], info.device),
                         prefetch=opts["prefetch"])
+    if meta:  # built on the meta device (train.prepare): each rank materialises only its shards
+        init_weights(model, cfg.seed, "cpu" if opts["offload"] else info.device)
     optimizer = make_optimizer(model.parameters(), cfg)  # after sharding: over this rank's DTensor shards
     report = {"library": "FSDP2 fully_shard", "fsdp1_name": spec.fsdp1_name,
               "mesh": {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names)},
@@ -411,7 +420,23 @@ def _apply_fsdp(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
     tracker = UnshardedTracker(model, report)
     report["tracker_units"] = len(tracker.units)
     return Prepared(model=model, optimizer=optimizer, full_state_dict=lambda: full_state_dict(model),
-                    held=lambda: module_held(model, optimizer), info=report)
+                    held=lambda: module_held(model, optimizer), info=report, observers=[tracker])
+
+
+def meta_init_worker(model: str = "tiny", seed: int = 0, strategies=FSDP_STRATEGIES, node_size: int = 2) -> dict:
+    """On every rank: shard a meta-device build, initialise it, and compare with the eager build (notebook 04).
+
+    Returns ``{strategy: True/False}``: whether the full weights (gathered through DTensor) of
+    ``train.prepare``'s meta-device build equal ``build_model(model, seed)``'s, bit for bit.
+    """
+    with cdist.session() as info:
+        eager = weights_sha256(build_model(model, seed=seed).state_dict())
+        out = {}
+        for strategy in strategies:
+            cfg = TrainConfig(strategy=strategy, nproc=info.world_size, model=model, seed=seed, node_size=node_size)
+            prepared = prepare(cfg, info)
+            out[strategy] = weights_sha256(prepared.full_state_dict()) == eager
+        return out
 
 
 def apply_full_shard(model, cfg: TrainConfig, info) -> Prepared:
@@ -690,11 +715,6 @@ def measurements_table(rows: list, columns: list[str]) -> tuple[list, list]:
 RUN_KEYS = ("label", "sync_every_step", "cross_check", "kind", "run_dir")
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _comm_debug_summary(counts: dict, steps: int) -> dict:
     kinds = {"_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
              "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
@@ -711,16 +731,18 @@ def _comm_debug_summary(counts: dict, steps: int) -> dict:
 def run_one(cfg: TrainConfig, info, *, sync_every_step: bool = True, cross_check: bool = False) -> dict:
     """Train one configuration on the ranks of an open session and measure it (notebook 04).
 
-    The loop of ``train.train_worker`` (same model, data, optimizer, strategy function), with
-    what the FSDP notebook adds: peak gathered bytes on every rank, the group size of every
-    collective, ``torch.cuda.max_memory_allocated`` on a GPU, an optional CommDebugMode count
-    (``cross_check``), and ``sync_every_step``: read the loss with ``.item()`` every step (the
-    forced synchronisation of the overlap section) or only once at the end. ``step_time_s`` is
-    the wall time from the end of step 1 to the end of the last step, device synchronised, per
-    step. Strategy "single" runs on rank 0 only (the one-process reference, whole global batch)
-    with this rank's CPU threads; the other ranks wait. (A one-process ``train`` gets all the
-    cores, and more threads add up a matmul in a different order: the two agree within
-    ``TOLERANCE``, not bit for bit.) Returns rank 0's row (other ranks: None).
+    The one loop (``train.run_steps``: same model, data, optimizer, strategy function), with
+    the observers the FSDP notebook adds: peak gathered bytes on every rank, the group size of
+    every collective, ``torch.cuda.max_memory_allocated`` on a GPU, an optional CommDebugMode
+    count (``cross_check``), and ``sync_every_step``: read the loss with ``.item()`` every step
+    (the forced synchronisation of the overlap section) or only once at the end.
+    ``step_time_s`` is the time per step after step 0 (``instrument.StepTimer``); on a GPU it
+    comes from a second run of the same steps without counting observers (they would make the
+    step CPU-bound), on the CPU from the counted run. Strategy "single" runs on rank 0 only (the
+    one-process reference, whole global batch) with this rank's CPU threads; the other ranks
+    wait. (A one-process ``train`` gets all the cores, and more threads add up a matmul in a
+    different order: the two agree within ``TOLERANCE``, not bit for bit.) Returns rank 0's
+    row (other ranks: None).
     """
     single = cfg.strategy == "single"
     if single and info.rank != 0:
@@ -729,55 +751,62 @@ def run_one(cfg: TrainConfig, info, *, sync_every_step: bool = True, cross_check
     return _run_one(cfg, info, rank, world, single, sync_every_step, cross_check)
 
 
+class _SyncEveryStep(Observer):
+    """Read the loss with ``.item()`` after every step: the host waits for the device (notebook 04's anti-pattern)."""
+
+    def after_step(self, step: int, losses: list) -> None:
+        losses[-1].item()
+
+
+class _CommDebugCounts(Observer):
+    """torch's ``CommDebugMode`` around each step, forward to optimizer step: a cross-check of ``CommCounter``."""
+
+    def __init__(self):
+        from torch.distributed.tensor.debug import CommDebugMode  # pulls in torch._dynamo: only when asked
+
+        self.mode_class, self.counts, self.mode = CommDebugMode, {}, None
+
+    def before_forward(self, step: int) -> None:
+        self.mode = self.mode_class()  # it tracks modules too: one forward and backward per entry
+        self.mode.__enter__()
+
+    def after_update(self, step: int) -> None:
+        self.mode.__exit__(None, None, None)
+        for op, calls in self.mode.get_comm_counts().items():
+            self.counts[op] = self.counts.get(op, 0) + calls
+
+
+def _timed_only(cfg, info, rank, world, sync_every_step) -> float:
+    """Seconds per step of the same run with no counting observer: the timing run (GPU)."""
+    prepared = prepare(cfg, info)
+    timer = StepTimer(info.device, skip=min(1, cfg.steps - 1))
+    run_steps(prepared, cfg, info, range(cfg.steps), [_SyncEveryStep()] * sync_every_step + [timer],
+              rank=rank, world=world)
+    return timer.seconds_per_step()
+
+
 def _run_one(cfg, info, rank, world, single, sync_every_step, cross_check):
-    if cross_check:  # imported only when asked: it pulls in torch._dynamo (seconds per process)
-        from torch.distributed.tensor.debug import CommDebugMode
-    mcfg = get_config(cfg.model)
-    model = build_model(mcfg, seed=cfg.seed, device=info.device)
-    prepared = resolve_strategy(cfg.strategy)(model, cfg, info)
-    comm, debug_counts = CommCounter(), {}
-    losses, held = [], None
+    prepared = prepare(cfg, info)
+    count = CountCollectives()
+    held = HeldAtRest(prepared.held, at=cfg.steps - 1, also={"where": held_by_device})
+    timer = StepTimer(info.device, skip=min(1, cfg.steps - 1))
+    debug = _CommDebugCounts() if cross_check else None
+    observers = [count, held, *prepared.observers, *[debug] * cross_check, *[_SyncEveryStep()] * sync_every_step,
+                 timer]
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
-    with comm:
-        for step in range(cfg.steps):
-            if step == min(1, cfg.steps - 1):
-                _synchronize(info.device)
-                t0 = time.perf_counter()
-            x, y = batch_for_rank(step, rank, world, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab,
-                                  seed=cfg.seed, device=info.device)
-            debug = CommDebugMode() if cross_check else contextlib.nullcontext()
-            with debug:  # CommDebugMode tracks modules too: one forward and backward per entry
-                loss = prepared.model(x, y)
-                loss.backward()
-                prepared.before_step()
-                prepared.optimizer.step()
-            if cross_check:
-                for op, calls in debug.get_comm_counts().items():
-                    debug_counts[op] = debug_counts.get(op, 0) + calls
-            if step == cfg.steps - 1:
-                comm.paused = True
-                held = held_bytes(*prepared.held())
-                where = held_by_device(*prepared.held())
-                comm.paused = False
-            prepared.optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-            if sync_every_step:
-                losses[-1].item()  # the forced synchronisation: the host waits for the device
-        _synchronize(info.device)
-        elapsed = time.perf_counter() - t0
-    timed_steps = max(1, cfg.steps - min(1, cfg.steps - 1))
-    losses = torch.stack(losses).float()
+    losses = torch.stack(run_steps(prepared, cfg, info, range(cfg.steps), observers, rank=rank, world=world)).float()
+    step_time_s = timer.seconds_per_step()
+    if info.device.type == "cuda":  # counting observers make a GPU step CPU-bound: time a second, bare run
+        step_time_s = _timed_only(cfg, info, rank, world, sync_every_step)
     if not single:
         dist.all_reduce(losses)  # equal per-rank batches: the mean of rank means is the global mean
         losses /= world
     full = prepared.full_state_dict()
-    groups: dict = {}
-    for kind, _, n in comm.events:
-        groups.setdefault(kind, set()).add(n)
-    mine = {"rank": rank, **held, "where": where, "peak_unsharded_bytes": prepared.info.get("peak_unsharded_bytes"),
+    mine = {"rank": rank, **held.bytes, "where": held.extra["where"],
+            "peak_unsharded_bytes": prepared.info.get("peak_unsharded_bytes"),
             "max_memory_allocated": torch.cuda.max_memory_allocated(info.device) if info.device.type == "cuda" else None,
-            "step_time_s": elapsed / timed_steps}
+            "step_time_s": step_time_s}
     everyone = [mine]
     if not single:
         everyone = [None] * world
@@ -791,8 +820,8 @@ def _run_one(cfg, info, rank, world, single, sync_every_step, cross_check):
         "full_state_dict": {k: v.detach().to("cpu", torch.float32) for k, v in full.items()},
         "per_rank": [{k: row[k] for k in ("rank", "params", "grads", "optim", "total")} for row in everyone],
         "held_by_device": everyone[0]["where"],
-        "comm_per_step": comm.summary(cfg.steps), "comm_groups": {k: sorted(v) for k, v in groups.items()},
-        "comm_debug_per_step": _comm_debug_summary(debug_counts, cfg.steps) if cross_check else None,
+        "comm_per_step": count.summary(cfg.steps), "comm_groups": count.groups(),
+        "comm_debug_per_step": _comm_debug_summary(debug.counts, cfg.steps) if cross_check else None,
         "peak_unsharded_bytes": [row["peak_unsharded_bytes"] for row in everyone],
         "max_memory_allocated": [row["max_memory_allocated"] for row in everyone],
         "step_time_s": max(row["step_time_s"] for row in everyone), "sync_every_step": sync_every_step,
@@ -907,23 +936,12 @@ def run_experiments(runs: list[dict], *, nproc: int, backend: str = "auto", time
 # ---------------------------------------------------------------------------------------------
 
 def _train_steps(prepared, cfg: TrainConfig, info, steps: range) -> list[float]:
-    mcfg = get_config(cfg.model)
-    out = []
-    for step in steps:
-        x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab,
-                              seed=cfg.seed, device=info.device)
-        loss = prepared.model(x, y)
-        loss.backward()
-        prepared.optimizer.step()
-        prepared.optimizer.zero_grad(set_to_none=True)
-        out.append(float(loss))
-    return out
+    return [float(loss) for loss in run_steps(prepared, cfg, info, steps)]
 
 
 def _fresh(cfg: TrainConfig, info, strategy: str, seed_offset: int = 1) -> Prepared:
     """A newly sharded model with *different* weights, so that a load that did nothing is caught."""
-    model = build_model(cfg.model, seed=cfg.seed + seed_offset, device=info.device)
-    return resolve_strategy(strategy)(model, cfg, info)
+    return prepare(replace(cfg, strategy=strategy, seed=cfg.seed + seed_offset), info)
 
 
 def _optimizer_locals(optimizer) -> list[torch.Tensor]:
@@ -961,7 +979,7 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
 
     root = Path(run_dir)
     out: dict = {"world_size": info.world_size, "run_dir": str(root)}
-    prepared = resolve_strategy(cfg.strategy)(build_model(cfg.model, cfg.seed, info.device), cfg, info)
+    prepared = prepare(cfg, info)
     _train_steps(prepared, cfg, info, range(cfg.steps))
     model, optimizer = prepared.model, prepared.optimizer
 

@@ -724,14 +724,15 @@ def real_state_worker(cfg: dict, strategies: list, node_size: int = 2, mixed_pre
     import torch
 
     from . import dist as cdist
-    from .data import batch_for_rank
     from .fsdp import shard_model
-    from .instrument import tensor_bytes
+    from .instrument import HeldAtRest
     from .models import build_model
+    from .train import Prepared, TrainConfig, run_steps
 
     info = cdist.init()
     try:
         gcfg = GPTConfig(**cfg)
+        run = TrainConfig(model=gcfg, batch=micro_batch * info.world_size, seed=seed)  # the rehearsal's step
         out = {}
         for strategy in strategies:
             mesh = make_mesh(strategy, info.world_size, node_size)
@@ -739,18 +740,16 @@ def real_state_worker(cfg: dict, strategies: list, node_size: int = 2, mixed_pre
             shard_model(net, mesh, reshard_after_forward=get_fsdp(strategy).reshard_after_forward,
                         mp_policy=mixed_precision_policy(mixed_precision))
             opt = make_optimizer(net)
-            idx, tgt = batch_for_rank(0, info.rank, info.world_size, batch=micro_batch * info.world_size,
-                                      seq=gcfg.seq, vocab=gcfg.vocab, seed=seed)
-            loss = net(idx, tgt)
-            loss.backward()
-            opt.step()
-            params = list(net.parameters())
-            state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            row = {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
-                   "optim": tensor_bytes(state)}
-            row["total"] = sum(row.values())
-            row["loss"] = float(loss.detach())
-            out[strategy] = row
+
+            def held(net=net, opt=opt):  # the optimizer's 0-dim step counters included
+                params = list(net.parameters())
+                state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+                return params, [p.grad for p in params], state
+
+            prepared = Prepared(model=net, optimizer=opt, full_state_dict=dict, held=held)
+            counted = HeldAtRest(held, at=0)
+            (loss,) = run_steps(prepared, run, info, range(1), [counted])
+            out[strategy] = {**counted.bytes, "loss": float(loss)}
         return out
     finally:
         cdist.shutdown()

@@ -31,9 +31,7 @@ import gc
 import importlib
 import json
 import os
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
@@ -44,8 +42,9 @@ from . import dist as cdist
 from .data import batch_for_rank
 from .errors import CourseInputError
 from .checkpoint import FINISHED_LINE, Checkpointer, die_hard, planned_failure
-from .instrument import CommCounter, held_bytes, optimizer_tensors, weights_sha256
-from .models import build_model, get_config
+from .instrument import (CountCollectives, HeldAtRest, Observer, StepTimer, global_mean_losses, held_bytes,
+                         optimizer_tensors, weights_sha256)
+from .models import build_meta_model, build_model, get_config
 from .strategies import STRATEGIES, get, mesh_shape
 
 @dataclass
@@ -138,6 +137,8 @@ class Prepared:
             takes the same structure after DCP loaded into it in place. Leave them None and
             ``course_utils.checkpoint`` uses ``get_state_dict``/``set_state_dict`` (plain modules,
             DDP, FSDP2), or the flat-slice layout of the hand-built ZeRO optimizers.
+        observers: counting observers the strategy brings (FSDP's ``UnshardedTracker``); counting
+            runs add them to the loop, timing runs leave them out.
     """
 
     model: torch.nn.Module
@@ -148,6 +149,7 @@ class Prepared:
     info: dict = field(default_factory=dict)
     get_state: Callable[[], dict] | None = None
     set_state: Callable[[dict], None] | None = None
+    observers: list = field(default_factory=list)
 
 
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -178,76 +180,157 @@ def resolve_strategy(name: str) -> Callable:
     return getattr(importlib.import_module(module), fn)
 
 
-def global_mean_losses(local_losses: list, info) -> list[float]:
-    """The global mean loss of each step, from every rank's local losses (collective; notebook 02).
+def prepare(cfg: TrainConfig, info) -> Prepared:
+    """Build the course model and apply the run's strategy to it (notebook 02).
 
-    Equal per-rank batches: the mean of the rank means is the global mean. The sum runs in
-    rank order, one element at a time, so it does not depend on how many steps are reduced
-    together: a resumed run reports the very numbers of an uninterrupted one (notebook 06).
+    FSDP2 strategies build the model on the meta device and initialise it after sharding
+    (``models.build_meta_model`` + ``models.init_weights``), as FSDP2 users do for models that
+    do not fit on one device: no rank ever holds the whole model. The weights are
+    ``build_model(cfg.model, cfg.seed)``'s, bit for bit. The other strategies build it whole.
     """
-    local = torch.stack(list(local_losses) + [torch.zeros(())]).to(info.device)
-    parts = [torch.empty_like(local) for _ in range(info.world_size)]
-    dist.all_gather(parts, local)
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total += part
-    return (total / info.world_size).cpu().tolist()[:-1]
+    spec = get(cfg.strategy)
+    if spec.is_fsdp and cfg.options.get("api", "fsdp2") == "fsdp2":
+        model = build_meta_model(cfg.model)
+    else:
+        model = build_model(get_config(cfg.model), seed=cfg.seed, device=info.device)
+    return resolve_strategy(cfg.strategy)(model, cfg, info)
 
 
-def train_worker(config: dict) -> dict:
-    """The training loop every rank runs, under ``launch`` or ``torchrun`` (notebook 02).
+#: Every how many steps a rank puts its loss on the progress line: fetching a loss from the
+#: device waits for the step to finish, so it is not done every step (notebook 04's lesson).
+PROGRESS_LOSS_EVERY = 10
 
-    Rank 0 returns the whole report (every rank's bytes and traffic gathered to it); the other
-    ranks return ``{"rank": r}``.
+
+def run_steps(prepared: Prepared, cfg: TrainConfig, info, steps, observers=(), *, rank: int | None = None,
+              world: int | None = None) -> list[torch.Tensor]:
+    """The training loop: every run of the course steps through here (notebook 02).
+
+    Args:
+        prepared: what a strategy's ``apply_*`` returned (model, optimizer, ``before_step``).
+        cfg: the run's ``TrainConfig`` (model, global batch, seed pick the data).
+        info: this rank's ``DistInfo`` (device, rank, world size).
+        steps: the step numbers to run, e.g. ``range(start, cfg.steps)``; step k always sees
+            the same global batch (``data.batch_for_rank``).
+        observers: ``instrument.Observer`` objects that watch the loop (bytes held, bytes sent,
+            timelines, socket bytes, per-step hooks); none in a timing run.
+        rank, world: the share of the batch to train on, if not this rank's (the one-process
+            reference on rank 0 uses ``rank=0, world=1``: the whole global batch).
+
+    Returns this rank's loss of each step, detached and still on the device: the loop never
+    waits for the device (``global_mean_losses`` fetches them once, at the end).
+    """
+    mcfg = get_config(cfg.model)
+    rank = info.rank if rank is None else rank
+    world = info.world_size if world is None else world
+    losses: list[torch.Tensor] = []
+    counters = [o.comm for o in observers if isinstance(o, CountCollectives)]
+
+    def tell(hook: str, *args) -> None:
+        for comm in counters:  # watching is not training: its collectives are not counted
+            comm.paused = True
+        for observer in observers:
+            getattr(observer, hook)(*args)
+        for comm in counters:
+            comm.paused = False
+
+    for observer in observers:
+        observer.start()
+    try:
+        for step in steps:
+            x, y = batch_for_rank(step, rank, world, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab,
+                                  seed=cfg.seed, device=info.device)
+            tell("before_forward", step)
+            loss = prepared.model(x, y)
+            tell("after_forward", step, loss)
+            loss.backward()
+            tell("after_backward", step)
+            prepared.before_step()
+            tell("before_update", step)
+            prepared.optimizer.step()
+            tell("after_update", step)
+            prepared.optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            tell("after_step", step, losses)
+    finally:
+        for observer in reversed(observers):
+            observer.stop()
+    return losses
+
+
+class _FailOnPurpose(Observer):
+    """notebook 06: this rank dies hard mid-step, after its forward (the peers wait for its gradients)."""
+
+    def __init__(self, fail_step: int | None, info):
+        self.fail_step, self.info = fail_step, info
+
+    def after_forward(self, step: int, loss) -> None:
+        if step == self.fail_step:
+            die_hard(f"fail_at {self.info.rank}:{step} on attempt {self.info.restart_count}")
+
+
+class _Checkpointing(Observer):
+    """notebook 06: after each step, the checkpointer logs, records and saves when it is due."""
+
+    def __init__(self, ckpt: Checkpointer):
+        self.ckpt = ckpt
+
+    def after_step(self, step: int, losses: list) -> None:
+        self.ckpt.after_step(step + 1, losses)
+
+
+class _Progress(Observer):
+    """The live status line of ``launch`` (notebook 00); the loss only every ``PROGRESS_LOSS_EVERY`` steps."""
+
+    def __init__(self, total: int):
+        self.total = total
+
+    def after_step(self, step: int, losses: list) -> None:
+        done = step + 1
+        if done % PROGRESS_LOSS_EVERY == 0 or done == self.total:
+            cdist.report_progress(done, self.total, loss=float(losses[-1]))
+        else:
+            cdist.report_progress(done, self.total)
+
+
+def train_worker(config: dict, observe: bool = True) -> dict:
+    """The training run every rank runs, under ``launch`` or ``torchrun`` (notebook 02).
+
+    ``observe=True`` (the default; the notebooks, the tests and the command line) counts the
+    bytes held and sent per step; ``observe=False`` is a timing run: no counting observer, and
+    ``held_bytes`` and ``comm_per_step`` are left out of the report. Rank 0 returns the whole
+    report (every rank's bytes and traffic gathered to it); the other ranks return ``{"rank": r}``.
     """
     cfg = TrainConfig(**config).validate()
     with cdist.session(cfg.backend if cfg.backend != "auto" else None) as info:
         if info.world_size != cfg.nproc:
             cfg.nproc = info.world_size  # torchrun decides the world size; the batch split follows it
             cfg.validate()
-        mcfg = get_config(cfg.model)
-        model = build_model(mcfg, seed=cfg.seed, device=info.device)
-        prepared = resolve_strategy(cfg.strategy)(model, cfg, info)
+        prepared = prepare(cfg, info)
         # notebook 06: resume from the newest complete checkpoint; die on purpose where asked
         ckpt = Checkpointer(cfg, prepared, info) if cfg.checkpoint_dir else None
         start_step = ckpt.resume() if ckpt else 0
-        fail_step = planned_failure(cfg.fail_at, info.rank, info.restart_count)
-        held = loss = None
-        local_losses, step_times = [], []
-        comm = CommCounter()
-        with comm:
-            for step in range(start_step, cfg.steps):
-                t0 = time.perf_counter()
-                x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
-                                      vocab=mcfg.vocab, seed=cfg.seed, device=info.device)
-                loss = prepared.model(x, y)
-                if step == fail_step:  # mid-step: the peers are about to wait for this rank's gradients
-                    die_hard(f"fail_at {info.rank}:{step} on attempt {info.restart_count}")
-                loss.backward()
-                prepared.before_step()
-                prepared.optimizer.step()
-                if step == cfg.steps - 1:  # bytes held at rest, gradients still present
-                    comm.paused = True
-                    held = held_bytes(*prepared.held())
-                    comm.paused = False
-                prepared.optimizer.zero_grad(set_to_none=True)
-                step_times.append(time.perf_counter() - t0)
-                local_losses.append(loss.detach().float().cpu())
-                if ckpt:  # saving is not training: its collectives are not counted
-                    comm.paused = True
-                    ckpt.after_step(step + 1, local_losses)
-                    comm.paused = False
-                cdist.report_progress(step + 1, cfg.steps, loss=float(local_losses[-1]))
+        steps = range(start_step, cfg.steps)
+        timer = StepTimer(info.device, skip=min(1, len(steps) - 1))
+        observers = [timer, _FailOnPurpose(planned_failure(cfg.fail_at, info.rank, info.restart_count), info)]
+        count = held = None
+        if observe:
+            count, held = CountCollectives(), HeldAtRest(prepared.held, at=cfg.steps - 1)
+            observers = [count, held, *prepared.observers, *observers]
+        if ckpt:  # saving is not training: its collectives are not counted
+            observers.append(_Checkpointing(ckpt))
+        observers.append(_Progress(cfg.steps))
+        local_losses = run_steps(prepared, cfg, info, steps, observers)
         cdist.log(f"{FINISHED_LINE} at step {cfg.steps - 1}")  # how attempt_logs tells a finished rank
         # Everything below is bookkeeping, outside the counted window.
-        if held is None:  # nothing left to train (resumed at the last step)
-            held = held_bytes(*prepared.held())
+        held_at_rest = None
+        if observe:
+            held_at_rest = held.bytes if held.bytes is not None else held_bytes(*prepared.held())  # resumed at the end
         losses = (ckpt.history if ckpt else []) + global_mean_losses(local_losses, info)
         full = prepared.full_state_dict()
         if cfg.save_weights and info.rank == 0:  # for comparing strategies within a tolerance
             torch.save({k: v.detach().to("cpu", torch.float32) for k, v in full.items()}, cfg.save_weights)
-        mine = {"held_bytes": held, "comm_per_step": comm.summary(max(1, cfg.steps - start_step)),
-                "step_time_s": statistics.median(step_times[1:] or step_times or [0.0])}
+        mine = {"held_bytes": held_at_rest, "comm_per_step": count and count.summary(max(1, len(steps))),
+                "step_time_s": timer.seconds_per_step()}
         everyone = [None] * info.world_size
         dist.all_gather_object(everyone, mine)  # rank 0 reports for all, under launch or torchrun
         strategy_info = prepared.info
@@ -255,19 +338,20 @@ def train_worker(config: dict) -> dict:
         # Free the strategy while the process group is alive. DDP's reducer holds the group; a gloo
         # group destroyed from there (after destroy_process_group) waits for its worker thread while
         # holding the GIL that thread may need: an occasional hang at exit.
-        del prepared, ckpt, model, loss
+        del prepared, ckpt, observers, held, local_losses
         gc.collect()
         if info.rank != 0:
             return {"rank": info.rank}
-        return {
+        report = {
             "strategy": cfg.strategy, "world_size": info.world_size, "backend": info.backend,
             "steps": cfg.steps, "losses": losses, "weights_sha256": weights_sha256(full),
-            "per_rank": [dict(rank=r, **row["held_bytes"]) for r, row in enumerate(everyone)],
+            "per_rank": [dict(rank=r, **row["held_bytes"]) for r, row in enumerate(everyone)] if observe else None,
             "comm_per_step": everyone[0]["comm_per_step"],
             "comm_per_step_by_rank": [row["comm_per_step"] for row in everyone],
             "step_time_s": max(row["step_time_s"] for row in everyone),
             "strategy_info": strategy_info, "config": asdict(cfg), **recovery,
         }
+        return report
 
 
 def train(cfg: TrainConfig | None = None, *, echo: bool = False, **overrides) -> dict:

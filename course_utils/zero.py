@@ -712,25 +712,15 @@ def apply_torch_zero1(model, cfg, info):
 REFERENCES = {"torch_zero1": apply_torch_zero1}
 
 
-def _train_steps(prepared, cfg, mcfg, rank: int, world: int, device) -> tuple[list[float], dict]:
-    """The steps of ``train.train_worker``: returns the losses, and the bytes held counted where it counts them
-    (at the last step, after the update, before the gradients are cleared)."""
-    from .data import batch_for_rank
-    from .instrument import held_bytes
+def _train_steps(prepared, cfg, info, rank: int, world: int) -> tuple[list[float], dict]:
+    """The one loop (``train.run_steps``) on ``rank``'s share of ``world``: the losses, and the bytes held
+    counted where ``train`` counts them (the last step, after the update, before the gradients are cleared)."""
+    from .instrument import HeldAtRest
+    from .train import run_steps
 
-    losses, held = [], None
-    for step in range(cfg.steps):
-        x, y = batch_for_rank(step, rank, world, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab,
-                              seed=cfg.seed, device=device)
-        loss = prepared.model(x, y)
-        loss.backward()
-        prepared.before_step()
-        prepared.optimizer.step()
-        if step == cfg.steps - 1:
-            held = held_bytes(*prepared.held())
-        prepared.optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses, held
+    held = HeldAtRest(prepared.held, at=cfg.steps - 1)
+    losses = run_steps(prepared, cfg, info, range(cfg.steps), [held], rank=rank, world=world)
+    return [float(loss) for loss in losses], held.bytes
 
 
 def gradient_error(prepared, model, ref_grads: dict) -> float:
@@ -794,7 +784,7 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
             _first_gradients(single, cfg, mcfg, 0, 1, info.device)
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             single.optimizer.zero_grad(set_to_none=True)
-            losses, _ = _train_steps(single, cfg, mcfg, 0, 1, info.device)
+            losses, _ = _train_steps(single, cfg, info, 0, 1)
             reference = [({k: v.cpu() for k, v in grads.items()},
                           {k: v.cpu() for k, v in single.full_state_dict().items()}, losses)]
         dist.broadcast_object_list(reference, src=0)
@@ -811,7 +801,7 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
             dist.all_reduce(grad_error, op=dist.ReduceOp.MAX)
             model = build_model(mcfg, seed=cfg.seed, device=info.device)
             prepared = apply(model, cfg, info)
-            losses, held = _train_steps(prepared, cfg, mcfg, info.rank, info.world_size, info.device)
+            losses, held = _train_steps(prepared, cfg, info, info.rank, info.world_size)
             losses = torch.tensor(losses, device=info.device)
             dist.all_reduce(losses)
             full = prepared.full_state_dict()
