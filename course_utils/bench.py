@@ -437,7 +437,7 @@ def run_train(strategy: str, nproc: int, shape: dict, *, steps: int, batch: int 
     """
     from . import models
     from .launch import LaunchError, launch
-    from .train import TrainConfig
+    from .loop import TrainConfig
 
     name = model_name(shape)
     models.PRESETS.setdefault(name, models.GPTConfig(**shape))

@@ -183,13 +183,13 @@ def weights_sha256(state_dict: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Observers: what a run watches, plugged into the one training loop (``train.run_steps``)
+# Observers: what a run watches, plugged into the one training loop (``loop.run_steps``)
 # ---------------------------------------------------------------------------------------------
 
 class Observer:
     """Something the training loop tells what happens, step by step (notebook 02).
 
-    ``train.run_steps`` calls, for every step: ``before_forward`` (the batch is made),
+    ``loop.run_steps`` calls, for every step: ``before_forward`` (the batch is made),
     ``after_forward(loss)``, ``after_backward``, ``before_update`` (the strategy's
     ``before_step`` has run: gradients are reduced), ``after_update`` (the optimizer stepped,
     gradients still present), ``after_step(losses)`` (gradients cleared; ``losses`` are this

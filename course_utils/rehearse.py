@@ -42,7 +42,7 @@ The tracker is a private torch API (``torch.distributed._tools``): ``tracker_pro
 feature-detects it, and ``rehearse`` raises ``CourseInputError`` with one line where it is
 missing. The course pins torch (constraints.txt, ``PINNED_TORCH``) to the version checked here.
 
-``bridge`` holds the rehearsal against a real run: the same wrapping on 2 or 4 gloo ranks of
+``labs.lab05b.bridge`` holds the rehearsal against a real run: the same wrapping on 2 or 4 gloo ranks of
 the tiny course model, bytes counted on the real shards with ``instrument.tensor_bytes``.
 """
 from __future__ import annotations
@@ -533,7 +533,6 @@ def optimizer_bill_for(mixed_precision: str) -> memory.OptimizerBill:
 BLOCK_SAVED_PER_TOKEN_WIDTH = 16
 
 
-
 def predict(r: Rehearsal) -> dict:
     """The planner's bytes per rank for a rehearsal's setting, item by item (notebook 05b).
 
@@ -709,85 +708,8 @@ def compare(r: Rehearsal) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The bridge to reality: the same wrapping on real gloo ranks, bytes counted on real shards
-# ---------------------------------------------------------------------------------------------
-
-def real_state_worker(cfg: dict, strategies: list, node_size: int = 2, mixed_precision: str = "bf16",
-                      micro_batch: int = 1, seed: int = 0) -> dict:
-    """One real optimizer step per strategy of the course model on this rank; bytes held (notebook 05b).
-
-    A worker for ``launch``: the same ``fsdp.shard_model`` and ``make_optimizer`` as the rehearsal,
-    on a CPU mesh of real gloo ranks. Returns ``{strategy: {"params", "grads", "optim",
-    "total", "loss"}}``, the bytes of the local shards this rank holds after the step, counted
-    by ``instrument.tensor_bytes`` (the optimizer's 0-dim step counters included).
-    """
-    import torch
-
-    from . import dist as cdist
-    from .fsdp import shard_model
-    from .instrument import HeldAtRest
-    from .models import build_model
-    from .train import Prepared, TrainConfig, run_steps
-
-    info = cdist.init()
-    try:
-        gcfg = GPTConfig(**cfg)
-        run = TrainConfig(model=gcfg, batch=micro_batch * info.world_size, seed=seed)  # the rehearsal's step
-        out = {}
-        for strategy in strategies:
-            mesh = make_mesh(strategy, info.world_size, node_size)
-            net = build_model(gcfg, seed)
-            shard_model(net, mesh, reshard_after_forward=get_fsdp(strategy).reshard_after_forward,
-                        mp_policy=mixed_precision_policy(mixed_precision))
-            opt = make_optimizer(net)
-
-            def held(net=net, opt=opt):  # the optimizer's 0-dim step counters included
-                params = list(net.parameters())
-                state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-                return params, [p.grad for p in params], state
-
-            prepared = Prepared(model=net, optimizer=opt, full_state_dict=dict, held=held)
-            counted = HeldAtRest(held, at=0)
-            (loss,) = run_steps(prepared, run, info, range(1), [counted])
-            out[strategy] = {**counted.bytes, "loss": float(loss)}
-        return out
-    finally:
-        cdist.shutdown()
-
-
-def bridge(nproc: int = 2, strategies=("full_shard", "shard_grad_op"), *, model: str | GPTConfig = "tiny",
-           node_size: int = 2, mixed_precision: str = "bf16", micro_batch: int = 1, echo: bool = False) -> list[dict]:
-    """Rehearsal against reality on ``nproc`` real gloo ranks, one row per strategy (notebook 05b).
-
-    Each row: ``{"strategy", "nproc", "rehearsal": {"params", "grads", "optim"}, "real":
-    {rank: {...}}, "equal": bool}``. The rehearsal side is the tracker's Sharded Param,
-    Sharded Grad and OptState after the step; the real side is what each rank holds.
-    """
-    from .launch import launch
-
-    cfg = model_config(model)
-    strategies = list(strategies)
-    for s in strategies:
-        check_setting(nproc, s, node_size, micro_batch, mixed_precision)
-    real = launch(real_state_worker, nproc=nproc, args=(cfg.to_dict(), strategies, node_size, mixed_precision,
-                                                         micro_batch), echo=echo, progress=False)
-    rows = []
-    for s in strategies:
-        r = rehearse(cfg, nproc, s, node_size=node_size, micro_batch=micro_batch, mixed_precision=mixed_precision)
-        fake = {"params": r.after_step["Sharded Param"], "grads": r.after_step["Sharded Grad"],
-                "optim": r.after_step["OptState"]}
-        fake["total"] = sum(fake.values())
-        per_rank = {rank: {k: v[s][k] for k in ("params", "grads", "optim", "total")} for rank, v in real.items()}
-        rows.append({"strategy": s, "nproc": nproc, "rehearsal": fake, "real": per_rank,
-                     "equal": all(v == fake for v in per_rank.values()), "rehearsal_wall_s": r.wall_s,
-                     "launch_wall_s": real.wall_s})
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------
 # Views and text
 # ---------------------------------------------------------------------------------------------
-
 
 
 def short_size(psi: float) -> str:
@@ -909,7 +831,7 @@ def summary_rows(rehearsals: list[Rehearsal]) -> list[dict]:
 
 
 def markdown_bridge(rows: list[dict]) -> str:
-    """``bridge`` rows as a Markdown table: rehearsal bytes against every real rank's (notebook 05b)."""
+    """``labs.lab05b.bridge`` rows as a Markdown table: rehearsal bytes against every real rank's (notebook 05b)."""
     lines = ["Bytes one rank holds after one optimizer step of the tiny course model: the rehearsal "
              "(tracker, fake tensors) against real gloo ranks (instrument.tensor_bytes on the local shards)", "",
              "| ranks | strategy | | parameters | gradients | optimizer state | total | equal on every rank? |",

@@ -34,7 +34,7 @@ class Strategy:
         name: the course's name (``--strategy``).
         notebook: the notebook that introduces it.
         apply: ``"module:function"`` of its ``apply_NAME(model, cfg, info) -> Prepared``; the
-            training loop imports it when a run asks for it (``train.resolve_strategy``).
+            training loop imports it when a run asks for it (``loop.resolve_strategy``).
         mesh: "single" (one process), "replicate" (N,), "shard" (N,), "no_shard" (N, 1) or
             "hybrid" (N/n, n): see ``mesh_shape``.
         zero_row_at_rest: the row of ``memory.STAGES`` whose bytes a rank holds between steps.
@@ -64,7 +64,7 @@ class Strategy:
 
 
 _ALL = (
-    Strategy("single", "02", "course_utils.train:apply_single", "single", "ddp", "ddp", "ddp"),
+    Strategy("single", "02", "course_utils.loop:apply_single", "single", "ddp", "ddp", "ddp"),
     Strategy("ddp", "02", "course_utils.ddp:apply_ddp", "replicate", "ddp", "ddp", "ddp"),
     Strategy("ddp_scratch", "02", "course_utils.ddp:apply_ddp_scratch", "replicate", "ddp", "ddp", "ddp"),
     Strategy("zero1", "03", "course_utils.zero:apply_zero1", "shard", "zero1", "zero1", "zero1"),

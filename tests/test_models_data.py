@@ -92,8 +92,9 @@ def test_meta_device_build_equals_the_eager_build_bit_for_bit(preset, seed):
 
 def test_sharded_meta_device_build_equals_the_eager_build():
     # FSDP2 on 4 gloo ranks: every rank materialises only its shards, gathered they are the eager weights
-    from course_utils import fsdp
+    from course_utils.labs import lab04
     from course_utils.launch import launch
+    from course_utils.strategies import FSDP_STRATEGIES
 
-    result = launch(fsdp.meta_init_worker, nproc=4, args=("tiny", 5), echo=False)
-    assert all(result[r] == {s: True for s in fsdp.FSDP_STRATEGIES} for r in range(4)), dict(result)
+    result = launch(lab04.meta_init_worker, nproc=4, args=("tiny", 5), echo=False)
+    assert all(result[r] == {s: True for s in FSDP_STRATEGIES} for r in range(4)), dict(result)

@@ -8,7 +8,7 @@ import pytest
 
 from course_utils import memory, plan, strategies
 from course_utils.errors import CourseInputError
-from course_utils.train import resolve_strategy
+from course_utils.loop import resolve_strategy
 
 
 def test_reshard_after_forward_follows_fsdp1_handle_strategies():

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_utils import memory, stepper, zero
+from course_utils.labs import lab03
 from course_utils.errors import CourseInputError
 from course_utils.models import build_model, param_count
 from course_utils.train import TrainConfig, train
@@ -279,7 +280,7 @@ def test_sharded_optimizer_wraps_any_optimizer_with_groups(world_of_one, stage_c
 
 @pytest.fixture(scope="module")
 def agreement2():
-    return zero.agreement(nproc=2, steps=3)
+    return lab03.agreement(nproc=2, steps=3)
 
 
 @pytest.fixture(scope="module")
