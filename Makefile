@@ -1,6 +1,6 @@
 # The course's commands. Each one sets itself up first (idempotent) and says what it does.
 #   make course   set up, execute every notebook into build/notebooks/, export slide decks into slides/
-#   make test     set up, run the unit tests, execute every notebook as a test (nbval + papermill)
+#   make test     set up, lint (ruff), run the unit tests, execute every notebook as a test (nbval + papermill)
 #   make lab      set up, open JupyterLab on the notebooks (localhost only, token kept)
 #   make bench    set up, run the benchmarks into benchmarks/
 SHELL := /bin/bash
@@ -23,7 +23,7 @@ INSTALL_ARGS = -c constraints.txt $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
 	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch -e ".[notebooks,test]"
 QUIET_PIP = 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup browser-setup course notebooks slides test unit-tests notebook-tests lab bench clean
+.PHONY: setup browser-setup course notebooks slides test lint unit-tests notebook-tests lab bench clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,7 @@ slides: setup
 # Both phases always run, so one failing unit test does not hide what the notebooks would say.
 test: setup browser-setup
 	@status=0; \
+	$(MAKE) --no-print-directory lint || status=1; \
 	$(MAKE) --no-print-directory unit-tests || status=1; \
 	$(MAKE) --no-print-directory notebook-tests || status=1; \
 	if [ $$status = 0 ]; then echo "==> all tests passed"; else echo "==> some tests FAILED (see above)"; fi; \
@@ -83,6 +84,11 @@ else
 UNIT_WORKERS     := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 NOTEBOOK_WORKERS := -n $(TEST_WORKERS) --dist loadscope
 endif
+
+# ruff (rules in pyproject.toml): the package, the tests and the tools.
+lint: setup
+	@echo "==> lint (ruff check course_utils tests tools)"
+	@$(BIN)/ruff check course_utils tests tools
 
 unit-tests: setup browser-setup
 	@echo "==> unit tests (pytest tests/, $(TEST_WORKERS) workers)"

@@ -807,7 +807,8 @@ def results_markdown(results: dict) -> str:
         lines += ["## Notebooks, executed headless with their defaults", "", _section_head(nb)
                   + f"Kernel start and imports (an empty notebook): {nb['kernel_s']:.1f} s per notebook. "
                   f"A launch that joins the group costs about {nb['per_launch_s'][0]:.2f} "
-                  f"{'+' if nb['per_launch_s'][1] >= 0 else '-'} {abs(nb['per_launch_s'][1]):.2f}·N s; the first launch in a kernel also starts the agent server "
+                  f"{'+' if nb['per_launch_s'][1] >= 0 else '-'} {abs(nb['per_launch_s'][1]):.2f}·N s; "
+                  "the first launch in a kernel also starts the agent server "
                   f"(+{nb['cold_extra_s']:.2f} s). Starting = kernel + those costs per launch; computing = the "
                   "rest (workers and kernel, including any planned timeout).", ""]
         body = [[r["notebook"], f"{r['wall_s']:.1f}", r["launches"], f"{r['launch_wall_s']:.1f}",

@@ -49,7 +49,6 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -535,8 +534,9 @@ class Checkpointer:
             marker = read_commit(self.root, step)
             mismatched = {k: (marker.get(k), v) for k, v in self._match().items() if marker.get(k) != v}
             if mismatched:
+                differ = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in mismatched.items())
                 raise CourseInputError(
-                    f"{step_dir(self.root, step)} belongs to another run ({', '.join(f'{k}: saved {a!r}, now {b!r}' for k, (a, b) in mismatched.items())}); "
+                    f"{step_dir(self.root, step)} belongs to another run ({differ}); "
                     "use the same settings or a fresh --checkpoint-dir")
             load(self.root, step, self.prepared, self.info, strategy=self.cfg.strategy)
             self.history = list(marker["losses"])

@@ -27,7 +27,6 @@ from torch.nn.parallel import DistributedDataParallel
 from .loop import Prepared, TrainConfig, make_optimizer, module_held
 from .units import MiB  # torch's bucket_cap_mb counts MiB (2^20 bytes); so does BucketedDDP
 
-
 # ---------------------------------------------------------------- torch DDP
 
 def apply_ddp(model, cfg: TrainConfig, info) -> Prepared:

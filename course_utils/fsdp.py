@@ -59,9 +59,9 @@ import torch.nn as nn
 from . import dist as cdist
 from .errors import CourseInputError
 from .instrument import Observer
+from .loop import Prepared, TrainConfig, make_optimizer, module_held
 from .models import Block, get_config, init_weights
 from .strategies import FSDP_STRATEGIES, get, get_fsdp, mesh_shape, shard_group_size
-from .loop import Prepared, TrainConfig, make_optimizer, module_held
 
 #: Accepted values of the strategy knobs in ``TrainConfig.options``; the first is the default.
 OPTIONS = {"api": ("fsdp2", "fsdp1"), "wrap": ("block", "model", "linear"),
@@ -403,7 +403,7 @@ def _apply_fsdp(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
     mesh = fsdp_mesh(info, strategy, cfg.node_size)
     mp = mixed_precision_policy(cfg)
     spec = get_fsdp(strategy)
-    units = shard_model(model, mesh, reshard_after_forward=spec.reshard_after_forward,
+    shard_model(model, mesh, reshard_after_forward=spec.reshard_after_forward,
                         granularity=opts["wrap"], mp_policy=mp, offload=offload_policy(opts["offload"], info.device),
                         prefetch=opts["prefetch"])
     if meta:  # built on the meta device (loop.prepare): each rank materialises only its shards

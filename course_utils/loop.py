@@ -11,8 +11,8 @@ strategy modules can import it and it imports none of them.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -51,7 +51,7 @@ class TrainConfig:
     fail_during_save: str | None = None  # "RANK:STEP": dies while writing that step's checkpoint
     save_weights: str | None = None      # rank 0 writes the final full fp32 state dict here (torch.save)
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         get(self.strategy)
         for name in ("nproc", "steps", "batch"):
             value = getattr(self, name)
@@ -60,8 +60,8 @@ class TrainConfig:
         if self.strategy == "single" and self.nproc != 1:
             raise CourseInputError("strategy 'single' is the one-process reference; use --nproc 1 (or another strategy)")
         if self.batch % self.nproc:
-            raise CourseInputError(
-                f"global batch {self.batch} does not divide by {self.nproc} ranks; pick a batch that is a multiple of {self.nproc}")
+            raise CourseInputError(f"global batch {self.batch} does not divide by {self.nproc} ranks; "
+                                   f"pick a batch that is a multiple of {self.nproc}")
         if self.precision not in ("fp32", "mixed"):
             raise CourseInputError(f"precision must be 'fp32' or 'mixed', got {self.precision!r}")
         mesh_shape(self.strategy, self.nproc, self.node_size)  # hybrid_shard: nproc must divide by node_size

@@ -163,7 +163,7 @@ def build_meta_model(cfg: GPTConfig | str = "tiny") -> GPT:
 
 @torch.no_grad()
 def init_weights(model: GPT, seed: int = 0, device="cpu") -> GPT:
-    """Materialise a meta-built (and possibly sharded) model on ``device`` with ``build_model(cfg, seed)``'s weights (notebook 04).
+    """Give a meta-built (possibly sharded) model ``build_model(cfg, seed)``'s weights on ``device`` (notebook 04).
 
     ``model.to_empty(device)`` gives every parameter storage (for FSDP2, its local shard); then
     each parameter gets the very values the eager build gives it, bit for bit: the random

@@ -225,7 +225,7 @@ def _plan_memory_axes(ax, p) -> None:
     for i, s in enumerate(names):
         sp = p.strategies[s]
         bottom = 0.0
-        for part, value, color in (("model states", sp.model_states, PART_COLORS["optimizer"]),
+        for _part, value, color in (("model states", sp.model_states, PART_COLORS["optimizer"]),
                                    ("activations", sp.activations, PART_COLORS["activations"]),
                                    ("buffers", sp.buffers, PART_COLORS["buffers"])):
             v = value / GB

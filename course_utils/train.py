@@ -39,7 +39,15 @@ import torch.distributed as dist
 from . import dist as cdist
 from .checkpoint import FINISHED_LINE, Checkpointer, die_hard, planned_failure
 from .errors import CourseInputError
-from .instrument import CountCollectives, HeldAtRest, Observer, StepTimer, global_mean_losses, held_bytes, weights_sha256
+from .instrument import (
+    CountCollectives,
+    HeldAtRest,
+    Observer,
+    StepTimer,
+    global_mean_losses,
+    held_bytes,
+    weights_sha256,
+)
 from .loop import TrainConfig, prepare, run_steps
 from .strategies import STRATEGIES
 

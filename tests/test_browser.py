@@ -31,7 +31,6 @@ import urllib.request
 
 import nbformat
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))

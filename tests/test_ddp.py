@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 
 from course_utils import ddp
-from course_utils.labs import lab02
 from course_utils import dist as cdist
+from course_utils.labs import lab02
 from course_utils.launch import launch
 from course_utils.models import build_model, param_count
 from course_utils.train import TrainConfig, train
@@ -141,7 +141,7 @@ def runs(tmp_path_factory):
 
 
 def test_torch_ddp_and_bucketed_ddp_give_the_same_report_on_2_ranks(runs):
-    (ours, w_ours), (theirs, w_theirs) = runs["ddp_scratch", 2], runs["ddp", 2]
+    (ours, _), (theirs, _) = runs["ddp_scratch", 2], runs["ddp", 2]
     assert ours["weights_sha256"] == theirs["weights_sha256"]  # see the bit-for-bit argument above
     assert ours["losses"] == theirs["losses"]
     assert ours["comm_per_step"]["all_reduce"]["calls"] == ours["strategy_info"]["buckets"] > 1

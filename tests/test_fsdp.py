@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from course_utils import fsdp, strategies
-from course_utils.labs import lab04
 from course_utils.errors import CourseInputError
+from course_utils.labs import lab04
 from course_utils.models import build_model, get_config, param_count
 from course_utils.train import TrainConfig, train
 

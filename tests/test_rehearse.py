@@ -6,15 +6,15 @@ Small fake configurations keep every rehearsal here under a second or two.
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import pytest
 import torch
 
-from course_utils import cli, rehearse as R
-from course_utils.labs import lab05b
+from course_utils import cli
+from course_utils import rehearse as R
 from course_utils.errors import CourseInputError
+from course_utils.labs import lab05b
 from course_utils.models import GPTConfig
 
 pytestmark = pytest.mark.skipif(R.tracker_problem() is not None, reason="torch lacks FSDPMemTracker")

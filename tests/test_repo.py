@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -37,7 +36,8 @@ def test_notebook_frame(path):
     nb = json.loads(path.read_text())
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     src = lambda c: "".join(c["source"])  # noqa: E731
-    assert "parameters" in code[0].get("metadata", {}).get("tags", []), f"{path.name}: first code cell must be the papermill parameters cell"
+    assert "parameters" in code[0].get("metadata", {}).get("tags", []), (
+        f"{path.name}: first code cell must be the papermill parameters cell")
     assert "google.colab" in src(code[1]), f"{path.name}: second code cell must be the Colab set-up cell"
     assert "colab.research.google.com" in src(nb["cells"][0]), f"{path.name}: title cell needs the Open in Colab badge"
     assert path.name in src(nb["cells"][0]), f"{path.name}: the Colab badge must point at this notebook"
@@ -79,7 +79,8 @@ def _pyproject_packages() -> set:
 
 def test_environment_yml_agrees_with_pyproject_and_constraints():
     pins, env, declared = _requirements_from_constraints(), _environment_pins(), _pyproject_packages()
-    assert declared <= set(pins), f"packages in pyproject.toml without a pinned version in constraints.txt: {declared - set(pins)}"
+    missing = declared - set(pins)
+    assert not missing, f"packages in pyproject.toml without a pinned version in constraints.txt: {missing}"
     assert set(env) == set(pins), f"environment.yml and constraints.txt list different packages: {set(env) ^ set(pins)}"
     for name, version in pins.items():
         assert env[name] == version, f"{name}: environment.yml has {env[name]}, constraints.txt has {version}"
@@ -101,7 +102,7 @@ def test_no_fixed_rendezvous_port_in_the_package():
     for py in (ROOT / "course_utils").rglob("*.py"):
         text = py.read_text()
         default = "295" + "00"  # torchrun's default port, spelled so this file does not match itself
-        assert not re.search(r"MASTER_PORT[\"']?\]?\s*=\s*[\"']?\d{4,5}|:%s\b|port\s*=\s*%s" % (default, default), text), py
+        assert not re.search(rf"MASTER_PORT[\"']?\]?\s*=\s*[\"']?\d{{4,5}}|:{default}\b|port\s*=\s*{default}", text), py
 
 
 def test_cli_help_lists_every_subcommand():

@@ -22,7 +22,6 @@ from ..instrument import CountCollectives, Observer, weights_sha256
 from ..loop import Prepared, TrainConfig, make_optimizer, module_held, run_steps
 from ..models import build_model, get_config
 
-
 # ---------------------------------------------------------------- measurements (notebook 02)
 
 def socket_bytes_written() -> int | None:

@@ -19,7 +19,6 @@ from ..loop import TrainConfig, apply_single, resolve_strategy, run_steps
 from ..models import build_model, get_config
 from ..zero import ShardedOptimizer, apply_torch_zero1, shard_bounds
 
-
 #: What ``agreement_worker`` can run besides the strategies of ``strategies.STRATEGIES``.
 REFERENCES = {"torch_zero1": apply_torch_zero1}
 
@@ -69,7 +68,8 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
     Rank 0 trains the one-process reference on the whole global batch by itself (no
     collectives) and sends its gradients and weights to every rank; then each strategy runs on
     its share of the batch, exactly as ``train`` would (same model, data, Adam; fp32 unless
-    ``precision`` says otherwise). Rank 0 returns, per strategy: ``grad_error`` (``gradient_error`` after step 0's backward, worst over ranks),
+    ``precision`` says otherwise). Rank 0 returns, per strategy: ``grad_error``
+    (``gradient_error`` after step 0's backward, worst over ranks),
     ``max_abs_diff`` (largest |w - w_single| over every final weight), ``rel_diff``
     (‖w - w_single‖ / ‖w_single‖), the losses (averaged over ranks), ``weights_sha256``, and, shaped
     like a ``train`` report so that ``memory_check`` reads them, ``strategy``, ``world_size``,

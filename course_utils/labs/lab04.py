@@ -16,8 +16,7 @@ import torch.distributed as dist
 
 from .. import dist as cdist
 from ..errors import CourseInputError
-from ..fsdp import (_b, _meta_model, calls_text, fsdp_options, full_state_dict,
-                    full_state_dict_via_dtensor, predict)
+from ..fsdp import _b, _meta_model, calls_text, fsdp_options, full_state_dict, full_state_dict_via_dtensor, predict
 from ..instrument import CountCollectives, HeldAtRest, Observer, StepTimer, weights_sha256
 from ..loop import Prepared, TrainConfig, prepare, run_steps
 from ..models import build_model
@@ -351,8 +350,13 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
     ``run_dir`` only (a fresh folder per call: DCP must never reuse one).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         get_state_dict, set_model_state_dict, set_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     root = Path(run_dir)
     out: dict = {"world_size": info.world_size, "run_dir": str(root)}
