@@ -32,6 +32,24 @@ def test_notebook_is_stored_stripped(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_valid_and_in_the_canonical_format(path):
+    # The .ipynb is the source: edited in JupyterLab (or by a script), stored stripped, valid
+    # nbformat, and written the one way that keeps a diff reviewable: indent 1, each cell's
+    # source one string, a unique id per cell (CONTRIBUTING.md, "Editing a notebook").
+    import nbformat
+
+    text = path.read_text(encoding="utf-8")
+    nb = json.loads(text)
+    nbformat.validate(nbformat.reads(text, as_version=nbformat.NO_CONVERT))
+    assert text == json.dumps(nb, indent=1, ensure_ascii=False) + "\n", (
+        f"{path.name} is not in the canonical format: run `.venv/bin/python tools/nb_canonical.py {path.relative_to(ROOT)}`")
+    ids = [cell.get("id") for cell in nb["cells"]]
+    assert all(ids) and len(set(ids)) == len(ids), f"{path.name}: every cell needs its own id"
+    for cell in nb["cells"]:
+        assert isinstance(cell["source"], str), f"{path.name} cell {cell.get('id')}: source must be one string"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_frame(path):
     nb = json.loads(path.read_text())
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
