@@ -21,7 +21,7 @@ LAYERS = [
     {"ddp", "zero", "fsdp", "examples"},                              # strategies: apply_* (and experiments)
     {"train", "rehearse", "plots"},                                   # the run and its CLI; rehearsal; figures
     {"widgets", "bench", "cli", "__main__"},                          # views and commands
-    {"labs"},                                                         # each notebook's experiments
+    {"labs", "exercises"},                                            # each notebook's experiments and exercises
 ]
 #: Arithmetic: what the course's numbers rest on. They start no process and never touch torch.distributed.
 ARITHMETIC = {"memory", "comm", "plan"}
