@@ -28,6 +28,8 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .errors import CourseInputError
+
 # c10d op name -> (kind, index of the tensor argument whose size is the payload)
 _C10D = {
     "allreduce_": ("all_reduce", 0),
@@ -330,3 +332,16 @@ def global_mean_losses(local_losses: list, info) -> list[float]:
     for part in parts[1:]:
         total += part
     return (total / info.world_size).cpu().tolist()[:-1]
+
+
+def weight_diff(a: dict, b: dict) -> dict:
+    """How far two full state dicts (same keys) are apart: ``{"max_abs", "relative"}`` (notebook 04).
+
+    ``relative`` is ‖a − b‖ / ‖b‖ over all weights together (b is the reference).
+    """
+    if set(a) != set(b):
+        raise CourseInputError(f"state dicts differ in keys: {sorted(set(a) ^ set(b))[:4]}")
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
+    den = sum(float(b[k].double().pow(2).sum()) for k in b)
+    return {"max_abs": max(float((a[k].float() - b[k].float()).abs().max()) for k in a),
+            "relative": (num / den) ** 0.5 if den else 0.0}

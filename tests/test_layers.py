@@ -18,9 +18,9 @@ LAYERS = [
     {"models", "data", "memory", "dist", "instrument", "_agent", "worker"},  # model, data, the bill, observers
     {"launch", "checkpoint", "plan"},                                 # starts processes; DCP checkpoints; planner
     {"loop"},                                                         # the one loop and its types
-    {"ddp", "zero", "fsdp", "examples"},                              # strategies: apply_* (and experiments)
+    {"ddp", "zero", "fsdp", "per_param", "examples"},                 # strategies: the mechanism, apply_*
     {"train", "rehearse", "plots"},                                   # the run and its CLI; rehearsal; figures
-    {"widgets", "bench", "cli", "__main__"},                          # views and commands
+    {"widgets", "bench", "cli", "__main__", "ft"},                    # views, commands; the TorchFT run
     {"labs", "exercises"},                                            # each notebook's experiments and exercises
 ]
 #: Arithmetic: what the course's numbers rest on. They start no process and never touch torch.distributed.
@@ -29,7 +29,7 @@ ARITHMETIC = {"memory", "comm", "plan"}
 
 def _name(path) -> str:
     rel = path.relative_to(PACKAGE).with_suffix("")
-    return rel.parts[0] if rel.parts[0] == "labs" else rel.name
+    return rel.parts[0] if len(rel.parts) > 1 else rel.name  # a subpackage (labs, exercises) is one unit
 
 
 def _imports(path) -> set[tuple[str, str]]:

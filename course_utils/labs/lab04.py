@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 
 from .. import dist as cdist
-from ..errors import CourseInputError
 from ..fsdp import _b, _meta_model, calls_text, fsdp_options, full_state_dict, full_state_dict_via_dtensor, predict
-from ..instrument import CountCollectives, HeldAtRest, Observer, StepTimer, weights_sha256
+from ..instrument import CountCollectives, HeldAtRest, Observer, StepTimer, weight_diff, weights_sha256
 from ..loop import Prepared, TrainConfig, prepare, run_steps
 from ..models import build_model
 from ..strategies import FSDP_STRATEGIES
@@ -220,19 +219,6 @@ def held_by_device(params, grads, optim) -> dict:
             local = t.to_local() if hasattr(t, "to_local") else t
             out[local.device.type] = out.get(local.device.type, 0) + tensor_bytes([t])
     return out
-
-
-def weight_diff(a: dict, b: dict) -> dict:
-    """How far two full state dicts (same keys) are apart: ``{"max_abs", "relative"}`` (notebook 04).
-
-    ``relative`` is ‖a − b‖ / ‖b‖ over all weights together (b is the reference).
-    """
-    if set(a) != set(b):
-        raise CourseInputError(f"state dicts differ in keys: {sorted(set(a) ^ set(b))[:4]}")
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
-    den = sum(float(b[k].double().pow(2).sum()) for k in b)
-    return {"max_abs": max(float((a[k].float() - b[k].float()).abs().max()) for k in a),
-            "relative": (num / den) ** 0.5 if den else 0.0}
 
 
 #: How close a run must end to the one-process reference (notebook 04). In fp32 the only
