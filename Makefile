@@ -1,7 +1,7 @@
 # The course's commands. Each one sets itself up first (idempotent) and says what it does.
 #   make course   set up, execute every notebook into build/notebooks/, export slide decks into build/slides/
 #   make publish-slides  (teachers) refresh the committed decks in slides/ from build/slides/
-#   make test     set up, run the unit tests, execute every notebook as a test (nbval + papermill)
+#   make test     set up, lint (ruff), run the unit tests, execute every notebook as a test (nbval + papermill)
 #   make lab      set up, open JupyterLab on the notebooks (localhost only, a free port, a token; prints the URL)
 #   make bench    set up, run the benchmarks into benchmarks/
 #   make stress   set up, run the launcher's stress test (2 x 300 launches) into benchmarks/
@@ -26,7 +26,7 @@ INSTALL_ARGS = -c constraints.txt $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
 	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch -e ".[notebooks,test,ft]"
 QUIET_PIP = 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup browser-setup course notebooks slides publish-slides test unit-tests notebook-tests lab bench stress gpu-check clean
+.PHONY: setup browser-setup course notebooks slides publish-slides test lint unit-tests notebook-tests lab bench stress gpu-check clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,7 @@ publish-slides: slides
 # Both phases always run, so one failing unit test does not hide what the notebooks would say.
 test: setup browser-setup
 	@status=0; \
+	$(MAKE) --no-print-directory lint || status=1; \
 	$(MAKE) --no-print-directory unit-tests || status=1; \
 	$(MAKE) --no-print-directory notebook-tests || status=1; \
 	if [ $$status = 0 ]; then echo "==> all tests passed"; else echo "==> some tests FAILED (see above)"; fi; \
@@ -92,6 +93,11 @@ else
 UNIT_WORKERS     := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 NOTEBOOK_WORKERS := -n $(TEST_WORKERS) --dist loadscope
 endif
+
+# ruff (rules in pyproject.toml): the package, the tests and the tools.
+lint: setup
+	@echo "==> lint (ruff check course_utils tests tools)"
+	@$(BIN)/ruff check course_utils tests tools
 
 unit-tests: setup browser-setup
 	@echo "==> unit tests (pytest tests/, $(TEST_WORKERS) workers)"

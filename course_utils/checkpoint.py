@@ -36,7 +36,7 @@ Rules (each one a failure seen in real jobs):
   aside under ``_rejected/`` and the one before is tried. Rank 0 alone decides which steps to
   try and broadcasts that list: on a shared filesystem two ranks can see different folders.
 
-What is saved comes from the strategy (``course_utils.train.Prepared``): by default the
+What is saved comes from the strategy (``course_utils.loop.Prepared``): by default the
 model and optimizer through ``torch.distributed.checkpoint.state_dict.get_state_dict`` (plain
 modules, DDP, FSDP2's DTensors); the hand-built ZeRO optimizers of ``course_utils.zero``
 (flat slices) save each slice as a DTensor of the global flat buffer; any strategy may supply
@@ -56,7 +56,6 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -333,7 +332,7 @@ class FlatState:
 
 
 class CustomState:
-    """A strategy's own ``Prepared.get_state``/``set_state`` pair (see ``course_utils.train.Prepared``)."""
+    """A strategy's own ``Prepared.get_state``/``set_state`` pair (see ``course_utils.loop.Prepared``)."""
 
     def __init__(self, prepared, strategy: str):
         self.get, self.set = prepared.get_state, prepared.set_state
@@ -768,7 +767,8 @@ def check_marker(root, step: int, cfg) -> dict:
     mismatched = {k: (marker.get(k), getattr(cfg, k)) for k in MUST_MATCH if marker.get(k) != getattr(cfg, k)}
     if mismatched:
         raise CourseInputError(
-            f"{step_dir(root, step)} belongs to another run ({', '.join(f'{k}: saved {a!r}, now {b!r}' for k, (a, b) in mismatched.items())}); "
+            f"{step_dir(root, step)} belongs to another run "
+            f"({', '.join(f'{k}: saved {a!r}, now {b!r}' for k, (a, b) in mismatched.items())}); "
             "use the same settings or a fresh --checkpoint-dir")
     if marker.get("format") != state_format(cfg.strategy):
         raise CourseInputError(format_mismatch(step_dir(root, step), marker, cfg.strategy, state_format(cfg.strategy)))
@@ -917,7 +917,7 @@ class Checkpointer:
         self._record()
         k = self.cfg.checkpoint_every
         if k and done % k == 0:
-            from .train import global_mean_losses
+            from .instrument import global_mean_losses
 
             history = self.history + global_mean_losses(local_losses, self.info)
             extra = {**self._match(), "bucket_cap_mb": self.cfg.bucket_cap_mb, "losses": history}
@@ -972,27 +972,6 @@ def lost_work_row(report: dict, every: int, fail_steps: list) -> dict:
             "every_position": sorted(f % every for f in fail_steps) == list(range(every))}
 
 
-def lost_work_sweep(intervals, *, strategy: str = "ddp", nproc: int = 2, **overrides) -> list[dict]:
-    """Measure the steps redone for every failure position, one launch per checkpoint interval K (notebook 06).
-
-    For interval K the run takes 2K steps and loses a rank once per attempt, during steps
-    K, K+1, ..., 2K−1 (one residue f mod K each), so the mean over its K restarts is the
-    average over a uniformly placed failure. Rows as ``lost_work_row``.
-    """
-    from .train import train
-
-    rows = []
-    for k in intervals:
-        fail_steps = [k + i for i in range(k)]
-        spec = ",".join(f"{i % nproc}:{s}" for i, s in enumerate(fail_steps))
-        d = tempfile.mkdtemp(prefix=f"sweep-k{k}-")
-        report = train(strategy=strategy, nproc=nproc, steps=2 * k, checkpoint_dir=d, checkpoint_every=k,
-                       max_restarts=k, fail_at=spec, **overrides)
-        rows.append(lost_work_row(report, k, fail_steps))
-        shutil.rmtree(d, ignore_errors=True)
-    return rows
-
-
 # ---------------------------------------------------------------- reading a run's logs (notebook 06)
 
 #: How a rank's process ended, read from its error file (torch's ``@record``) and its output.
@@ -1035,61 +1014,6 @@ def attempt_logs(checkpoint_dir, run_id: str) -> list[dict]:
         rows.append({"attempt": attempt, "rank": rank, "last_step_done": max(done) if done else None,
                      "ending": ending, "first_line": lines[0] if lines else "", "last_line": lines[-1] if lines else ""})
     return sorted(rows, key=lambda r: (r["attempt"], r["rank"]))
-
-
-# ---------------------------------------------------------------- two pitfalls, on real files (notebook 06)
-
-def _one_step(config: dict, info):
-    """Build the run's model and strategy and train one step, so that the optimizer has state."""
-    from .data import batch_for_rank
-    from .models import build_model, get_config
-    from .train import TrainConfig, resolve_strategy
-
-    cfg = TrainConfig(**{**config, "nproc": info.world_size}).validate()
-    mcfg = get_config(cfg.model)
-    prepared = resolve_strategy(cfg.strategy)(build_model(mcfg, seed=cfg.seed, device=info.device), cfg, info)
-    x, y = batch_for_rank(0, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab,
-                          seed=cfg.seed, device=info.device)
-    prepared.model(x, y).backward()
-    prepared.before_step()
-    prepared.optimizer.step()
-    return prepared
-
-
-def _local_shapes(prepared) -> dict:
-    state = state_of(prepared).get()["model"]
-    return {k: list((v.to_local() if hasattr(v, "to_local") else v).shape) for k, v in state.items()}
-
-
-def rank_named_pitfall(config: dict, folder: str, phase: str) -> dict:
-    """Checkpoint files named by rank, saved at one world size and read at another (notebook 06).
-
-    ``phase="save"``: every rank ``torch.save``s its local shards to ``rank<r>.pt`` (the
-    tempting mistake), and writes a "full" optimizer state dict taken with
-    ``full_state_dict=True, cpu_offload=True`` to ``full_optim_rank<r>.pt`` (gathered to rank 0
-    only). ``phase="load"``: rank r reads ``rank<r>.pt`` and compares its shapes with what it
-    holds now. Returns what each rank saw.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    with cdist.session() as info:
-        prepared = _one_step(config, info)
-        mine = Path(folder) / f"rank{info.rank}.pt"
-        if phase == "save":
-            state = state_of(prepared).get()["model"]
-            torch.save({k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in state.items()},
-                       mine)
-            full = get_optimizer_state_dict(_inner(prepared.model), prepared.optimizer,
-                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            optim_file = Path(folder) / f"full_optim_rank{info.rank}.pt"
-            torch.save(full, optim_file)
-            return {"rank": info.rank, "wrote": [mine.name, optim_file.name],
-                    "optim_entries": len(full.get("state", {})), "optim_file_bytes": optim_file.stat().st_size}
-        saved = {k: list(v.shape) for k, v in torch.load(mine).items()}
-        needed = _local_shapes(prepared)
-        wrong = {k: {"in_file": saved.get(k), "needed": shape} for k, shape in needed.items() if saved.get(k) != shape}
-        return {"rank": info.rank, "read": mine.name, "tensors": len(needed), "wrong_shape": len(wrong),
-                "example": next(iter(wrong.items()), None)}
 
 
 def dcp_chunks(root, step: int, key: str) -> list[dict]:

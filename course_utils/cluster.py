@@ -219,7 +219,7 @@ class Cluster:
         self.log_dir: Path | None = None
         self._count = 0
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         require()
         remove_leftovers()
         self.log_dir = Path(tempfile.mkdtemp(prefix="course-cluster-"))

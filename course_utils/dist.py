@@ -101,7 +101,7 @@ def make_deterministic(device: torch.device) -> dict:
     bit for bit. With more ranks, runs whose gradients travel in different message sizes (DDP's
     buckets against a hand-built layout, a reduce-scatter against an all-reduce) can round
     differently: those comparisons get the tolerance the notebooks already use on CPU for more
-    than 2 ranks (relative weight difference <= 1e-4, fsdp.TOLERANCE["fp32"]). The same run
+    than 2 ranks (relative weight difference <= 1e-4, labs.lab04.TOLERANCE["fp32"]). The same run
     repeated (same ranks, sizes, GPUs and NCCL version), as a resumed run is, reduces in the same
     order. Returns the settings in force, for reports.
     """

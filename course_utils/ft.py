@@ -74,7 +74,7 @@ class FTConfig:
     heartbeat_timeout_ms: int = 1000
     timeout_s: float = 60.0         # the whole run; everything is stopped after it
 
-    def validate(self) -> "FTConfig":
+    def validate(self) -> FTConfig:
         from .checkpoint import parse_failures
 
         if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 2:
@@ -135,8 +135,8 @@ def replica_main(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, run
     from .checkpoint import die_hard
     from .data import batch_for_rank
     from .instrument import weights_sha256
+    from .loop import make_optimizer
     from .models import build_model, get_config
-    from .train import make_optimizer
 
     # R processes on a few cores: split the cores, as course_utils.dist.init does for torchrun's workers
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.replicas))

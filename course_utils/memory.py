@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import CourseInputError
-from .units import GB, GiB, fmt_bytes, fmt_count, fmt_size, parse_bytes, parse_count
+from .units import GB, GiB, fmt_bytes, fmt_count, fmt_size, parse_bytes
 from .validate import check_numbers, finite_result, params_count
 
 #: The four rows of the paper's memory table, in order of how much they shard.

@@ -43,7 +43,6 @@ from torch.autograd import Variable
 from .instrument import tensor_bytes
 from .zero import GatheredBytes, assign_units
 
-
 # ---------------------------------------------------------------------------------------------
 # The layout: rows of dim 0, padded as torch.chunk pads
 # ---------------------------------------------------------------------------------------------
@@ -340,7 +339,7 @@ def expected_traffic(model: nn.Module, units, nd: int, *, reshard_after_forward:
     """
     frac = (nd - 1) / nd
     out = {"all_gather": 0.0, "reduce_scatter": 0.0}
-    for name, mod, params in assign_units(model, list(units)):
+    for name, _mod, params in assign_units(model, list(units)):
         for p in params:
             nbytes = nd * chunk_rows(p.shape[0], nd) * math.prod(p.shape[1:]) * bytes_per_element
             again = reshard_after_forward and name != "(root)"
@@ -375,13 +374,13 @@ def compare_worker(cases: list[dict]) -> list[dict]:
 
     Each case: ``optimizer`` ("SGD", "Adam", "AdamW"), ``compute_dtype`` (None or "bfloat16"),
     ``frozen`` (parameter names), ``reshard_after_forward``, ``steps``. Returns per case the
-    relative weight difference (``fsdp.weight_diff``), the bytes held and sent with their
+    relative weight difference (``instrument.weight_diff``), the bytes held and sent with their
     formulas, the peak of gathered bytes, and the rows each rank keeps against ``fully_shard``'s.
     """
     from . import dist as cdist
     from .data import batch_for_rank
-    from .fsdp import expected_peak_unsharded_bytes, weight_diff
-    from .instrument import CommCounter
+    from .fsdp import expected_peak_unsharded_bytes
+    from .instrument import CommCounter, weight_diff
     from .models import build_model, get_config
 
     cfg = get_config("tiny")

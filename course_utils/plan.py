@@ -16,9 +16,8 @@ The decision rule of the course (the lesson on the stages, and the ZeRO paper's 
 Symbols: Ψ parameters, K optimizer bytes per parameter, Nd data-parallel degree, Nm
 model-parallel degree; h width, L layers, s sequence length, b micro-batch per GPU.
 
-Everything here is arithmetic on the inputs, except the last section: ``block_overlap_worker``,
-a worker function that ``course_utils.launch`` runs to time a block's compute and an all-gather
-on this host (it imports torch only when it runs), and its timer ``time_on_device``.
+Everything here is arithmetic on the inputs: it starts no process (the run that measures this
+host's rates, ``labs.lab05.block_overlap_worker``, lives with notebook 05's experiments).
 
 A time model is a model: per-GPU FLOP/s you can actually reach, ring collectives whose speed
 is that of the slowest link they cross, overlap as "hidden if shorter than the compute beside
@@ -30,7 +29,6 @@ import argparse
 import json
 import math
 import re
-import time
 from dataclasses import asdict, dataclass, field
 
 from . import memory
@@ -814,13 +812,13 @@ def format_plan(p: Plan) -> str:
              "Memory per GPU, GB (10^9 bytes)",
              f"{'strategy':<40} {'states':>8} {'activ.':>8} {'buffers':>8} {'total':>8} {'headroom':>9}  fits",
              ]
-    for s, sp in p.strategies.items():
+    for sp in p.strategies.values():
         lines.append(f"{_label(sp):<40} {sp.model_states / GB:>8.1f} {sp.activations / GB:>8.1f} "
                      f"{sp.buffers / GB:>8.2f} {sp.total / GB:>8.1f} {sp.headroom / GB:>9.1f}  "
                      f"{'yes' if sp.fits else 'no: ' + sp.why_not}")
     lines += ["", "Per transformer block (stage 3 family): compute against the all-gather of its parameters",
               f"{'strategy':<40} {'fwd ms':>8} {'gather ms':>10} {'bwd ms':>8} {'gath+RS ms':>11}  hides?  link"]
-    for s, sp in p.strategies.items():
+    for sp in p.strategies.values():
         b = sp.block
         if b:
             lines.append(f"{_label(sp):<40} {b['fwd_compute_s'] * 1e3:>8.3g} {b['gather_s'] * 1e3:>10.3g} "
@@ -828,7 +826,7 @@ def format_plan(p: Plan) -> str:
                          f"{'yes' if b['hides_fwd'] and b['hides_bwd'] else 'no':<6}  {b['link']}")
     lines += ["", "Step: communication per GPU and estimated time",
               f"{'strategy':<40} {'comm GB':>8} {'PCIe GB':>8} {'compute s':>10} {'exposed s':>10} {'step s':>8}"]
-    for s, sp in p.strategies.items():
+    for sp in p.strategies.values():
         lines.append(f"{_label(sp):<40} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
                      f"{sp.compute_s:>10.3g} {sp.exposed_comm_s:>10.3g} {sp.step_s:>8.3g}")
     r = p.recommendation
@@ -851,82 +849,8 @@ def plan_command(args) -> int:
 # Measured on this host (notebook 05): a block's compute against an all-gather of its parameters
 # ---------------------------------------------------------------------------------------------
 
-def time_on_device(fn, sync) -> float:
-    """Seconds one call of ``fn()`` takes, with ``sync()`` called before the clock starts and again
-    before it stops (notebook 05).
-
-    ``sync`` is ``course_utils.dist.synchronize`` for the device the work runs on. CUDA queues
-    kernels and returns at once, so without it the clock would stop when the work was launched,
-    not when it was done (and the first reading would include whatever was still queued). On CPU
-    it does nothing.
-    """
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t0
-
-
-def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats: int = 3, seq: int = 64) -> list:
-    """Worker for ``course_utils.launch``: time one course-model block's forward and backward, and
-    an all-gather of its parameters sharded over the ranks, for each width and tokens per
-    micro-batch (notebook 05).
-
-    Runs in fp32 with one thread per rank, on CPU (16-bit matmuls are slow there) or on this
-    rank's GPU; every timer waits for the device (``time_on_device``). Returns, on
-    every rank, rows ``{"width", "tokens", "params", "fwd_s", "fwd_bwd_s", "gather_s",
-    "gather_bytes", "world_size", "backend"}`` (medians over ``repeats``; times are rank 0's).
-    """
-    import functools
-    import statistics
-
-    import torch
-    import torch.distributed as dist
-
-    from . import dist as cdist
-    from .models import Block, get_config
-
-    info = cdist.init()
-    sync = functools.partial(cdist.synchronize, info.device)  # CUDA work is asynchronous: wait before each clock read
-    try:
-        torch.set_num_threads(1)
-        rows = []
-        for width in widths:
-            cfg = get_config("tiny", width=width, heads=max(1, width // 64), seq=seq)
-            torch.manual_seed(0)
-            block = Block(cfg).to(info.device)
-            flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()])
-            n = info.world_size
-            shard_len = -(-flat.numel() // n)
-            shard = torch.zeros(shard_len, device=info.device)
-            part = flat[info.rank * shard_len:(info.rank + 1) * shard_len]
-            shard[:part.numel()] = part
-            out = [torch.empty_like(shard) for _ in range(n)]
-            gathers = []
-            for _ in range(repeats + 1):
-                dist.barrier()
-                gathers.append(time_on_device(lambda: dist.all_gather(out, shard), sync))
-            for ntok in tokens:
-                b = max(1, ntok // seq)
-                x = torch.randn(b, min(seq, ntok), width, device=info.device, requires_grad=True)
-                fwd, both = [], []
-                for _ in range(repeats + 1):
-                    fwd.append(time_on_device(torch.no_grad()(lambda: block(x)), sync))
-                    both.append(time_on_device(lambda: block(x).sum().backward(), sync))
-                rows.append({"width": width, "tokens": b * min(seq, ntok), "params": flat.numel(),
-                             "fwd_s": statistics.median(fwd[1:]), "fwd_bwd_s": statistics.median(both[1:]),
-                             "gather_s": statistics.median(gathers[1:]), "gather_bytes": 4 * shard_len * n,
-                             "world_size": n, "backend": info.backend})
-        # every rank reports rank 0's numbers, so the table does not depend on which rank is read
-        box = [rows]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    finally:
-        cdist.shutdown()
-
-
 def host_fit(rows: list) -> dict:
-    """Achievable FLOP/s and all-gather bandwidth of this host, fitted from ``block_overlap_worker``
+    """Achievable FLOP/s and all-gather bandwidth of this host, fitted from ``labs.lab05.block_overlap_worker``
     rows, so the planner's formulas can be drawn for this machine (notebook 05)."""
     import statistics
 

@@ -32,7 +32,6 @@ import urllib.request
 
 import nbformat
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))

@@ -317,7 +317,7 @@ def test_torch_state_resumes_across_strategies_and_zero_flat_is_refused_before_l
 
 
 def test_state_format_matches_what_each_strategy_saves():
-    from course_utils.train import STRATEGIES
+    from course_utils.strategies import STRATEGIES
 
     with cdist.session() as info:
         for name in STRATEGIES:
@@ -372,7 +372,8 @@ def _gather_both_ways(rank, strategy, out):
         on_rank0 = ck.rank0_full_weights(prepared, strategy)
         everywhere = prepared.full_state_dict()  # the strategy's own all-gather, on every rank
         Path(out, f"{strategy}-{rank}.json").write_text(json.dumps(
-            {"rank0": weights_sha256(on_rank0) if on_rank0 else None, "devices": sorted({v.device.type for v in on_rank0.values()}),
+            {"rank0": weights_sha256(on_rank0) if on_rank0 else None,
+             "devices": sorted({v.device.type for v in on_rank0.values()}),
              "everywhere": weights_sha256(everywhere)}))
 
 

@@ -14,14 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, pid_alive
 
 from course_utils import cluster, plan
 from course_utils.cli import main as cli_main
 from course_utils.errors import CourseInputError
 from course_utils.models import build_model, param_count
 from course_utils.train import train
-
-from conftest import ROOT, pid_alive
 
 
 def _why_not() -> str | None:
@@ -184,8 +183,9 @@ def test_links_are_shaped_on_both_ends(as_root):
         assert "tbf" not in shown
         # the nodes reach each other over the cable (no ping here: a socket)
         server = c.start(c.nodes[1], [sys.executable, "-c",
-                                      "import socket; s = socket.create_server(('%s', 0)); print(s.getsockname()[1], "
-                                      "flush=True); s.accept()[0].sendall(b'hello')" % c.nodes[1].addr], name="server")
+                                      f"import socket; s = socket.create_server(('{c.nodes[1].addr}', 0)); "
+                                      "print(s.getsockname()[1], flush=True); s.accept()[0].sendall(b'hello')"],
+                          name="server")
         log = c.log_dir / "server.log"
         deadline = time.monotonic() + 20
         while not log.read_text().strip() and time.monotonic() < deadline:

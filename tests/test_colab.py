@@ -9,7 +9,6 @@ import sys
 import types
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))

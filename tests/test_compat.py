@@ -6,8 +6,8 @@ import re
 
 import pytest
 import torch
-
 from conftest import ROOT
+
 from course_utils import compat, rehearse
 
 

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from course_utils import ddp
 from course_utils import dist as cdist
+from course_utils.labs import lab02
 from course_utils.launch import launch
 from course_utils.models import build_model, param_count
 from course_utils.train import TrainConfig, train
@@ -95,7 +96,7 @@ def test_world_of_one_leaves_gradients_as_they_were(world_of_one):
 
 
 def test_unused_parameter_is_a_clear_error(world_of_one):
-    model = ddp.GPTWithAuxHead("tiny")
+    model = lab02.GPTWithAuxHead("tiny")
     wrapped = ddp.BucketedDDP(model)
     x = torch.zeros(2, 32, dtype=torch.long)
     wrapped(x, x).backward()
@@ -108,7 +109,7 @@ def test_unused_parameter_is_a_clear_error(world_of_one):
 @pytest.fixture(scope="module")
 def against_torch():
     cfg = TrainConfig(strategy="ddp_scratch", nproc=2, steps=STEPS)
-    return launch(ddp.check_against_torch_ddp, nproc=2, args=(asdict(cfg), 0.1), echo=False)
+    return launch(lab02.check_against_torch_ddp, nproc=2, args=(asdict(cfg), 0.1), echo=False)
 
 
 def test_broadcast_makes_replicas_start_from_rank_0(against_torch):
@@ -140,7 +141,7 @@ def runs(tmp_path_factory):
 
 
 def test_torch_ddp_and_bucketed_ddp_give_the_same_report_on_2_ranks(runs):
-    (ours, w_ours), (theirs, w_theirs) = runs["ddp_scratch", 2], runs["ddp", 2]
+    (ours, _), (theirs, _) = runs["ddp_scratch", 2], runs["ddp", 2]
     assert ours["weights_sha256"] == theirs["weights_sha256"]  # see the bit-for-bit argument above
     assert ours["losses"] == theirs["losses"]
     assert ours["comm_per_step"]["all_reduce"]["calls"] == ours["strategy_info"]["buckets"] > 1
@@ -151,14 +152,14 @@ def test_torch_ddp_and_bucketed_ddp_give_the_same_report_on_2_ranks(runs):
 def test_bucketed_ddp_matches_one_process_within_fp32_tolerance(runs, nproc):
     (single, w_single), (ours, w_ours) = runs["single", 1], runs["ddp_scratch", nproc]
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(single["losses"]), **LOSS_TOL)
-    agreement = ddp.weights_agreement(w_single, w_ours, build_model("tiny").state_dict())
+    agreement = lab02.weights_agreement(w_single, w_ours, build_model("tiny").state_dict())
     assert agreement["rel"] <= WEIGHTS_REL_TOL
     for row in ours["per_rank"]:  # every replica holds the whole fp32 Adam bill, 16Ψ
         assert row["total"] == 16 * param_count(build_model("tiny"))
 
 
 def test_same_sized_buckets_in_swapped_order_silently_give_wrong_sums():
-    result = launch(ddp.mismatched_order, nproc=2, args=("same_size", 16), echo=False)
+    result = launch(lab02.mismatched_order, nproc=2, args=("same_size", 16), echo=False)
     n = 2
     right = [n * (n + 1) / 2, 100 * n * (n + 1) / 2]
     for out in result.values():

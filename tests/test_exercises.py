@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from course_utils import cli
-from course_utils.exercises import core
 from course_utils.errors import CourseInputError
+from course_utils.exercises import core
 
 sys.path.insert(0, str(core.solutions_dir().parent))
 from solutions.mistakes import MISTAKES  # noqa: E402
@@ -137,7 +137,8 @@ def test_grade_reports_passed_failed_and_not_done(tmp_path):
     nb.cells += cells("01", "model_state_bill", inspect.getsource(core.solution("01", "model_state_bill")))
     nb.cells += cells("02", "averaging_hook", "import torch.distributed as dist\n\n"
                       + inspect.getsource(core.solution("02", "averaging_hook")))
-    nb.cells += cells("05", "decide", inspect.getsource(mistakes.decide_first_that_fits).replace("decide_first_that_fits", "decide"))
+    wrong_rule = inspect.getsource(mistakes.decide_first_that_fits).replace("decide_first_that_fits", "decide")
+    nb.cells += cells("05", "decide", wrong_rule)
     nb.cells += cells("06", "newest_complete", core.get("06", "newest_complete").stub)
     nb.cells += [nbformat.v4.new_code_cell("raise RuntimeError('the student broke this cell')")]
     nb.cells += cells("01", "block_activation_bytes", core.get("01", "block_activation_bytes").stub)

@@ -10,8 +10,8 @@ import importlib.util
 import socket
 
 import pytest
-
 from conftest import pid_alive
+
 from course_utils import cli
 from course_utils.ft import INSTALL_HINT, ft_run
 from course_utils.launch import LaunchTimeout

@@ -8,14 +8,12 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from course_utils import memory
 from course_utils.cli import main
 from course_utils.errors import CourseInputError
 from course_utils.units import GB
-
-from conftest import ROOT
-
 
 # --- the formulas against the paper -------------------------------------------------------------
 

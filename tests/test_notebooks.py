@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import ROOT
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -67,6 +67,6 @@ def test_per_param_sharding_trains_like_one_process(nproc):
 
 def test_clipping_across_shards_is_the_full_norm():
     run = launch(per_param.clip_worker, nproc=2, timeout_s=60, progress=False)
-    for rank, row in run.items():
+    for _rank, row in run.items():
         assert row["norm"] == pytest.approx(row["reference_norm"], rel=1e-6)
         assert row["max_rel_err"] <= 1e-6

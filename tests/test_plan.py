@@ -7,13 +7,12 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from course_utils import memory, plan
 from course_utils.cli import main
 from course_utils.errors import CourseInputError
 from course_utils.units import GB
-
-from conftest import ROOT
 
 ZERO_100B = dict(model=plan.model_spec(layers=125, width=8192, vocab=50257, seq=1024, micro_batch=32),
                  cluster=plan.Cluster(gpus_per_node=16, nodes=25, gpu_mem=32 * GB, mp=16, intra_bw=300e9,

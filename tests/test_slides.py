@@ -8,12 +8,10 @@ from __future__ import annotations
 import base64
 import json
 import re
-
 import sys
 
 import nbformat
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
@@ -117,7 +115,7 @@ def test_deck_shows_no_machine_paths(deck):
 
 
 def test_vendored_files_are_complete_and_offline():
-    for package, (version, patterns) in bc.VENDOR.items():
+    for package, (_version, patterns) in bc.VENDOR.items():
         strip, target = bc.VENDOR_DIRS[package]
         for pattern in patterns:
             found = list((ROOT / "slides" / target).glob(pattern.removeprefix(strip)))

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, pid_alive
+
 from course_utils.train import _config_from_args, train, train_arguments
 
 TRIES = 3

@@ -116,11 +116,13 @@ def sync(path: Path, meta: dict) -> bool:
     nb = json.loads(text)
     title = nb["cells"][0]
     if not _BADGE.search(title["source"]):
-        raise SystemExit(f"{path.name}: the title cell has no Open In Colab badge to update (tools/nbbuild.py frame())")
+        raise SystemExit(f"{path.name}: the title cell has no Open In Colab badge to update: "
+                         "add one (copy the title cell of another notebook)")
     title["source"] = _BADGE.sub(lambda _: badge(meta, path.name), title["source"])
     code = _code_cells(nb)
     if len(code) < 2 or "google.colab" not in code[1]["source"]:
-        raise SystemExit(f"{path.name}: the second code cell is not a Colab set-up cell (tools/nbbuild.py frame())")
+        raise SystemExit(f"{path.name}: the second code cell is not a Colab set-up cell: "
+                         "copy the set-up cell of another notebook")
     code[1]["source"] = setup_source(meta, _extras(nb))
     new = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
     if new != text:

@@ -28,9 +28,9 @@ import os
 import sys
 import textwrap
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ..errors import CourseInputError
 
@@ -421,7 +421,8 @@ def grade(path, *, timeout_s: float = 900.0) -> list[Outcome]:
             papermill.execute_notebook(str(path), str(Path(tmp) / "executed.ipynb"), cwd=str(path.parent),
                                        progress_bar=False, execution_timeout=timeout_s, kernel_name="python3")
         except papermill.PapermillExecutionError as exc:
-            stopped = f"the notebook stopped at cell {exc.exec_count} ({exc.ename}: {exc.evalue.splitlines()[0] if exc.evalue else ''})"
+            first = exc.evalue.splitlines()[0] if exc.evalue else ""
+            stopped = f"the notebook stopped at cell {exc.exec_count} ({exc.ename}: {first})"
         finally:
             if before is None:
                 os.environ.pop(REPORT_ENV, None)

@@ -7,7 +7,7 @@ layout), ``CommCounter`` against ``comm.reduce_scatter_sent``/``all_gather_sent`
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -20,7 +20,7 @@ from .core import Exercise, Wrong, register
 LR = 0.1
 
 
-@lru_cache(maxsize=None)
+@cache
 def psi() -> int:
     """Ψ of the tiny model (computed on first use: importing this module stays cheap)."""
     return param_count(build_model("tiny", seed=0))

@@ -252,7 +252,8 @@ register(Exercise(
          "the fewest all-gathers, or `None` if no layout fits. The check runs your choice on 2 ranks and "
          "measures the peak with the tracker.",
     stub='def choose_layout(budget_bytes, units):\n'
-         '    """{"wrap": "block"|"model", "reshard_after_forward": bool} that fits budget_bytes with the fewest gathers, or None."""\n'
+         '    """{"wrap": "block"|"model", "reshard_after_forward": bool} that fits budget_bytes\n'
+         '    with the fewest gathers, or None."""\n'
          '    raise NotImplementedError("exercise 04.choose_layout: your code here")\n',
     hints=("Without resharding (or with one unit for the whole model) the whole model is gathered at the end of "
            "the forward: 4·Σ numel bytes.",

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from .. import checkpoint
 from ..data import batch_for_rank
 from ..instrument import weights_sha256
+from ..loop import TrainConfig, resolve_strategy
 from ..models import build_model, get_config
-from ..train import TrainConfig, resolve_strategy
 from .core import Exercise, Wrong, register
 
 
@@ -138,7 +138,8 @@ def resume_verdict(per_rank: dict) -> None:
                    if r["start"] == STEPS else f"the newest complete checkpoint is step-{SAVED}")
             raise Wrong(f"rank {rank}'s resume returned {r['start']!r}: {why}; return the step it restored")
         if r["optimizer_steps"] != r["saved_steps"]:
-            raise Wrong(f"rank {rank} resumed without its optimizer state (Adam's step count is {r['optimizer_steps'] or 'empty'}, "
+            steps = r["optimizer_steps"] or "empty"
+            raise Wrong(f"rank {rank} resumed without its optimizer state (Adam's step count is {steps}, "
                         f"saved {r['saved_steps']}): load the checkpoint's 'optim' entry too, or Adam restarts its "
                         "moments from zero and the run diverges from the uninterrupted one")
         if r["sha"] != r["want"]:
