@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from course_utils import per_param
-from course_utils.fsdp import TOLERANCE
+from course_utils.labs.lab04 import TOLERANCE
 from course_utils.launch import launch
 from course_utils.models import build_model, param_count
 
