@@ -20,6 +20,7 @@ from course_utils import checkpoint as ck
 from course_utils import dist as cdist
 from course_utils.errors import CourseInputError
 from course_utils.instrument import weights_sha256
+from course_utils.labs import lab06
 from course_utils.launch import WorkerFailed
 from course_utils.train import TrainConfig, train, train_worker
 
@@ -323,29 +324,25 @@ def test_state_format_matches_what_each_strategy_saves():
         for name in STRATEGIES:
             if name == "hybrid_shard":  # needs a world of node_size ranks; its state is FSDP2's, as full_shard's
                 continue
-            prepared = ck._one_step({"strategy": name, "steps": 1}, info)
+            prepared = lab06._one_step({"strategy": name, "steps": 1}, info)
             assert ck.state_of(prepared, name).format == ck.state_format(name), name
 
 
 # ---------------------------------------------------------------- two ranks in this process's forks
 
 def _two_ranks(fn, *args) -> None:
-    """Run ``fn(rank, *args)`` on 2 forked ranks of a gloo group (cheap: torch is already imported)."""
-    import socket
+    """Run ``fn(rank, *args)`` on 2 ranks of a gloo group, launched as every course run is.
 
-    import torch.multiprocessing as mp
+    (Forking them from this pytest process instead hung once in DDP's first collective: a fork
+    of a process whose thread pools already ran is not safe.)
+    """
+    from course_utils.launch import launch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank_entry, args=(port, fn, args), nprocs=2, start_method="fork")
+    launch(_rank_entry, nproc=2, args=(fn, args), backend="gloo", echo=False)
 
 
-def _rank_entry(rank, port, fn, args):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), COURSE_BACKEND="gloo")
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    fn(rank, *args)
+def _rank_entry(fn, args):
+    fn(int(os.environ["RANK"]), *args)
 
 
 def _stale_view_on_rank1(rank, folder, out):
@@ -368,7 +365,7 @@ def test_rank0_decides_the_resume_for_every_rank(tmp_path, reference):
 
 def _gather_both_ways(rank, strategy, out):
     with cdist.session() as info:
-        prepared = ck._one_step({"strategy": strategy, "nproc": 2, "steps": 1}, info)
+        prepared = lab06._one_step({"strategy": strategy, "nproc": 2, "steps": 1}, info)
         on_rank0 = ck.rank0_full_weights(prepared, strategy)
         everywhere = prepared.full_state_dict()  # the strategy's own all-gather, on every rank
         Path(out, f"{strategy}-{rank}.json").write_text(json.dumps(
