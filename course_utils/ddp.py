@@ -551,3 +551,131 @@ def weights_agreement(a: dict, b: dict, start: dict) -> dict:
     rows.sort(key=lambda r: -r["rel"])
     return {"rel": (diff2 / moved2) ** 0.5 if moved2 else 0.0, "max_abs": max(r["max_abs"] for r in rows),
             "worst": rows[:3], "key_bias": [r for r in rows if r["tensor"].endswith("[k]")]}
+
+
+# ---------------------------------------------------------------- torch's DDP, read from torch itself (notebook 02)
+
+def extra_buffer_bytes(grads, buffers) -> int:
+    """Bytes of ``buffers`` whose storage no gradient in ``grads`` shares (notebook 02).
+
+    The communication buckets are a second gradient-sized copy unless ``param.grad`` is a view
+    into them (torch's ``gradient_as_bucket_view=True``): this counts what they really add, by
+    comparing storages, not by a formula.
+    """
+    grad_storages = {g.untyped_storage().data_ptr() for g in grads if g is not None}
+    seen, extra = set(), 0
+    for b in buffers:
+        ptr = b.untyped_storage().data_ptr()
+        if ptr not in grad_storages and ptr not in seen:
+            seen.add(ptr)
+            extra += b.untyped_storage().nbytes()
+    return extra
+
+
+def _mean_local_gradients(cfg: TrainConfig, info, x, y) -> dict:
+    """The gradient of this rank's batch on a plain model, averaged over ranks by one all-reduce each:
+    the mean every DDP must deliver, computed without any DDP."""
+    model = build_model(get_config(cfg.model), seed=cfg.seed, device=info.device)
+    model(x, y).backward()
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        out[name] = g / info.world_size
+    return out
+
+
+def _rel_to_mean(model, mean: dict) -> float:
+    """max |grad − mean| / max |mean| over every parameter of ``model`` (inf where a grad is missing)."""
+    scale = max(float(g.abs().max()) for g in mean.values())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            return float("inf")
+        worst = max(worst, float((p.grad - mean[name]).abs().max()))
+    return worst / scale
+
+
+def _torch_layout(ddp_model, names: list) -> dict:
+    """torch DDP's bucket sizes (bytes) and parameter names per bucket, from its own logging data."""
+    data = ddp_model._get_ddp_logging_data()
+    def sizes(key):
+        return [int(s) for s in str(data[key]).split(",")] if key in data else None
+    indices = data.get("rebuilt_per_bucket_param_indices")
+    return {"bucket_cap_bytes": int(data["bucket_cap_bytes"]), "bucket_sizes": sizes("bucket_sizes"),
+            "rebuilt_bucket_sizes": sizes("rebuilt_bucket_sizes"),
+            "rebuilt_names": None if indices is None else [[names[int(i)] for i in part.split()]
+                                                           for part in str(indices).split(",")],
+            "gradient_as_bucket_view": bool(data["gradient_as_bucket_view"])}
+
+
+def torch_ddp_internals(cfg: TrainConfig, info, cap_mb: float, steps: int = 3) -> dict:
+    """What torch's DDP does, read from torch itself, beside the hand-built one (collective; notebook 02).
+
+    For torch's default cap (``bucket_cap_mb=None``) and for ``cap_mb``, with and without
+    ``gradient_as_bucket_view``, trains ``steps`` steps and reports: the bucket sizes from
+    ``_get_ddp_logging_data()`` before the first backward and after the rebuild, with the
+    parameter names of each rebuilt bucket; the bytes its bucket buffers add beyond the
+    gradients (buffers captured by a comm hook, storages compared with ``param.grad``'s); and,
+    right after ``loss.backward()`` returns, how far ``param.grad`` is from the mean of every
+    rank's local gradient (computed without DDP). The same two measurements are made on
+    ``BucketedDDP`` (after backward, and after ``finish_gradient_synchronization``).
+    Measured on torch 2.13 CPU, tiny model: one 474,112-byte bucket on the first iteration at
+    any cap; at 0.1 MiB four rebuilt buckets in gradient-arrival order; 4Ψ extra bytes without
+    the view option, 0 with it; torch's gradients averaged when backward returns, the
+    hand-built one's only after the explicit wait.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    mcfg = get_config(cfg.model)
+    batches = [batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
+                              vocab=mcfg.vocab, seed=cfg.seed, device=info.device) for step in range(steps)]
+    mean0 = _mean_local_gradients(cfg, info, *batches[0])
+    out = {"default_first_bucket_bytes": dist._DEFAULT_FIRST_BUCKET_BYTES, "torch": {}}
+    for cap, view in ((None, False), (cap_mb, False), (cap_mb, True)):
+        model = build_model(mcfg, seed=cfg.seed, device=info.device)
+        names = [n for n, _ in model.named_parameters()]
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=cap, gradient_as_bucket_view=view)
+        first = _torch_layout(wrapped, names)["bucket_sizes"]
+        buffers = {}
+
+        def hook(state, bucket, buffers=buffers):  # the default all-reduce; it only keeps a handle on the buffer
+            buffers[bucket.index()] = bucket.buffer()
+            return allreduce_hook(state, bucket)
+
+        wrapped.register_comm_hook(None, hook)
+        row = {}
+        for step, (x, y) in enumerate(batches):
+            wrapped(x, y).backward()
+            if step == 0:  # nothing called after backward: is the gradient already the mean?
+                row["rel_to_mean_after_backward"] = _rel_to_mean(model, mean0)
+            if step == steps - 1:
+                row["extra_bucket_bytes"] = extra_buffer_bytes([p.grad for p in model.parameters()],
+                                                               buffers.values())
+            model.zero_grad(set_to_none=True)
+        layout = _torch_layout(wrapped, names)
+        out["torch"][(cap, view)] = {**layout, "first_iteration_bucket_sizes": first, **row}
+        del wrapped
+    model = build_model(mcfg, seed=cfg.seed, device=info.device)
+    scratch = BucketedDDP(model, bucket_cap_mb=cap_mb)
+    scratch(*batches[0]).backward()
+    after_backward = _rel_to_mean(model, mean0)
+    scratch.finish_gradient_synchronization()
+    out["scratch"] = {"rel_to_mean_after_backward": after_backward, "rel_to_mean_after_finish": _rel_to_mean(model, mean0),
+                      "extra_bucket_bytes": extra_buffer_bytes([p.grad for p in model.parameters()],
+                                                               [b.buffer for b in scratch.buckets]),
+                      "bucket_sizes": [b.nbytes for b in scratch.buckets],
+                      "bucket_names": [b.names for b in scratch.buckets]}
+    return out
+
+
+def ddp_measurements(config: dict, caps_mb: list, torch_cap_mb: float) -> dict | None:
+    """One launch for notebook 02: ``bucket_sweep``'s rows and ``torch_ddp_internals`` at ``torch_cap_mb``.
+
+    Rank 0 returns ``{"sweep": rows, "torch_ddp": internals}``; the other ranks None.
+    """
+    cfg = TrainConfig(**config).validate()
+    with cdist.session() as info:
+        rows = [_sweep_one_cap(cfg, info, float(cap)) for cap in caps_mb]
+        internals = torch_ddp_internals(cfg, info, float(torch_cap_mb))
+        return {"sweep": rows, "torch_ddp": internals} if info.rank == 0 else None

@@ -165,3 +165,30 @@ def test_same_sized_buckets_in_swapped_order_silently_give_wrong_sums():
         assert out["index_order"] == right
         assert out["swapped_order"] != right
     assert result[0]["swapped_order"] != result[1]["swapped_order"]  # the replicas have diverged
+
+
+# ---------------------------------------------------------------- torch's DDP read from torch (notebook 02)
+
+def test_extra_buffer_bytes_counts_only_storage_no_gradient_shares():
+    bucket = torch.zeros(10)
+    views = list(bucket.split([4, 6]))
+    separate = [torch.zeros(4), torch.zeros(6)]
+    assert ddp.extra_buffer_bytes(views, [bucket]) == 0
+    assert ddp.extra_buffer_bytes(separate, [bucket, bucket]) == 40   # one buffer, counted once
+
+
+def test_torch_ddp_buckets_views_and_wait_read_from_torch():
+    psi = param_count(build_model("tiny"))
+    cfg = asdict(TrainConfig(strategy="ddp_scratch", nproc=2, steps=2))
+    got = launch(ddp.ddp_measurements, nproc=2, args=(cfg, [], 0.1), echo=False)[0]["torch_ddp"]
+    plain, view, default = (got["torch"][k] for k in ((0.1, False), (0.1, True), (None, False)))
+    for t in (plain, view, default):
+        assert t["first_iteration_bucket_sizes"] == [4 * psi]   # one bucket on the first iteration
+        assert sum(t["rebuilt_bucket_sizes"]) == 4 * psi
+        assert t["rel_to_mean_after_backward"] <= 1e-6          # averaged when backward returns
+    assert len(plain["rebuilt_bucket_sizes"]) > 1 and len(default["rebuilt_bucket_sizes"]) == 1
+    names = sorted(n for b in plain["rebuilt_names"] for n in b)
+    assert names == sorted(n for b in got["scratch"]["bucket_names"] for n in b)
+    assert plain["extra_bucket_bytes"] == got["scratch"]["extra_bucket_bytes"] == 4 * psi
+    assert view["extra_bucket_bytes"] == 0
+    assert got["scratch"]["rel_to_mean_after_backward"] > 1e-2 >= 1e-6 >= got["scratch"]["rel_to_mean_after_finish"]
