@@ -776,11 +776,11 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
     ``max_abs_diff`` (largest |w - w_single| over every final weight), ``rel_diff``
     (‖w - w_single‖ / ‖w_single‖), the losses (averaged over ranks), ``weights_sha256``, and, shaped
     like a ``train`` report so that ``memory_check`` reads them, ``strategy``, ``world_size``,
-    ``per_rank`` (every rank's bytes held, counted as ``train`` counts them) and
-    ``strategy_info``. The other ranks return ``{"rank": r}``.
+    ``per_rank`` (every rank's bytes held, counted as ``train`` counts them),
+    ``strategy_info`` and ``comm_per_step`` (rank 0's collectives per training step, by ``CommCounter``). The other ranks return ``{"rank": r}``.
     """
     from . import dist as cdist
-    from .instrument import weights_sha256
+    from .instrument import CommCounter, weights_sha256
     from .models import build_model, get_config
     from .train import TrainConfig, apply_single, resolve_strategy
 
@@ -811,7 +811,8 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
             dist.all_reduce(grad_error, op=dist.ReduceOp.MAX)
             model = build_model(mcfg, seed=cfg.seed, device=info.device)
             prepared = apply(model, cfg, info)
-            losses, held = _train_steps(prepared, cfg, mcfg, info.rank, info.world_size, info.device)
+            with CommCounter() as comm:  # the same counter as train(): ZeroRedundancyOptimizer's traffic too
+                losses, held = _train_steps(prepared, cfg, mcfg, info.rank, info.world_size, info.device)
             losses = torch.tensor(losses, device=info.device)
             dist.all_reduce(losses)
             full = prepared.full_state_dict()
@@ -824,7 +825,7 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
                          "max_abs_diff": diff, "rel_diff": (num / den) ** 0.5,
                          "weights_sha256": weights_sha256(full), "strategy": name, "world_size": info.world_size,
                          "per_rank": [dict(rank=r, **row) for r, row in enumerate(per_rank)],
-                         "strategy_info": prepared.info}
+                         "strategy_info": prepared.info, "comm_per_step": comm.summary(cfg.steps)}
         return {"rank": info.rank, **out} if info.rank == 0 else {"rank": info.rank}
 
 

@@ -317,6 +317,17 @@ def test_hand_built_stage1_matches_the_library(agreement2):
     assert sum(lib_optim) == sum(ours_optim) == 8 * PSI
 
 
+
+def test_library_zero1_all_reduces_full_gradients_then_broadcasts_every_weight(agreement2):
+    comm = {n: agreement2[n]["comm_per_step"] for n in ("ddp", "zero1", "torch_zero1")}
+    ddp_bcast = comm["ddp"].get("broadcast", {"calls": 0, "payload_bytes": 0})   # DDP's bucket-order broadcast
+    assert comm["torch_zero1"]["all_reduce"]["payload_bytes"] == 4 * PSI
+    assert comm["torch_zero1"]["broadcast"]["payload_bytes"] - ddp_bcast["payload_bytes"] == 4 * PSI
+    assert comm["torch_zero1"]["broadcast"]["calls"] - ddp_bcast["calls"] == len(list(build_model("tiny").parameters()))
+    assert "all_reduce" not in comm["zero1"] and comm["zero1"]["reduce_scatter"]["payload_bytes"] == 4 * PSI
+    sent = {n: zero.traffic_in_psi(c, PSI, 4) for n, c in comm.items()}
+    assert sent["torch_zero1"] - sent["zero1"] == pytest.approx(1.0, abs=1e-3)   # one Ψ of broadcasts more
+
 @pytest.mark.parametrize("stage", ("ddp",) + STAGES)
 def test_bytes_held_are_the_formula_fp32(agreement2, stage):
     check = zero.memory_check(agreement2[stage], psi=PSI)
