@@ -679,3 +679,58 @@ def ddp_measurements(config: dict, caps_mb: list, torch_cap_mb: float) -> dict |
         rows = [_sweep_one_cap(cfg, info, float(cap)) for cap in caps_mb]
         internals = torch_ddp_internals(cfg, info, float(torch_cap_mb))
         return {"sweep": rows, "torch_ddp": internals} if info.rank == 0 else None
+
+
+def all_reduce_on_the_wire(numel: int) -> list | None:
+    """Bytes each rank writes to gloo's sockets for one fp32 all-reduce of ``numel`` elements (collective; notebook 02).
+
+    A warm-up all-reduce first opens every connection; then one all-reduce of ``numel`` ones is
+    timed by ``socket_bytes_written`` on every rank, and its result checked (every element = N).
+    Rank 0 returns the list of every rank's bytes (None where ``/proc/self/io`` is missing);
+    the other ranks None. This is the measurement the ring model 4·2(N−1)/N·numel is held to.
+    """
+    with cdist.session() as info:
+        dist.all_reduce(torch.ones(numel, device=info.device))   # warm-up: connections, buffers
+        t = torch.ones(numel, device=info.device)
+        before = socket_bytes_written()
+        dist.all_reduce(t)
+        after = socket_bytes_written()
+        if not bool((t == info.world_size).all()):
+            raise RuntimeError("all-reduce returned a wrong sum")
+        wire = None if before is None or info.backend != "gloo" else after - before
+        everyone = [None] * info.world_size
+        dist.all_gather_object(everyone, wire)
+        return everyone if info.rank == 0 else None
+
+
+def default_collective_timeouts() -> dict:
+    """How long a collective waits before it raises, when nobody sets ``timeout`` (notebook 02).
+
+    Read from torch, not typed in: gloo's (and every non-NCCL backend's) from
+    ``torch.distributed.constants.default_pg_timeout``; NCCL's from
+    ``constants.default_pg_nccl_timeout`` when this torch was built with NCCL, otherwise from the
+    C++ constant ``kProcessGroupNCCLDefaultTimeout`` in the header the wheel ships
+    (``torch/include/.../ProcessGroupNCCL.hpp``). torch 2.13: 30 min and 10 min.
+    """
+    import datetime
+    import re
+    from pathlib import Path
+
+    from torch.distributed import constants
+
+    out = {"gloo": constants.default_pg_timeout, "gloo_source": "torch.distributed.constants.default_pg_timeout"}
+    if constants.default_pg_nccl_timeout is not None:
+        out.update(nccl=constants.default_pg_nccl_timeout, nccl_source="torch.distributed.constants.default_pg_nccl_timeout")
+        return out
+    header = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
+    found = re.search(r"kProcessGroupNCCLDefaultTimeout\s*=\s*std::chrono::milliseconds\(([\d\s*]+)\)",
+                      header.read_text()) if header.exists() else None
+    nccl = None
+    if found:
+        ms = 1
+        for factor in found.group(1).split("*"):
+            ms *= int(factor)
+        nccl = datetime.timedelta(milliseconds=ms)
+    out.update(nccl=nccl, nccl_source="kProcessGroupNCCLDefaultTimeout in torch's ProcessGroupNCCL.hpp "
+               "(this torch has no NCCL)" if nccl else "not found in this torch")
+    return out

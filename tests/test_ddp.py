@@ -192,3 +192,22 @@ def test_torch_ddp_buckets_views_and_wait_read_from_torch():
     assert plain["extra_bucket_bytes"] == got["scratch"]["extra_bucket_bytes"] == 4 * psi
     assert view["extra_bucket_bytes"] == 0
     assert got["scratch"]["rel_to_mean_after_backward"] > 1e-2 >= 1e-6 >= got["scratch"]["rel_to_mean_after_finish"]
+
+
+def test_gloo_all_reduce_on_4_ranks_writes_the_ring_volume():
+    numel = 30_000
+    wire = launch(ddp.all_reduce_on_the_wire, nproc=4, args=(numel,), echo=False)[0]
+    assert None not in wire                            # Linux: /proc/self/io counts every rank's writes
+    ring = 4 * numel * 2 * 3 / 4                       # 2(N−1)/N of the fp32 payload
+    for w in wire:
+        assert 0 <= w - ring < 1024 * 2 * 3            # headers only: 2(N−1) messages of under 1 KiB each
+        assert w < 4 * numel * 3 - 1024 * 6            # far below "send everything to everyone"
+
+
+def test_default_timeouts_are_torchs():
+    from torch.distributed import constants
+    from torch.distributed.distributed_c10d import _get_default_timeout
+
+    got = ddp.default_collective_timeouts()
+    assert got["gloo"] == _get_default_timeout("gloo") == constants.default_pg_timeout
+    assert got["nccl"] is not None and got["nccl"] < got["gloo"]   # torch's NCCL default is the shorter one
