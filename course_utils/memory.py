@@ -668,8 +668,27 @@ def compare_activations(cases, *, model="tiny", dtype=None, seed: int = 0) -> li
         ckpt = measure_activation_bytes(net, x, y, checkpointing=True)
         rule = activation_bytes(cfg.width, batch, cfg.seq, cfg.layers)
         rule_ckpt = activation_bytes(cfg.width, batch, cfg.seq, cfg.layers, checkpointing=True)
-        rows.append({"batch": batch, "seq": cfg.seq, "width": cfg.width, "layers": cfg.layers,
+        rows.append({"batch": batch, "seq": cfg.seq, "width": cfg.width, "layers": cfg.layers, "heads": cfg.heads,
                      "measured_blocks": full["blocks"], "measured_total": full["total"],
                      "measured_blocks_ckpt": ckpt["blocks"], "measured_total_ckpt": ckpt["total"],
                      "rule": rule, "rule_ckpt": rule_ckpt, "ratio": full["blocks"] / rule})
     return rows
+
+
+def activation_bytes_korthikanti(h, b, s, layers, heads, *, dropout: bool = True, fused_attention: bool = False):
+    """Activation bytes a transformer layer keeps in 16-bit, by Korthikanti et al. 2022 (notebook 01).
+
+    "Reducing Activation Recomputation in Large Transformer Models", eq. (1): a layer keeps
+    s·b·h·(34 + 5·a·s/h) bytes (a heads). The 34 are, in units of s·b·h bytes: attention 11
+    (QKV input 2, Q and K 4, V 2, output-projection input 2, dropout mask 1), MLP 19 (input 2, GELU
+    input 8, second linear's input 8, dropout mask 1), two layer-norm inputs 4; the 5·a·s/h term is
+    the attention scores, softmax and its dropout mask. ``dropout=False`` drops the three masks;
+    ``fused_attention=True`` (PyTorch's ``scaled_dot_product_attention``) the score terms.
+    Measured on the course model (bf16, fused attention, no dropout): 32·s·b·h per layer, plus
+    0.5-1.2% of per-row statistics (softmax log-sum-exp, norm statistics).
+    """
+    _check_positive(h=h, b=b, s=s, layers=layers, heads=heads)
+    per_layer = 34 * s * b * h - (0 if dropout else 2 * s * b * h)
+    if not fused_attention:
+        per_layer += (5 if dropout else 4) * heads * s * s * b
+    return float(per_layer * layers)

@@ -211,3 +211,19 @@ def test_measured_activations_against_rule():
         assert r["measured_blocks_ckpt"] == 2 * r["batch"] * r["seq"] * r["width"] * r["layers"]
         assert r["measured_total_ckpt"] < r["measured_total"] / 2
     assert rows[1]["measured_blocks"] == 2 * rows[0]["measured_blocks"] * 2  # linear in b·s
+    for r in rows:  # Korthikanti et al. 2022, no dropout, fused attention: 32·s·b·h bytes, plus per-row statistics
+        k22 = memory.activation_bytes_korthikanti(r["width"], r["batch"], r["seq"], r["layers"], r["heads"],
+                                                  dropout=False, fused_attention=True)
+        assert 0 <= r["measured_blocks"] - k22 < 0.02 * k22
+    # with dropout and unfused attention, the paper's 34·s·b·h + 5·a·s²·b bytes per layer
+    assert memory.activation_bytes_korthikanti(64, 1, 32, 1, 4) == 34 * 32 * 64 + 5 * 4 * 32 * 32
+
+
+def test_bill_chart_stacks_what_is_held_from_zero():
+    from course_utils import plots
+
+    fig = plots.bill_bars_figure(memory.bill_bars(8, 4))
+    held = {s: h for s, (h, _) in fig.course_heights.items()}
+    assert held == memory.bytes_per_gpu(8, nd=4)                              # bars as tall as the bytes held
+    assert all(h + dropped == 16 * 8 for h, dropped in fig.course_heights.values())  # dashed up to the full bill
+
