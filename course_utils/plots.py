@@ -127,8 +127,10 @@ def bill_bars_figure(bars: dict, *, unit: str = "bytes", title: str = "", gpu_me
                      width: float = 7.5, height: float = 4.5):
     """One GPU's bill per row as stacked bars; the part a stage no longer holds is dashed (notebook 01).
 
-    ``bars`` is ``memory.bill_bars(...)``. Each part keeps its replicated height; the filled
-    piece is what the GPU holds, the dashed outline above it is what sharding dropped.
+    ``bars`` is ``memory.bill_bars(...)``. What the GPU holds is stacked from zero (filled), so a
+    bar is as tall as the bytes it holds and shrinks stage by stage; what sharding dropped is
+    stacked above it, dashed, so every bar still reaches the replicated bill. The drawn heights are
+    returned in ``fig.course_heights`` (``{stage: (held, dropped)}``) for the notebook to check.
     """
     from matplotlib.patches import Patch
 
@@ -138,19 +140,22 @@ def bill_bars_figure(bars: dict, *, unit: str = "bytes", title: str = "", gpu_me
     ax = fig.add_subplot()
     scale = _scale(unit)
     stages = list(bars)
+    heights = {}
     for i, stage in enumerate(stages):
         bottom = 0.0
-        for part in BILL_PARTS:
-            held, full = bars[stage][part]["held"] / scale, bars[stage][part]["full"] / scale
-            if full <= 0:
-                continue
-            ax.bar(i, held, bottom=bottom, color=PART_COLORS[part], width=0.6, edgecolor="white")
-            if full - held > 1e-12 * max(full, 1):
-                ax.bar(i, full - held, bottom=bottom + held, width=0.6, fill=False,
-                       edgecolor=PART_COLORS[part], ls="--", lw=1.2)
-            bottom += full
-        total = sum(bars[stage][p]["held"] for p in BILL_PARTS) / scale
-        ax.text(i, bottom, f"{total:.3g}", ha="center", va="bottom", fontsize=9)
+        for part in BILL_PARTS:  # what one GPU holds, from zero
+            held = bars[stage][part]["held"] / scale
+            if held > 0:
+                ax.bar(i, held, bottom=bottom, color=PART_COLORS[part], width=0.6, edgecolor="white")
+                bottom += held
+        total = bottom
+        for part in BILL_PARTS:  # what sharding dropped, above it
+            dropped = (bars[stage][part]["full"] - bars[stage][part]["held"]) / scale
+            if dropped > 1e-12 * max(bars[stage][part]["full"] / scale, 1):
+                ax.bar(i, dropped, bottom=bottom, width=0.6, fill=False, edgecolor=PART_COLORS[part], ls="--", lw=1.2)
+                bottom += dropped
+        heights[stage] = (total, bottom - total)
+        ax.text(i, total, f"{total:.3g}", ha="center", va="bottom", fontsize=9, fontweight="bold")
     if gpu_mem is not None:
         ax.axhline(gpu_mem / scale, color="#c0392b", ls="--", lw=1.5)
         ax.text(len(stages) - 0.5, gpu_mem / scale, f" {gpu_mem / GB:g} GB GPU", color="#c0392b",
@@ -162,6 +167,7 @@ def bill_bars_figure(bars: dict, *, unit: str = "bytes", title: str = "", gpu_me
     handles.append(Patch(fill=False, ls="--", edgecolor="#555555", label="no longer held (sharded away)"))
     fig.legend(handles=handles, fontsize=8, loc="outside right upper")
     ax.set_title(title or "Each stage drops one more part of the bill", fontsize=10)
+    fig.course_heights = heights
     return fig
 
 
