@@ -299,8 +299,8 @@ def memory_chart_view(psi, *, nd: int = 64, k: float = ADAM_MIXED_K, nm=1, gpu_m
 
     Returns a dict with ``nds`` (array), ``curves`` ({stage: bytes per GPU at each Nd}),
     ``readout`` ({stage: bytes at the chosen ``nd``}), ``fits`` ({stage: bool at ``nd``}),
-    ``floors`` ({stage: bytes as Nd → ∞}), ``first_fit`` ({stage: smallest Nd on the axis
-    that fits, or None}), the inputs, a ``title`` that states the answer and the ``readout_text``.
+    ``floors`` ({stage: bytes as Nd → ∞}), ``first_fit`` ({stage: the smallest whole Nd
+    that fits, ``smallest_nd_that_fits``, or None}), the inputs, a ``title`` that states the answer and the ``readout_text``.
     """
     if not (isinstance(nd, (int, np.integer)) and nd >= 1):
         raise CourseInputError(f"nd (Nd) must be a whole number of GPUs >= 1, got {nd!r}")
@@ -309,10 +309,8 @@ def memory_chart_view(psi, *, nd: int = 64, k: float = ADAM_MIXED_K, nm=1, gpu_m
     curves = {s: model_state_bytes(psi, nds, s, k=k, nm=nm) for s in STAGES}
     readout = {s: model_state_bytes(psi, nd, s, k=k, nm=nm) for s in STAGES}
     fits = {s: bool(v <= gpu_mem) for s, v in readout.items()}
-    first_fit = {}
-    for s in STAGES:
-        ok = np.nonzero(curves[s] <= gpu_mem)[0]
-        first_fit[s] = int(nds[ok[0]]) if len(ok) else None
+    # the smallest whole Nd that fits, not the first point of the doubling axis: one definition everywhere
+    first_fit = {s: smallest_nd_that_fits(psi, s, gpu_mem, k=k, nm=nm) for s in STAGES}
     floors = {s: floor_bytes(psi, s, nm=nm, k=k) for s in STAGES}
     view = {"psi": float(psi), "k": float(k), "nm": nm, "nd": int(nd), "gpu_mem": float(gpu_mem),
             "nds": nds, "curves": curves, "readout": readout, "fits": fits, "floors": floors,
