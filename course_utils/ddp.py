@@ -290,6 +290,8 @@ def _sweep_one_cap(cfg: TrainConfig, info, cap_mb: float) -> dict:
     timeline = _timeline_rows(ddp.timeline, t_backward)
     timeline.update(forward_ms=(t0 - t_backward) * 1e3, backward_end_ms=(t_backward_end - t_backward) * 1e3,
                     synced_ms=(t_synced - t_backward) * 1e3)
+    timelines = [None] * info.world_size  # every rank's last step, each on its own clock
+    dist.all_gather_object(timelines, timeline)
     return {
         "cap_mb": cap_mb, **ddp.describe(),
         "calls_per_step": counted["calls"], "payload_bytes_per_step": counted["payload_bytes"],
@@ -300,7 +302,7 @@ def _sweep_one_cap(cfg: TrainConfig, info, cap_mb: float) -> dict:
         "replicas_identical": replicas_identical, "weights_sha256": weights_sha256(model.state_dict()),
         "grad_rel_vs_full_batch": grad_rel,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "timeline": timeline,
+        "timeline": timeline, "timelines": timelines,
     }
 
 
@@ -508,8 +510,9 @@ def worker_log_errors(run_dir, limit: int = 3) -> list[str]:
 def overlap_summary(timeline: dict) -> dict:
     """How much of the all-reduce time ran while backward was still computing (notebook 02).
 
-    From a ``bucket_sweep`` timeline: how many buckets started before backward ended, the total
-    time all-reduces were in flight, the part of it inside the backward pass, and how long the
+    From a ``bucket_sweep`` timeline: how many buckets started before backward ended, the time
+    at least one all-reduce was in flight (the union of their intervals: they overlap, so their
+    sum would be longer than the step), the part of it inside the backward pass, and how long the
     optimizer waited after backward for the last all-reduce.
     """
     end = timeline["backward_end_ms"]
@@ -518,10 +521,21 @@ def overlap_summary(timeline: dict) -> dict:
     return {
         "buckets": len(spans),
         "started_during_backward": sum(start < end for start, _ in spans),
-        "in_flight_ms": sum(stop - start for start, stop in spans),
-        "in_flight_during_backward_ms": sum(max(0.0, min(stop, end) - start) for start, stop in spans),
+        "in_flight_ms": _union_ms(spans),
+        "in_flight_during_backward_ms": _union_ms([(start, min(stop, end)) for start, stop in spans]),
         "wait_after_backward_ms": timeline["synced_ms"] - end,
+        "step_ms": timeline["synced_ms"] - timeline["forward_ms"],
     }
+
+
+def _union_ms(spans) -> float:
+    """Length of the union of ``(start, stop)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > reach:
+            total += stop - max(start, reach)
+            reach = stop
+    return total
 
 
 def weights_agreement(a: dict, b: dict, start: dict) -> dict:

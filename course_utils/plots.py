@@ -349,7 +349,29 @@ def ddp_timeline_figure(timeline: dict, *, title: str = "", width: float = 8.5, 
     """
     buckets = sorted({r["bucket"] for r in timeline["ready"]})
     fig = new_figure(width, height or 1.9 + 0.38 * (len(buckets) + 1))
-    ax = fig.add_subplot()
+    _draw_ddp_timeline(fig.add_subplot(), timeline)
+    fig.axes[0].set_title(title or "Each bucket's all-reduce starts as soon as its last gradient is ready")
+    return fig
+
+
+def ddp_timelines_figure(timelines: list, *, title: str = "", width: float = 8.5):
+    """Every rank's DDP step, one panel per rank, each on its own clock (notebook 02).
+
+    ``timelines`` is a row's ``"timelines"`` from ``ddp.bucket_sweep``: one ``ddp_timeline_figure``
+    timeline per rank, times in ms after that rank's backward began.
+    """
+    buckets = len({r["bucket"] for r in timelines[0]["ready"]})
+    fig = new_figure(width, 1.2 + len(timelines) * (0.6 + 0.3 * (buckets + 1)))
+    axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False)[:, 0]
+    for rank, (ax, timeline) in enumerate(zip(axes, timelines)):
+        _draw_ddp_timeline(ax, timeline, legend=rank == len(timelines) - 1, xlabel=rank == len(timelines) - 1)
+        ax.set_title(f"rank {rank}", fontsize=9, loc="left")
+    fig.suptitle(title or "Each bucket's all-reduce starts as soon as its last gradient is ready", fontsize=10)
+    return fig
+
+
+def _draw_ddp_timeline(ax, timeline: dict, *, legend: bool = True, xlabel: bool = True) -> None:
+    buckets = sorted({r["bucket"] for r in timeline["ready"]})
     top = len(buckets)
     ax.barh(top, -timeline["forward_ms"], left=timeline["forward_ms"], color="#bbbbbb", height=0.6, label="forward")
     ax.barh(top, timeline["backward_end_ms"], left=0, color=PART_COLORS["gradients"], height=0.6, label="backward")
@@ -365,10 +387,11 @@ def ddp_timeline_figure(timeline: dict, *, title: str = "", width: float = 8.5, 
     ax.axvline(timeline["backward_end_ms"], color="#444444", lw=0.8, ls=":")
     ax.set_yticks(list(buckets) + [top], [f"bucket {b}" for b in buckets] + ["compute"])
     ax.invert_yaxis()
-    ax.set_xlabel("time since backward began (ms)")
-    ax.set_title(title or "Each bucket's all-reduce starts as soon as its last gradient is ready")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=5, fontsize=8, frameon=False)
-    return fig
+    if xlabel:
+        ax.set_xlabel("time since backward began (ms)")
+    if legend:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3 if xlabel else -0.14), ncol=5, fontsize=8,
+                  frameon=False)
 
 
 def bucket_sweep_figure(rows: list, *, title: str = "", width: float = 10.0, height: float = 3.8):

@@ -211,3 +211,14 @@ def test_default_timeouts_are_torchs():
     got = ddp.default_collective_timeouts()
     assert got["gloo"] == _get_default_timeout("gloo") == constants.default_pg_timeout
     assert got["nccl"] is not None and got["nccl"] < got["gloo"]   # torch's NCCL default is the shorter one
+
+
+def test_overlap_summary_reports_the_union_of_overlapping_all_reduces():
+    timeline = {"forward_ms": -2.0, "backward_end_ms": 5.0, "synced_ms": 8.0, "ready": [],
+                "all_reduce": [{"bucket": 0, "start_ms": 1.0, "end_ms": 6.0},
+                               {"bucket": 1, "start_ms": 2.0, "end_ms": 7.0},
+                               {"bucket": 2, "start_ms": 4.0, "end_ms": None}]}   # None: done at synced_ms
+    got = ddp.overlap_summary(timeline)
+    assert got["in_flight_ms"] == 7.0                   # [1, 8], not 5 + 5 + 4 = 14
+    assert got["in_flight_during_backward_ms"] == 4.0   # [1, 5]
+    assert got["step_ms"] == 10.0 and got["started_during_backward"] == 3
