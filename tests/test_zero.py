@@ -394,3 +394,16 @@ def test_stage3_working_set_is_root_plus_one_block(request, runs, b):
     assert names == ["blocks.0", "blocks.1", "(root)"]
     assert info["peak_gathered_bytes"] == zero.expected_peak_gathered_bytes(info["units"], b)
     assert set(info["peak_gathered_bytes_per_step"]) == {info["peak_gathered_bytes"]}
+
+
+
+def test_collective_names_fall_back_on_an_older_torch(monkeypatch):
+    import torch.distributed as dist
+
+    assert zero.all_gather_single is dist.all_gather_single            # torch 2.13: the new names
+    assert zero.reduce_scatter_single is dist.reduce_scatter_single
+    monkeypatch.delattr(dist, "all_gather_single")                      # as on torch < 2.13
+    assert zero.newest_collective("all_gather_single", "all_gather_into_tensor") is dist.all_gather_into_tensor
+    monkeypatch.delattr(dist, "all_gather_into_tensor")
+    with pytest.raises(CourseInputError, match="torch >= 1.13"):
+        zero.newest_collective("all_gather_single", "all_gather_into_tensor")
