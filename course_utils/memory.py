@@ -690,3 +690,31 @@ def activation_bytes_korthikanti(h, b, s, layers, heads, *, dropout: bool = True
     if not fused_attention:
         per_layer += (5 if dropout else 4) * heads * s * s * b
     return float(per_layer * layers)
+
+
+def zero_r_and_headlines(gpu_mem: float = 32 * GB) -> list[dict]:
+    """The ZeRO paper's ZeRO-R sums and headline results, recomputed with this module's formulas (notebook 01).
+
+    Each row: ``claim``, ``paper`` (the figure the paper states, or its annotated reading
+    works out from the paper's inputs, in the row's ``unit``) and ``ours`` (recomputed here, in the same unit). Model states are mixed-precision Adam
+    (K = 12); the 100B model is L = 125 blocks of width h = 8,192 at b = 32, s = 1,024 (the
+    paper's Table 4), ZeRO-100B is stage 2 with Nm = 16 inside a DGX-2.
+    """
+    h, b, s, L = 8192, 32, 1024, 125
+    inputs = activation_numbers(h, b, s, L, checkpointing=True) - activation_numbers(h, b, s, 1)  # L layer inputs
+    message = h * b * s                                  # one block input: the message of every MP collective
+    megatron = 6 * 2 * message                           # 6 all-reduces per block (fwd, recompute, bwd), 2× each
+    rows = [
+        ("plain DP: 1.4B parameters' model states on one GPU", 22.4, model_state_bytes(1.4e9) / GB, "GB"),
+        ("plain DP: the most parameters whose model states alone fit", 2.0, gpu_mem / model_state_bytes(1) / 1e9,
+         "billion"),
+        ("7.5B on Nd = 64, stage 1", 31.4, model_state_bytes(7.5e9, 64, "zero1") / GB, "GB"),
+        ("13B with no model parallelism, stage 2 on 128 GPUs", 27.4, model_state_bytes(13e9, 128, "zero2") / GB, "GB"),
+        ("60B, Nm = 16, stage 2 on 64 GPUs (Nd = 4)", 20.6, model_state_bytes(60e9, 4, "zero2", nm=16) / GB, "GB"),
+        ("60B, Nm = 16, stage 2 on 400 GPUs (Nd = 25)", 9.6, model_state_bytes(60e9, 25, "zero2", nm=16) / GB, "GB"),
+        ("Pa: 100B model's activation checkpoints, L·b·s·h", 33.6, inputs / 1e9, "billion numbers"),
+        ("Pa: the same split over Nm = 16", 2.1, inputs / 16 / 1e9, "billion numbers"),
+        ("Pa: its extra all-gather, against Megatron-LM's traffic per block", 8.3, 100 * message / megatron, "%"),
+        ("CB: one fused fp32 gradient buffer for 3B parameters", 12.0, fused_gradient_buffer_bytes(3e9) / GB, "GB"),
+    ]
+    return [{"claim": c, "paper": p, "ours": o, "unit": u} for c, p, o, u in rows]

@@ -228,3 +228,13 @@ def test_bill_chart_stacks_what_is_held_from_zero():
     assert held == memory.bytes_per_gpu(8, nd=4)                              # bars as tall as the bytes held
     assert all(h + dropped == 16 * 8 for h, dropped in fig.course_heights.values())  # dashed up to the full bill
 
+
+
+def test_zero_r_and_headlines_reproduce_the_papers_figures():
+    rows = {r["claim"]: r for r in memory.zero_r_and_headlines()}
+    assert len(rows) == 10
+    for r in rows.values():
+        assert round(r["ours"], 1) == r["paper"], r
+    # by hand, from the paper's inputs: L·b·s·h of the 100B model, and 3e9 fp32 gradients
+    assert rows["Pa: 100B model's activation checkpoints, L·b·s·h"]["ours"] == 125 * 32 * 1024 * 8192 / 1e9
+    assert rows["CB: one fused fp32 gradient buffer for 3B parameters"]["ours"] == 3e9 * 4 / GB
