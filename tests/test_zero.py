@@ -103,12 +103,14 @@ def test_stepper_walks_forward_then_backward(nd):
     assert states[0].phase == "start" and states[-1].phase == "done"
     for s in states:
         for g in range(nd):
-            assert s.held[g][g] == "own"  # a GPU never drops its own shard
-            assert s.shards_held(g) <= 2   # its own shard plus at most one borrowed layer
+            assert all(h in ("slice", "whole") for h in s.held[g])  # a GPU never drops its own slice of any layer
+            assert sum(h == "whole" for h in s.held[g]) <= 1         # at most one layer gathered at a time
+            # its own slices (Ψ/Nd) plus the rest of at most one layer of Ψ/L: the course's code, rank r owning slice r
+            assert s.held_psi(g) <= 1 / nd + (1 - 1 / nd) / nd + 1e-12
         if s.action == "gather":
-            assert all(s.held[g][s.layer] for g in range(nd))
+            assert all(s.held[g][s.layer] == "whole" for g in range(nd))
         if s.action in ("drop", "reduce", ""):
-            assert all(s.shards_held(g) == 1 for g in range(nd))
+            assert all(s.held_psi(g) == pytest.approx(1 / nd) for g in range(nd))
     final = states[-1]
     assert all(final.grads) and not any(states[2 * nd].grads)
     for g in range(nd):
@@ -129,7 +131,7 @@ def test_stepper_machine():
             stepper.stage3_schedule(bad)
 
 
-def test_stepper_widget_headless_is_the_final_state(monkeypatch):
+def test_stepper_widget_headless_shows_several_states(monkeypatch):
     from course_utils import plots, widgets
 
     monkeypatch.setenv("COURSE_HEADLESS", "1")
