@@ -1,7 +1,8 @@
 # The course's commands. Each one sets itself up first (idempotent) and says what it does.
-#   make course   set up, execute every notebook into build/notebooks/, export slide decks into slides/
-#   make test     set up, run the unit tests, execute every notebook as a test (nbval + papermill)
-#   make lab      set up, open JupyterLab on the notebooks (localhost only, token kept)
+#   make course   set up, execute every notebook into build/notebooks/, export slide decks into build/slides/
+#   make publish-slides  (teachers) refresh the committed decks in slides/ from build/slides/
+#   make test     set up, lint (ruff), run the unit tests, execute every notebook as a test (nbval + papermill)
+#   make lab      set up, open JupyterLab on the notebooks (localhost only, a free port, a token; prints the URL)
 #   make bench    set up, run the benchmarks into benchmarks/
 #   make stress   set up, run the launcher's stress test (2 x 300 launches) into benchmarks/
 #   make gpu-check  on a CUDA machine: the course's GPU paths, measured into benchmarks/gpu.md (< 10 min)
@@ -22,10 +23,10 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 # image sets it) Python never writes them either, so every kernel, agent and worker would compile torch
 # from source on import: 7.4 s instead of 3.7 s, hundreds of times in `make test`.
 INSTALL_ARGS = -c constraints.txt $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) \
-	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch -e ".[notebooks,test]"
+	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch -e ".[notebooks,test,ft]"
 QUIET_PIP = 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup browser-setup course notebooks slides test unit-tests notebook-tests lab bench stress gpu-check clean
+.PHONY: setup browser-setup course notebooks slides publish-slides test lint unit-tests notebook-tests lab bench stress gpu-check clean
 
 setup: $(STAMP)
 
@@ -41,19 +42,26 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 course: notebooks slides
-	@echo "==> course built: executed notebooks in build/notebooks/, decks in slides/"
+	@echo "==> course built: executed notebooks in build/notebooks/, decks in build/slides/ (make publish-slides updates slides/)"
 
 notebooks: setup
 	@echo "==> executing every notebook headless (papermill) into build/notebooks/"
 	@$(BIN)/python tools/build_course.py execute
 
 slides: setup
-	@echo "==> exporting slide decks from build/notebooks/ into slides/"
+	@echo "==> exporting slide decks from build/notebooks/ into build/slides/"
 	@$(BIN)/python tools/build_course.py slides
+
+# The committed decks change only when a teacher means them to (a run's timings and process ids differ
+# on every machine, so `make course` alone never touches slides/); run after `make course`, then commit.
+publish-slides: slides
+	@echo "==> publishing build/slides/ into slides/ (committed)"
+	@$(BIN)/python tools/build_course.py publish
 
 # Both phases always run, so one failing unit test does not hide what the notebooks would say.
 test: setup browser-setup
 	@status=0; \
+	$(MAKE) --no-print-directory lint || status=1; \
 	$(MAKE) --no-print-directory unit-tests || status=1; \
 	$(MAKE) --no-print-directory notebook-tests || status=1; \
 	if [ $$status = 0 ]; then echo "==> all tests passed"; else echo "==> some tests FAILED (see above)"; fi; \
@@ -86,6 +94,11 @@ UNIT_WORKERS     := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 NOTEBOOK_WORKERS := -n $(TEST_WORKERS) --dist loadscope
 endif
 
+# ruff (rules in pyproject.toml): the package, the tests and the tools.
+lint: setup
+	@echo "==> lint (ruff check course_utils tests tools)"
+	@$(BIN)/ruff check course_utils tests tools
+
 unit-tests: setup browser-setup
 	@echo "==> unit tests (pytest tests/, $(TEST_WORKERS) workers)"
 	@$(BIN)/python -m pytest tests -q $(UNIT_WORKERS)
@@ -98,9 +111,10 @@ notebook-tests: setup
 	@echo "==> executing every notebook as a test (pytest --nbval-lax notebooks/, $(TEST_WORKERS) workers)"
 	@$(BIN)/python -m pytest --nbval-lax -q -p no:cacheprovider $(NOTEBOOK_WORKERS) notebooks
 
+# tools/lab.py: a free port of 127.0.0.1, a token made for this run, the URL printed once; the lab's
+# settings (news prompt off) live in build/lab/, not in your home.
 lab: setup
-	@echo "==> JupyterLab on http://127.0.0.1 (token kept; Ctrl-C to stop)"
-	@$(BIN)/jupyter lab --ip=127.0.0.1 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root) notebooks
+	@$(BIN)/python tools/lab.py
 
 bench: setup
 	@echo "==> benchmarks into benchmarks/"

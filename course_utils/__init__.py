@@ -11,15 +11,13 @@ import importlib
 __version__ = "0.1.0"
 
 _SUBMODULES = {
-    "errors", "units", "memory", "comm", "plan", "launch", "dist", "models", "data",
-    "instrument", "train", "ddp", "zero", "fsdp", "checkpoint", "widgets", "plots",
-    "rehearse", "bench", "examples", "colab",
+    "errors", "units", "strategies", "memory", "comm", "plan", "launch", "dist", "models", "data",
+    "instrument", "loop", "train", "ddp", "zero", "fsdp", "checkpoint", "stepper", "widgets", "plots",
+    "rehearse", "bench", "examples", "labs", "compat",
 }
 
 
 def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    if name == "launch":  # pragma: no cover - handled above, kept for clarity
-        return importlib.import_module(f"{__name__}.launch")
     raise AttributeError(f"module 'course_utils' has no attribute {name!r}")

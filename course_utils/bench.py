@@ -10,7 +10,7 @@ number) and ``benchmarks/scaling.png``:
 - ``pairs``: hand-built vs torch on the same model, data, world size and steps: ``ddp_scratch`` /
   ``ddp``, ``zero2`` / ``shard_grad_op``, ``zero3`` / ``full_shard``, as step-time ratios from
   interleaved runs (A B A B ...), reported as min / median / max over rounds.
-- ``theory``: every strategy in ``train.STRATEGIES``: bytes held per rank and bytes sent per step
+- ``theory``: every strategy in ``strategies.STRATEGIES``: bytes held per rank and bytes sent per step
   against the formulas (the paper's, and the same formula with the padding the run really has).
 - ``scaling``: step time and bytes per rank on 1, 2 and 4 ranks for 3 model widths (plotted).
 - ``notebooks``: each notebook executed headless with its defaults (papermill), and the whole
@@ -40,6 +40,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import CourseInputError
+from .strategies import FSDP_STRATEGIES, STRATEGIES
+from .validate import writable_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "benchmarks"
@@ -81,10 +83,6 @@ BF16_PEAK = (("B200", 2250e12), ("H200", 989e12), ("GH200", 989e12), ("H100 PCIe
              ("H800", 989e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
              ("L4", 121e12))
 
-#: Which row of the planner (``plan.STRATEGIES``) each training strategy's memory follows.
-PLAN_ROW = {"single": "ddp", "ddp": "ddp", "ddp_scratch": "ddp", "no_shard": "ddp", "zero1": "zero1",
-            "zero2": "zero2", "shard_grad_op": "zero2", "zero3": "zero3", "full_shard": "zero3",
-            "hybrid_shard": "hsdp"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,12 +105,14 @@ def group_worker() -> dict:
     return {"entered": entered, "joined": joined, "left": time.time()}
 
 
-def bench_train_worker(config: dict, model: dict | None = None, cuda_peak: bool = False) -> dict:
+def bench_train_worker(config: dict, model: dict | None = None, cuda_peak: bool = False,
+                       observe: bool = True) -> dict:
     """``train.train_worker`` on a model shape of the benchmark's choosing (README, Benchmarks).
 
     ``model`` (``GPTConfig`` fields) is registered under ``config["model"]`` in this process
     first, so the run is the course's one training loop on a width the presets do not have.
     With ``cuda_peak`` every rank adds its ``torch.cuda.max_memory_allocated()`` to its result.
+    ``observe=False``: a timing run, no counting observer (``train_worker``).
     """
     import torch
 
@@ -124,7 +124,7 @@ def bench_train_worker(config: dict, model: dict | None = None, cuda_peak: bool 
     if cuda_peak and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.reset_peak_memory_stats()
-    out = train_worker(config)
+    out = train_worker(config, observe)
     if cuda_peak and torch.cuda.is_available():
         out["max_memory_allocated"] = int(torch.cuda.max_memory_allocated())
     return out
@@ -212,17 +212,15 @@ def paper_sent_bytes(strategy: str, psi: float, nproc: int, node_size: int = 2, 
 
     if strategy == "single" or nproc == 1:
         return 0.0
-    row = {"ddp": "ddp", "ddp_scratch": "ddp", "no_shard": "ddp", "zero1": "zero1", "zero2": "zero2",
-           "shard_grad_op": "zero2", "zero3": "zero3", "full_shard": "zero3"}
     if strategy == "hybrid_shard":
         nodes = nproc // node_size
         elements = comm.step_sent("zero3", psi, node_size) if node_size > 1 else 0.0
         if nodes > 1:
             elements += comm.all_reduce_sent(psi / node_size, nodes)
         return elements * bytes_per_element
-    if strategy not in row:
+    if strategy not in STRATEGIES:
         raise CourseInputError(f"no traffic formula for strategy {strategy!r}")
-    return comm.step_sent(row[strategy], psi, nproc) * bytes_per_element
+    return comm.step_sent(STRATEGIES[strategy].zero_row_at_peak, psi, nproc) * bytes_per_element
 
 
 def expected_bytes(strategy: str, psi: int, nproc: int, *, node_size: int = 2, precision: str = "fp32",
@@ -264,7 +262,7 @@ def expected_bytes(strategy: str, psi: int, nproc: int, *, node_size: int = 2, p
                 "source": "zero.expected_held_bytes, zero.expected_traffic"}
     from . import fsdp
 
-    if strategy not in fsdp.FSDP_STRATEGIES:
+    if strategy not in FSDP_STRATEGIES:
         raise CourseInputError(f"no formula for strategy {strategy!r}")
     held = fsdp.expected_held_bytes(strategy, psi, nproc, node_size)["total"]
     sent_exact = sent_paper
@@ -399,11 +397,9 @@ def strategy_available(name: str) -> tuple[bool, str]:
     """``(True, "")`` if the strategy's module and function import, else ``(False, why)`` (README)."""
     import importlib
 
-    from .train import STRATEGIES
-
     if name not in STRATEGIES:
-        return False, f"{name!r} is not in train.STRATEGIES"
-    module, _, fn = STRATEGIES[name].partition(":")
+        return False, f"{name!r} is not in strategies.STRATEGIES"
+    module, _, fn = STRATEGIES[name].apply.partition(":")
     try:
         getattr(importlib.import_module(module), fn)
     except (ImportError, AttributeError) as exc:
@@ -431,22 +427,25 @@ def psi_of(shape: dict) -> int:
 
 
 def run_train(strategy: str, nproc: int, shape: dict, *, steps: int, batch: int = 8, timeout_s: float = 300.0,
-              cuda_peak: bool = False, **config) -> dict:
+              cuda_peak: bool = False, observe: bool = True, **config) -> dict:
     """One ``train_worker`` run of ``strategy`` on ``nproc`` ranks and model ``shape`` (one launch) (README).
+
+    ``observe=False`` for the runs whose step time is the result: timing runs carry no
+    counting observer; counting runs (``observe=True``) make no timing claim.
 
     Returns the train report (rank 0's) plus ``ranks`` (every rank's result) and ``launch_wall_s``;
     on a failure ``{"error": ...}`` instead of raising, so one broken strategy does not stop the bench.
     """
     from . import models
     from .launch import LaunchError, launch
-    from .train import TrainConfig
+    from .loop import TrainConfig
 
     name = model_name(shape)
     models.PRESETS.setdefault(name, models.GPTConfig(**shape))
     cfg = TrainConfig(strategy=strategy, nproc=nproc, steps=steps, model=name, batch=batch, timeout_s=timeout_s,
                       **config).validate()
     try:
-        res = launch(bench_train_worker, nproc=nproc, args=(asdict(cfg), shape, cuda_peak), backend=cfg.backend,
+        res = launch(bench_train_worker, nproc=nproc, args=(asdict(cfg), shape, cuda_peak, observe), backend=cfg.backend,
                      timeout_s=timeout_s, echo=False, progress=False)
     except (LaunchError, CourseInputError) as exc:
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
@@ -527,29 +526,31 @@ def pairs_section(rounds: int, steps: int, shape: dict, nproc: int = 2, cache: d
     for i in range(rounds):
         for hand, lib in runnable:
             for s in (hand, lib):
-                rep = run_train(s, nproc, shape, steps=steps)
+                rep = run_train(s, nproc, shape, steps=steps, observe=False)
                 reports[s].append(rep)
                 if "error" not in rep:
                     series[s].append(rep["step_time_s"])
         _say(f"    pairs: round {i + 1}/{rounds} done")
+    # The timed runs carry no counting observer; one counted run per strategy gives the calls
+    # and losses (and serves the theory section).
+    counted = {s: run_train(s, nproc, shape, steps=steps) for pair in runnable for s in pair}
     rows = []
     for hand, lib in PAIRS:
         row = {"hand": hand, "torch": lib, "nproc": nproc, "steps": steps, "psi": psi}
         if (hand, lib) in missing:
             rows.append({**row, "error": missing[(hand, lib)]})
             continue
-        errors = [r["error"] for s in (hand, lib) for r in reports[s] if "error" in r]
+        errors = [r["error"] for s in (hand, lib) for r in [*reports[s], counted[s]] if "error" in r]
         if errors or not series[hand]:
             row["error"] = errors[0] if errors else "no runs"
         else:
             row.update(ratio=pair_ratios(series[hand], series[lib]), hand_s=spread(series[hand]),
                        torch_s=spread(series[lib]),
-                       hand_calls=_calls(reports[hand][-1]), torch_calls=_calls(reports[lib][-1]),
-                       same_losses=reports[hand][-1]["losses"] == reports[lib][-1]["losses"],
-                       max_loss_diff=max(abs(a - b) for a, b in zip(reports[hand][-1]["losses"],
-                                                                    reports[lib][-1]["losses"])))
+                       hand_calls=_calls(counted[hand]), torch_calls=_calls(counted[lib]),
+                       same_losses=counted[hand]["losses"] == counted[lib]["losses"],
+                       max_loss_diff=max(abs(a - b) for a, b in zip(counted[hand]["losses"], counted[lib]["losses"])))
             for s in (hand, lib):
-                cache[(s, nproc)] = reports[s][-1]
+                cache[(s, nproc)] = counted[s]
         rows.append(row)
     return {"rounds": rounds, "steps": steps, "model": shape, "psi": psi, "nproc": nproc, "rows": rows}
 
@@ -560,8 +561,6 @@ def _calls(report: dict) -> dict:
 
 def theory_section(steps: int, shape: dict, cache: dict | None = None) -> dict:
     """Every registered strategy: bytes held per rank and sent per step against ``expected_bytes`` (README)."""
-    from .train import STRATEGIES
-
     cache = {} if cache is None else cache
     psi = psi_of(shape)
     rows = []
@@ -594,7 +593,8 @@ def scaling_section(steps: int, widths=SCALING_WIDTHS, ranks=SCALING_RANKS, stra
             shape = model_shape(width=w, heads=4)
             psi = psi_of(shape)
             for n in ranks:
-                tries = [run_train(s, n, shape, steps=steps) for _ in range(SINGLE_RANK_TRIES if n == 1 else 1)]
+                tries = [run_train(s, n, shape, steps=steps, observe=False)
+                         for _ in range(SINGLE_RANK_TRIES if n == 1 else 1)]
                 good = [r for r in tries if "error" not in r]
                 rep = min(good, key=lambda r: r["step_time_s"]) if good else tries[0]
                 if "error" in rep:
@@ -719,7 +719,6 @@ def cuda_section(steps: int = 20, strategies=None, peak_flops: float | None = No
     import torch
 
     from . import plan as cplan
-    from .train import STRATEGIES
 
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device on this host"}
@@ -742,7 +741,7 @@ def cuda_section(steps: int = 20, strategies=None, peak_flops: float | None = No
         if not ok:
             rows.append({"strategy": s, "error": why})
             continue
-        rep = run_train(s, nproc, shape, steps=steps, batch=batch, precision="mixed", cuda_peak=True,
+        rep = run_train(s, nproc, shape, steps=steps, batch=batch, precision="mixed", cuda_peak=True, observe=False,
                         timeout_s=600.0)
         if "error" in rep:
             rows.append({"strategy": s, "error": rep["error"]})
@@ -752,7 +751,7 @@ def cuda_section(steps: int = 20, strategies=None, peak_flops: float | None = No
                                 vocab=shape["vocab"], seq=shape["seq"], micro_batch=batch // nproc,
                                 checkpointing=False)
         cluster = cplan.Cluster(gpus_per_node=nproc, nodes=1, gpu_mem=gpu_mem)
-        row = PLAN_ROW[s] if PLAN_ROW[s] != "hsdp" else "zero3"
+        row = STRATEGIES[s].plan_row if STRATEGIES[s].plan_row != "hsdp" else "zero3"
         predicted = cplan.memory_breakdown(spec, cluster, row)["total"]
         measured = max(r.get("max_memory_allocated", 0) for r in rep["ranks"])
         rows.append({"strategy": s, "nproc": nproc, "step_time_s": t, "tokens_per_s": tokens / t,
@@ -809,7 +808,8 @@ def results_markdown(results: dict) -> str:
         lines += ["## Notebooks, executed headless with their defaults", "", _section_head(nb)
                   + f"Kernel start and imports (an empty notebook): {nb['kernel_s']:.1f} s per notebook. "
                   f"A launch that joins the group costs about {nb['per_launch_s'][0]:.2f} "
-                  f"{'+' if nb['per_launch_s'][1] >= 0 else '-'} {abs(nb['per_launch_s'][1]):.2f}·N s; the first launch in a kernel also starts the agent server "
+                  f"{'+' if nb['per_launch_s'][1] >= 0 else '-'} {abs(nb['per_launch_s'][1]):.2f}·N s; "
+                  "the first launch in a kernel also starts the agent server "
                   f"(+{nb['cold_extra_s']:.2f} s). Starting = kernel + those costs per launch; computing = the "
                   "rest (workers and kernel, including any planned timeout).", ""]
         body = [[r["notebook"], f"{r['wall_s']:.1f}", r["launches"], f"{r['launch_wall_s']:.1f}",
@@ -948,6 +948,9 @@ def check_arguments(args) -> None:
         if not isinstance(value, int) or value < low:
             raise CourseInputError(f"--{name} must be a whole number >= {low}, got {value!r}"
                                    + (" (the first step is warm-up and not timed)" if name == "steps" else ""))
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise CourseInputError(f"--peak-tflops must be a positive number of TFLOP/s, got {args.peak_tflops:g}")
+    writable_dir("--out", args.out)
 
 
 def bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -972,7 +975,10 @@ def bench_command(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "results.json"
-    results = json.loads(json_path.read_text()) if json_path.exists() else {}
+    try:
+        results = json.loads(json_path.read_text()) if json_path.exists() else {}
+    except (OSError, ValueError) as exc:
+        raise CourseInputError(f"cannot read {json_path} ({exc}); fix or delete it, or give another --out") from None
     if args.render_only:
         if not results:
             raise CourseInputError(f"no {json_path} to render; run the benchmark first")

@@ -14,6 +14,7 @@ On disk, under a checkpoint folder ``D``::
         commit.json      our marker, written after every rank finished: this folder counts
     D/step-6/
     D/.step-8-x1y2.partial/   a save in progress, or one that died: never loaded, pruned later
+    D/_rejected/step-2-<time>/   a checkpoint a resume could not verify, kept with REJECTED.txt (why)
     D/_runs/<run id>/attempt_<n>.json   what each attempt of a run resumed from and reached
 
 Rules (each one a failure seen in real jobs):
@@ -29,8 +30,13 @@ Rules (each one a failure seen in real jobs):
   for a replicated weight.
 - The newest ``keep`` (>= 2) complete checkpoints are kept; a step counts as saved only when
   its checkpoint is complete (as in torchtitan).
+- A resume verifies everything it loaded (weights, optimizer state, step, data position, RNG)
+  against checksums written in ``commit.json`` at save time (``state_checksums``: sums over
+  shards, so they compare across world sizes and strategies); a checkpoint that fails is set
+  aside under ``_rejected/`` and the one before is tried. Rank 0 alone decides which steps to
+  try and broadcasts that list: on a shared filesystem two ranks can see different folders.
 
-What is saved comes from the strategy (``course_utils.train.Prepared``): by default the
+What is saved comes from the strategy (``course_utils.loop.Prepared``): by default the
 model and optimizer through ``torch.distributed.checkpoint.state_dict.get_state_dict`` (plain
 modules, DDP, FSDP2's DTensors); the hand-built ZeRO optimizers of ``course_utils.zero``
 (flat slices) save each slice as a DTensor of the global flat buffer; any strategy may supply
@@ -39,6 +45,7 @@ its own ``Prepared.get_state``/``set_state`` pair.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import re
@@ -49,7 +56,6 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -160,16 +166,27 @@ def read_commit(root, step: int) -> dict:
 
 
 def prune(root, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` complete checkpoints, and every stale ``.partial`` (rank 0 only).
+    """Delete all but the newest ``keep`` complete checkpoints, and every leftover (rank 0 only).
 
-    Call it only after a save has been committed: then no ``.partial`` is being written.
+    Leftovers: stale ``.partial`` folders, and ``step-N`` folders that are not complete (a
+    deletion killed half-way). Call it only after a save has been committed: then no
+    ``.partial`` is being written. A folder is renamed to ``.pruned-*`` before it is deleted,
+    so a kill during the deletion leaves a name the next prune removes, never a torn ``step-N``.
     """
     root = Path(root)
     state = scan(root)
     doomed = [step_dir(root, s) for s in state["complete"][:-keep]]
-    doomed += [root / row["name"] for row in state["incomplete"] if PARTIAL_RE.match(row["name"])]
+    doomed += [root / row["name"] for row in state["incomplete"]
+               if PARTIAL_RE.match(row["name"]) or STEP_RE.match(row["name"])]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        gone = root / f".pruned-{path.name.lstrip('.')}-{uuid.uuid4().hex[:6]}"
+        try:
+            os.rename(path, gone)
+        except OSError:
+            continue
+        shutil.rmtree(gone, ignore_errors=True)
+    for leftover in list(root.glob(".pruned-*")) + list(root.glob(".replaced-*")):
+        shutil.rmtree(leftover, ignore_errors=True)  # what a killed prune or replace left
     return [p.name for p in doomed]
 
 
@@ -315,7 +332,7 @@ class FlatState:
 
 
 class CustomState:
-    """A strategy's own ``Prepared.get_state``/``set_state`` pair (see ``course_utils.train.Prepared``)."""
+    """A strategy's own ``Prepared.get_state``/``set_state`` pair (see ``course_utils.loop.Prepared``)."""
 
     def __init__(self, prepared, strategy: str):
         self.get, self.set = prepared.get_state, prepared.set_state
@@ -349,6 +366,111 @@ def rank_local_state(info, step: int, batch: int) -> dict:
     return state
 
 
+# ---------------------------------------------------------------- checksums: what a resume loads, verified
+
+#: splitmix64's multipliers as signed 64-bit integers (torch has no uint64 arithmetic).
+_MIX = tuple(c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _flat_items(state, prefix: str = ""):
+    """``(dotted key, value)`` of a nested state dict, dicts and lists walked as DCP flattens them."""
+    if isinstance(state, dict):
+        for k in sorted(state, key=str):
+            yield from _flat_items(state[k], f"{prefix}{k}.")
+    elif isinstance(state, list):
+        for i, v in enumerate(state):
+            yield from _flat_items(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], state
+
+
+#: Elements hashed at once: the int64 temporaries stay ~100 MB however large a tensor is.
+_CHUNK = 1 << 22
+
+
+def _positional_sum(local: torch.Tensor, offsets, global_shape) -> torch.Tensor:
+    """Σ over elements of mix(bits of the value, index in the global tensor), modulo 2^64.
+
+    A sum, so the pieces of a sharded tensor add up to the same number in any layout (2 ranks,
+    4 ranks, whole on one): the check needs no gather. Mixing in the global index makes a
+    value moved to another position count as a change. Large tensors go in slices of rows.
+    """
+    if local.dim() > 0 and local.numel() > _CHUNK:
+        rows = max(1, _CHUNK // max(1, local[0].numel()))
+        total = torch.zeros((), dtype=torch.int64, device=local.device)
+        for start in range(0, local.shape[0], rows):
+            total += _positional_sum(local[start:start + rows], [int(offsets[0]) + start, *offsets[1:]], global_shape)
+        return total
+    t = local.detach()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    bits = t.contiguous().reshape(-1).view(_INT_OF_SIZE[t.element_size()]).to(torch.int64)
+    index = torch.zeros((), dtype=torch.int64, device=t.device)
+    stride = 1
+    for d in reversed(range(len(global_shape))):
+        shape = [1] * t.dim()
+        shape[d] = t.shape[d]
+        index = index + (torch.arange(t.shape[d], device=t.device) + int(offsets[d])).view(shape) * stride
+        stride *= int(global_shape[d])
+    z = bits * _MIX[0] + index.reshape(-1) * _MIX[1] + 1
+    z = (z ^ (z >> 31)) * _MIX[2]
+    z = z ^ (z >> 29)
+    return z.sum()
+
+
+def _dtensor_piece(v):
+    """This rank's share of a DTensor's checksum: its local piece, or nothing for a replicated copy."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    coord = v.device_mesh.get_coordinate()
+    if coord is None or any(p.is_replicate() and c != 0 for p, c in zip(v.placements, coord)):
+        return None  # not on this mesh, or another rank's copy of a replicated dim counts
+    _, offsets = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+    return v.to_local(), offsets, v.shape
+
+
+def state_checksums(state: dict, info) -> dict[str, str]:
+    """A checksum per entry of a state dict as this rank holds it, in any layout (notebook 06).
+
+    Collective (one all-reduce). Sharded tensors (DTensors) get one checksum for the whole
+    global tensor, the sum of every rank's piece, so a checkpoint saved by ddp on 2 ranks and
+    loaded by full_shard on 4 compares equal exactly when every element arrived at its place.
+    Plain tensors (replicated weights, rank-local RNG and data position) and other values
+    (step counts, learning rates) get this rank's own checksum. Course-built; the same job
+    ``weights_sha256`` does for a full state dict, without gathering one.
+    """
+    from torch.distributed.tensor import DTensor
+
+    items = dict(_flat_items(state))
+    out, sharded = {}, sorted(k for k, v in items.items() if isinstance(v, DTensor))
+    if sharded:
+        parts = []
+        for key in sharded:
+            piece = _dtensor_piece(items[key])
+            parts.append(_positional_sum(*piece).to(info.device) if piece else
+                         torch.zeros((), dtype=torch.int64, device=info.device))
+        total = torch.stack(parts)
+        dist.all_reduce(total)  # sums of int64 wrap around: modulo 2^64, as the pieces were summed
+        out.update({k: f"{int(s) & (2**64 - 1):016x}" for k, s in zip(sharded, total.cpu().tolist())})
+    for key, value in items.items():
+        if key in out:
+            continue
+        if isinstance(value, torch.Tensor):
+            out[key] = f"{int(_positional_sum(value, [0] * value.dim(), value.shape)) & (2**64 - 1):016x}"
+        else:
+            out[key] = "repr:" + hashlib.sha256(repr(value).encode()).hexdigest()[:16]
+    return out
+
+
+def checksum_problems(now: dict, saved: dict) -> list[str]:
+    """Entries whose checksum after loading differs from the one written at save time (notebook 06)."""
+    return [f"{k} differs" if k in saved else f"{k} has no recorded checksum" for k in sorted(now)
+            if now[k] != saved.get(k)]
+
+
 # ---------------------------------------------------------------- save and load (collective)
 
 class _DieAfterWrite:
@@ -371,13 +493,18 @@ def save(root, step: int, prepared, info, *, batch: int, strategy: str = "", ext
 
     1. rank 0 creates a fresh ``.step-N-*.partial`` folder and tells the others its name;
     2. every rank writes its pieces with DCP; DCP's coordinator writes ``.metadata`` last;
-    3. a barrier: every rank is done; rank 0 writes ``commit.json`` and renames the folder
-       to ``step-N`` (atomic), then deletes what ``keep`` no longer needs;
-    4. a barrier: the step counts as saved on every rank.
+    3. every rank takes the checksum of everything it saved (``state_checksums``: sharded
+       tensors summed over ranks, rank-local state per rank); the full weights are gathered
+       to rank 0 only, on the CPU, for ``weights_sha256``;
+    4. a barrier: every rank is done; rank 0 writes ``commit.json`` (checksums, file sizes)
+       and renames the folder to ``step-N`` (atomic), then deletes what ``keep`` no longer needs;
+    5. a barrier: the step counts as saved on every rank.
 
     ``die=True`` makes this rank die hard after writing its own pieces (``--fail-during-save``).
     """
     import torch.distributed.checkpoint as dcp
+
+    from .instrument import weights_sha256
 
     root = Path(root)
     holder = [None]
@@ -391,12 +518,20 @@ def save(root, step: int, prepared, info, *, batch: int, strategy: str = "", ext
     writer = _DieAfterWrite(partial, f"fail_during_save while writing step-{step}") if die else \
         dcp.FileSystemWriter(partial)
     dcp.save(state, storage_writer=writer)
-    sha = _weights_sha(prepared)
+    sums = state_checksums(state, info)
+    everyone = [None] * info.world_size
+    dist.all_gather_object(everyone, sums)
+    full = rank0_full_weights(prepared, strategy)
     dist.barrier()
     final = step_dir(root, step)
     if info.rank == 0:
+        checksums = {}
+        for rank_sums in everyone:  # replicated entries from rank 0; rank-local ones from their rank
+            checksums.update({k: v for k, v in rank_sums.items() if k not in checksums})
+        files = {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
         marker = {"step": step, "world_size": info.world_size, "strategy": strategy, "format": source.format,
-                  "weights_sha256": sha, "saved_at": time.time(), **source.layout(), **(extra or {})}
+                  "weights_sha256": weights_sha256(full), "saved_at": time.time(), **source.layout(),
+                  **(extra or {}), "files": files, "checksums": checksums}
         _atomic_write_json(partial / COMMIT, marker)
         if final.exists():  # a redone step: the new complete save replaces the old one whole
             old = root / f".replaced-{final.name}-{os.getpid()}"
@@ -409,10 +544,79 @@ def save(root, step: int, prepared, info, *, batch: int, strategy: str = "", ext
     return final
 
 
-def _weights_sha(prepared) -> str:
-    from .instrument import weights_sha256
+def rank0_full_weights(prepared, strategy: str = "") -> dict:
+    """The full fp32 weights, gathered one tensor at a time to the CPU of rank 0 only (notebook 06).
 
-    return weights_sha256(prepared.full_state_dict())
+    Collective; rank 0 gets ``{name: tensor}`` keyed like ``build_model(...).state_dict()``, the
+    other ranks ``{}``. No rank ever holds the whole model on its device: torch's
+    ``get_model_state_dict(StateDictOptions(full_state_dict=True, cpu_offload=True))`` for torch
+    modules (torch 2.13 keeps the result on rank 0 only), the same per-tensor gather for the flat
+    buffers of the hand-built ZeRO. A strategy with its own checkpoint hooks uses its own
+    ``full_state_dict`` (kept on rank 0).
+    """
+    source = state_of(prepared, strategy)
+    if isinstance(source, TorchState):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(source.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v.detach().to("cpu", torch.float32) for k, v in full.items()} if _rank() == 0 else {}
+    if isinstance(source, FlatState):
+        flats = {}
+        for key, value in source.get()["model"].items():
+            whole = value.full_tensor()  # one flat buffer at a time
+            if _rank() == 0:
+                flats[key] = whole.detach().to("cpu", torch.float32)
+            del whole
+        return _unflatten(flats, source.layout()["flats"]) if _rank() == 0 else {}
+    full = prepared.full_state_dict()
+    return {k: v.detach().to("cpu", torch.float32) for k, v in full.items()} if _rank() == 0 else {}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _unflatten(saved: dict, layout: list) -> dict:
+    """Parameters by name from the flat buffers of the hand-built ZeRO (``FlatState.layout``)."""
+    out = {}
+    for i, params in enumerate(layout):
+        offset = 0
+        for p in params:
+            n = 1
+            for s in p["shape"]:
+                n *= s
+            for name in p["names"]:
+                out[name] = saved[f"flat{i}"][offset:offset + n].view(p["shape"]).float().clone()
+            offset += n
+    return out
+
+
+class CheckpointUnusable(Exception):
+    """A checkpoint that cannot be resumed: unreadable, torn, or its checksums disagree (notebook 06)."""
+
+
+def precheck(root, step: int) -> str | None:
+    """Why ``root/step-N`` cannot be resumed, from what is on disk alone, or None (notebook 06).
+
+    Cheap: reads the commit marker and compares every file's size with the size written.
+    Changed bytes of the same size are caught after loading, by the checksums.
+    """
+    path = step_dir(root, step)
+    try:
+        marker = read_commit(root, step)
+    except (OSError, ValueError) as exc:
+        return f"its {COMMIT} cannot be read ({exc})"
+    if "checksums" not in marker or "files" not in marker:
+        return "it was saved without checksums (by an older course_utils), so a resume cannot verify it"
+    for name, size in sorted(marker["files"].items()):
+        if name == COMMIT:
+            continue
+        on_disk = (path / name).stat().st_size if (path / name).is_file() else None
+        if on_disk is None:
+            return f"{name} is missing"
+        if on_disk != size:
+            return f"{name} has {on_disk} bytes, {size} were written"
+    return None
 
 
 def load(root, step: int, prepared, info, *, strategy: str = "") -> dict:
@@ -420,40 +624,114 @@ def load(root, step: int, prepared, info, *, strategy: str = "") -> dict:
 
     Every rank asks DCP for exactly the pieces its own (possibly differently sharded) tensors
     need; DCP reads them by global offset. Rank-local state is loaded if this rank saved one
-    (a world that grew has ranks that did not). Returns the commit marker, with
-    ``"verified": True`` once the loaded full weights hash to the value recorded at save time.
+    (a world that grew has ranks that did not). Then every entry loaded (weights, optimizer
+    state, step, data position, RNG) is checksummed as the model and optimizer now hold it and
+    compared with the checksum written at save time. Returns the commit marker, with
+    ``"verified": True``; raises ``CheckpointUnusable`` (on every rank alike) when the files
+    cannot be read or a checksum differs, ``CourseInputError`` when the checkpoint belongs to
+    a strategy whose state cannot be loaded here.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     path = step_dir(root, step)
     marker = read_commit(root, step)
     source = state_of(prepared, strategy)
     if marker["format"] != source.format:
-        raise CourseInputError(
-            f"{path} was saved by strategy {marker['strategy']!r} ({marker['format']} state) and cannot be "
-            f"loaded by {strategy!r} ({source.format}); resume with --strategy {marker['strategy']} or use a "
-            "fresh --checkpoint-dir")
+        raise CourseInputError(format_mismatch(path, marker, strategy, source.format))
     if source.layout() and source.layout() != {k: marker.get(k) for k in source.layout()}:
         raise CourseInputError(f"{path} holds flat buffers of another layout (bucket size?); use the same "
                                "--bucket-cap-mb as the run that saved it, or a fresh --checkpoint-dir")
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    reason, saved = None, {}
+    try:  # each rank reads the index on its own: agree on the outcome before any collective
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - any failure to read makes the checkpoint unusable
+        reason = f"its {METADATA} cannot be read: {_first_line(exc)}"
+    _agree(reason, info)
     local = {k: v for k, v in rank_local_state(info, step, 0).items() if k in saved}
     state = {**source.get(), **local, "step": torch.tensor(-1)}
-    dcp.load(state, checkpoint_id=path)
+    try:  # DCP gathers every rank's read errors and raises them on every rank alike
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
+        reason = f"loading failed: {_first_line(exc)}"
+    _agree(reason, info)
     source.set(state)
-    if int(state["step"]) != step:
-        raise RuntimeError(f"{path} holds step {int(state['step'])}, its name says {step}")
     r = info.rank
-    if f"rng.rank{r}" in state:
-        torch.set_rng_state(state[f"rng.rank{r}"])
-    if f"cuda_rng.rank{r}" in state and info.device.type == "cuda":
-        torch.cuda.set_rng_state(state[f"cuda_rng.rank{r}"], info.device)
+    problems = []
+    if int(state["step"]) != step:
+        problems.append(f"it holds step {int(state['step'])}, its name says {step}")
     if f"data.rank{r}" in state and int(state[f"data.rank{r}"][0]) != step:
-        raise RuntimeError(f"rank {r}'s saved data position is at step {int(state[f'data.rank{r}'][0])}, not {step}")
-    sha = _weights_sha(prepared)
-    if sha != marker["weights_sha256"]:
-        raise RuntimeError(f"{path}: the loaded weights do not hash to the value recorded at save time")
+        problems.append(f"rank {r}'s saved data position is at step {int(state[f'data.rank{r}'][0])}, not {step}")
+    try:  # a damaged generator state can be refused here, before its checksum is compared
+        if f"rng.rank{r}" in state:
+            torch.set_rng_state(state[f"rng.rank{r}"])
+        if f"cuda_rng.rank{r}" in state and info.device.type == "cuda":
+            torch.cuda.set_rng_state(state[f"cuda_rng.rank{r}"], info.device)
+    except RuntimeError as exc:
+        problems.append(f"rank {r}'s RNG state cannot be restored: {_first_line(exc)}")
+    # what the model and optimizer now hold, and the rank-local state as it was read
+    live = {**source.get(), **{k: state[k] for k in local}, "step": state["step"]}
+    mismatch = checksum_problems(state_checksums(live, info), marker.get("checksums", {}))
+    if mismatch:
+        problems.append(f"checksum of {mismatch[0]}" + (f" (and {len(mismatch) - 1} more)" if len(mismatch) > 1 else ""))
+    everyone = [None] * info.world_size
+    dist.all_gather_object(everyone, problems)
+    ranks: dict[str, list[int]] = {}
+    for i, rows in enumerate(everyone):
+        for p in rows:
+            ranks.setdefault(p, []).append(i)
+    if ranks:  # one clause per problem, with the ranks that saw it
+        found = [f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {p}" for p, rs in ranks.items()]
+        raise CheckpointUnusable("; ".join(found[:3]) + (f"; {len(found) - 3} more" if len(found) > 3 else ""))
     return {**marker, "verified": True}
+
+
+def _agree(reason: str | None, info) -> None:
+    """Raise ``CheckpointUnusable`` on every rank if any rank found a reason (collective)."""
+    reasons = [None] * info.world_size
+    dist.all_gather_object(reasons, reason)
+    found = [f"rank {i}: {r}" for i, r in enumerate(reasons) if r]
+    if found:
+        raise CheckpointUnusable(found[0] + (f" (and {len(found) - 1} more rank(s))" if len(found) > 1 else ""))
+
+
+def _first_line(exc: BaseException) -> str:
+    """The line of an exception that says what went wrong (DCP wraps each rank's error in a traceback)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    causes = [ln for ln in lines if re.match(r"^[A-Za-z_.]+(Error|Exception): ", ln)]
+    text = causes[-1] if causes else (lines[0] if lines else "")
+    text = text.split(". ")[0]  # the first sentence says what broke; the rest is advice on torch.load
+    return f"{type(exc).__name__}: {text}"[:300] if not causes else text[:300]
+
+
+def format_mismatch(path, marker: dict, strategy: str, fmt: str) -> str:
+    """The one-line refusal for a checkpoint another strategy's state cannot be loaded from (notebook 06)."""
+    return (f"{path} was saved by strategy {marker.get('strategy')!r} ({marker.get('format')} state) and "
+            f"cannot be loaded by {strategy!r} ({fmt} state); resume with --strategy {marker.get('strategy')} "
+            f"(or any strategy saving {marker.get('format')} state) or use a fresh --checkpoint-dir")
+
+
+def state_format(strategy: str) -> str:
+    """Which state a strategy saves, without building it (notebook 06): checked in ``check_resume``.
+
+    The hand-built ZeRO stages save flat slices ("zero-flat"); every other strategy saves
+    torch state dicts by parameter name ("torch"), which DCP reshards between all of them.
+    ``tests/test_checkpoint.py`` checks this against ``state_of`` for every strategy.
+    """
+    return "zero-flat" if strategy in ("zero1", "zero2", "zero3") else "torch"
+
+
+def set_aside(root, step: int, why: str) -> Path:
+    """Move an unusable ``step-N`` to ``root/_rejected/`` with a note saying why (rank 0; notebook 06).
+
+    Kept, not deleted: it is what a user needs to find out what broke. Folders under ``_``
+    are not checkpoints, so a resume never looks at it again.
+    """
+    dest = Path(root) / "_rejected" / f"step-{step}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(step_dir(root, step), dest)
+    (dest / "REJECTED.txt").write_text(why + "\n")
+    return dest
 
 
 def load_weights(root, step: int | None = None) -> dict:
@@ -474,20 +752,56 @@ def load_weights(root, step: int | None = None) -> dict:
         saved = _load_state_dict_from_keys(checkpoint_id=str(step_dir(root, step)))["model"]
     if marker["format"] != "zero-flat":
         return {k: v.float() for k, v in saved.items()}
-    out = {}
-    for i, params in enumerate(marker["flats"]):
-        offset = 0
-        for p in params:
-            n = 1
-            for s in p["shape"]:
-                n *= s
-            for name in p["names"]:
-                out[name] = saved[f"flat{i}"][offset:offset + n].view(p["shape"]).float().clone()
-            offset += n
-    return out
+    return _unflatten(saved, marker["flats"])
 
 
 # ---------------------------------------------------------------- the training loop's side
+
+def check_marker(root, step: int, cfg) -> dict:
+    """Refuse a checkpoint another run wrote: other settings, or another strategy's state (notebook 06).
+
+    Reads only the commit marker, so ``train`` calls it before any worker starts; the resume
+    calls it again (a torchrun line never passes through ``train``).
+    """
+    marker = read_commit(root, step)
+    mismatched = {k: (marker.get(k), getattr(cfg, k)) for k in MUST_MATCH if marker.get(k) != getattr(cfg, k)}
+    if mismatched:
+        raise CourseInputError(
+            f"{step_dir(root, step)} belongs to another run "
+            f"({', '.join(f'{k}: saved {a!r}, now {b!r}' for k, (a, b) in mismatched.items())}); "
+            "use the same settings or a fresh --checkpoint-dir")
+    if marker.get("format") != state_format(cfg.strategy):
+        raise CourseInputError(format_mismatch(step_dir(root, step), marker, cfg.strategy, state_format(cfg.strategy)))
+    if marker.get("format") == "zero-flat" and marker.get("bucket_cap_mb", cfg.bucket_cap_mb) != cfg.bucket_cap_mb:
+        raise CourseInputError(f"{step_dir(root, step)} holds flat buffers of {marker['bucket_cap_mb']} MB buckets; use "
+                               f"--bucket-cap-mb {marker['bucket_cap_mb']} as the run that saved it, or a fresh --checkpoint-dir")
+    return marker
+
+
+def check_resume(cfg) -> None:
+    """Before any worker starts: would the newest complete checkpoint of ``cfg.checkpoint_dir`` be refused? (notebook 06)"""
+    if cfg.checkpoint_dir:
+        complete = scan(cfg.checkpoint_dir)["complete"]
+        for step in reversed(complete):
+            if precheck(cfg.checkpoint_dir, step) is None:  # the one the resume will try first
+                check_marker(cfg.checkpoint_dir, step, cfg)
+                return
+        if not complete:
+            nothing_left_to_resume(cfg.checkpoint_dir)
+
+
+def nothing_left_to_resume(root) -> None:
+    """No complete checkpoint, but some were set aside: starting at step 0 here would be a silent restart (notebook 06).
+
+    A restarted attempt (torchrun ``--max-restarts``) after "no checkpoint can be resumed"
+    would otherwise find the folder empty and train from scratch.
+    """
+    rejected = Path(root) / "_rejected"
+    if rejected.is_dir() and any(rejected.iterdir()):
+        raise CourseInputError(
+            f"no checkpoint in {root} can be resumed: every one was set aside in {rejected} (REJECTED.txt in each "
+            f"says why); start over with a fresh --checkpoint-dir, or delete {rejected} to train this folder from step 0")
+
 
 def _run_id() -> str:
     """torchrun's run id (the same for every attempt of a run); a plain process is a run of its own."""
@@ -528,27 +842,68 @@ class Checkpointer:
         return {k: getattr(self.cfg, k) for k in MUST_MATCH}
 
     def resume(self) -> int:
-        """Load the newest complete checkpoint if there is one; return the step to start from."""
-        seen = scan(self.root)
-        step = seen["complete"][-1] if seen["complete"] else None
-        if step is not None:
-            marker = read_commit(self.root, step)
-            mismatched = {k: (marker.get(k), v) for k, v in self._match().items() if marker.get(k) != v}
-            if mismatched:
-                raise CourseInputError(
-                    f"{step_dir(self.root, step)} belongs to another run ({', '.join(f'{k}: saved {a!r}, now {b!r}' for k, (a, b) in mismatched.items())}); "
-                    "use the same settings or a fresh --checkpoint-dir")
-            load(self.root, step, self.prepared, self.info, strategy=self.cfg.strategy)
-            self.history = list(marker["losses"])
+        """Load the newest checkpoint that verifies; return the step to start from (collective).
+
+        Rank 0 alone looks at the folder and decides the order to try (newest first); every
+        rank follows that one list, so ranks on a shared filesystem cannot pick different steps.
+        A checkpoint that fails its checks is set aside under ``_rejected/`` with one line
+        saying why, and the next one is tried; if none verifies, the run stops with one error.
+        """
+        plan = [None]
+        if self.info.rank == 0:
+            try:
+                plan[0] = self._resume_plan()
+            except CourseInputError as exc:  # every rank raises it, not only rank 0
+                plan[0] = {"error": str(exc)}
+        dist.broadcast_object_list(plan, src=0)
+        if "error" in plan[0]:
+            raise CourseInputError(plan[0]["error"])
+        seen, candidates, rejected = plan[0]["seen"], plan[0]["candidates"], list(plan[0]["rejected"])
+        for row in rejected:
+            self._set_aside(*row)
+        step = None
+        for candidate in candidates:
+            try:
+                marker = load(self.root, candidate, self.prepared, self.info, strategy=self.cfg.strategy)
+            except CheckpointUnusable as exc:
+                rejected.append((candidate, str(exc)))
+                self._set_aside(candidate, str(exc))
+                continue
+            step, self.history = candidate, list(marker["losses"])
             cdist.log(f"attempt {self.info.restart_count}: resumed from step-{step} "
-                      f"(saved by {marker['world_size']} ranks, weights verified)")
-        else:
+                      f"(saved by {marker['world_size']} ranks, every checksum verified)")
+            break
+        if step is None and rejected:
+            raise CourseInputError(
+                f"no checkpoint in {self.root} can be resumed ({'; '.join(f'step-{s}: {why}' for s, why in rejected)}); "
+                f"they were moved to {self.root / '_rejected'}; start over with a fresh --checkpoint-dir")
+        if step is None:
             cdist.log(f"attempt {self.info.restart_count}: no complete checkpoint, starting at step 0")
         start = step or 0
         self.attempt = Attempt(self.info.restart_count, self.info.world_size, start, step, start,
                                seen["complete"], seen["incomplete"])
         self._record()
         return start
+
+    def _resume_plan(self) -> dict:
+        """Rank 0's decision: the complete steps to try, newest first, and those already unusable."""
+        seen = scan(self.root)
+        candidates, rejected = [], []
+        for step in reversed(seen["complete"]):
+            why = precheck(self.root, step)
+            if why:
+                rejected.append((step, why))
+                continue
+            check_marker(self.root, step, self.cfg)  # another run's settings or strategy: an input error
+            candidates.append(step)
+        if not candidates and not rejected:
+            nothing_left_to_resume(self.root)
+        return {"seen": seen, "candidates": candidates, "rejected": rejected}
+
+    def _set_aside(self, step: int, why: str) -> None:
+        if self.info.rank == 0:
+            dest = set_aside(self.root, step, why)
+            cdist.log(f"step-{step} set aside, it cannot be resumed: {why} (kept in {dest})")
 
     def _record(self) -> None:
         if self.info.rank == 0:
@@ -562,10 +917,10 @@ class Checkpointer:
         self._record()
         k = self.cfg.checkpoint_every
         if k and done % k == 0:
-            from .train import global_mean_losses
+            from .instrument import global_mean_losses
 
             history = self.history + global_mean_losses(local_losses, self.info)
-            extra = {**self._match(), "losses": history}
+            extra = {**self._match(), "bucket_cap_mb": self.cfg.bucket_cap_mb, "losses": history}
             save(self.root, done, self.prepared, self.info, batch=self.cfg.batch, strategy=self.cfg.strategy,
                  extra=extra, keep=self.cfg.keep_checkpoints, die=self.die_in_save == done)
             cdist.log(f"saved step-{done}")
@@ -617,27 +972,6 @@ def lost_work_row(report: dict, every: int, fail_steps: list) -> dict:
             "every_position": sorted(f % every for f in fail_steps) == list(range(every))}
 
 
-def lost_work_sweep(intervals, *, strategy: str = "ddp", nproc: int = 2, **overrides) -> list[dict]:
-    """Measure the steps redone for every failure position, one launch per checkpoint interval K (notebook 06).
-
-    For interval K the run takes 2K steps and loses a rank once per attempt, during steps
-    K, K+1, ..., 2K−1 (one residue f mod K each), so the mean over its K restarts is the
-    average over a uniformly placed failure. Rows as ``lost_work_row``.
-    """
-    from .train import train
-
-    rows = []
-    for k in intervals:
-        fail_steps = [k + i for i in range(k)]
-        spec = ",".join(f"{i % nproc}:{s}" for i, s in enumerate(fail_steps))
-        d = tempfile.mkdtemp(prefix=f"sweep-k{k}-")
-        report = train(strategy=strategy, nproc=nproc, steps=2 * k, checkpoint_dir=d, checkpoint_every=k,
-                       max_restarts=k, fail_at=spec, **overrides)
-        rows.append(lost_work_row(report, k, fail_steps))
-        shutil.rmtree(d, ignore_errors=True)
-    return rows
-
-
 # ---------------------------------------------------------------- reading a run's logs (notebook 06)
 
 #: How a rank's process ended, read from its error file (torch's ``@record``) and its output.
@@ -680,61 +1014,6 @@ def attempt_logs(checkpoint_dir, run_id: str) -> list[dict]:
         rows.append({"attempt": attempt, "rank": rank, "last_step_done": max(done) if done else None,
                      "ending": ending, "first_line": lines[0] if lines else "", "last_line": lines[-1] if lines else ""})
     return sorted(rows, key=lambda r: (r["attempt"], r["rank"]))
-
-
-# ---------------------------------------------------------------- two pitfalls, on real files (notebook 06)
-
-def _one_step(config: dict, info):
-    """Build the run's model and strategy and train one step, so that the optimizer has state."""
-    from .data import batch_for_rank
-    from .models import build_model, get_config
-    from .train import TrainConfig, resolve_strategy
-
-    cfg = TrainConfig(**{**config, "nproc": info.world_size}).validate()
-    mcfg = get_config(cfg.model)
-    prepared = resolve_strategy(cfg.strategy)(build_model(mcfg, seed=cfg.seed, device=info.device), cfg, info)
-    x, y = batch_for_rank(0, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab,
-                          seed=cfg.seed, device=info.device)
-    prepared.model(x, y).backward()
-    prepared.before_step()
-    prepared.optimizer.step()
-    return prepared
-
-
-def _local_shapes(prepared) -> dict:
-    state = state_of(prepared).get()["model"]
-    return {k: list((v.to_local() if hasattr(v, "to_local") else v).shape) for k, v in state.items()}
-
-
-def rank_named_pitfall(config: dict, folder: str, phase: str) -> dict:
-    """Checkpoint files named by rank, saved at one world size and read at another (notebook 06).
-
-    ``phase="save"``: every rank ``torch.save``s its local shards to ``rank<r>.pt`` (the
-    tempting mistake), and writes a "full" optimizer state dict taken with
-    ``full_state_dict=True, cpu_offload=True`` to ``full_optim_rank<r>.pt`` (gathered to rank 0
-    only). ``phase="load"``: rank r reads ``rank<r>.pt`` and compares its shapes with what it
-    holds now. Returns what each rank saw.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    with cdist.session() as info:
-        prepared = _one_step(config, info)
-        mine = Path(folder) / f"rank{info.rank}.pt"
-        if phase == "save":
-            state = state_of(prepared).get()["model"]
-            torch.save({k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in state.items()},
-                       mine)
-            full = get_optimizer_state_dict(_inner(prepared.model), prepared.optimizer,
-                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            optim_file = Path(folder) / f"full_optim_rank{info.rank}.pt"
-            torch.save(full, optim_file)
-            return {"rank": info.rank, "wrote": [mine.name, optim_file.name],
-                    "optim_entries": len(full.get("state", {})), "optim_file_bytes": optim_file.stat().st_size}
-        saved = {k: list(v.shape) for k, v in torch.load(mine).items()}
-        needed = _local_shapes(prepared)
-        wrong = {k: {"in_file": saved.get(k), "needed": shape} for k, shape in needed.items() if saved.get(k) != shape}
-        return {"rank": info.rank, "read": mine.name, "tensors": len(needed), "wrong_shape": len(wrong),
-                "example": next(iter(wrong.items()), None)}
 
 
 def dcp_chunks(root, step: int, key: str) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The command line: ``python -m course_utils {memory, table, plan, train, rehearse, bench}``.
+"""The command line: ``python -m course_utils {memory, table, plan, train, rehearse, exercises, ft, bench}``.
 
 Each subcommand is a thin shell over the same functions the notebooks call. A module that
 owns a subcommand NAME defines ``NAME_arguments(parser)`` and ``NAME_command(args) -> int``;
@@ -13,14 +13,21 @@ import importlib
 import sys
 
 from .errors import CourseInputError
+from .validate import check_numbers
 
 # name -> (module that implements it, one-line help, notebook that introduces it)
 COMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("course_utils.memory", "model-state bytes per GPU for DDP and ZeRO stages 1-3 (notebook 01)"),
     "table": ("course_utils.memory", "the ZeRO paper's Table 1 grid in GB, with what fits a GPU (notebook 01)"),
     "train": ("course_utils.train", "train the course model with one strategy and report losses, bytes, traffic (notebook 02)"),
+    "cluster": ("course_utils.cluster",
+                "train across 2+ network namespaces joined by a rate-limited link (root, Linux; notebook 05)"),
     "plan": ("course_utils.plan", "choose a data-parallel strategy for a model and cluster (notebook 05)"),
     "rehearse": ("course_utils.rehearse", "a real-size FSDP2 run on fake tensors: peak memory per GPU (notebook 05b)"),
+    "exercises": ("course_utils.exercises.core",
+                  "list the exercises, run their checks on the solutions or stubs, grade a student's notebook "
+                  "(notebooks 01-06)"),
+    "ft": ("course_utils.ft", "TorchFT: lose a replica group, keep training, heal it from a live peer (notebook 06)"),
     "bench": ("course_utils.bench", "benchmarks: course run time, launch overhead, hand-built vs torch (README)"),
 }
 
@@ -54,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_numbers(args)  # nan, inf, 400 digits: refused for every flag, before anything runs
         return int(args._run(args) or 0)
     except CourseInputError as exc:
         print(f"python -m course_utils {args.command}: error: {exc}", file=sys.stderr)

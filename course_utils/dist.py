@@ -66,6 +66,14 @@ class DistInfo:
         return self.rank == 0
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask where the OS has one (a node of
+    ``course_utils.cluster`` gets its own share of the host), else the machine's count (notebook 00)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 #: cuBLAS's workspace setting for reproducible results (NVIDIA's cuBLAS guide, "Results reproducibility";
 #: torch's reproducibility notes). It must be in the environment before the first cuBLAS call.
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
@@ -93,7 +101,7 @@ def make_deterministic(device: torch.device) -> dict:
     bit for bit. With more ranks, runs whose gradients travel in different message sizes (DDP's
     buckets against a hand-built layout, a reduce-scatter against an all-reduce) can round
     differently: those comparisons get the tolerance the notebooks already use on CPU for more
-    than 2 ranks (relative weight difference <= 1e-4, fsdp.TOLERANCE["fp32"]). The same run
+    than 2 ranks (relative weight difference <= 1e-4, labs.lab04.TOLERANCE["fp32"]). The same run
     repeated (same ranks, sizes, GPUs and NCCL version), as a resumed run is, reduces in the same
     order. Returns the settings in force, for reports.
     """
@@ -149,18 +157,38 @@ def init(backend: str | None = None, timeout_s: float | None = None, *, determin
         device = torch.device("cpu")
         # N processes on a few cores: split the cores instead of oversubscribing them
         # (torchrun sets OMP_NUM_THREADS=1 for the same reason).
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        torch.set_num_threads(max(1, usable_cores() // max(1, local_world)))
     if not dist.is_initialized():
         timeout = timedelta(seconds=float(timeout_s or os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
         if "MASTER_ADDR" in os.environ:  # torchrun / elastic agent: rendezvous through env://
-            dist.init_process_group(backend_name, rank=rank, world_size=world, timeout=timeout,
-                                    device_id=device if device_type == "cuda" else None)
+            dist.init_process_group(backend_name, store=attempt_store(timeout), rank=rank, world_size=world,
+                                    timeout=timeout, device_id=device if device_type == "cuda" else None)
         else:  # a plain process: a world of one, so the same collectives still run
             dist.init_process_group(backend_name, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                     local_world_size=local_world, backend=backend_name, device=device,
                     restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def attempt_store(timeout: timedelta):
+    """Under plain torchrun, the agent's store seen through a prefix of this attempt, else None (notebook 06).
+
+    torchrun (torch 2.13) hands its own rendezvous TCPStore to the workers and keeps it across
+    restarts, with no prefix per attempt (``torch.distributed.rendezvous._create_c10d_store``:
+    "We create a new TCPStore for every retry"; the agent does not). A restarted group then
+    reads the dead attempt's gloo addresses under the same keys: "Gloo connectFullMesh failed
+    ... Connection refused", or a hang (pytorch/pytorch#135712). Measured with the README's
+    torchrun line on 4 gloo ranks: 0 of 3 tries finished. Prefixing every key with the attempt
+    number gives each attempt keys of its own, whatever torchrun's environment; setting
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment (as ``launch`` does)
+    avoids the shared store altogether, and then this returns None.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None  # init_process_group's env:// store, as usual
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"course_utils/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 
 @contextmanager

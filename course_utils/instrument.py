@@ -18,14 +18,24 @@ is what one rank puts on the wire in a ring algorithm over a group of N ranks:
     broadcast              1 × payload   (pipelined ring; the root sends it once)
 
 which is the accounting behind the ZeRO paper's 2Ψ (stages 1, 2) against 3Ψ (stage 3).
+
+Across nodes (notebook 05): given ``node_size`` (ranks per node; rank r lives on node
+r // node_size, as torchrun numbers them), each collective is also marked by whether its
+group spans nodes, and ``cross_node_sent_bytes`` adds up the sent bytes of those only. That is
+the process-group view: in a ring over a group that spans nodes, the busiest node-to-node cable
+carries, in each direction, what one rank sends; a group that stays inside a node sends nothing
+across.
 """
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import defaultdict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import CourseInputError
 
 # c10d op name -> (kind, index of the tensor argument whose size is the payload)
 _C10D = {
@@ -71,16 +81,43 @@ def _nbytes(obj) -> int:
     return 0
 
 
-def _group_size(args) -> int:
+def _group(args):
+    """The ProcessGroup among a collective's arguments (boxed for c10d ops, a name for functional ones)."""
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
     for a in args:
         if isinstance(a, torch._C.ScriptObject):
-            try:  # a c10d op receives its ProcessGroup boxed; unbox it to ask its size
-                return int(dist.ProcessGroup.unbox(a).size())
+            try:  # a c10d op receives its ProcessGroup boxed; unbox it
+                return dist.ProcessGroup.unbox(a)
             except Exception:  # not a ProcessGroup (e.g. a ReduceOp)
                 continue
+        if isinstance(a, str):  # functional collectives name their group
+            try:
+                return _resolve_process_group(a)
+            except Exception:
+                continue
+    return None
+
+
+def _group_size(args) -> int:
+    import torch.distributed as dist
+
+    group = _group(args)
+    if group is not None:
+        return int(group.size())
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _spans_nodes(args, node_size: int | None) -> bool:
+    """Whether the collective's group holds ranks of more than one node (rank r on node r // node_size)."""
+    import torch.distributed as dist
+
+    if not node_size or not dist.is_initialized():
+        return False
+    group = _group(args)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    return len({r // node_size for r in ranks}) > 1
 
 
 def ring_bytes_sent(kind: str, payload_bytes: float, group_size: int) -> float:
@@ -92,12 +129,15 @@ class CommCounter(TorchDispatchMode):
     """Count collectives by kind: calls, payload bytes and ring bytes sent (notebook 02).
 
     Use as ``with CommCounter() as comm: ...``; then ``comm.summary(steps)`` gives per-step
-    numbers for this rank. ``comm.events`` keeps (kind, payload, group size) in issue order.
+    numbers for this rank. ``comm.events`` keeps (kind, payload, group size) in issue order,
+    ``comm.spans`` beside it whether each group spans nodes of ``node_size`` ranks (notebook 05).
     """
 
-    def __init__(self):
+    def __init__(self, node_size: int | None = None):
         super().__init__()
         self.events: list[tuple[str, int, int]] = []
+        self.spans: list[bool] = []
+        self.node_size = node_size
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -110,6 +150,7 @@ class CommCounter(TorchDispatchMode):
                 if kind == "all_gather" and name == "allgather_":
                     payload = _nbytes(args[0])  # list of lists of outputs
                 self.events.append((kind, payload, _group_size(args)))
+                self.spans.append(_spans_nodes(args, self.node_size))
             elif ns == "_c10d_functional" and name in _FUNCTIONAL:
                 kind = _FUNCTIONAL[name]
                 group_size = next((a for a in args[1:] if isinstance(a, int)), None)
@@ -117,18 +158,20 @@ class CommCounter(TorchDispatchMode):
                 if kind == "all_gather":
                     payload *= group_size or 1
                 self.events.append((kind, payload, group_size or _group_size(args)))
+                self.spans.append(_spans_nodes(args, self.node_size))
         return func(*args, **kwargs)
 
     def summary(self, steps: int = 1) -> dict:
-        """``{kind: {"calls", "payload_bytes", "sent_bytes"}}`` per step for this rank."""
-        out: dict = defaultdict(lambda: {"calls": 0, "payload_bytes": 0.0, "sent_bytes": 0.0})
-        for kind, payload, n in self.events:
+        """``{kind: {"calls", "payload_bytes", "sent_bytes", "cross_node_sent_bytes"}}`` per step for this rank."""
+        keys = ("calls", "payload_bytes", "sent_bytes", "cross_node_sent_bytes")
+        out: dict = defaultdict(lambda: dict.fromkeys(keys, 0.0))
+        for (kind, payload, n), spans in zip(self.events, self.spans):
             row = out[kind]
             row["calls"] += 1
             row["payload_bytes"] += payload
             row["sent_bytes"] += ring_bytes_sent(kind, payload, n)
-        return {k: {"calls": v["calls"] / steps, "payload_bytes": v["payload_bytes"] / steps,
-                    "sent_bytes": v["sent_bytes"] / steps} for k, v in sorted(out.items())}
+            row["cross_node_sent_bytes"] += ring_bytes_sent(kind, payload, n) if spans else 0.0
+        return {k: {key: v[key] / steps for key in keys} for k, v in sorted(out.items())}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -179,3 +222,167 @@ def weights_sha256(state_dict: dict) -> str:
         h.update(key.encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Observers: what a run watches, plugged into the one training loop (``loop.run_steps``)
+# ---------------------------------------------------------------------------------------------
+
+class Observer:
+    """Something the training loop tells what happens, step by step (notebook 02).
+
+    ``loop.run_steps`` calls, for every step: ``before_forward`` (the batch is made),
+    ``after_forward(loss)``, ``after_backward``, ``before_update`` (the strategy's
+    ``before_step`` has run: gradients are reduced), ``after_update`` (the optimizer stepped,
+    gradients still present), ``after_step(losses)`` (gradients cleared; ``losses`` are this
+    rank's detached losses so far, still on the device). ``start`` and ``stop`` bracket the
+    whole loop. Override only what you need. While any hook runs, ``CountCollectives``
+    observers stop counting: watching is not training.
+
+    Timing runs carry no counting observers (a dispatch mode or module hooks put every op
+    through Python, and on a GPU the step becomes CPU-bound); counting runs make no timing claims.
+    """
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def before_forward(self, step: int) -> None:
+        pass
+
+    def after_forward(self, step: int, loss: torch.Tensor) -> None:
+        pass
+
+    def after_backward(self, step: int) -> None:
+        pass
+
+    def before_update(self, step: int) -> None:
+        pass
+
+    def after_update(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int, losses: list) -> None:
+        pass
+
+
+class CountCollectives(Observer):
+    """Bytes sent per group: every collective of the loop, counted by ``CommCounter`` (notebook 02);
+    with ``node_size``, also whether each group spans nodes (notebook 05)."""
+
+    def __init__(self, node_size: int | None = None):
+        self.comm = CommCounter(node_size=node_size)
+
+    def start(self) -> None:
+        self.comm.__enter__()
+
+    def stop(self) -> None:
+        self.comm.__exit__(None, None, None)
+
+    def summary(self, steps: int) -> dict:
+        return self.comm.summary(steps)
+
+    def groups(self) -> dict:
+        """``{kind: [group sizes seen]}`` (notebook 04)."""
+        out: dict = {}
+        for kind, _, n in self.comm.events:
+            out.setdefault(kind, set()).add(n)
+        return {k: sorted(v) for k, v in out.items()}
+
+
+class HeldAtRest(Observer):
+    """Bytes held: ``held_bytes`` of ``held()`` after the update of step ``at``, gradients still present (notebook 02).
+
+    Args:
+        held: the strategy's ``Prepared.held`` (or any function returning ``(params, grads, optim)``).
+        at: the step to count at (the last one, usually).
+        also: more functions of ``(params, grads, optim)`` to record at the same moment, by name.
+    """
+
+    def __init__(self, held, at: int, also: dict | None = None):
+        self.held, self.at, self.also = held, at, also or {}
+        self.bytes: dict | None = None
+        self.extra: dict = {}
+
+    def after_update(self, step: int) -> None:
+        if step == self.at:
+            parts = self.held()
+            self.bytes = held_bytes(*parts)
+            self.extra = {name: fn(*parts) for name, fn in self.also.items()}
+
+
+class StepTimer(Observer):
+    """Seconds per step, from the start of step ``skip`` to the end of the last one (notebook 02).
+
+    The device is synchronised at the two edges of the window only (never inside it); what
+    observers do between steps (a checkpoint save, the progress line) and making the next
+    batch are left out. The first ``skip`` steps are warm-up and not timed (pass
+    ``min(1, steps - 1)`` to time a one-step run at all).
+    """
+
+    def __init__(self, device: torch.device, skip: int = 1):
+        self.device, self.skip = device, skip
+        self.first: int | None = None
+        self.elapsed, self.steps, self._t0 = 0.0, 0, None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def before_forward(self, step: int) -> None:
+        if self.first is None:
+            self.first = step
+        if step - self.first >= self.skip:
+            if self.steps == 0:
+                self._sync()
+            self._t0 = time.perf_counter()
+
+    def after_step(self, step: int, losses: list) -> None:
+        if self._t0 is not None:
+            self.elapsed += time.perf_counter() - self._t0
+            self.steps += 1
+            self._t0 = None
+
+    def stop(self) -> None:
+        if self.steps:
+            t = time.perf_counter()
+            self._sync()
+            self.elapsed += time.perf_counter() - t
+
+    def seconds_per_step(self) -> float:
+        return self.elapsed / self.steps if self.steps else 0.0
+
+
+def global_mean_losses(local_losses: list, info) -> list[float]:
+    """The global mean loss of each step, from every rank's local losses (collective; notebook 02).
+
+    Equal per-rank batches: the mean of the rank means is the global mean. The sum runs in
+    rank order, one element at a time, so it does not depend on how many steps are reduced
+    together: a resumed run reports the very numbers of an uninterrupted one (notebook 06).
+    The losses stay on the device until here: one transfer for the whole run, not one per step.
+    """
+    import torch.distributed as dist
+
+    local = torch.stack([loss.detach().float().to(info.device) for loss in local_losses]
+                        + [torch.zeros((), device=info.device)])
+    parts = [torch.empty_like(local) for _ in range(info.world_size)]
+    dist.all_gather(parts, local)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return (total / info.world_size).cpu().tolist()[:-1]
+
+
+def weight_diff(a: dict, b: dict) -> dict:
+    """How far two full state dicts (same keys) are apart: ``{"max_abs", "relative"}`` (notebook 04).
+
+    ``relative`` is ‖a − b‖ / ‖b‖ over all weights together (b is the reference).
+    """
+    if set(a) != set(b):
+        raise CourseInputError(f"state dicts differ in keys: {sorted(set(a) ^ set(b))[:4]}")
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
+    den = sum(float(b[k].double().pow(2).sum()) for k in b)
+    return {"max_abs": max(float((a[k].float() - b[k].float()).abs().max()) for k in a),
+            "relative": (num / den) ** 0.5 if den else 0.0}

@@ -35,6 +35,7 @@ when formatting, always labelled (see ``course_utils.units``).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -43,7 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import CourseInputError
-from .units import GB, GiB, fmt_bytes, fmt_count, parse_bytes, parse_count
+from .units import GB, GiB, fmt_bytes, fmt_count, fmt_size, parse_bytes
+from .validate import check_numbers, finite_result, params_count
 
 #: The four rows of the paper's memory table, in order of how much they shard.
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -333,7 +335,7 @@ def _chart_title(view: dict) -> str:
 
 def readout_text(view: dict) -> str:
     """One line of exact values at the chosen Nd, the text the chart's widget shows (notebook 01)."""
-    parts = [f"{STAGE_NAMES[s]}: {view['readout'][s] / GB:.3g} GB{' ✓' if view['fits'][s] else ''}"
+    parts = [f"{STAGE_NAMES[s]}: {fmt_size(view['readout'][s])}{' ✓' if view['fits'][s] else ''}"
              for s in STAGES]
     return (f"Ψ = {fmt_count(view['psi'])}, K = {view['k']:g}, Nd = {view['nd']}: " + " · ".join(parts)
             + f"  (✓ fits {view['gpu_mem'] / GB:g} GB)")
@@ -386,7 +388,7 @@ def memory_arguments(parser) -> None:
 
 def memory_command(args) -> int:
     """Print the per-GPU model-state bytes of plain DP and stages 1-3 (notebook 01)."""
-    psi = parse_count(args.params, name="--params")
+    psi = params_count("--params", args.params)
     nd = _positive_int("--dp (Nd)", args.dp)
     nm = _positive_int("--mp (Nm)", args.mp)
     if not math.isfinite(args.k) or args.k < 0:
@@ -394,7 +396,7 @@ def memory_command(args) -> int:
     if args.stage is not None and args.stage not in STAGES:
         raise CourseInputError(f"--stage: unknown stage {args.stage!r}; choose one of {', '.join(STAGES)}")
     stages = STAGES if args.stage is None else (args.stage,)
-    rows = {s: model_state_bytes(psi, nd, s, k=args.k, nm=nm) for s in stages}
+    rows = {s: finite_result("model-state bytes", model_state_bytes(psi, nd, s, k=args.k, nm=nm)) for s in stages}
     if args.json:
         print(json.dumps({"params": psi, "dp": nd, "mp": nm, "k": args.k, "bytes_per_gpu": rows}))
         return 0
@@ -432,11 +434,12 @@ def table_arguments(parser) -> None:
 
 def table_command(args) -> int:
     """Print the paper's Table 1 grid in GB and mark the cells that fit one GPU (notebook 01)."""
-    params = [parse_count(p, name="--params") for p in str(args.params).split(",")]
+    params = [params_count("--params", p) for p in str(args.params).split(",")]
     try:
         nds = [int(x) for x in str(args.dp).split(",")]
     except ValueError:
         raise CourseInputError(f"--dp: cannot read {args.dp!r}; write whole numbers like 1,4,16,64") from None
+    check_numbers(argparse.Namespace(dp=nds))
     for nd in nds:
         _positive_int("--dp (Nd)", nd)
     nm = _positive_int("--mp (Nm)", args.mp)
@@ -444,6 +447,9 @@ def table_command(args) -> int:
         raise CourseInputError(f"--k must be a number of bytes >= 0, got {args.k:g}")
     gpu_mem = parse_bytes(args.gpu_mem, name="--gpu-mem")
     rows = table1(params, nds, gpu_mem=gpu_mem, k=args.k, nm=nm)
+    for row in rows:
+        for value in row["bytes_per_gpu"].values():
+            finite_result("model-state bytes", value)
     if args.json:
         print(json.dumps({"gpu_mem": gpu_mem, "k": args.k, "mp": nm, "rows": rows}))
         return 0

@@ -151,6 +151,54 @@ def build_model(cfg: GPTConfig | str = "tiny", seed: int = 0, device="cpu") -> G
     return model.to(device)
 
 
+def build_meta_model(cfg: GPTConfig | str = "tiny") -> GPT:
+    """The course model's structure on the meta device: shapes, no storage, no random numbers drawn (notebook 04).
+
+    What FSDP2 users build a large model as: shard it first (``fully_shard`` works on meta
+    parameters), then ``init_weights`` gives each rank's shards their values.
+    """
+    with torch.device("meta"):
+        return GPT(get_config(cfg))
+
+
+@torch.no_grad()
+def init_weights(model: GPT, seed: int = 0, device="cpu") -> GPT:
+    """Give a meta-built (possibly sharded) model ``build_model(cfg, seed)``'s weights on ``device`` (notebook 04).
+
+    ``model.to_empty(device)`` gives every parameter storage (for FSDP2, its local shard); then
+    each parameter gets the very values the eager build gives it, bit for bit: the random
+    numbers are drawn on the CPU in the eager build's order (each layer's own
+    ``reset_parameters`` as its constructor calls it, then ``GPT.reset_parameters``), one full
+    parameter at a time, and each rank keeps only its shard (``distribute_tensor`` with
+    ``src_data_rank=None``: no communication). Host memory peaks at the largest parameter, not
+    the model. The global RNG is left as it was.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device=device)
+    if model.cfg.tie_weights:  # to_empty gives each module a new parameter: tie the head again
+        model.head.weight = model.tok_emb.weight
+    shapes = build_meta_model(model.cfg)  # unsharded shapes, in construction order
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in shapes.modules():  # the draws of each layer's constructor
+            if hasattr(module, "reset_parameters") and not isinstance(module, GPT):
+                module.to_empty(device="cpu").reset_parameters()
+        for (name, full), (_, param) in zip(shapes.named_parameters(), model.named_parameters()):
+            fresh = torch.empty(full.shape)
+            if full.dim() == 1:
+                fresh.fill_(1.0 if name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")) else 0.0)
+            else:
+                std = 0.02 / math.sqrt(2 * model.cfg.layers) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(fresh, mean=0.0, std=std)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(fresh, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(fresh)
+    return model
+
+
 def param_count(model_or_cfg) -> int:
     """Ψ: the number of distinct parameters (a tied weight counts once) (notebook 01)."""
     if isinstance(model_or_cfg, nn.Module):

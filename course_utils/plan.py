@@ -16,9 +16,8 @@ The decision rule of the course (the lesson on the stages, and the ZeRO paper's 
 Symbols: Ψ parameters, K optimizer bytes per parameter, Nd data-parallel degree, Nm
 model-parallel degree; h width, L layers, s sequence length, b micro-batch per GPU.
 
-Everything here is arithmetic on the inputs, except the last section: ``block_overlap_worker``,
-a worker function that ``course_utils.launch`` runs to time a block's compute and an all-gather
-on this host (it imports torch only when it runs), and its timer ``time_on_device``.
+Everything here is arithmetic on the inputs: it starts no process (the run that measures this
+host's rates, ``labs.lab05.block_overlap_worker``, lives with notebook 05's experiments).
 
 A time model is a model: per-GPU FLOP/s you can actually reach, ring collectives whose speed
 is that of the slowest link they cross, overlap as "hidden if shorter than the compute beside
@@ -30,7 +29,6 @@ import argparse
 import json
 import math
 import re
-import time
 from dataclasses import asdict, dataclass, field
 
 from . import memory
@@ -45,13 +43,14 @@ STRATEGY_NAMES = {
     "zero1": "stage 1 (P_os)",
     "zero2": "stage 2 (P_os+g, SHARD_GRAD_OP)",
     "zero3": "stage 3 (P_os+g+p, FULL_SHARD)",
-    "hsdp": "HSDP (HYBRID_SHARD: stage 3 per node)",
+    "hsdp": "HSDP (HYBRID_SHARD: stage 3 per shard group)",
     "zero2_offload": "stage 2 + optimizer offload",
     "zero3_offload": "stage 3 + optimizer offload",
 }
 #: The recommendation when nothing fits.
-NOTHING_FITS = ("no data-parallel strategy fits: activations / a single layer are the limit; use activation "
-                "checkpointing, a smaller micro-batch, tensor or pipeline parallelism")
+NOTHING_FITS = ("no data-parallel strategy fits: activations / a single FSDP unit are the limit; use activation "
+                "checkpointing, a smaller micro-batch, context (sequence) parallelism for long sequences, smaller "
+                "FSDP units, tensor or pipeline parallelism")
 
 #: PyTorch DDP's default gradient bucket (bucket_cap_mb = 25); two are alive while one is reduced.
 BUCKET_BYTES = 25 * 10**6
@@ -236,6 +235,51 @@ def ring_time(nbytes: float, n: int, cluster: Cluster, *, spans_nodes: bool, kin
     return factor * nbytes * (n - 1) / n / bw
 
 
+def network_step(strategy: str, params: float, cluster: Cluster, *, bytes_per_value: float = memory.GRAD_BYTES) -> dict:
+    """What one step puts on the links between nodes, in the ring model above (notebook 05).
+
+    Returns ``cross_node_bytes``: ring bytes one GPU sends per step in collectives whose group spans
+    nodes (what ``instrument.CommCounter`` measures as ``cross_node_sent_bytes``), and ``network_s``:
+    how long those collectives keep the node's link (``inter_bw``) busy, nothing hidden behind
+    compute. With P = ``bytes_per_value``·Ψ/Nm, Nd GPUs, n per node:
+
+    - ddp: one all-reduce of P over Nd, 2(Nd−1)/Nd·P; stages 1, 2: a reduce-scatter and an all-gather,
+      the same bytes;
+    - zero3 (FULL_SHARD): two all-gathers and one reduce-scatter over Nd, 3(Nd−1)/Nd·P;
+    - hsdp: gathers and reduce-scatters inside the node (nothing across); across, an all-reduce of
+      its P/n shard over the nodes, 2(P/n)(nodes−1)/nodes, and the node's n GPUs run those n
+      rings side by side over the same link (hence ``ring_time`` of n·P/n = P, as ``plan`` times it).
+    """
+    _need(strategy in STRATEGIES, f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    p = bytes_per_value * params / cluster.mp
+    nd, nodes, n = cluster.nd, cluster.nodes, _hsdp_shard(cluster, None)  # HSDP: one node's GPUs per shard group
+    if nodes == 1:
+        return {"cross_node_bytes": 0.0, "network_s": 0.0}
+    if strategy == "hsdp":
+        return {"cross_node_bytes": 2 * (p / n) * (nodes - 1) / nodes,
+                "network_s": ring_time(p, nd // n, cluster, spans_nodes=True, kind="all_reduce")}
+    if strategy in ("zero3", "zero3_offload"):
+        return {"cross_node_bytes": 3 * p * (nd - 1) / nd,
+                "network_s": 2 * ring_time(p, nd, cluster, spans_nodes=True)
+                + ring_time(p, nd, cluster, spans_nodes=True, kind="reduce_scatter")}
+    return {"cross_node_bytes": 2 * p * (nd - 1) / nd,
+            "network_s": ring_time(p, nd, cluster, spans_nodes=True, kind="all_reduce")}
+
+
+def crossover_bandwidth(base_a: float, link_bytes_a: float, base_b: float, link_bytes_b: float) -> float | None:
+    """The link bandwidth (bytes/s) at which strategies a and b take equally long per step (notebook 05).
+
+    Each step takes ``base + link_bytes / bandwidth``: ``base`` measured on an unlimited link,
+    ``link_bytes`` what the step puts on the busiest link (``network_step``'s ``network_s`` times
+    the bandwidth). Below the crossover the one with fewer link bytes is faster. None when the
+    lines never cross (one of the two is faster on every link).
+    """
+    if link_bytes_a == link_bytes_b or base_a == base_b:
+        return None
+    bandwidth = (link_bytes_b - link_bytes_a) / (base_a - base_b)
+    return bandwidth if bandwidth > 0 else None
+
+
 def block_flops(model: ModelSpec) -> float:
     """Forward FLOPs of one block for one micro-batch: 24·b·s·h² + 4·b·s²·h (notebook 05)."""
     b, s, h = model.micro_batch, model.seq, model.width
@@ -282,6 +326,7 @@ class StrategyPlan:
     exposed_comm_s: float
     step_s: float
     block: dict | None = field(default=None)
+    shard_size: int | None = None  # HSDP: GPUs per shard group (the planner picks it)
 
     @property
     def model_states(self) -> float:
@@ -310,7 +355,8 @@ class Plan:
     limits: dict
 
     def to_dict(self) -> dict:
-        return {"model": asdict(self.model), "cluster": asdict(self.cluster), "k": self.k,
+        return {"model": asdict(self.model), "cluster": {**asdict(self.cluster),
+                                                          "network": network_class(self.cluster.inter_bw)}, "k": self.k,
                 "strategies": {s: p.to_dict() for s, p in self.strategies.items()},
                 "recommendation": dict(self.recommendation), "limits": dict(self.limits)}
 
@@ -324,13 +370,26 @@ def _applicable(strategy: str, cluster: Cluster) -> bool:
     return True
 
 
-def memory_breakdown(model: ModelSpec, cluster: Cluster, strategy: str, *, k: float = memory.ADAM_MIXED_K) -> dict:
+def hsdp_shard_sizes(cluster: Cluster) -> list[int]:
+    """HSDP's possible shard-group sizes, smallest first: one node's data-parallel GPUs times each
+    proper divisor of the node count (notebook 05). FSDP2's 2-D mesh takes any shape; a shard group
+    of several nodes gathers over the network but needs fewer bytes per GPU."""
+    per_node = cluster.gpus_per_node // cluster.mp
+    return [per_node * m for m in range(1, cluster.nodes) if cluster.nodes % m == 0]
+
+
+def _hsdp_shard(cluster: Cluster, shard_size: int | None) -> int:
+    return shard_size or cluster.gpus_per_node // cluster.mp
+
+
+def memory_breakdown(model: ModelSpec, cluster: Cluster, strategy: str, *, k: float = memory.ADAM_MIXED_K,
+                     shard_size: int | None = None) -> dict:
     """Bytes per GPU a strategy needs, split into weights, gradients, optimizer (the model states),
     activations and buffers, plus what it parks in host memory (notebook 05; notebook 05b compares
     its measured peaks with this).
 
-    Model states follow the paper with Ψ/Nm per GPU; HSDP shards over the data-parallel GPUs of
-    one node; offload moves the K·Ψ optimizer bytes to the host. Activations: the paper's rule
+    Model states follow the paper with Ψ/Nm per GPU; HSDP shards over ``shard_size`` data-parallel
+    GPUs (one node's by default); offload moves the K·Ψ optimizer bytes to the host. Activations: the paper's rule
     divided by Nm (as with ZeRO-R's partitioned activations). Buffers: two 25 MB gradient buckets
     for DP and stages 1-2; for stage 3 and HSDP, the largest unit gathered in 16-bit twice (the
     current block and the prefetched next one) plus its unsharded 16-bit gradient.
@@ -338,7 +397,7 @@ def memory_breakdown(model: ModelSpec, cluster: Cluster, strategy: str, *, k: fl
     _need(strategy in STRATEGIES, f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     p = model.params / cluster.mp
     nd = cluster.nd
-    shard = {"hsdp": cluster.gpus_per_node // cluster.mp if cluster.gpus_per_node % cluster.mp == 0 else 1}.get(strategy, nd)
+    shard = _hsdp_shard(cluster, shard_size) if strategy == "hsdp" else nd
     sharded = {"ddp": (), "zero1": ("optimizer",), "zero2": ("optimizer", "gradients"),
                "zero3": ("optimizer", "gradients", "weights"), "hsdp": ("optimizer", "gradients", "weights"),
                "zero2_offload": ("optimizer", "gradients"),
@@ -358,11 +417,11 @@ def memory_breakdown(model: ModelSpec, cluster: Cluster, strategy: str, *, k: fl
             "model_states": sum(held.values()), "total": sum(held.values()) + activations + buffers}
 
 
-def _block_overlap(model: ModelSpec, cluster: Cluster, strategy: str) -> dict | None:
+def _block_overlap(model: ModelSpec, cluster: Cluster, strategy: str, shard_size: int | None = None) -> dict | None:
     if strategy not in ("zero3", "hsdp", "zero3_offload"):
         return None
-    n = cluster.gpus_per_node // cluster.mp if strategy == "hsdp" else cluster.nd
-    spans = strategy != "hsdp" and cluster.nodes > 1
+    n = _hsdp_shard(cluster, shard_size) if strategy == "hsdp" else cluster.nd
+    spans = n > cluster.gpus_per_node // cluster.mp if strategy == "hsdp" else cluster.nodes > 1
     fwd = block_flops(model) / cluster.mp / cluster.flops
     bwd = (3.0 if model.checkpointing else 2.0) * fwd  # backward is 2x forward; checkpointing recomputes 1x
     nbytes = memory.WEIGHT_BYTES * model.block_params / cluster.mp
@@ -373,7 +432,8 @@ def _block_overlap(model: ModelSpec, cluster: Cluster, strategy: str) -> dict | 
             "link": "network" if spans else "NVLink (intra-node)"}
 
 
-def _time(model: ModelSpec, cluster: Cluster, strategy: str, k: float, block: dict | None):
+def _time(model: ModelSpec, cluster: Cluster, strategy: str, k: float, block: dict | None,
+          shard_size: int | None = None):
     """(link, network bytes per GPU, PCIe bytes per GPU, compute s, exposed communication s)."""
     p = model.params / cluster.mp
     grad_bytes = memory.GRAD_BYTES * p
@@ -399,15 +459,16 @@ def _time(model: ModelSpec, cluster: Cluster, strategy: str, k: float, block: di
         L = model.layers
         exposed = block["gather_s"] + L * max(0.0, block["gather_s"] - block["fwd_compute_s"]) \
             + L * max(0.0, block["gather_s"] + block["reduce_scatter_s"] - block["bwd_compute_s"])
-        n = cluster.gpus_per_node // cluster.mp if strategy == "hsdp" else nd
+        n = _hsdp_shard(cluster, shard_size) if strategy == "hsdp" else nd
         volume = 3 * grad_bytes * (n - 1) / n
         link = block["link"]
-        if strategy == "hsdp":  # replicas across nodes all-reduce their gradient shards during the backward
+        if strategy == "hsdp":  # replicas (one per shard group) all-reduce their gradient shards in the backward
+            replicas = nd // n
             shard = grad_bytes / n
-            ar = ring_time(shard * n, cluster.nodes, cluster, spans_nodes=True, kind="all_reduce")
+            ar = ring_time(shard * n, replicas, cluster, spans_nodes=True, kind="all_reduce")
             exposed += max(0.0, ar - bwd_all)
-            volume += 2 * shard * (cluster.nodes - 1) / cluster.nodes
-            link = "NVLink for gathers, network for the gradient all-reduce"
+            volume += 2 * shard * (replicas - 1) / replicas
+            link = f"{block['link']} for gathers, network for the gradient all-reduce"
     if strategy.endswith("_offload"):
         # 16-bit gradients down to the host, updated 16-bit weights back up, over each GPU's PCIe;
         # the CPU runs Adam over its shard: reads and writes K bytes of state, reads the gradient,
@@ -437,9 +498,14 @@ def plan(model: ModelSpec | None = None, cluster: Cluster | None = None, *, k: f
     for s in STRATEGIES:
         if not _applicable(s, cluster):
             continue
-        mem = memory_breakdown(model, cluster, s, k=k)
-        block = _block_overlap(model, cluster, s)
-        link, volume, pcie, compute, exposed = _time(model, cluster, s, k, block)
+        shard_size = None
+        if s == "hsdp":  # the smallest shard group that fits: the fewest gathers over the network
+            sizes = hsdp_shard_sizes(cluster)
+            shard_size = next((n for n in sizes if memory_breakdown(model, cluster, s, k=k, shard_size=n)["total"]
+                               <= cluster.usable), sizes[0])
+        mem = memory_breakdown(model, cluster, s, k=k, shard_size=shard_size)
+        block = _block_overlap(model, cluster, s, shard_size)
+        link, volume, pcie, compute, exposed = _time(model, cluster, s, k, block, shard_size)
         headroom = cluster.usable - mem["total"]
         why = ""
         if headroom < 0:
@@ -450,7 +516,8 @@ def plan(model: ModelSpec | None = None, cluster: Cluster | None = None, *, k: f
                 f"of {cluster.host_mem / GB:.0f} GB")
         strategies[s] = StrategyPlan(
             s, mem["weights"], mem["gradients"], mem["optimizer"], mem["activations"], mem["buffers"],
-            mem["host_bytes"], not why, headroom, why, link, volume, pcie, compute, exposed, compute + exposed, block)
+            mem["host_bytes"], not why, headroom, why, link, volume, pcie, compute, exposed, compute + exposed, block,
+            shard_size)
     limits = _limits(model, cluster, k)
     return Plan(model, cluster, k, strategies, _recommend(model, cluster, k, strategies, limits), limits)
 
@@ -465,6 +532,8 @@ def _limits(model: ModelSpec, cluster: Cluster, k: float) -> dict:
     layer_acts = memory.activation_bytes(model.width, model.micro_batch, model.seq, 1) / cluster.mp
     # one layer at its moment of execution: its gathered weights and gradient, and its activations
     single_layer = 2 * memory.WEIGHT_BYTES * model.largest_unit_params / cluster.mp + layer_acts
+    # wrapped per linear layer, FSDP's largest unit is one matrix: the MLP's h x 4h
+    single_matrix = 2 * memory.WEIGHT_BYTES * 4.0 * model.width ** 2 / cluster.mp + layer_acts
     room = cluster.usable - acts - unit
     per_replica = (memory.WEIGHT_BYTES + memory.GRAD_BYTES + k) * model.params / cluster.mp
     min_nd = math.ceil(per_replica / room) if room > 0 else None
@@ -472,57 +541,112 @@ def _limits(model: ModelSpec, cluster: Cluster, k: float) -> dict:
     return {"activations": acts, "activations_if_checkpointed": acts_ckpt, "single_layer": single_layer,
             "activations_limit": acts + 2.0 * BUCKET_BYTES > cluster.usable,
             "single_layer_limit": single_layer > cluster.usable,
+            "single_matrix": single_matrix, "single_matrix_limit": single_matrix > cluster.usable,
             "zero3_min_gpus": min_gpus,
             "zero3_min_nodes": None if min_gpus is None else math.ceil(min_gpus / cluster.gpus_per_node)}
 
 
+#: Step times within this fraction of the fastest count as a tie, and a tie goes to the lower stage
+#: (less sharding: fewer collectives, simpler to run and to debug).
+TIE_MARGIN = 0.05
+
+#: What to run in PyTorch for each strategy (checked against torch 2.13's FSDP2 and ZeRO sources).
+PYTORCH = {
+    "ddp": "torch.nn.parallel.DistributedDataParallel (FSDP1's NO_SHARD is the same layout)",
+    "zero1": ("FSDP has no stage 1: DDP + torch.distributed.optim.ZeroRedundancyOptimizer (notebook 03; it "
+              "all-reduces full gradients, then broadcasts each owner's updated parameters), or DeepSpeed's "
+              "ZeRO stage 1"),
+    "zero2": ("fully_shard(block, reshard_after_forward=False) on every block and the root (FSDP1: SHARD_GRAD_OP); "
+              "FSDP2 keeps the parameters unsharded from forward to backward, stage 2's traffic"),
+    "zero3": "fully_shard(block) on every block, then fully_shard(model) (FSDP1: FULL_SHARD)",
+    "hsdp": ("fully_shard(..., mesh=init_device_mesh('cuda', (replicas, shard_size), "
+             "mesh_dim_names=('replicate', 'shard'))) (FSDP1: HYBRID_SHARD)"),
+    "zero2_offload": ("DeepSpeed's ZeRO-Offload (stage 2, optimizer state and Adam on the CPU); FSDP2 has no "
+                      "optimizer-only offload"),
+    "zero3_offload": ("DeepSpeed's ZeRO-3 with offload_optimizer (optimizer state and Adam on the CPU). FSDP2's "
+                      "CPUOffloadPolicy is not this: it keeps parameters and gradients on the CPU too and copies "
+                      "each unit's shard to the GPU for every gather (notebook 04)"),
+}
+
+#: How the planner labels an inter-node bandwidth (bytes/s per node), slowest first.
+NETWORK_CLASSES = ((1.25e9, "10 GbE-class (a slow link)"), (12.5e9, "100 Gb/s-class Ethernet or InfiniBand"),
+                   (50e9, "a modest training cluster (4 x 100 Gb/s or 1 x 400 Gb/s per node)"),
+                   (200e9, "a current training cluster (4 x 400 Gb/s per node)"),
+                   (float("inf"), "a current training cluster (8 x 400 Gb/s per node or more)"))
+
+
+def network_class(inter_bw: float) -> str:
+    """The kind of network a per-node bandwidth in bytes/s describes (notebook 05)."""
+    return next(label for limit, label in NETWORK_CLASSES if inter_bw <= limit)
+
+
 def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits: dict) -> dict:
+    """Among the strategies that fit, the fastest by estimated step time; a tie within TIE_MARGIN
+    goes to the lower stage (the order of STRATEGIES). The reason says what it beat and by how much."""
     def gb(x):
         return f"{x / GB:.1f} GB"
 
+    def name(s):
+        return STRATEGY_NAMES[s].split(" (")[0]
+
     fit = [s for s in STRATEGIES if s in plans and plans[s].fits]
-    on_gpu = [s for s in fit if not s.endswith("_offload")]
-    if on_gpu:
-        s = on_gpu[0]
+    times = {s: plans[s].step_s for s in fit}
+    if fit:
+        fastest = min(times.values())
+        s = next(s for s in fit if times[s] <= fastest * (1 + TIE_MARGIN))  # the lowest stage within the margin
         p = plans[s]
+        others = sorted((t, o) for o, t in times.items() if o != s)
+        runner_up = others[0][1] if others else None
         head = f"{gb(p.total)} per GPU with {gb(p.headroom)} to spare"
-        if s == "ddp":
-            reason = f"plain data parallelism fits ({head}), so nothing needs sharding."
-        elif s in ("zero1", "zero2"):
-            lower = "plain DP" if s == "zero1" else "stage 1"
-            below = plans["ddp" if s == "zero1" else "zero1"]
-            reason = (f"{STRATEGY_NAMES[s].split(' (')[0]} is the lowest stage that fits ({head}; {lower} needs "
-                      f"{gb(below.total)}) and its communication volume is the same as plain DP's.")
+        if runner_up is None:
+            unfit = [o for o in STRATEGIES if o in plans and o != s and not plans[o].fits]
+            floors = ", ".join(f"{name(o)} {gb(plans[o].total)}" for o in unfit[:3])
+            beat = f"it is the only strategy that fits ({floors} do not)"
         else:
+            t2 = times[runner_up]
+            if t2 <= times[s] * (1 + TIE_MARGIN):
+                beat = (f"{name(runner_up)} is as fast ({t2:.3g} s, within {TIE_MARGIN:.0%}), and a tie goes to the "
+                        f"lower stage")
+            else:
+                beat = (f"it beats the runner-up, {name(runner_up)} ({t2:.3g} s), by {t2 - times[s]:.3g} s a step "
+                        f"({t2 / times[s] - 1:.0%})")
+        reason = f"{name(s)} fits ({head}) at an estimated {times[s]:.3g} s a step; {beat}."
+        if p.block:
             b = p.block
             hidden = b["hides_fwd"] and b["hides_bwd"]
-            gather = (f"each block's all-gather ({b['gather_s'] * 1e3:.3g} ms) hides behind its compute "
-                      f"({b['fwd_compute_s'] * 1e3:.3g} ms forward)" if hidden else
-                      f"each block's all-gather ({b['gather_s'] * 1e3:.3g} ms) does not hide behind its compute "
-                      f"({b['fwd_compute_s'] * 1e3:.3g} ms forward), the price of admission")
-            floors = (f"stages 1 and 2 need {gb(plans['zero1'].total)} and {gb(plans['zero2'].total)}")
-            if s == "hsdp":
-                reason = (f"only full sharding fits, and sharding within each node is enough ({head}; {floors}), "
-                          f"so gathers stay on NVLink and {gather}.")
-            else:
-                reason = f"only stage 3 fits ({head}; {floors}); {gather}."
-        return {"strategy": s, "reason": reason}
-    offload = [s for s in fit if s.endswith("_offload")]
-    if offload:
-        s = offload[0]
-        p = plans[s]
-        more = limits["zero3_min_nodes"]
-        more_text = (f"; with {more} nodes ({more * cluster.gpus_per_node} GPUs) stage 3 would fit without offload, "
-                     "the better answer" if more else "")
-        reason = (f"nothing fits on the GPUs alone (stage 3 needs {gb(plans['zero3'].total)} per GPU), but "
-                  f"{STRATEGY_NAMES[s]} fits ({gb(p.total)}, optimizer state in host memory) at about "
-                  f"{p.step_s:.3g} s a step: offload turns an impossible run into a slow one{more_text}.")
-        return {"strategy": s, "reason": reason}
+            reason += (f" Each block's all-gather ({b['gather_s'] * 1e3:.3g} ms over {b['link']}) "
+                       + ("hides behind its compute." if hidden else
+                          f"does not hide behind its compute ({b['fwd_compute_s'] * 1e3:.3g} ms forward)."))
+        if s.endswith("_offload"):
+            more = limits["zero3_min_nodes"]
+            reason += (" Offload turns an impossible run into a slow one"
+                       + (f"; with {more} nodes ({more * cluster.gpus_per_node} GPUs) stage 3 would fit without "
+                          "it, the better answer." if more else "."))
+        practice = ""
+        z3 = plans.get("zero3")
+        if s in ("ddp", "zero1", "zero2") and z3 is not None and z3.fits and z3.block and z3.block["hides_fwd"] \
+                and z3.block["hides_bwd"]:
+            practice = (f"Common practice often runs FULL_SHARD here anyway: its gathers hide, and the "
+                        f"{gb(z3.headroom - p.headroom)} per GPU it frees buys a larger micro-batch.")
+        pytorch = PYTORCH[s]
+        if s == "hsdp":
+            groups = p.shard_size // (cluster.gpus_per_node // cluster.mp)
+            reason += (f" Its shard groups are {p.shard_size} GPUs ({groups} node{'s' if groups > 1 else ''}), the "
+                       "smallest that fits: gathers cross the network only if a group spans nodes.")
+            pytorch = pytorch.replace("(replicas, shard_size)", f"({cluster.nd // p.shard_size}, {p.shard_size})")
+        return {"strategy": s, "reason": reason, "pytorch": pytorch, "runner_up": runner_up,
+                "step_s": dict(times), "tie_margin": TIE_MARGIN, "practice": practice}
     causes = []
     if limits["activations_limit"]:
         causes.append(f"activations alone need {gb(limits['activations'])} per GPU")
     if limits["single_layer_limit"]:
-        causes.append(f"one gathered layer needs {gb(limits['single_layer'])}")
+        causes.append(f"one gathered unit (a block) needs {gb(limits['single_layer'])}" + (
+            f", and even one weight matrix gathered needs {gb(limits['single_matrix'])}: tensor parallelism splits it"
+            if limits["single_matrix_limit"] else
+            f"; wrapped per linear layer the largest unit is one h x 4h matrix, {gb(limits['single_matrix'])}, "
+            "which fits"))
+    if limits["activations_limit"] and model.seq >= 32768:
+        causes.append(f"at sequence length {model.seq:,} context (sequence) parallelism is the standard remedy")
     if not causes:
         more = limits["zero3_min_nodes"]
         causes.append(f"on {cluster.gpus} GPUs the model states do not fit even with offload"
@@ -530,7 +654,9 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
     hint = ""
     if not model.checkpointing and limits["activations_if_checkpointed"] < limits["activations"]:
         hint = f"; with checkpointing activations would be {gb(limits['activations_if_checkpointed'])}"
-    return {"strategy": "none", "reason": f"{NOTHING_FITS} ({'; '.join(causes)}{hint})."}
+    return {"strategy": "none", "reason": f"{NOTHING_FITS} ({'; '.join(causes)}{hint}).",
+            "pytorch": "none of the data-parallel wrappers: add tensor, pipeline or context (sequence) parallelism",
+            "runner_up": None, "step_s": {}, "tie_margin": TIE_MARGIN, "practice": ""}
 
 
 def offload_arithmetic(psi: float, nd: int, cluster: Cluster | None = None) -> dict:
@@ -668,6 +794,12 @@ def _model_from_args(args) -> ModelSpec:
                       seq=args.seq, micro_batch=args.micro_batch, checkpointing=args.checkpointing)
 
 
+def _label(sp: StrategyPlan) -> str:
+    if sp.strategy == "hsdp" and sp.shard_size:
+        return f"HSDP (HYBRID_SHARD, shard groups of {sp.shard_size})"
+    return STRATEGY_NAMES[sp.strategy]
+
+
 def format_plan(p: Plan) -> str:
     """The plan as a text table (notebook 05)."""
     m, c = p.model, p.cluster
@@ -675,30 +807,32 @@ def format_plan(p: Plan) -> str:
              f"b = {m.micro_batch}, s = {m.seq}, checkpointing {'on' if m.checkpointing else 'off'}; K = {p.k:g}",
              f"Cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs x {c.gpu_mem / GB:g} GB (usable {c.usable / GB:.1f} GB), "
              f"Nm = {c.mp}, Nd = {c.nd}; NVLink {c.intra_bw / 1e9:g} GB/s per GPU, network {c.inter_bw / 1e9:g} GB/s "
-             f"per node, {c.flops / 1e12:g} TFLOP/s per GPU",
+             f"per node ({network_class(c.inter_bw)}), {c.flops / 1e12:g} TFLOP/s per GPU",
              "",
              "Memory per GPU, GB (10^9 bytes)",
              f"{'strategy':<40} {'states':>8} {'activ.':>8} {'buffers':>8} {'total':>8} {'headroom':>9}  fits",
              ]
-    for s, sp in p.strategies.items():
-        lines.append(f"{STRATEGY_NAMES[s]:<40} {sp.model_states / GB:>8.1f} {sp.activations / GB:>8.1f} "
+    for sp in p.strategies.values():
+        lines.append(f"{_label(sp):<40} {sp.model_states / GB:>8.1f} {sp.activations / GB:>8.1f} "
                      f"{sp.buffers / GB:>8.2f} {sp.total / GB:>8.1f} {sp.headroom / GB:>9.1f}  "
                      f"{'yes' if sp.fits else 'no: ' + sp.why_not}")
     lines += ["", "Per transformer block (stage 3 family): compute against the all-gather of its parameters",
               f"{'strategy':<40} {'fwd ms':>8} {'gather ms':>10} {'bwd ms':>8} {'gath+RS ms':>11}  hides?  link"]
-    for s, sp in p.strategies.items():
+    for sp in p.strategies.values():
         b = sp.block
         if b:
-            lines.append(f"{STRATEGY_NAMES[s]:<40} {b['fwd_compute_s'] * 1e3:>8.3g} {b['gather_s'] * 1e3:>10.3g} "
+            lines.append(f"{_label(sp):<40} {b['fwd_compute_s'] * 1e3:>8.3g} {b['gather_s'] * 1e3:>10.3g} "
                          f"{b['bwd_compute_s'] * 1e3:>8.3g} {(b['gather_s'] + b['reduce_scatter_s']) * 1e3:>11.3g}  "
                          f"{'yes' if b['hides_fwd'] and b['hides_bwd'] else 'no':<6}  {b['link']}")
     lines += ["", "Step: communication per GPU and estimated time",
               f"{'strategy':<40} {'comm GB':>8} {'PCIe GB':>8} {'compute s':>10} {'exposed s':>10} {'step s':>8}"]
-    for s, sp in p.strategies.items():
-        lines.append(f"{STRATEGY_NAMES[s]:<40} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
+    for sp in p.strategies.values():
+        lines.append(f"{_label(sp):<40} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
                      f"{sp.compute_s:>10.3g} {sp.exposed_comm_s:>10.3g} {sp.step_s:>8.3g}")
     r = p.recommendation
-    lines += ["", f"Recommendation: {r['strategy']}", f"Reason: {r['reason']}"]
+    lines += ["", f"Recommendation: {r['strategy']}", f"Reason: {r['reason']}", f"In PyTorch: {r['pytorch']}"]
+    if r.get("practice"):
+        lines.append(f"Practice: {r['practice']}")
     return "\n".join(lines)
 
 
@@ -715,82 +849,8 @@ def plan_command(args) -> int:
 # Measured on this host (notebook 05): a block's compute against an all-gather of its parameters
 # ---------------------------------------------------------------------------------------------
 
-def time_on_device(fn, sync) -> float:
-    """Seconds one call of ``fn()`` takes, with ``sync()`` called before the clock starts and again
-    before it stops (notebook 05).
-
-    ``sync`` is ``course_utils.dist.synchronize`` for the device the work runs on. CUDA queues
-    kernels and returns at once, so without it the clock would stop when the work was launched,
-    not when it was done (and the first reading would include whatever was still queued). On CPU
-    it does nothing.
-    """
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t0
-
-
-def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats: int = 3, seq: int = 64) -> list:
-    """Worker for ``course_utils.launch``: time one course-model block's forward and backward, and
-    an all-gather of its parameters sharded over the ranks, for each width and tokens per
-    micro-batch (notebook 05).
-
-    Runs in fp32 with one thread per rank, on CPU (16-bit matmuls are slow there) or on this
-    rank's GPU; every timer waits for the device (``time_on_device``). Returns, on
-    every rank, rows ``{"width", "tokens", "params", "fwd_s", "fwd_bwd_s", "gather_s",
-    "gather_bytes", "world_size", "backend"}`` (medians over ``repeats``; times are rank 0's).
-    """
-    import functools
-    import statistics
-
-    import torch
-    import torch.distributed as dist
-
-    from . import dist as cdist
-    from .models import Block, get_config
-
-    info = cdist.init()
-    sync = functools.partial(cdist.synchronize, info.device)  # CUDA work is asynchronous: wait before each clock read
-    try:
-        torch.set_num_threads(1)
-        rows = []
-        for width in widths:
-            cfg = get_config("tiny", width=width, heads=max(1, width // 64), seq=seq)
-            torch.manual_seed(0)
-            block = Block(cfg).to(info.device)
-            flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()])
-            n = info.world_size
-            shard_len = -(-flat.numel() // n)
-            shard = torch.zeros(shard_len, device=info.device)
-            part = flat[info.rank * shard_len:(info.rank + 1) * shard_len]
-            shard[:part.numel()] = part
-            out = [torch.empty_like(shard) for _ in range(n)]
-            gathers = []
-            for _ in range(repeats + 1):
-                dist.barrier()
-                gathers.append(time_on_device(lambda: dist.all_gather(out, shard), sync))
-            for ntok in tokens:
-                b = max(1, ntok // seq)
-                x = torch.randn(b, min(seq, ntok), width, device=info.device, requires_grad=True)
-                fwd, both = [], []
-                for _ in range(repeats + 1):
-                    fwd.append(time_on_device(torch.no_grad()(lambda: block(x)), sync))
-                    both.append(time_on_device(lambda: block(x).sum().backward(), sync))
-                rows.append({"width": width, "tokens": b * min(seq, ntok), "params": flat.numel(),
-                             "fwd_s": statistics.median(fwd[1:]), "fwd_bwd_s": statistics.median(both[1:]),
-                             "gather_s": statistics.median(gathers[1:]), "gather_bytes": 4 * shard_len * n,
-                             "world_size": n, "backend": info.backend})
-        # every rank reports rank 0's numbers, so the table does not depend on which rank is read
-        box = [rows]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    finally:
-        cdist.shutdown()
-
-
 def host_fit(rows: list) -> dict:
-    """Achievable FLOP/s and all-gather bandwidth of this host, fitted from ``block_overlap_worker``
+    """Achievable FLOP/s and all-gather bandwidth of this host, fitted from ``labs.lab05.block_overlap_worker``
     rows, so the planner's formulas can be drawn for this machine (notebook 05)."""
     import statistics
 

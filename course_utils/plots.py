@@ -231,7 +231,7 @@ def _plan_memory_axes(ax, p) -> None:
     for i, s in enumerate(names):
         sp = p.strategies[s]
         bottom = 0.0
-        for part, value, color in (("model states", sp.model_states, PART_COLORS["optimizer"]),
+        for _part, value, color in (("model states", sp.model_states, PART_COLORS["optimizer"]),
                                    ("activations", sp.activations, PART_COLORS["activations"]),
                                    ("buffers", sp.buffers, PART_COLORS["buffers"])):
             v = value / GB
@@ -343,7 +343,7 @@ def show_table(header: list, rows: list) -> None:
 def ddp_timeline_figure(timeline: dict, *, title: str = "", width: float = 8.5, height: float | None = None):
     """One DDP step against time: backward, each gradient's arrival, each bucket's all-reduce (notebook 02).
 
-    ``timeline`` is a row's ``"timeline"`` from ``ddp.bucket_sweep``: times in ms after backward
+    ``timeline`` is a row's ``"timeline"`` from ``labs.lab02.bucket_sweep``: times in ms after backward
     began. One row per bucket: dots where its gradients became ready, a bar from the start to
     the end of its all-reduce; the top row is forward, backward and the final wait.
     """
@@ -397,7 +397,7 @@ def _draw_ddp_timeline(ax, timeline: dict, *, legend: bool = True, xlabel: bool 
 def bucket_sweep_figure(rows: list, *, title: str = "", width: float = 10.0, height: float = 3.8):
     """All-reduce calls per step and step time against the bucket cap (notebook 02).
 
-    ``rows`` come from ``ddp.bucket_sweep``: ``cap_mb``, ``buckets``, ``calls_per_step``,
+    ``rows`` come from ``labs.lab02.bucket_sweep``: ``cap_mb``, ``buckets``, ``calls_per_step``,
     ``step_time_s``. Log x axis (caps span decades).
     """
     caps = [r["cap_mb"] for r in rows]
@@ -547,7 +547,7 @@ COMM_COLORS = {"all_gather": "#7b5ea7", "reduce_scatter": "#e8883a", "all_reduce
 def fsdp_side_by_side_figure(rows: list, *, title: str = "", width: float = 12.0, height: float = 5.0):
     """Per-rank memory and traffic of each FSDP strategy, measured on one run each (notebook 04).
 
-    ``rows``: ``fsdp.experiments_worker`` rows (label, per_rank, peak_unsharded_bytes,
+    ``rows``: ``labs.lab04.experiments_worker`` rows (label, per_rank, peak_unsharded_bytes,
     comm_per_step). Left: rank 0's bytes at rest (parameters, gradients, optimizer state,
     stacked) and, beside them, the peak bytes of gathered parameters during a step. Right:
     bytes one rank sends per step, by collective. Both in MB (10^6 bytes); the bar labels are
@@ -608,7 +608,7 @@ def fsdp_side_by_side_figure(rows: list, *, title: str = "", width: float = 12.0
 def lost_work_figure(rows: list, *, width: float = 7.0, height: float = 4.0):
     """Steps redone after each failure, against the checkpoint interval K (notebook 06).
 
-    ``rows``: ``checkpoint.lost_work_sweep`` rows. Dots: each restart's redone steps (one per
+    ``rows``: ``labs.lab06.lost_work_sweep`` rows. Dots: each restart's redone steps (one per
     failure position f mod K); diamonds: their mean; lines: the expected (K − 1)/2 completed
     steps, and K/2, half an interval, which adds the step in flight (half done on average).
     """

@@ -11,7 +11,8 @@ seconds on a laptop CPU and allocates nothing real.
 What one rehearsal does (``rehearse``), the same for every strategy:
 
 1. build the course model (``models.GPT``) at the preset's shape on the meta device;
-2. wrap it the way the course wraps it (``shard_model``): ``fully_shard`` on every block, then
+2. wrap it the way the course wraps it (``fsdp.shard_model``, the function notebook 04 teaches):
+   ``fully_shard`` on every block, then
    on the root, on a CPU ``DeviceMesh`` of the strategy's shape, bf16 compute with fp32 reduce;
 3. materialise it as fake tensors, build fused AdamW and give it its state (a real run has it
    from step 2 on), so the tracked step is a steady-state step;
@@ -19,14 +20,14 @@ What one rehearsal does (``rehearse``), the same for every strategy:
    ``seq`` tokens on rank 0; the tracker gives the peak and what held it, by category.
 
 FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and HYBRID_SHARD are FSDP1's names; in FSDP2 they are a
-mesh shape and ``reshard_after_forward`` (``STRATEGY_STAGE`` maps each to its ZeRO row):
+mesh shape and ``reshard_after_forward``, read from the strategy record (``course_utils.strategies``):
 
 ==============  ==========================  =====================  ==========
 strategy        mesh                        reshard_after_forward  ZeRO row
 ==============  ==========================  =====================  ==========
 full_shard      (N,)                        True                   zero3
 shard_grad_op   (N,)                        False                  zero2 (*)
-no_shard        (N, 1) replicate x shard    True                   ddp
+no_shard        (N, 1) replicate x shard    False                  ddp
 hybrid_shard    (N/node, node)              True                   zero3 in a node
 ==============  ==========================  =====================  ==========
 
@@ -41,7 +42,7 @@ The tracker is a private torch API (``torch.distributed._tools``): ``tracker_pro
 feature-detects it, and ``rehearse`` raises ``CourseInputError`` with one line where it is
 missing. The course pins torch (constraints.txt, ``PINNED_TORCH``) to the version checked here.
 
-``bridge`` holds the rehearsal against a real run: the same wrapping on 2 or 4 gloo ranks of
+``labs.lab05b.bridge`` holds the rehearsal against a real run: the same wrapping on 2 or 4 gloo ranks of
 the tiny course model, bytes counted on the real shards with ``instrument.tensor_bytes``.
 """
 from __future__ import annotations
@@ -54,19 +55,16 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 
 from . import memory
+from .compat import TESTED_TORCH
 from .errors import CourseInputError
 from .models import GPTConfig, get_config
+from .strategies import FSDP_STRATEGIES, get_fsdp, mesh_shape, shard_group_size
 from .units import GB, MB, GiB, fmt_count
+from .validate import not_empty
 
 #: The torch version the set-up installs (constraints.txt) and the tracker was checked against.
-PINNED_TORCH = "2.13.0"
+PINNED_TORCH = TESTED_TORCH  # one place: course_utils.compat
 
-STRATEGIES = ("no_shard", "shard_grad_op", "full_shard", "hybrid_shard")
-#: Which row of the ZeRO table (``memory.STAGES``) each FSDP strategy is.
-STRATEGY_STAGE = {"no_shard": "ddp", "shard_grad_op": "zero2", "full_shard": "zero3", "hybrid_shard": "zero3"}
-#: How the field writes the strategies (FSDP1's ShardingStrategy names).
-STRATEGY_NAMES = {"no_shard": "NO_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "full_shard": "FULL_SHARD",
-                  "hybrid_shard": "HYBRID_SHARD"}
 PRECISIONS = ("bf16", "fp32")
 MAX_NPROC = 1024
 
@@ -245,31 +243,12 @@ def check_setting(nproc: int, strategy: str, node_size: int, micro_batch: int, m
             raise CourseInputError(f"{name} must be a whole number >= 1, got {value!r}")
     if nproc > MAX_NPROC:
         raise CourseInputError(f"nproc {nproc} is more than {MAX_NPROC} ranks; rehearse at most {MAX_NPROC}")
-    if strategy not in STRATEGIES:
-        raise CourseInputError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    get_fsdp(strategy)
     if mixed_precision not in PRECISIONS:
         raise CourseInputError(f"mixed precision must be one of {', '.join(PRECISIONS)}, got {mixed_precision!r}")
     if strategy == "hybrid_shard" and (node_size > nproc or nproc % node_size):
         raise CourseInputError(f"hybrid_shard needs --node-size dividing --nproc: {nproc} ranks do not split into "
                                f"nodes of {node_size}; pick a node size such as {math.gcd(nproc, 8)}")
-
-
-def mesh_shape(strategy: str, nproc: int, node_size: int = 8) -> tuple[int, ...]:
-    """The DeviceMesh shape that makes ``fully_shard`` behave as ``strategy`` (notebook 05b).
-
-    full_shard and shard_grad_op: (N,). no_shard: (N, 1), replicated N ways, sharded 1 way.
-    hybrid_shard: (N / node_size, node_size), sharded inside a node, replicated across nodes.
-    """
-    if strategy == "no_shard":
-        return (nproc, 1)
-    if strategy == "hybrid_shard":
-        return (nproc // node_size, node_size)
-    return (nproc,)
-
-
-def shard_group_size(strategy: str, nproc: int, node_size: int = 8) -> int:
-    """Nd for the sharded state: the ranks one parameter is split across (notebook 05b)."""
-    return mesh_shape(strategy, nproc, node_size)[-1]
 
 
 def make_mesh(strategy: str, nproc: int, node_size: int = 8, device_type: str = "cpu"):
@@ -279,32 +258,19 @@ def make_mesh(strategy: str, nproc: int, node_size: int = 8, device_type: str = 
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = mesh_shape(strategy, nproc, node_size)
-    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    shape, names = mesh_shape(strategy, nproc, node_size)
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
-def shard_model(model, mesh, strategy: str, *, mixed_precision: str = "bf16", act_ckpt: bool = False):
-    """Apply FSDP2 as the course does: ``fully_shard`` per block, then the root (notebook 05b).
-
-    bf16: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, the parameters
-    stay fp32 in their shards. ``act_ckpt`` recomputes each block's activations in backward
-    (torch's composable ``checkpoint``), keeping only each block's input.
-    """
+def mixed_precision_policy(mixed_precision: str):
+    """bf16: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, the parameters
+    stay fp32 in their shards; fp32: the default policy (notebook 05b)."""
     import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if mixed_precision == "bf16" else MixedPrecisionPolicy())
-    reshard = strategy != "shard_grad_op"
-    for block in model.blocks:
-        if act_ckpt:
-            from torch.distributed._composable import checkpoint
-
-            checkpoint(block)
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    return model
+    if mixed_precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def make_optimizer(model):
@@ -365,7 +331,7 @@ class Rehearsal:
 
     @property
     def stage(self) -> str:
-        return STRATEGY_STAGE[self.strategy]
+        return get_fsdp(self.strategy).zero_row_at_peak
 
     def parts(self, which: str = "peak") -> dict:
         """``{part: bytes}`` for the course's bill parts (``PARTS``) of ``peak``/``after_step``..."""
@@ -466,6 +432,7 @@ def rehearse(model: str | GPTConfig = "7B", nproc: int = 8, strategy: str = "ful
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from .fsdp import shard_model
     from .models import GPT
 
     if dist.is_initialized():
@@ -478,7 +445,8 @@ def rehearse(model: str | GPTConfig = "7B", nproc: int = 8, strategy: str = "ful
         with torch.device("meta"):
             net = GPT(cfg)
         psi = sum(p.numel() for p in net.parameters())
-        shard_model(net, mesh, strategy, mixed_precision=mixed_precision, act_ckpt=act_ckpt)
+        shard_model(net, mesh, reshard_after_forward=get_fsdp(strategy).reshard_after_forward,
+                    mp_policy=mixed_precision_policy(mixed_precision), act_ckpt=act_ckpt)
         with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
             warnings.simplefilter("ignore")  # FakeTensor's data_ptr and checkpoint notices
             net.to_empty(device="cpu")       # meta -> fake: shapes, no storage
@@ -511,14 +479,14 @@ def rehearse(model: str | GPTConfig = "7B", nproc: int = 8, strategy: str = "ful
 
 
 def _default_label(strategy: str, act_ckpt: bool) -> str:
-    return STRATEGY_NAMES[strategy] + (" + act. ckpt" if act_ckpt else "")
+    return get_fsdp(strategy).fsdp1_name + (" + act. ckpt" if act_ckpt else "")
 
 
 def parse_setting(text: str) -> dict:
     """"full_shard", "shard_grad_op+ckpt"...: a strategy, "+ckpt" for activation checkpointing (notebook 05b)."""
     name, _, extra = str(text).strip().partition("+")
-    if name not in STRATEGIES or extra not in ("", "ckpt"):
-        raise CourseInputError(f"cannot read setting {text!r}; write a strategy ({', '.join(STRATEGIES)}), "
+    if name not in FSDP_STRATEGIES or extra not in ("", "ckpt"):
+        raise CourseInputError(f"cannot read setting {text!r}; write a strategy ({', '.join(FSDP_STRATEGIES)}), "
                                "optionally followed by +ckpt, e.g. 'full_shard+ckpt'")
     return {"strategy": name, "act_ckpt": extra == "ckpt"}
 
@@ -569,9 +537,6 @@ def optimizer_bill_for(mixed_precision: str) -> memory.OptimizerBill:
 #: with saved-tensor hooks on a real block (``tests/test_rehearse.py``); the paper's rule says 12.
 BLOCK_SAVED_PER_TOKEN_WIDTH = 16
 
-#: The planner's name (``plan.STRATEGIES``) for each FSDP strategy.
-PLAN_STRATEGY = {"no_shard": "ddp", "shard_grad_op": "zero2", "full_shard": "zero3", "hybrid_shard": "hsdp"}
-
 
 def predict(r: Rehearsal) -> dict:
     """The planner's bytes per rank for a rehearsal's setting, item by item (notebook 05b).
@@ -603,14 +568,14 @@ def _predict(cfg, psi, nproc, strategy, node_size, micro_batch, act_ckpt, mixed_
     from . import plan
 
     bill = optimizer_bill_for(mixed_precision)
-    stage, nd = STRATEGY_STAGE[strategy], shard_group_size(strategy, nproc, node_size)
+    stage, nd = get_fsdp(strategy).zero_row_at_peak, shard_group_size(strategy, nproc, node_size)
     spec = plan.ModelSpec(params=float(psi), layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=cfg.vocab,
                           seq=cfg.seq, micro_batch=micro_batch, checkpointing=act_ckpt)
     if strategy == "hybrid_shard":
         cluster = plan.Cluster(gpus_per_node=node_size, nodes=nproc // node_size)
     else:
         cluster = plan.Cluster(gpus_per_node=nproc, nodes=1)
-    out = dict(plan.memory_breakdown(spec, cluster, PLAN_STRATEGY[strategy], k=bill.k))
+    out = dict(plan.memory_breakdown(spec, cluster, get_fsdp(strategy).plan_row, k=bill.k))
     if mixed_precision == "fp32":
         scale = bill.weight_bytes / memory.WEIGHT_BYTES
         out["weights"] *= scale
@@ -748,86 +713,8 @@ def compare(r: Rehearsal) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The bridge to reality: the same wrapping on real gloo ranks, bytes counted on real shards
-# ---------------------------------------------------------------------------------------------
-
-def real_state_worker(cfg: dict, strategies: list, node_size: int = 2, mixed_precision: str = "bf16",
-                      micro_batch: int = 1, seed: int = 0) -> dict:
-    """One real optimizer step per strategy of the course model on this rank; bytes held (notebook 05b).
-
-    A worker for ``launch``: the same ``shard_model`` and ``make_optimizer`` as the rehearsal,
-    on real ranks: gloo on CPU, or NCCL on a CUDA mesh where there is a GPU per rank. Returns
-    ``{strategy: {"params", "grads", "optim", "total", "loss"}}``, the bytes of the local shards
-    this rank holds after the step, counted by ``instrument.tensor_bytes`` (the optimizer's 0-dim
-    step counters included).
-    """
-    import torch
-
-    from . import dist as cdist
-    from .data import batch_for_rank
-    from .instrument import tensor_bytes
-    from .models import build_model
-
-    info = cdist.init()
-    try:
-        gcfg = GPTConfig(**cfg)
-        out = {}
-        for strategy in strategies:
-            mesh = make_mesh(strategy, info.world_size, node_size, info.device.type)
-            net = shard_model(build_model(gcfg, seed, device=info.device), mesh, strategy,
-                              mixed_precision=mixed_precision)
-            opt = make_optimizer(net)
-            idx, tgt = batch_for_rank(0, info.rank, info.world_size, batch=micro_batch * info.world_size,
-                                      seq=gcfg.seq, vocab=gcfg.vocab, seed=seed, device=info.device)
-            loss = net(idx, tgt)
-            loss.backward()
-            opt.step()
-            params = list(net.parameters())
-            state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            row = {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
-                   "optim": tensor_bytes(state)}
-            row["total"] = sum(row.values())
-            row["loss"] = float(loss.detach())
-            out[strategy] = row
-        return out
-    finally:
-        cdist.shutdown()
-
-
-def bridge(nproc: int = 2, strategies=("full_shard", "shard_grad_op"), *, model: str | GPTConfig = "tiny",
-           node_size: int = 2, mixed_precision: str = "bf16", micro_batch: int = 1, echo: bool = False) -> list[dict]:
-    """Rehearsal against reality on ``nproc`` real gloo ranks, one row per strategy (notebook 05b).
-
-    Each row: ``{"strategy", "nproc", "rehearsal": {"params", "grads", "optim"}, "real":
-    {rank: {...}}, "equal": bool}``. The rehearsal side is the tracker's Sharded Param,
-    Sharded Grad and OptState after the step; the real side is what each rank holds.
-    """
-    from .launch import launch
-
-    cfg = model_config(model)
-    strategies = list(strategies)
-    for s in strategies:
-        check_setting(nproc, s, node_size, micro_batch, mixed_precision)
-    real = launch(real_state_worker, nproc=nproc, args=(cfg.to_dict(), strategies, node_size, mixed_precision,
-                                                         micro_batch), echo=echo, progress=False)
-    rows = []
-    for s in strategies:
-        r = rehearse(cfg, nproc, s, node_size=node_size, micro_batch=micro_batch, mixed_precision=mixed_precision)
-        fake = {"params": r.after_step["Sharded Param"], "grads": r.after_step["Sharded Grad"],
-                "optim": r.after_step["OptState"]}
-        fake["total"] = sum(fake.values())
-        per_rank = {rank: {k: v[s][k] for k in ("params", "grads", "optim", "total")} for rank, v in real.items()}
-        rows.append({"strategy": s, "nproc": nproc, "rehearsal": fake, "real": per_rank,
-                     "equal": all(v == fake for v in per_rank.values()), "rehearsal_wall_s": r.wall_s,
-                     "launch_wall_s": real.wall_s})
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------
 # Views and text
 # ---------------------------------------------------------------------------------------------
-
-ABBREV = {"no_shard": "NS", "shard_grad_op": "SGO", "full_shard": "FS", "hybrid_shard": "HS"}
 
 
 def short_size(psi: float) -> str:
@@ -837,7 +724,7 @@ def short_size(psi: float) -> str:
 
 def short_label(r: Rehearsal) -> str:
     """"6.7B/8 FS+ckpt": model, ranks, strategy, for crowded charts (notebook 05b)."""
-    return f"{short_size(r.psi)}/{r.nproc} {ABBREV[r.strategy]}" + ("+ckpt" if r.act_ckpt else "")
+    return f"{short_size(r.psi)}/{r.nproc} {get_fsdp(r.strategy).abbrev}" + ("+ckpt" if r.act_ckpt else "")
 
 
 UNITS = {"GB": GB, "GiB": GiB, "MB": MB}
@@ -864,7 +751,7 @@ def format_report(r: Rehearsal, unit: str = "GB") -> str:
     c = r.cfg
     u = _unit_name(unit)
     head = (f"dress rehearsal: Ψ = {r.psi:,} ({short_size(r.psi)}; L={c.layers} h={c.width} heads={c.heads} "
-            f"vocab={c.vocab} seq={c.seq}), {STRATEGY_NAMES[r.strategy]} on {r.nproc} ranks"
+            f"vocab={c.vocab} seq={c.seq}), {get_fsdp(r.strategy).fsdp1_name} on {r.nproc} ranks"
             + (f" (nodes of {r.node_size})" if r.strategy == "hybrid_shard" else "")
             + f", micro-batch {r.micro_batch} x {c.seq} tokens, {r.mixed_precision}"
             + (", activation checkpointing" if r.act_ckpt else "")
@@ -949,13 +836,13 @@ def summary_rows(rehearsals: list[Rehearsal]) -> list[dict]:
 
 
 def markdown_bridge(rows: list[dict]) -> str:
-    """``bridge`` rows as a Markdown table: rehearsal bytes against every real rank's (notebook 05b)."""
+    """``labs.lab05b.bridge`` rows as a Markdown table: rehearsal bytes against every real rank's (notebook 05b)."""
     lines = ["Bytes one rank holds after one optimizer step of the tiny course model: the rehearsal "
              "(tracker, fake tensors) against real gloo ranks (instrument.tensor_bytes on the local shards)", "",
              "| ranks | strategy | | parameters | gradients | optimizer state | total | equal on every rank? |",
              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        name = STRATEGY_NAMES[row["strategy"]]
+        name = get_fsdp(row["strategy"]).fsdp1_name
         fake = row["rehearsal"]
         lines.append(f"| {row['nproc']} | {name} | rehearsal | {fake['params']:,} | {fake['grads']:,} "
                      f"| {fake['optim']:,} | {fake['total']:,} | |")
@@ -1080,7 +967,7 @@ def rehearse_arguments(parser: argparse.ArgumentParser) -> None:
                        ("seq", "tokens per sequence")):
         parser.add_argument(f"--{name}", type=int, default=None, help=what)
     parser.add_argument("--nproc", type=int, default=8, help="ranks (GPUs) to rehearse, 1 to 1024 (default 8)")
-    parser.add_argument("--strategy", default="full_shard", choices=STRATEGIES, help="FSDP strategy (default full_shard)")
+    parser.add_argument("--strategy", default="full_shard", choices=FSDP_STRATEGIES, help="FSDP strategy (default full_shard)")
     parser.add_argument("--node-size", type=int, default=8, help="ranks per node: hybrid_shard's shard group (default 8)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--act-ckpt", action="store_true", help="activation checkpointing on every block")
@@ -1093,6 +980,7 @@ def rehearse_arguments(parser: argparse.ArgumentParser) -> None:
 
 def rehearse_command(args) -> int:
     """Run one rehearsal from the command line; bad input raises CourseInputError (exit 2) (notebook 05b)."""
+    not_empty("--params", args.params)  # '' is a typo, not the 7B default
     cfg = model_config(args.params or "7B", layers=args.layers, width=args.width, heads=args.heads,
                        vocab=args.vocab, seq=args.seq)
     r = rehearse(cfg, args.nproc, args.strategy, node_size=args.node_size, micro_batch=args.micro_batch,

@@ -77,3 +77,21 @@ def fmt_count(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:g}{suffix}"
     return f"{n:g}"
+
+
+def fmt_size(n: float, digits: int = 3) -> str:
+    """A byte count in the largest decimal unit that keeps it at 1 or more, ``digits`` significant digits:
+    ``fmt_size(8.48e12) == '8.48 TB'``, ``fmt_size(31.4e9) == '31.4 GB'`` (the readouts of notebook 01's widgets).
+
+    Never scientific notation: a readout showed "8.48e+03 GB" before this existed.
+    """
+    units = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
+    for i, (unit, scale) in enumerate(units):
+        if abs(n) >= scale:
+            text = f"{n / scale:.{digits}g}"
+            if "e" in text or abs(float(text)) >= 1000:  # 999.96 GB rounds to 1000: say 1 TB; past 999 TB group digits
+                if i:
+                    return f"{n / units[i - 1][1]:.{digits}g} {units[i - 1][0]}"
+                return f"{n / scale:,.0f} {unit}"
+            return f"{text} {unit}"
+    return f"{n:,.0f} bytes"

@@ -25,7 +25,7 @@ import os
 
 from . import memory, plots
 from .errors import CourseInputError
-from .units import GB, fmt_count
+from .units import GB, fmt_count, fmt_size
 
 # ---------------------------------------------------------------------------------------------
 # Shared helpers
@@ -48,6 +48,25 @@ def _classed(widget, css_class: str):
     return widget
 
 
+def _fit_labels(widget):
+    """Make a dropdown wide enough for its longest option label and its description.
+
+    ipywidgets draws a Dropdown 300 px wide whatever its labels, which cut "12 bytes: mixed-precision
+    Adam" to "12 bytes: mixed-precision A" in JupyterLab. Widths are in ``ch`` (the width of "0"),
+    with a tenth more for wider letters and room for the arrow and padding.
+    """
+    longest = max(len(str(label)) for label in widget._options_labels)
+    widget.style.description_width = "initial"
+    widget.layout.width = f"{round((longest + len(widget.description)) * 1.1) + 6}ch"
+    return widget
+
+
+def _with(options, value) -> list:
+    """``options`` plus ``value`` when it is not one of them, sorted: a control accepts any value a notebook
+    passes in (notebook 03 asks for Nd = 25 on a slider whose steps are powers of two)."""
+    return sorted(set(options) | {value})
+
+
 #: Model sizes the model slider steps through (parameters).
 MODEL_SIZES = (125e6, 350e6, 1.3e9, 1.5e9, 7e9, 7.5e9, 13e9, 30e9, 70e9, 128e9, 175e9, 530e9, 1e12)
 #: K choices: label -> K.
@@ -67,7 +86,7 @@ def _readout_html(view: dict) -> str:
     rows = "".join(
         f"<tr><td>{html.escape(memory.STAGE_NAMES[s])}</td>"
         f"<td style='text-align:right'>{view['readout'][s]:,.0f} bytes</td>"
-        f"<td style='text-align:right'>{view['readout'][s] / GB:.3g} GB</td>"
+        f"<td style='text-align:right'>{fmt_size(view['readout'][s])}</td>"
         f"<td>{'fits' if view['fits'][s] else 'does not fit'}</td></tr>"
         for s in memory.STAGES)
     return (f"<div><b>Ψ = {fmt_count(view['psi'])}, K = {view['k']:g}, Nd = {view['nd']}, "
@@ -95,14 +114,14 @@ def memory_chart(psi: float = 7.5e9, *, k: float = memory.ADAM_MIXED_K, nd: int 
     k_options = dict(K_CHOICES)
     if float(k) not in k_options.values():
         k_options[f"{k:g} bytes"] = float(k)
-    k_box = _classed(w.Dropdown(options=list(k_options.items()), value=float(k), description="K"),
+    k_box = _classed(_fit_labels(w.Dropdown(options=list(k_options.items()), value=float(k), description="K")),
                      "course-memory-k")
-    nd_box = _classed(w.SelectionSlider(options=[int(n) for n in memory.chart_nds()], value=int(nd),
+    nd_box = _classed(w.SelectionSlider(options=_with((int(n) for n in memory.chart_nds()), int(nd)), value=int(nd),
                                         description="Nd", continuous_update=False), "course-memory-nd")
     gpus = dict(memory.GPU_CHOICES)
     if float(gpu_mem) not in gpus.values():
         gpus[f"{gpu_mem / GB:g} GB"] = float(gpu_mem)
-    gpu_box = _classed(w.Dropdown(options=list(gpus.items()), value=float(gpu_mem), description="GPU"),
+    gpu_box = _classed(_fit_labels(w.Dropdown(options=list(gpus.items()), value=float(gpu_mem), description="GPU")),
                        "course-memory-gpu")
     image = _classed(w.Image(format="png"), "course-memory-chart")
     readout = _classed(w.HTML(), "course-memory-readout")
@@ -116,7 +135,13 @@ def memory_chart(psi: float = 7.5e9, *, k: float = memory.ADAM_MIXED_K, nd: int 
         if change["new"]:
             model.value = memory.MODEL_PRESETS[change["new"]]
 
+    def preset_follows_model(change):
+        # a preset stays highlighted only while the slider is on its size (it stayed lit after a move away)
+        presets.value = next((name for name, size in memory.MODEL_PRESETS.items() if size == change["new"]), None)
+
     presets.observe(preset, names="value")
+    model.observe(preset_follows_model, names="value")
+    preset_follows_model({"new": model.value})
     for control in (model, k_box, nd_box, gpu_box):
         control.observe(redraw, names="value")
     redraw()
@@ -144,11 +169,11 @@ def bill_bars(psi: float = 8, *, nd: int = 4, k: float = memory.ADAM_MIXED_K, ac
         fig, text = draw(nd, k)
         return plots.StaticFigure(fig, text)
     w = _ipw()
-    nd_box = _classed(w.SelectionSlider(options=[int(n) for n in memory.chart_nds()], value=int(nd),
+    nd_box = _classed(w.SelectionSlider(options=_with((int(n) for n in memory.chart_nds()), int(nd)), value=int(nd),
                                         description="Nd", continuous_update=False), "course-bill-nd")
-    k_box = _classed(w.Dropdown(options=list(K_CHOICES.items()) if float(k) in K_CHOICES.values()
-                                else list(K_CHOICES.items()) + [(f"{k:g} bytes", float(k))],
-                                value=float(k), description="K"), "course-bill-k")
+    k_box = _classed(_fit_labels(w.Dropdown(options=list(K_CHOICES.items()) if float(k) in K_CHOICES.values()
+                                            else list(K_CHOICES.items()) + [(f"{k:g} bytes", float(k))],
+                                            value=float(k), description="K")), "course-bill-k")
     image = _classed(w.Image(format="png"), "course-bill-chart")
     readout = _classed(w.HTML(), "course-bill-readout")
 
@@ -220,19 +245,20 @@ def planner(params: float = 7e9, *, nodes: int = 1, gpus_per_node: int = 8, gpu_
                                        continuous_update=False), "course-plan-model")
     nodes_box = _classed(w.SelectionSlider(options=sorted({1, 2, 4, 8, 16, 32, 64, 128, int(nodes)}), value=int(nodes),
                                            description="Nodes", continuous_update=False), "course-plan-nodes")
-    gpus_box = _classed(w.Dropdown(options=sorted({1, 2, 4, 8, 16, int(gpus_per_node)}), value=int(gpus_per_node),
-                                   description="GPUs/node"), "course-plan-gpus")
+    gpus_box = _classed(_fit_labels(w.Dropdown(options=sorted({1, 2, 4, 8, 16, int(gpus_per_node)}), value=int(gpus_per_node),
+                                   description="GPUs/node")), "course-plan-gpus")
     opts, val = choice(memory.GPU_CHOICES, gpu_mem, lambda v: f"{v / GB:g} GB")
-    mem_box = _classed(w.Dropdown(options=opts, value=val, description="GPU"), "course-plan-gpu-mem")
+    mem_box = _classed(_fit_labels(w.Dropdown(options=opts, value=val, description="GPU")), "course-plan-gpu-mem")
     opts, val = choice(NETWORK_CHOICES, inter_bw, lambda v: f"{v / 1e9:g} GB/s")
-    net_box = _classed(w.SelectionSlider(options=sorted(opts, key=lambda o: o[1]), value=val, description="Network",
-                                         continuous_update=False), "course-plan-network")
+    # a dropdown, not a slider: a slider's readout is a fixed width and cut "4 x 100 Gb/s (50 GB/s)" short
+    net_box = _classed(_fit_labels(w.Dropdown(options=sorted(opts, key=lambda o: o[1]), value=val,
+                                              description="Network")), "course-plan-network")
     opts, val = choice(NVLINK_CHOICES, intra_bw, lambda v: f"{v / 1e9:g} GB/s")
-    nvl_box = _classed(w.Dropdown(options=opts, value=val, description="NVLink"), "course-plan-nvlink")
+    nvl_box = _classed(_fit_labels(w.Dropdown(options=opts, value=val, description="NVLink")), "course-plan-nvlink")
     batch_box = _classed(w.SelectionSlider(options=sorted({1, 2, 4, 8, 16, 32, int(micro_batch)}), value=int(micro_batch),
                                            description="Micro-batch", continuous_update=False), "course-plan-batch")
-    seq_box = _classed(w.Dropdown(options=sorted({1024, 2048, 4096, 8192, 32768, 131072, int(seq)}), value=int(seq),
-                                  description="Sequence"), "course-plan-seq")
+    seq_box = _classed(_fit_labels(w.Dropdown(options=sorted({1024, 2048, 4096, 8192, 32768, 131072, int(seq)}), value=int(seq),
+                                  description="Sequence")), "course-plan-seq")
     ckpt_box = _classed(w.Checkbox(value=bool(checkpointing), description="activation checkpointing"),
                         "course-plan-checkpointing")
     image = _classed(w.Image(format="png"), "course-plan-chart")
@@ -319,7 +345,7 @@ def measured_memory_chart(psi: float, measured: dict, *, nd: int = 2, k: float =
     if is_headless():
         return plots.StaticFigure(plots.measured_memory_figure(view, measured, title=title), text(view))
     w = _ipw()
-    nd_box = _classed(w.SelectionSlider(options=[int(n) for n in view["nds"]], value=int(nd), description="Nd",
+    nd_box = _classed(w.SelectionSlider(options=_with((int(n) for n in view["nds"]), int(nd)), value=int(nd), description="Nd",
                                         continuous_update=False), "course-measured-nd")
     image = _classed(w.Image(format="png", value=plots.png(plots.measured_memory_figure(view, measured, title=title))),
                      "course-measured-chart")

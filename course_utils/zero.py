@@ -625,7 +625,7 @@ def _info(stage: int, cfg, nd: int, psi: int, units: list[dict]) -> dict:
 
 
 def _apply_sharded_optimizer(model, cfg, info, optimizer_cls, stage: int, **kwargs):
-    from .train import Prepared
+    from .loop import Prepared
 
     psi = sum(p.numel() for p in model.parameters())
     opt = optimizer_cls(model.parameters(), torch.optim.Adam, compute_dtype=_compute_dtype(cfg), lr=cfg.lr,
@@ -674,7 +674,7 @@ def apply_zero3(model, cfg, info):
     ``info`` reports the units and their padding, the bytes of this rank's slices and the peak
     bytes of gathered parameters (``peak_gathered_bytes``, measured by ``GatheredBytes``).
     """
-    from .train import Prepared
+    from .loop import Prepared
 
     psi = sum(p.numel() for p in model.parameters())
     wrapped = Zero3Module(model, units=list(getattr(model, "blocks", [])), compute_dtype=_compute_dtype(cfg))
@@ -707,7 +707,7 @@ def apply_torch_zero1(model, cfg, info):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    from .train import Prepared
+    from .loop import Prepared
 
     ddp = DistributedDataParallel(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
                                   bucket_cap_mb=cfg.bucket_cap_mb)
@@ -721,147 +721,6 @@ def apply_torch_zero1(model, cfg, info):
     return Prepared(model=ddp, optimizer=opt, held=held,
                     full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
                     info={"library": "torch.distributed.optim.ZeroRedundancyOptimizer"})
-
-
-#: What ``agreement_worker`` can run besides the strategies of ``train.STRATEGIES``.
-REFERENCES = {"torch_zero1": apply_torch_zero1}
-
-
-def _train_steps(prepared, cfg, mcfg, rank: int, world: int, device) -> tuple[list[float], dict]:
-    """The steps of ``train.train_worker``: returns the losses, and the bytes held counted where it counts them
-    (at the last step, after the update, before the gradients are cleared)."""
-    from .data import batch_for_rank
-    from .instrument import held_bytes
-
-    losses, held = [], None
-    for step in range(cfg.steps):
-        x, y = batch_for_rank(step, rank, world, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab,
-                              seed=cfg.seed, device=device)
-        loss = prepared.model(x, y)
-        loss.backward()
-        prepared.before_step()
-        prepared.optimizer.step()
-        if step == cfg.steps - 1:
-            held = held_bytes(*prepared.held())
-        prepared.optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses, held
-
-
-def gradient_error(prepared, model, ref_grads: dict) -> float:
-    """Largest |g - g_single| of the averaged gradient this rank updates with, over max |g_single| (notebook 03).
-
-    For the hand-built stages that is ``grad_shard`` of every flat buffer (this rank's slice,
-    compared with the same slice of single's gradient, padding excluded); for DDP and the
-    library reference it is every parameter's ``.grad``. A missing division by Nd gives ~1.
-    """
-    names = {p: n for n, p in model.named_parameters()}
-    scale = max(float(g.abs().max()) for g in ref_grads.values())
-    opt = prepared.optimizer
-    if not isinstance(opt, ShardedOptimizer):
-        return max(float((p.grad - ref_grads[n]).abs().max()) for n, p in model.named_parameters()) / scale
-    worst = 0.0
-    for flat in opt.flats:
-        ref = torch.cat([ref_grads[names[p]].reshape(-1) for p in flat.params])
-        lo, hi = shard_bounds(flat.padded, flat.nd, flat.rank)
-        mine = flat.grad_shard[:max(0, min(hi, flat.numel) - lo)].float()
-        worst = max(worst, float((mine - ref[lo:lo + mine.numel()]).abs().max()) if mine.numel() else 0.0)
-    return worst / scale
-
-
-def _first_gradients(prepared, cfg, mcfg, rank: int, world: int, device) -> None:
-    """One forward and backward of step 0, reduced but not applied."""
-    from .data import batch_for_rank
-
-    x, y = batch_for_rank(0, rank, world, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed,
-                          device=device)
-    prepared.model(x, y).backward()
-    prepared.before_step()
-    if type(prepared.optimizer) is ShardedOptimizer:  # stage 1 reduces at the step; do that part only
-        prepared.optimizer.reduce_gradients()
-
-
-def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3", "torch_zero1")) -> dict:
-    """Train ``single`` and each strategy in one launch; compare gradients and final weights with single's (notebook 03).
-
-    Rank 0 trains the one-process reference on the whole global batch by itself (no
-    collectives) and sends its gradients and weights to every rank; then each strategy runs on
-    its share of the batch, exactly as ``train`` would (same model, data, Adam; fp32 unless
-    ``precision`` says otherwise). Rank 0 returns, per strategy: ``grad_error`` (``gradient_error`` after step 0's backward, worst over ranks),
-    ``max_abs_diff`` (largest |w - w_single| over every final weight), ``rel_diff``
-    (‖w - w_single‖ / ‖w_single‖), the losses (averaged over ranks), ``weights_sha256``, and, shaped
-    like a ``train`` report so that ``memory_check`` reads them, ``strategy``, ``world_size``,
-    ``per_rank`` (every rank's bytes held, counted as ``train`` counts them),
-    ``strategy_info`` and ``comm_per_step`` (rank 0's collectives per training step, by ``CommCounter``). The other ranks return ``{"rank": r}``.
-    """
-    from . import dist as cdist
-    from .instrument import CommCounter, weights_sha256
-    from .models import build_model, get_config
-    from .train import TrainConfig, apply_single, resolve_strategy
-
-    cfg = TrainConfig(**config).validate()
-    mcfg = get_config(cfg.model)
-    with cdist.session(cfg.backend if cfg.backend != "auto" else None) as info:
-        reference = [None]
-        if info.rank == 0:  # the one-process reference, on the whole global batch, without collectives
-            model = build_model(mcfg, seed=cfg.seed, device=info.device)
-            single = apply_single(model, cfg, info)
-            _first_gradients(single, cfg, mcfg, 0, 1, info.device)
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-            single.optimizer.zero_grad(set_to_none=True)
-            losses, _ = _train_steps(single, cfg, mcfg, 0, 1, info.device)
-            reference = [({k: v.cpu() for k, v in grads.items()},
-                          {k: v.cpu() for k, v in single.full_state_dict().items()}, losses)]
-        dist.broadcast_object_list(reference, src=0)
-        ref_grads, ref, ref_losses = reference[0]
-        ref_grads = {k: v.to(info.device) for k, v in ref_grads.items()}
-        ref = {k: v.to(info.device) for k, v in ref.items()}
-        out = {"single": {"losses": ref_losses, "weights_sha256": weights_sha256(ref)}}
-        for name in strategies:
-            apply = REFERENCES.get(name) or resolve_strategy(name)
-            model = build_model(mcfg, seed=cfg.seed, device=info.device)
-            first = apply(model, cfg, info)
-            _first_gradients(first, cfg, mcfg, info.rank, info.world_size, info.device)
-            grad_error = torch.tensor(gradient_error(first, model, ref_grads), device=info.device)
-            dist.all_reduce(grad_error, op=dist.ReduceOp.MAX)
-            model = build_model(mcfg, seed=cfg.seed, device=info.device)
-            prepared = apply(model, cfg, info)
-            with CommCounter() as comm:  # the same counter as train(): ZeroRedundancyOptimizer's traffic too
-                losses, held = _train_steps(prepared, cfg, mcfg, info.rank, info.world_size, info.device)
-            losses = torch.tensor(losses, device=info.device)
-            dist.all_reduce(losses)
-            full = prepared.full_state_dict()
-            per_rank = [None] * info.world_size
-            dist.all_gather_object(per_rank, held)
-            diff = max(float((full[k].float() - ref[k].float()).abs().max()) for k in ref)
-            num = sum(float((full[k].float() - ref[k].float()).pow(2).sum()) for k in ref)
-            den = sum(float(ref[k].float().pow(2).sum()) for k in ref)
-            out[name] = {"losses": (losses / info.world_size).cpu().tolist(), "grad_error": float(grad_error),
-                         "max_abs_diff": diff, "rel_diff": (num / den) ** 0.5,
-                         "weights_sha256": weights_sha256(full), "strategy": name, "world_size": info.world_size,
-                         "per_rank": [dict(rank=r, **row) for r, row in enumerate(per_rank)],
-                         "strategy_info": prepared.info, "comm_per_step": comm.summary(cfg.steps)}
-        return {"rank": info.rank, **out} if info.rank == 0 else {"rank": info.rank}
-
-
-def agreement(cfg=None, *, strategies=("ddp", "zero1", "zero2", "zero3", "torch_zero1"), **overrides) -> dict:
-    """Launch ``agreement_worker`` on ``cfg.nproc`` ranks and return rank 0's comparison (notebook 03).
-
-    ``cfg`` is a ``train.TrainConfig`` (or its fields as keyword arguments); the strategies
-    are names from ``train.STRATEGIES`` or ``REFERENCES``.
-    """
-    from dataclasses import asdict
-
-    from .launch import launch
-    from .train import TrainConfig
-
-    base = asdict(cfg or TrainConfig(strategy="zero1"))  # cfg.strategy is not used: ``strategies`` are
-    cfg = TrainConfig(**{**base, **overrides}).validate()
-    result = launch(agreement_worker, nproc=cfg.nproc, args=(asdict(cfg), tuple(strategies)), backend=cfg.backend,
-                    timeout_s=cfg.timeout_s, echo=False)
-    out = result[0]
-    out.pop("rank", None)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1047,7 +906,6 @@ def samples_that_fit(psi, nd, stage: str, gpu_mem: float, activation_bytes_per_s
 __all__ = [
     "padded_numel", "shard_bounds", "FlatParams", "gradient_buckets", "ShardedOptimizer",
     "GradShardedOptimizer", "GatheredBytes", "Unit", "assign_units", "Zero3Module", "Zero3Optimizer",
-    "apply_zero1", "apply_zero2", "apply_zero3", "apply_torch_zero1", "agreement", "agreement_worker",
-    "gradient_error", "expected_held_bytes", "expected_traffic",
+    "apply_zero1", "apply_zero2", "apply_zero3", "apply_torch_zero1", "expected_held_bytes", "expected_traffic",
     "traffic_in_psi", "expected_peak_gathered_bytes", "memory_check", "traffic_check", "samples_that_fit",
 ]

@@ -121,10 +121,14 @@ def test_flops_and_peaks():
 # ---------------------------------------------------------------------------------------------
 
 def test_missing_strategy_is_reported_not_raised(monkeypatch):
-    from course_utils import train
+    import dataclasses
+
+    from course_utils import strategies
 
     assert bench.strategy_available("single") == (True, "")
-    monkeypatch.setitem(train.STRATEGIES, "ghost", "course_utils.no_such_module:apply_ghost")
+    ghost = dataclasses.replace(strategies.STRATEGIES["ddp"], name="ghost",
+                                apply="course_utils.no_such_module:apply_ghost")
+    monkeypatch.setitem(strategies.STRATEGIES, "ghost", ghost)
     ok, why = bench.strategy_available("ghost")
     assert not ok and "not available" in why
     assert bench.strategy_available("zero9")[0] is False
@@ -239,10 +243,9 @@ def test_launch_phases_from_rank_clocks():
 def test_cuda_path_maps_every_strategy_to_a_planner_row():
     import torch
 
-    from course_utils import plan, train
+    from course_utils import plan, strategies
 
-    assert set(bench.PLAN_ROW) == set(train.STRATEGIES)
-    assert set(bench.PLAN_ROW.values()) <= set(plan.STRATEGIES)
+    assert {s.plan_row for s in strategies.STRATEGIES.values()} <= set(plan.STRATEGIES)
     if not torch.cuda.is_available():
         assert bench.cuda_section() == {"skipped": "no CUDA device on this host"}
 

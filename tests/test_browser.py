@@ -2,7 +2,8 @@
 driven by selenium).
 
 1. Every slide deck, opened from disk (file://, no network): its slides counted against the
-   notebook's slide metadata, no blank slide, no slide cut off, every chart drawn and large,
+   notebook's slide metadata, no blank slide, no slide cut off at the bottom or the right edge
+   (nothing wider than the 1280 px canvas but inside a box that scrolls), every chart drawn and large,
    math typeset, speaker notes available. A screenshot of the deck's first chart slide goes to
    build/screenshots/NN_name.png (`python tools/build_course.py docs-shot` copies one to docs/).
 2. JupyterLab on a free port of 127.0.0.1, with a token and live widgets (COURSE_HEADLESS unset in
@@ -31,7 +32,6 @@ import urllib.request
 
 import nbformat
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
@@ -39,7 +39,8 @@ from tools import build_course as bc  # noqa: E402
 
 pytestmark = pytest.mark.browser
 
-DECKS = sorted((ROOT / "slides").glob(f"*{bc.DECK_SUFFIX}"))
+# The committed decks; COURSE_DECKS_DIR=build/slides checks freshly built ones before `make publish-slides`.
+DECKS = sorted((ROOT / os.environ.get("COURSE_DECKS_DIR", "slides")).glob(f"*{bc.DECK_SUFFIX}"))
 SHOTS = ROOT / "build" / "screenshots"
 WIDTH, HEIGHT = 1280, 720  # the decks' canvas; the browser's viewport is set to the same
 
@@ -112,6 +113,27 @@ def _not_blank(png: bytes) -> bool:
 SURVEY = """
 const leaves = Array.from(document.querySelectorAll('.reveal .slides section'))
   .filter(s => !s.querySelector('section'));
+// What reaches past the slide's left or right edge, measured on screen with the slide shown; an element
+// inside a box that scrolls sideways (overflow-x auto or scroll) is reachable, so it does not count.
+const tooWide = s => {
+  const shown = [s, s.parentNode].filter(e => e.tagName === 'SECTION');
+  const saved = shown.map(e => e.style.display);
+  shown.forEach(e => { e.style.display = 'block'; });
+  const box = s.getBoundingClientRect(), tol = box.width / s.offsetWidth;
+  const found = [];
+  s.querySelectorAll('*').forEach(e => {
+    if (e.closest('aside')) return;
+    for (let a = e.parentElement; a && a !== s; a = a.parentElement) {
+      if (['auto', 'scroll'].includes(getComputedStyle(a).overflowX)) return;
+    }
+    const r = e.getBoundingClientRect();
+    if (r.width > 0 && (r.right > box.right + tol || r.left < box.left - tol)) {
+      found.push(`${e.tagName.toLowerCase()} ${Math.round((Math.max(r.right - box.right, box.left - r.left)) / tol)} px`);
+    }
+  });
+  shown.forEach((e, i) => { e.style.display = saved[i]; });
+  return found;
+};
 return {
   total: Reveal.getTotalSlides(),
   notesPlugin: Reveal.hasPlugin('notes'),
@@ -127,6 +149,7 @@ return {
       text: clone.textContent.replace(/\\s+/g, ' ').trim(),
       overflow: s.dataset.courseOverflow || null,
       fit: s.dataset.courseFit || null,
+      wide: tooWide(s),
       charts: Array.from(s.querySelectorAll('.jp-OutputArea-output img')).map(img => ({
         loaded: img.complete && img.naturalWidth > 0,
         height: parseFloat(img.style.height) || 0,
@@ -158,6 +181,9 @@ def test_deck_in_the_browser(browser, deck):
     cut = [f"slide {s['h']}.{s['v']} ({s['text'][:40]!r}) overflows by {s['overflow']} px" for s in slides if s["overflow"]]
     assert not cut, f"{deck.name}: " + "; ".join(cut) + ": split the cell (slide='subslide') or move prose to notes"
 
+    wide = [f"slide {s['h']}.{s['v']} ({s['text'][:40]!r}): {', '.join(s['wide'][:3])}" for s in slides if s["wide"]]
+    assert not wide, f"{deck.name}: content wider than the {WIDTH} px canvas: " + "; ".join(wide)
+
     charts = [c for s in slides for c in s["charts"]]
     assert len(charts) == int(_meta(browser, "course-charts")), f"{deck.name}: a chart is missing"
     assert all(c["loaded"] for c in charts), f"{deck.name}: a chart image did not load"
@@ -177,6 +203,36 @@ def test_deck_in_the_browser(browser, deck):
     png = browser.get_screenshot_as_png()
     (SHOTS / f"{name}.png").write_bytes(png)
     assert _not_blank(png), f"{deck.name}: the screenshot of slide {first_chart['h']}.{first_chart['v']} is blank"
+
+
+def test_wide_tables_shrink_to_the_width_or_scroll(browser, tmp_path):
+    """deck.js fits width as well as height: a table a little too wide gets smaller type (every column on
+    the canvas), one too wide even at the smallest type scrolls sideways in its own box."""
+    row = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+    # nine columns of 15-character numbers that cannot wrap: about 2,000 px at the deck's table type, 1,200 at 14 px
+    a_bit_wide = [row(f"c{i}" for i in range(9)), row(["---"] * 9), row(f"{123456789012 + i:,}" for i in range(9))]
+    far_too_wide = [row(f"{i}" * 24 for i in range(10)), row(["---"] * 10), row(f"{i}" * 24 for i in range(10))]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# 98 · Wide tables"),
+                nbformat.v4.new_markdown_cell("## A bit wide\n\n" + "\n".join(a_bit_wide)),
+                nbformat.v4.new_markdown_cell("## Far too wide\n\n" + "\n".join(far_too_wide))]
+    for i, cell in enumerate(nb.cells):
+        cell.metadata["slideshow"] = {"slide_type": "slide"}
+        cell["id"] = f"w-{i}"
+    nbformat.write(nb, tmp_path / "98_wide.ipynb")
+    html, _ = bc.export_deck(tmp_path / "98_wide.ipynb")
+    bc._vendored(tmp_path)
+    deck = tmp_path / f"98_wide{bc.DECK_SUFFIX}"
+    deck.write_text(html)
+    browser.get(deck.as_uri())
+    _wait(lambda: browser.execute_script("return document.body.dataset.courseFitted === '1'"), 30, "the deck to fit")
+    slides = browser.execute_script(SURVEY + "\n")["slides"]
+    assert [s["wide"] for s in slides] == [[], [], []], "nothing reaches past the canvas, whatever the table"
+    fitted = browser.execute_script("""return Array.from(document.querySelectorAll('.reveal .slides section'))
+      .filter(s => !s.querySelector('section')).map(s => [s.dataset.courseNarrowed || null, s.dataset.courseScrolled || null,
+                 s.querySelectorAll('.course-scroll table').length]);""")
+    assert fitted[1] == ["1", None, 0], "a table a little too wide fits by its type size alone"
+    assert fitted[2] == ["1", "1", 1], "a table too wide at the smallest type scrolls in its own box"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ in this process.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -205,3 +206,211 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
     finally:
         cdist.shutdown()  # the failed worker left its (world of 1) process group behind
     assert ck.is_complete(tmp_path / "step-2")
+
+
+# ---------------------------------------------------------------- verified resume (checksums, fallback)
+
+def _flip_middle_of(step_path: Path, key_part: str, file_name: str) -> str:
+    """Flip 4 bytes in the middle of the first stored entry whose name contains ``key_part``."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(step_path)).read_metadata()
+    for index, info in meta.storage_data.items():
+        if key_part in index.fqn and info.relative_path == file_name:
+            middle = info.offset + info.length // 2
+            with open(step_path / file_name, "r+b") as fh:
+                fh.seek(middle)
+                data = fh.read(4)
+                fh.seek(middle)
+                fh.write(bytes(b ^ 0xFF for b in data))
+            return index.fqn
+    raise AssertionError(f"no {key_part} in {file_name}")
+
+
+def test_corrupted_optimizer_state_is_set_aside_and_the_resume_falls_back(tmp_path_factory, reference):
+    """The reported case: 4 bytes of exp_avg_sq flipped in rank 0's file; the rerun used to exit 0, wrong."""
+    d = tmp_path_factory.mktemp("flipped")
+    cfg = dict(strategy="ddp", nproc=2, checkpoint_dir=str(d), checkpoint_every=EVERY)
+    train(**cfg, steps=4)
+    key = _flip_middle_of(d / "step-4", "exp_avg_sq", "__0_0.distcp")
+    report = train(**cfg, steps=STEPS)
+    assert report["resumed_from"] == [2]
+    assert report["weights_sha256"] == reference["ddp"]["weights_sha256"]
+    [aside] = (d / "_rejected").iterdir()
+    assert aside.name.startswith("step-4-") and f"checksum of {key} differs" in (aside / "REJECTED.txt").read_text()
+    logs = "".join(p.read_text() for p in (d / "_launch").rglob("stdout.log"))
+    assert logs.count("step-4 set aside") == 1  # one line, from rank 0
+
+
+def _single(tmp_path, steps, **extra):
+    return train_worker(asdict(TrainConfig(strategy="single", steps=steps, checkpoint_dir=str(tmp_path),
+                                           checkpoint_every=2, **extra)))
+
+
+@pytest.fixture(scope="module")
+def single_straight():
+    """The single-process reference: 6 steps, never interrupted, no checkpoints."""
+    return train_worker(asdict(TrainConfig(strategy="single", steps=6)))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "metadata"])
+def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, single_straight, damage):
+    _single(tmp_path, 4)
+    step4 = tmp_path / "step-4"
+    if damage == "flip":
+        _flip_middle_of(step4, "exp_avg", "__0_0.distcp")
+    elif damage == "truncate":
+        os.truncate(step4 / "__0_0.distcp", 1000)
+    elif damage == "delete":
+        (step4 / "__0_0.distcp").unlink()
+    else:  # same size, other bytes: caught when DCP reads its index
+        with open(step4 / ".metadata", "r+b") as fh:
+            fh.write(b"\0" * 16)
+    resumed = _single(tmp_path, 6)
+    assert resumed["resumed_from"] == [2] and resumed["weights_sha256"] == single_straight["weights_sha256"]
+    assert [p.name.split("-2026")[0][:6] for p in (tmp_path / "_rejected").iterdir()] == ["step-4"]
+
+
+def test_no_checkpoint_verifies_one_error(tmp_path):
+    _single(tmp_path, 4)
+    for step in (2, 4):
+        os.truncate(tmp_path / f"step-{step}" / "__0_0.distcp", 10)
+    try:
+        with pytest.raises(CourseInputError, match=r"no checkpoint in .* can be resumed \(step-4: __0_0.distcp has 10 "
+                                                   r"bytes.*; step-2: .*fresh --checkpoint-dir"):
+            _single(tmp_path, 6)
+    finally:
+        cdist.shutdown()
+    assert ck.scan(tmp_path)["complete"] == [] and len(list((tmp_path / "_rejected").iterdir())) == 2
+    try:  # the same command again (or torchrun's restart) must not quietly train from step 0
+        with pytest.raises(CourseInputError, match="every one was set aside"):
+            _single(tmp_path, 6)
+    finally:
+        cdist.shutdown()
+
+
+def test_cli_reports_an_unusable_folder_in_one_line(tmp_path, capsys):
+    from course_utils import cli
+
+    _single(tmp_path, 2)
+    os.truncate(tmp_path / "step-2" / "__0_0.distcp", 10)
+    status = cli.main(["train", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2", "--steps", "4"])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.splitlines()) == 1 and "no checkpoint in" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- resuming under another strategy
+
+def test_torch_state_resumes_across_strategies_and_zero_flat_is_refused_before_launch(tmp_path, monkeypatch):
+    """ddp -> full_shard: DCP reshards the same names, and every checksum verifies after loading.
+    ddp -> zero2: flat slices cannot be read from per-parameter state; refused with no worker started."""
+    d = tmp_path / "ddp"
+    train(strategy="ddp", nproc=2, steps=2, checkpoint_dir=str(d), checkpoint_every=2)
+    report = train(strategy="full_shard", nproc=2, steps=4, checkpoint_dir=str(d), checkpoint_every=2)
+    assert report["resumed_from"] == [2] and not (d / "_rejected").exists()
+    assert ck.read_commit(d, 4)["strategy"] == "full_shard"
+    from course_utils import launch
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a worker started"))
+    with pytest.raises(CourseInputError, match="cannot be loaded by 'zero2' \\(zero-flat state\\)"):
+        train(strategy="zero2", nproc=2, steps=6, checkpoint_dir=str(d), checkpoint_every=2)
+
+
+def test_state_format_matches_what_each_strategy_saves():
+    from course_utils.strategies import STRATEGIES
+
+    with cdist.session() as info:
+        for name in STRATEGIES:
+            if name == "hybrid_shard":  # needs a world of node_size ranks; its state is FSDP2's, as full_shard's
+                continue
+            prepared = ck._one_step({"strategy": name, "steps": 1}, info)
+            assert ck.state_of(prepared, name).format == ck.state_format(name), name
+
+
+# ---------------------------------------------------------------- two ranks in this process's forks
+
+def _two_ranks(fn, *args) -> None:
+    """Run ``fn(rank, *args)`` on 2 forked ranks of a gloo group (cheap: torch is already imported)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_rank_entry, args=(port, fn, args), nprocs=2, start_method="fork")
+
+
+def _rank_entry(rank, port, fn, args):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), COURSE_BACKEND="gloo")
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    fn(rank, *args)
+
+
+def _stale_view_on_rank1(rank, folder, out):
+    if rank == 1:  # rank 1's view of a shared folder lags: it has not seen step-4 yet
+        real = ck.scan
+        ck.scan = lambda root: {**real(root), "complete": [s for s in real(root)["complete"] if s < 4]}
+    report = train_worker(asdict(TrainConfig(strategy="ddp", nproc=2, steps=STEPS, checkpoint_dir=folder,
+                                             checkpoint_every=EVERY)))
+    if rank == 0:
+        Path(out).write_text(json.dumps({k: report[k] for k in ("resumed_from", "weights_sha256")}))
+
+
+def test_rank0_decides_the_resume_for_every_rank(tmp_path, reference):
+    d = tmp_path / "shared"
+    train(strategy="ddp", nproc=2, steps=4, checkpoint_dir=str(d), checkpoint_every=EVERY)
+    _two_ranks(_stale_view_on_rank1, str(d), str(tmp_path / "out.json"))
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out == {"resumed_from": [4], "weights_sha256": reference["ddp"]["weights_sha256"]}
+
+
+def _gather_both_ways(rank, strategy, out):
+    with cdist.session() as info:
+        prepared = ck._one_step({"strategy": strategy, "nproc": 2, "steps": 1}, info)
+        on_rank0 = ck.rank0_full_weights(prepared, strategy)
+        everywhere = prepared.full_state_dict()  # the strategy's own all-gather, on every rank
+        Path(out, f"{strategy}-{rank}.json").write_text(json.dumps(
+            {"rank0": weights_sha256(on_rank0) if on_rank0 else None,
+             "devices": sorted({v.device.type for v in on_rank0.values()}),
+             "everywhere": weights_sha256(everywhere)}))
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "zero3"])
+def test_full_weights_are_gathered_to_rank0_cpu_only(tmp_path, strategy):
+    _two_ranks(_gather_both_ways, strategy, str(tmp_path))
+    r0, r1 = (json.loads((tmp_path / f"{strategy}-{r}.json").read_text()) for r in (0, 1))
+    assert r0["rank0"] == r0["everywhere"] and r0["devices"] == ["cpu"]
+    assert r1["rank0"] is None and r1["everywhere"] == r0["everywhere"]
+
+
+def test_prune_removes_a_half_deleted_step_folder(tmp_path):
+    for s in (2, 4, 6):
+        _fake_step(tmp_path, s, commit_step=s)
+    half = _fake_step(tmp_path, 1, metadata=False)  # what a kill during an old-style rmtree left: no marker
+    (tmp_path / ".pruned-step-0-abc").mkdir()       # what a kill during this prune's rmtree leaves
+    ck.prune(tmp_path, keep=2)
+    assert not half.exists() and not (tmp_path / ".pruned-step-0-abc").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
+
+
+def test_a_non_finite_loss_stops_the_run(tmp_path):
+    try:
+        with pytest.raises(CourseInputError, match=r"the loss of step \d+ is (nan|inf).*lower the learning rate"):
+            train_worker(asdict(TrainConfig(strategy="single", steps=6, lr=1e30)))
+    finally:
+        cdist.shutdown()
+
+
+def test_checksums_add_up_across_shards_and_see_a_moved_value(monkeypatch):
+    x = torch.randn(37, 11)
+    whole = int(ck._positional_sum(x, [0, 0], x.shape))
+    halves = ck._positional_sum(x[:20], [0, 0], x.shape) + ck._positional_sum(x[20:], [20, 0], x.shape)
+    columns = ck._positional_sum(x[:, :5], [0, 0], x.shape) + ck._positional_sum(x[:, 5:], [0, 5], x.shape)
+    assert int(halves) == int(columns) == whole
+    monkeypatch.setattr(ck, "_CHUNK", 50)  # a large tensor is hashed in slices of rows: same number
+    assert int(ck._positional_sum(x, [0, 0], x.shape)) == whole
+    swapped = x.clone()
+    swapped[3, 4], swapped[5, 6] = x[5, 6], x[3, 4]  # the same values, two of them in each other's place
+    assert int(ck._positional_sum(swapped, [0, 0], x.shape)) != whole

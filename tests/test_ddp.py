@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from course_utils import ddp
 from course_utils import dist as cdist
+from course_utils.labs import lab02
 from course_utils.launch import launch
 from course_utils.models import build_model, param_count
 from course_utils.train import TrainConfig, train
@@ -95,7 +96,7 @@ def test_world_of_one_leaves_gradients_as_they_were(world_of_one):
 
 
 def test_unused_parameter_is_a_clear_error(world_of_one):
-    model = ddp.GPTWithAuxHead("tiny")
+    model = lab02.GPTWithAuxHead("tiny")
     wrapped = ddp.BucketedDDP(model)
     x = torch.zeros(2, 32, dtype=torch.long)
     wrapped(x, x).backward()
@@ -108,7 +109,7 @@ def test_unused_parameter_is_a_clear_error(world_of_one):
 @pytest.fixture(scope="module")
 def against_torch():
     cfg = TrainConfig(strategy="ddp_scratch", nproc=2, steps=STEPS)
-    return launch(ddp.check_against_torch_ddp, nproc=2, args=(asdict(cfg), 0.1), echo=False)
+    return launch(lab02.check_against_torch_ddp, nproc=2, args=(asdict(cfg), 0.1), echo=False)
 
 
 def test_broadcast_makes_replicas_start_from_rank_0(against_torch):
@@ -140,7 +141,7 @@ def runs(tmp_path_factory):
 
 
 def test_torch_ddp_and_bucketed_ddp_give_the_same_report_on_2_ranks(runs):
-    (ours, w_ours), (theirs, w_theirs) = runs["ddp_scratch", 2], runs["ddp", 2]
+    (ours, _), (theirs, _) = runs["ddp_scratch", 2], runs["ddp", 2]
     assert ours["weights_sha256"] == theirs["weights_sha256"]  # see the bit-for-bit argument above
     assert ours["losses"] == theirs["losses"]
     assert ours["comm_per_step"]["all_reduce"]["calls"] == ours["strategy_info"]["buckets"] > 1
@@ -151,14 +152,14 @@ def test_torch_ddp_and_bucketed_ddp_give_the_same_report_on_2_ranks(runs):
 def test_bucketed_ddp_matches_one_process_within_fp32_tolerance(runs, nproc):
     (single, w_single), (ours, w_ours) = runs["single", 1], runs["ddp_scratch", nproc]
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(single["losses"]), **LOSS_TOL)
-    agreement = ddp.weights_agreement(w_single, w_ours, build_model("tiny").state_dict())
+    agreement = lab02.weights_agreement(w_single, w_ours, build_model("tiny").state_dict())
     assert agreement["rel"] <= WEIGHTS_REL_TOL
     for row in ours["per_rank"]:  # every replica holds the whole fp32 Adam bill, 16Ψ
         assert row["total"] == 16 * param_count(build_model("tiny"))
 
 
 def test_same_sized_buckets_in_swapped_order_silently_give_wrong_sums():
-    result = launch(ddp.mismatched_order, nproc=2, args=("same_size", 16), echo=False)
+    result = launch(lab02.mismatched_order, nproc=2, args=("same_size", 16), echo=False)
     n = 2
     right = [n * (n + 1) / 2, 100 * n * (n + 1) / 2]
     for out in result.values():
@@ -173,14 +174,14 @@ def test_extra_buffer_bytes_counts_only_storage_no_gradient_shares():
     bucket = torch.zeros(10)
     views = list(bucket.split([4, 6]))
     separate = [torch.zeros(4), torch.zeros(6)]
-    assert ddp.extra_buffer_bytes(views, [bucket]) == 0
-    assert ddp.extra_buffer_bytes(separate, [bucket, bucket]) == 40   # one buffer, counted once
+    assert lab02.extra_buffer_bytes(views, [bucket]) == 0
+    assert lab02.extra_buffer_bytes(separate, [bucket, bucket]) == 40   # one buffer, counted once
 
 
 def test_torch_ddp_buckets_views_and_wait_read_from_torch():
     psi = param_count(build_model("tiny"))
     cfg = asdict(TrainConfig(strategy="ddp_scratch", nproc=2, steps=2))
-    got = launch(ddp.ddp_measurements, nproc=2, args=(cfg, [], 0.1), echo=False)[0]["torch_ddp"]
+    got = launch(lab02.ddp_measurements, nproc=2, args=(cfg, [], 0.1), echo=False)[0]["torch_ddp"]
     plain, view, default = (got["torch"][k] for k in ((0.1, False), (0.1, True), (None, False)))
     for t in (plain, view, default):
         assert t["first_iteration_bucket_sizes"] == [4 * psi]   # one bucket on the first iteration
@@ -196,7 +197,7 @@ def test_torch_ddp_buckets_views_and_wait_read_from_torch():
 
 def test_gloo_all_reduce_on_4_ranks_writes_the_ring_volume():
     numel = 30_000
-    wire = launch(ddp.all_reduce_on_the_wire, nproc=4, args=(numel,), echo=False)[0]
+    wire = launch(lab02.all_reduce_on_the_wire, nproc=4, args=(numel,), echo=False)[0]
     assert None not in wire                            # Linux: /proc/self/io counts every rank's writes
     ring = 4 * numel * 2 * 3 / 4                       # 2(N−1)/N of the fp32 payload
     for w in wire:
@@ -208,7 +209,7 @@ def test_default_timeouts_are_torchs():
     from torch.distributed import constants
     from torch.distributed.distributed_c10d import _get_default_timeout
 
-    got = ddp.default_collective_timeouts()
+    got = lab02.default_collective_timeouts()
     assert got["gloo"] == _get_default_timeout("gloo") == constants.default_pg_timeout
     assert got["nccl"] is not None and got["nccl"] < got["gloo"]   # torch's NCCL default is the shorter one
 
@@ -218,7 +219,7 @@ def test_overlap_summary_reports_the_union_of_overlapping_all_reduces():
                 "all_reduce": [{"bucket": 0, "start_ms": 1.0, "end_ms": 6.0},
                                {"bucket": 1, "start_ms": 2.0, "end_ms": 7.0},
                                {"bucket": 2, "start_ms": 4.0, "end_ms": None}]}   # None: done at synced_ms
-    got = ddp.overlap_summary(timeline)
+    got = lab02.overlap_summary(timeline)
     assert got["in_flight_ms"] == 7.0                   # [1, 8], not 5 + 5 + 4 = 14
     assert got["in_flight_during_backward_ms"] == 4.0   # [1, 5]
     assert got["step_ms"] == 10.0 and got["started_during_backward"] == 3

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from course_utils import dist as cdist
-from course_utils import plan
+from course_utils.labs import lab05
 
 
 def test_time_on_device_syncs_before_starting_and_before_stopping_the_clock():
     events = []
-    seconds = plan.time_on_device(lambda: events.append("work"), lambda: events.append("sync"))
+    seconds = lab05.time_on_device(lambda: events.append("work"), lambda: events.append("sync"))
     assert events == ["sync", "work", "sync"] and seconds >= 0
 
 
@@ -30,7 +30,7 @@ def test_the_overlap_worker_times_with_the_device_sync(monkeypatch):
     """block_overlap_worker hands each timer this rank's device sync (one process, one small case)."""
     seen = []
     monkeypatch.setattr(cdist, "synchronize", lambda device: seen.append(device))
-    rows = plan.block_overlap_worker(widths=(64,), tokens=(64,), repeats=1)
+    rows = lab05.block_overlap_worker(widths=(64,), tokens=(64,), repeats=1)
     assert len(rows) == 1 and rows[0]["world_size"] == 1
     # 2 gathers + 2 forwards + 2 forward-backwards, each with a sync before and after
     assert seen == [torch.device("cpu")] * 12

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from course_utils import fsdp
+from course_utils import fsdp, strategies
 from course_utils.errors import CourseInputError
+from course_utils.labs import lab04
 from course_utils.models import build_model, get_config, param_count
 from course_utils.train import TrainConfig, train
 
 MODEL = "tiny"
 NPROC, NODE = 4, 2
-STRATEGIES = fsdp.FSDP_STRATEGIES
+STRATEGIES = strategies.FSDP_STRATEGIES
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def rows():
              dict(strategy="full_shard", precision="mixed", label="mixed")]
     for run in runs:
         run.update(model=MODEL, node_size=NODE)
-    return {r["label"]: r for r in fsdp.run_experiments(runs, nproc=NPROC)}
+    return {r["label"]: r for r in lab04.run_experiments(runs, nproc=NPROC)}
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +98,13 @@ def test_bad_settings_are_refused_with_a_sentence():
     with pytest.raises(CourseInputError, match="divisible by node_size"):
         train(strategy="hybrid_shard", nproc=6, batch=12, node_size=4)
     with pytest.raises(CourseInputError, match="divisible by node_size"):
-        fsdp.mesh_shape("hybrid_shard", 6, 4)
+        strategies.mesh_shape("hybrid_shard", 6, 4)
     with pytest.raises(CourseInputError, match="prefetch"):
         fsdp.fsdp_options(TrainConfig(strategy="full_shard", options={"prefetch": "sometimes"}))
     with pytest.raises(CourseInputError, match="unknown FSDP option"):
         fsdp.fsdp_options(TrainConfig(strategy="full_shard", options={"wrapping": "block"}))
     with pytest.raises(CourseInputError, match="fsdp1"):
-        fsdp.run_experiments([dict(strategy="full_shard", options={"api": "fsdp1", "wrap": "linear"})], nproc=2)
+        lab04.run_experiments([dict(strategy="full_shard", options={"api": "fsdp1", "wrap": "linear"})], nproc=2)
     with pytest.raises(CourseInputError, match="node_size 1"):
         fsdp.fsdp_options(TrainConfig(strategy="hybrid_shard", nproc=2, node_size=1, options={"api": "fsdp1"}))
     assert fsdp.fsdp_options(TrainConfig(options={"offload": "true"}))["offload"] is True
@@ -115,13 +116,13 @@ def test_bad_settings_are_refused_with_a_sentence():
 def test_every_strategy_trains_like_single(rows, label):
     row = rows[label]
     assert row["world_size"] == NPROC
-    assert fsdp.trains_like_single(row), (row["max_loss_rel_diff"], row["rel_weight_diff"])
+    assert lab04.trains_like_single(row), (row["max_loss_rel_diff"], row["rel_weight_diff"])
 
 
 def test_mixed_precision_is_a_visibly_different_arithmetic(rows):
     mixed, fp32 = rows["mixed"], rows["full_shard"]
-    assert fsdp.trains_like_single(mixed)
-    assert mixed["rel_weight_diff"] > fsdp.TOLERANCE["fp32"]["weight_rel"] > fp32["rel_weight_diff"]
+    assert lab04.trains_like_single(mixed)
+    assert mixed["rel_weight_diff"] > lab04.TOLERANCE["fp32"]["weight_rel"] > fp32["rel_weight_diff"]
     # bf16 gathers halve; the fp32 reduction and the fp32 shards at rest do not change
     assert mixed["comm_per_step"]["all_gather"]["payload_bytes"] == fp32["comm_per_step"]["all_gather"]["payload_bytes"] / 2
     assert mixed["comm_per_step"]["reduce_scatter"] == fp32["comm_per_step"]["reduce_scatter"]
@@ -198,11 +199,11 @@ def test_train_gives_the_same_run_as_the_harness(rows, train_reports):
     single = train_reports["single"]
     assert single["per_rank"] == rows["single"]["per_rank"]
     rel = max(abs(a - b) / b for a, b in zip(single["losses"], rows["single"]["losses"]))
-    assert rel <= fsdp.TOLERANCE["fp32"]["loss_rel"]
+    assert rel <= lab04.TOLERANCE["fp32"]["loss_rel"]
 
 
 def test_world_of_one_in_this_process_is_exactly_single():
-    rows = fsdp.experiments_worker([dict(strategy="single", model=MODEL, steps=2),
+    rows = lab04.experiments_worker([dict(strategy="single", model=MODEL, steps=2),
                                     dict(strategy="full_shard", model=MODEL, steps=2)])
     assert rows[1]["world_size"] == 1 and rows[1]["weights_sha256"] == rows[0]["weights_sha256"]
 
@@ -210,7 +211,7 @@ def test_world_of_one_in_this_process_is_exactly_single():
 # ---------------------------------------------------------------- state dicts on 2 ranks
 
 def test_state_dicts_round_trip(tmp_path):
-    out = fsdp.state_dict_demo(nproc=2, run_dir=str(tmp_path), model=MODEL, steps=2)
+    out = lab04.state_dict_demo(nproc=2, run_dir=str(tmp_path), model=MODEL, steps=2)
     assert out["full_keys_match_model"] and out["full_dtensor_equals_api"]
     assert out["fresh_sha_before_load"] != out["trained_sha"]
     assert out["full_into_plain_sha"] == out["full_into_sharded_sha"] == out["trained_sha"]
@@ -228,12 +229,13 @@ def test_state_dicts_round_trip(tmp_path):
 def test_fsdp2_keeps_the_root_gathered_and_clips_across_shards():
     from dataclasses import asdict
 
+    from course_utils.labs import lab03
     from course_utils.launch import launch
 
     model = build_model("tiny")
     psi = param_count(model)
     root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
-    facts = launch(fsdp.fsdp2_facts, nproc=2, args=(asdict(TrainConfig(strategy="full_shard", nproc=2, steps=2)),),
+    facts = launch(lab03.fsdp2_facts, nproc=2, args=(asdict(TrainConfig(strategy="full_shard", nproc=2, steps=2)),),
                    echo=False)[0]
     default, reshard = (facts["comm"][k]["all_gather"] for k in ("default", "reshard"))
     assert reshard["payload_bytes"] == 2 * 4 * psi and reshard["payload_bytes"] - default["payload_bytes"] == 4 * root

@@ -11,10 +11,9 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
-
-from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 from tools import gpu_check as gc  # noqa: E402

@@ -10,12 +10,11 @@ import textwrap
 import time
 
 import pytest
+from conftest import ROOT, pid_alive
 
 from course_utils import examples
 from course_utils.errors import CourseInputError
 from course_utils.launch import LaunchTimeout, WorkerFailed, launch, torchrun_command
-
-from conftest import ROOT, pid_alive
 
 
 def _progress_pids(run_dir):

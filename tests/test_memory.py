@@ -8,14 +8,12 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from course_utils import memory
 from course_utils.cli import main
 from course_utils.errors import CourseInputError
 from course_utils.units import GB
-
-from conftest import ROOT
-
 
 # --- the formulas against the paper -------------------------------------------------------------
 
@@ -238,3 +236,11 @@ def test_zero_r_and_headlines_reproduce_the_papers_figures():
     # by hand, from the paper's inputs: L·b·s·h of the 100B model, and 3e9 fp32 gradients
     assert rows["Pa: 100B model's activation checkpoints, L·b·s·h"]["ours"] == 125 * 32 * 1024 * 8192 / 1e9
     assert rows["CB: one fused fp32 gradient buffer for 3B parameters"]["ours"] == 3e9 * 4 / GB
+
+
+def test_fmt_size_picks_a_unit_and_never_writes_an_exponent():
+    from course_utils.units import fmt_size
+
+    assert fmt_size(8.48e12) == "8.48 TB" and fmt_size(31.4e9) == "31.4 GB" and fmt_size(1.88e9) == "1.88 GB"
+    assert fmt_size(999.96e9) == "1 TB"  # rounds to 1000 GB: the next unit up
+    assert fmt_size(2.5e15) == "2,500 TB" and fmt_size(512) == "512 bytes"

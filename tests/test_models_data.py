@@ -71,3 +71,30 @@ def test_bad_shapes_are_refused():
         get_config("huge")
     with pytest.raises(CourseInputError, match="multiple of 3"):
         batch_for_rank(0, 0, 3, batch=8, seq=4, vocab=10)
+
+
+@pytest.mark.parametrize("preset, seed", [("tiny", 0), ("small", 7)])
+def test_meta_device_build_equals_the_eager_build_bit_for_bit(preset, seed):
+    from course_utils.instrument import weights_sha256
+    from course_utils.models import build_meta_model, init_weights
+
+    meta = build_meta_model(preset)
+    assert all(p.is_meta for p in meta.parameters())
+    before = torch.random.get_rng_state()
+    built = init_weights(meta, seed=seed)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the global RNG is left as it was
+    eager = build_model(preset, seed=seed)
+    assert built.head.weight is built.tok_emb.weight
+    for (name, a), (_, b) in zip(built.state_dict().items(), eager.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert weights_sha256(built.state_dict()) == weights_sha256(eager.state_dict())
+
+
+def test_sharded_meta_device_build_equals_the_eager_build():
+    # FSDP2 on 4 gloo ranks: every rank materialises only its shards, gathered they are the eager weights
+    from course_utils.labs import lab04
+    from course_utils.launch import launch
+    from course_utils.strategies import FSDP_STRATEGIES
+
+    result = launch(lab04.meta_init_worker, nproc=4, args=("tiny", 5), echo=False)
+    assert all(result[r] == {s: True for s in FSDP_STRATEGIES} for r in range(4)), dict(result)

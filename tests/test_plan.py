@@ -7,13 +7,12 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from course_utils import memory, plan
 from course_utils.cli import main
 from course_utils.errors import CourseInputError
 from course_utils.units import GB
-
-from conftest import ROOT
 
 ZERO_100B = dict(model=plan.model_spec(layers=125, width=8192, vocab=50257, seq=1024, micro_batch=32),
                  cluster=plan.Cluster(gpus_per_node=16, nodes=25, gpu_mem=32 * GB, mp=16, intra_bw=300e9,
@@ -25,7 +24,10 @@ def test_7b_on_one_node_chooses_stage_1_with_room():
     assert p.recommendation["strategy"] == "zero1"
     assert not p.strategies["ddp"].fits
     assert p.strategies["zero1"].headroom > 20 * GB
-    assert "lowest stage" in p.recommendation["reason"]
+    assert "a tie goes to the lower stage" in p.recommendation["reason"]  # stage 2's step time is the same
+    assert p.recommendation["runner_up"] == "zero2"
+    assert "ZeroRedundancyOptimizer" in p.recommendation["pytorch"]  # FSDP has no stage 1
+    assert "FULL_SHARD" in p.recommendation["practice"]  # stage 3's gathers hide on one node
 
 
 def test_70b_floors_and_stage_3_only_on_four_nodes():
@@ -54,7 +56,14 @@ def test_slow_ethernet_stage_3_cannot_hide_and_stage_2_is_faster():
     assert z2.fits and z3.fits
     assert not z3.block["hides_fwd"] and not z3.block["hides_bwd"]
     assert z3.step_s > z2.step_s
-    assert p.recommendation["strategy"] in ("zero1", "zero2")
+    # issue 18: the planner used to recommend stage 1 here (39.0 s a step) beside HSDP's 21.1 s
+    hsdp = p.strategies["hsdp"]
+    assert hsdp.fits and hsdp.step_s < z2.step_s < z3.step_s
+    r = p.recommendation
+    assert r["strategy"] == "hsdp" and r["runner_up"] == "zero1"
+    assert r["step_s"]["hsdp"] == hsdp.step_s and r["step_s"]["zero1"] == p.strategies["zero1"].step_s
+    assert f"{p.strategies['zero1'].step_s - hsdp.step_s:.3g} s a step" in r["reason"]
+    assert "HYBRID_SHARD" in r["pytorch"] and "init_device_mesh('cuda', (2, 8)" in r["pytorch"]
     fast = plan.plan(plan.model_spec(13e9, micro_batch=4), plan.Cluster(nodes=2, inter_bw=100e9))
     assert fast.strategies["zero3"].block["hides_fwd"] and fast.strategies["zero3"].block["hides_bwd"]
 
@@ -82,6 +91,44 @@ def test_zero_100b_setting_fits_with_stage_2():
     assert p.strategies["zero2"].fits and not p.strategies["zero1"].fits
     assert p.recommendation["strategy"] == "zero2"
     assert "hsdp" not in p.strategies  # one model-parallel group per node leaves nothing to shard
+
+
+def test_the_recommendation_is_the_fastest_that_fits_with_ties_to_the_lower_stage():
+    cases = [plan.plan(params=7e9), plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=4)),
+             plan.plan(plan.model_spec(13e9), plan.Cluster(nodes=2, inter_bw=1.25e9)),
+             plan.plan(ZERO_100B["model"], ZERO_100B["cluster"])]
+    for p in cases:
+        fits = [s for s in plan.STRATEGIES if s in p.strategies and p.strategies[s].fits]
+        best = min(p.strategies[s].step_s for s in fits)
+        chosen = p.recommendation["strategy"]
+        assert p.strategies[chosen].step_s <= best * (1 + plan.TIE_MARGIN)
+        # no strategy lower in the order was within the margin
+        lower = fits[:fits.index(chosen)]
+        assert all(p.strategies[s].step_s > best * (1 + plan.TIE_MARGIN) for s in lower)
+        if chosen != "hsdp":  # HSDP's line names its mesh shape
+            assert p.recommendation["pytorch"] == plan.PYTORCH[chosen]
+
+
+def test_hsdp_picks_the_smallest_shard_group_that_fits():
+    # issue 18: a shard group may span nodes (a 2-D mesh of any shape), not only one node
+    p = plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=8))
+    assert plan.hsdp_shard_sizes(p.cluster) == [8, 16, 32]
+    h = p.strategies["hsdp"]
+    assert h.fits and h.shard_size == 32  # 8 and 16 GPUs per group hold 140 and 70 GB of model states: too many
+    assert h.model_states == 16 * 70e9 / 32
+    for n in (8, 16):
+        assert plan.memory_breakdown(p.model, p.cluster, "hsdp", shard_size=n)["total"] > p.cluster.usable
+    assert "network" in h.block["link"]  # a 4-node group gathers across nodes
+    one = plan.plan(plan.model_spec(13e9), plan.Cluster(nodes=2, inter_bw=1.25e9)).strategies["hsdp"]
+    assert one.shard_size == 8 and "NVLink" in one.block["link"]
+
+
+def test_the_network_is_labelled_by_what_it_is():
+    assert "modest" in plan.network_class(50e9)  # the default: 4 x 100 Gb/s per node
+    assert "current training cluster" in plan.network_class(8 * 50e9)  # 8 x 400 Gb/s NICs
+    assert "10 GbE" in plan.network_class(1.25e9)
+    assert "modest" in plan.format_plan(plan.plan(params=7e9))
+    assert plan.plan(params=7e9).to_dict()["cluster"]["network"] == plan.network_class(50e9)
 
 
 def test_trillion_budget_and_days():

@@ -6,14 +6,15 @@ Small fake configurations keep every rehearsal here under a second or two.
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import pytest
 import torch
 
-from course_utils import cli, rehearse as R
+from course_utils import cli
+from course_utils import rehearse as R
 from course_utils.errors import CourseInputError
+from course_utils.labs import lab05b
 from course_utils.models import GPTConfig
 
 pytestmark = pytest.mark.skipif(R.tracker_problem() is not None, reason="torch lacks FSDPMemTracker")
@@ -197,7 +198,7 @@ def test_refuses_inside_a_process_group():
 # --------------------------------------------------------------------------- the bridge to reality
 
 def test_rehearsal_matches_a_real_run_on_two_gloo_ranks():
-    rows = R.bridge(2, ("full_shard", "no_shard"))
+    rows = lab05b.bridge(2, ("full_shard", "no_shard"))
     for row in rows:
         assert row["equal"], row
         assert set(row["real"]) == {0, 1}

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -33,11 +32,30 @@ def test_notebook_is_stored_stripped(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_valid_and_in_the_canonical_format(path):
+    # The .ipynb is the source: edited in JupyterLab (or by a script), stored stripped, valid
+    # nbformat, and written the one way that keeps a diff reviewable: indent 1, each cell's
+    # source one string, a unique id per cell (CONTRIBUTING.md, "Editing a notebook").
+    import nbformat
+
+    text = path.read_text(encoding="utf-8")
+    nb = json.loads(text)
+    nbformat.validate(nbformat.reads(text, as_version=nbformat.NO_CONVERT))
+    assert text == json.dumps(nb, indent=1, ensure_ascii=False) + "\n", (
+        f"{path.name} is not in the canonical format: run `.venv/bin/python tools/nb_canonical.py {path.relative_to(ROOT)}`")
+    ids = [cell.get("id") for cell in nb["cells"]]
+    assert all(ids) and len(set(ids)) == len(ids), f"{path.name}: every cell needs its own id"
+    for cell in nb["cells"]:
+        assert isinstance(cell["source"], str), f"{path.name} cell {cell.get('id')}: source must be one string"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_frame(path):
     nb = json.loads(path.read_text())
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     src = lambda c: "".join(c["source"])  # noqa: E731
-    assert "parameters" in code[0].get("metadata", {}).get("tags", []), f"{path.name}: first code cell must be the papermill parameters cell"
+    assert "parameters" in code[0].get("metadata", {}).get("tags", []), (
+        f"{path.name}: first code cell must be the papermill parameters cell")
     assert "google.colab" in src(code[1]), f"{path.name}: second code cell must be the Colab set-up cell"
     assert "colab.research.google.com" in src(nb["cells"][0]), f"{path.name}: title cell needs the Open in Colab badge"
     assert path.name in src(nb["cells"][0]), f"{path.name}: the Colab badge must point at this notebook"
@@ -79,7 +97,8 @@ def _pyproject_packages() -> set:
 
 def test_environment_yml_agrees_with_pyproject_and_constraints():
     pins, env, declared = _requirements_from_constraints(), _environment_pins(), _pyproject_packages()
-    assert declared <= set(pins), f"packages in pyproject.toml without a pinned version in constraints.txt: {declared - set(pins)}"
+    missing = declared - set(pins)
+    assert not missing, f"packages in pyproject.toml without a pinned version in constraints.txt: {missing}"
     assert set(env) == set(pins), f"environment.yml and constraints.txt list different packages: {set(env) ^ set(pins)}"
     for name, version in pins.items():
         assert env[name] == version, f"{name}: environment.yml has {env[name]}, constraints.txt has {version}"
@@ -101,7 +120,7 @@ def test_no_fixed_rendezvous_port_in_the_package():
     for py in (ROOT / "course_utils").rglob("*.py"):
         text = py.read_text()
         default = "295" + "00"  # torchrun's default port, spelled so this file does not match itself
-        assert not re.search(r"MASTER_PORT[\"']?\]?\s*=\s*[\"']?\d{4,5}|:%s\b|port\s*=\s*%s" % (default, default), text), py
+        assert not re.search(rf"MASTER_PORT[\"']?\]?\s*=\s*[\"']?\d{{4,5}}|:{default}\b|port\s*=\s*{default}", text), py
 
 
 def test_cli_help_lists_every_subcommand():

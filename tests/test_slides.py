@@ -8,12 +8,10 @@ from __future__ import annotations
 import base64
 import json
 import re
-
 import sys
 
 import nbformat
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
@@ -21,7 +19,7 @@ from tools import build_course as bc  # noqa: E402
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 DECKS = sorted((ROOT / "slides").glob(f"*{bc.DECK_SUFFIX}"))
-REBUILD = "run `make course` (or `make notebooks slides`) and commit slides/"
+REBUILD = "run `make course`, then `make publish-slides`, and commit slides/"
 # A 1 x 1 PNG: enough for nbconvert to embed an image output.
 PNG = base64.b64encode(bytes.fromhex(
     "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
@@ -101,8 +99,23 @@ def test_deck_finds_its_local_files(deck):
     assert not missing, f"{deck.name} loads files that are not in slides/: {missing}"
 
 
+#: What a build machine's path looks like: the checkout, a home folder, the temporary folder.
+MACHINE_PATH = re.compile(r"(?<![\w.~-])(/home/|/Users/|/root/|/tmp/|/var/folders/|/private/var/)")
+#: An absolute path into a checkout, wherever it was: /somewhere/course_utils/..., /somewhere/.venv/...
+CHECKOUT_PATH = re.compile(r"(?<![\w.~:/-])(/[\w.-]+)+/(course_utils|\.venv|notebooks)/")
+
+
+@pytest.mark.parametrize("deck", DECKS, ids=_deck_name)
+def test_deck_shows_no_machine_paths(deck):
+    html = deck.read_text()
+    assert str(ROOT) not in html
+    hits = list(MACHINE_PATH.finditer(html)) + list(CHECKOUT_PATH.finditer(html))
+    found = sorted({html[m.start():m.start() + 60].split('"')[0].split("\n")[0] for m in hits})
+    assert not found, f"{deck.name} shows the build machine's paths {found[:3]}: {REBUILD}"
+
+
 def test_vendored_files_are_complete_and_offline():
-    for package, (version, patterns) in bc.VENDOR.items():
+    for package, (_version, patterns) in bc.VENDOR.items():
         strip, target = bc.VENDOR_DIRS[package]
         for pattern in patterns:
             found = list((ROOT / "slides" / target).glob(pattern.removeprefix(strip)))
@@ -265,3 +278,66 @@ def test_remote_loads_are_found(snippet):
 
 def test_links_are_not_loads():
     assert bc.remote_loads('<a href="https://colab.research.google.com/x">Open in Colab</a>') == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Where decks go: build/slides/ on every build, slides/ only when published; machine paths scrubbed
+# ---------------------------------------------------------------------------------------------
+
+def test_export_scrubs_machine_paths(executed, tmp_path):
+    import tempfile
+
+    tmp = tempfile.gettempdir()
+    executed.cells[5].outputs = [nbformat.from_dict(_stdout(
+        f'File "{ROOT}/course_utils/examples.py", line 12\n'
+        f'  {ROOT}/.venv/lib/python3.11/site-packages/torch/x.py\n'
+        f"logs kept in {tmp}/course-run-1aiyrz7w/logs and /home/alice/runs/a.log and /root/.cache/x\n"))]
+    executed.cells[5].metadata["slideshow"] = {"slide_type": "subslide"}
+    path = tmp_path / "99_test.ipynb"
+    nbformat.write(executed, path)
+    html, _ = bc.export_deck(path)
+    assert str(ROOT) not in html and not MACHINE_PATH.search(html) and not CHECKOUT_PATH.search(html)
+    assert f"{tmp}/" not in html and "1aiyrz7w" not in html
+    # what the room needs stays: the file within the course, the folder's name and role
+    assert 'File "course_utils/examples.py", line 12' in html
+    assert "TMPDIR/course-run-XXXXXXXX/logs" in html and "~/runs/a.log" in html and "~/.cache/x" in html
+    assert "reveal.js/dist/reveal.js" in html  # relative paths are untouched
+
+
+def test_build_writes_build_slides_and_publish_refreshes_slides(executed, tmp_path, monkeypatch):
+    notebooks, build, built, published = (tmp_path / d for d in ("notebooks", "build", "built", "published"))
+    for d in (notebooks, build, published):
+        d.mkdir()
+    nbformat.write(executed, build / "99_test.ipynb")
+    stripped = nbformat.from_dict(json.loads(json.dumps(executed)))
+    for cell in stripped.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nbformat.write(stripped, notebooks / "99_test.ipynb")
+    (published / f"00_gone{bc.DECK_SUFFIX}").write_text("<html></html>")
+    monkeypatch.setattr(bc, "NOTEBOOKS", notebooks)
+    monkeypatch.setattr(bc, "BUILD", build)
+
+    assert bc.slides(out=built) == 0
+    deck = built / f"99_test{bc.DECK_SUFFIX}"
+    assert deck.is_file() and (built / "reveal.js" / "dist" / "reveal.js").is_file()  # opens from build/ too
+    assert (built / "katex" / "katex.min.js").is_file()
+    assert not (published / f"99_test{bc.DECK_SUFFIX}").exists(), "a build never writes the published decks"
+
+    assert bc.publish(build=built, dest=published) == 0
+    assert (published / f"99_test{bc.DECK_SUFFIX}").read_text() == deck.read_text()
+    assert not (published / f"00_gone{bc.DECK_SUFFIX}").exists()  # its notebook is gone
+
+    stripped.cells[3].source += " Edited after the build."
+    nbformat.write(stripped, notebooks / "99_test.ipynb")
+    assert bc.publish(build=built, dest=published) == 1  # a deck of an older version is not published
+
+
+def test_built_decks_are_ignored_by_git():
+    """`make course` writes only ignored paths, so a fresh clone's `git status` stays clean after it."""
+    import subprocess
+
+    assert bc.BUILD_SLIDES == ROOT / "build" / "slides" and bc.BUILD == ROOT / "build" / "notebooks"
+    for path in ("build/slides/01_memory_bill.slides.html", "build/notebooks/01_memory_bill.ipynb"):
+        done = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
+        assert done.returncode == 0, f"{path} is not ignored by git"

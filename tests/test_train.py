@@ -10,14 +10,13 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from conftest import ROOT
 
 from course_utils import comm
 from course_utils.errors import CourseInputError
 from course_utils.instrument import weights_sha256
 from course_utils.models import build_model, param_count
 from course_utils.train import TrainConfig, train, train_worker
-
-from conftest import ROOT
 
 PSI = param_count(build_model("tiny"))
 ARGS = ["--strategy", "ddp_scratch", "--steps", "3", "--bucket-cap-mb", "0.1", "--json"]

@@ -94,7 +94,7 @@ def test_figures_render():
 def test_headless_planner(headless):
     out = widgets.planner(7e9)
     assert out.png.startswith(PNG_MAGIC)
-    assert out.text.startswith("stage 1 (P_os): stage 1 is the lowest stage that fits")
+    assert out.text.startswith("stage 1 (P_os): stage 1 fits") and "a tie goes to the lower stage" in out.text
 
 
 def test_live_planner_follows_controls(live):
@@ -108,6 +108,66 @@ def test_live_planner_follows_controls(live):
     _find(box, "course-plan-model").value = 70e9
     assert "offload" in readout.value
     _find(box, "course-plan-nodes").value = 4
-    assert "only stage 3 fits" in readout.value
+    assert "stage 3 fits" in readout.value and "beats the runner-up, stage 3 + optimizer offload" in readout.value
     _find(box, "course-plan-seq").value = 131072
     assert "no data-parallel strategy fits" in readout.value
+
+
+# ---------------------------------------------------------------------------------------------
+# What JupyterLab showed wrong (issue: teach from it), checked on the widget objects
+# ---------------------------------------------------------------------------------------------
+
+def test_controls_accept_any_value_passed_in(live):
+    """Notebook 03 draws the chart at Nd = 25; the Nd steps are powers of two (a TraitError before)."""
+    box = widgets.memory_chart(60e9, nd=25, nm=16)
+    nd = _find(box, "course-memory-nd")
+    assert nd.value == 25 and list(nd.options) == sorted(nd.options)
+    assert "Nd = 25" in _find(box, "course-memory-readout").value
+    assert _find(widgets.bill_bars(8, nd=3), "course-bill-nd").value == 3
+    assert _find(widgets.measured_memory_chart(1e6, {}, nd=3, nd_max=8), "course-measured-nd").value == 3
+
+
+def test_preset_is_lit_only_while_the_slider_is_on_it(live):
+    box = widgets.memory_chart(7.5e9, nd=64)
+    model, presets = _find(box, "course-memory-model"), _find(box, "course-memory-presets")
+    assert presets.value == "7.5B"  # the starting size is a preset
+    presets.value = "1T"
+    assert model.value == 1e12 and presets.value == "1T"
+    model.value = 175e9  # the slider moves away: no preset is that size
+    assert presets.value is None
+    model.value = 128e9
+    assert presets.value == "128B"
+
+
+def _all(widget):
+    yield widget
+    for child in getattr(widget, "children", ()):
+        yield from _all(child)
+
+
+@pytest.mark.parametrize("make", [lambda: widgets.memory_chart(7.5e9), lambda: widgets.bill_bars(8),
+                                  lambda: widgets.planner(7e9)], ids=["memory_chart", "bill_bars", "planner"])
+def test_dropdowns_are_wide_enough_for_their_labels(live, make):
+    """A Dropdown is 300 px whatever its labels; JupyterLab cut "12 bytes: mixed-precision Adam"."""
+    dropdowns = [w for w in _all(make()) if type(w).__name__ == "Dropdown"]
+    assert dropdowns
+    for box in dropdowns:
+        longest = max(len(label) for label in box._options_labels)
+        width = box.layout.width
+        assert width and width.endswith("ch"), (box.description, width)
+        assert float(width[:-2]) >= longest + len(box.description) + 4, (box.description, width, longest)
+        assert box.style.description_width == "initial"
+
+
+def test_network_control_shows_its_whole_label(live):
+    """A slider's readout is a fixed width ("4 x 100 Gb/s (5"); the network choice is a fitted dropdown."""
+    net = _find(widgets.planner(7e9, inter_bw=50e9), "course-plan-network")
+    assert type(net).__name__ == "Dropdown" and net.label == "4 x 100 Gb/s (50 GB/s)"
+    assert list(net.options) == sorted(net.options, key=lambda o: o[1])  # still in order of speed
+
+
+def test_readout_sizes_never_use_scientific_notation(live):
+    box = widgets.memory_chart(1e12, nd=1, k=12)  # plain DP holds 16 TB on one GPU
+    readout = _find(box, "course-memory-readout").value
+    assert "e+" not in readout and "16 TB" in readout
+    assert "e+" not in memory.memory_chart_view(1e12, nd=1)["readout_text"]

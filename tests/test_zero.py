@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from course_utils import memory, stepper, zero
 from course_utils.errors import CourseInputError
+from course_utils.labs import lab03
 from course_utils.models import build_model, param_count
 from course_utils.train import TrainConfig, train
 
@@ -259,7 +260,7 @@ def test_sharded_optimizer_wraps_any_optimizer_with_groups(world_of_one, stage_c
     for optimizer_class, options in ((torch.optim.AdamW, {"lr": 1e-2}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})):
         ref_model = TiedFrozen()
         model = copy.deepcopy(ref_model)
-        ref_losses = _reference(ref_model, lambda p: optimizer_class(groups(ref_model), foreach=False, **options))
+        ref_losses = _reference(ref_model, lambda p, c=optimizer_class, m=ref_model, o=options: c(groups(m), foreach=False, **o))
         opt = stage_cls(groups(model), optimizer_class, foreach=False, **kwargs, **options)
         # stage 1: one flat buffer per param group; stage 2: buckets of at most 300 bytes
         assert len(opt.flats) == 2 if stage_cls is zero.ShardedOptimizer else len(opt.flats) > 2
@@ -281,7 +282,7 @@ def test_sharded_optimizer_wraps_any_optimizer_with_groups(world_of_one, stage_c
 
 @pytest.fixture(scope="module")
 def agreement2():
-    return zero.agreement(nproc=2, steps=3)
+    return lab03.agreement(nproc=2, steps=3)
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,17 @@
 """Build the course: execute every notebook headless, then export slide decks.
 
     python tools/build_course.py execute [NN ...]      notebooks/*.ipynb -> build/notebooks/ (papermill, headless)
-    python tools/build_course.py slides [NN ...]       build/notebooks/*.ipynb -> slides/NN_name.slides.html
+    python tools/build_course.py slides [NN ...]       build/notebooks/*.ipynb -> build/slides/NN_name.slides.html
+    python tools/build_course.py publish               build/slides/*.slides.html -> slides/ (committed, for teachers)
     python tools/build_course.py vendor                re-fetch reveal.js and KaTeX from npm into slides/
     python tools/build_course.py docs-shot [NN_name]   build/screenshots/NN_name.png -> docs/deck.png (README)
 
 `make course` runs `execute` then `slides`; `make slides` re-exports the decks from build/ alone.
 NN picks notebooks by prefix ("01", "05b") or full name; none means every notebook.
-Executed notebooks never go back into notebooks/.
+Executed notebooks never go back into notebooks/, and built decks never go into slides/ by themselves:
+a run's timings, process ids and temporary folders differ on every machine, so `make course` leaves a
+fresh clone's `git status` clean; `make publish-slides` (`publish`) is the teacher's deliberate step
+that refreshes the committed decks. Every deck has the build machine's paths scrubbed (``scrub_paths``).
 
 How a notebook becomes a deck (slides/README.md says the same for teachers):
 
@@ -20,6 +24,8 @@ How a notebook becomes a deck (slides/README.md says the same for teachers):
   take the height the slide leaves free; a slide that overflows shrinks its text a little (85 %),
   then moves its trailing prose, in order, into its speaker notes (never a cell's first paragraph,
   a heading, a table, code, an output or a "Predict" question), then shrinks further (not below 70 %).
+  Width too: a table or displayed formula wider than the slide gets smaller type (down to 14 px), and
+  scrolls sideways in its own box only if it is still too wide.
 - Widget views, stderr (warnings) and JavaScript outputs are left out; a notebook with an error
   output is refused. Remote images (the Colab badge) become plain links, so a deck loads nothing
   from the network: reveal.js and KaTeX are vendored under slides/.
@@ -45,6 +51,7 @@ NOTEBOOKS = ROOT / "notebooks"
 BUILD = ROOT / "build" / "notebooks"
 SCREENSHOTS = ROOT / "build" / "screenshots"
 SLIDES = ROOT / "slides"
+BUILD_SLIDES = ROOT / "build" / "slides"
 TEMPLATE_DIR = Path(__file__).resolve().parent / "deck_template"
 
 #: Kernels talk to the build over Unix sockets, not TCP: nothing listens on a port, and ipykernel has
@@ -313,6 +320,27 @@ def remote_loads(html: str) -> list[str]:
     return [f"<{tag}> {url}" for tag, url in loaded_urls(html) if re.match(r"(https?:)?//", url.strip(), re.I)]
 
 
+_TMP_SUFFIX = re.compile(r"((?<![\w$])TMPDIR/[A-Za-z0-9._-]*?[-_.])[a-z0-9_]{8}(?![A-Za-z0-9_])")
+
+
+def scrub_paths(text: str, root: Path = ROOT) -> str:
+    """``text`` without the build machine's paths: the repository's absolute path becomes relative, a home
+    folder ``~``, the temporary folder ``TMPDIR`` (with tempfile's random 8-character suffixes as XXXXXXXX;
+    no ``$``, which KaTeX would read as maths).
+
+    A published deck showed a traceback through the build machine's checkout, its virtual environment and
+    the run's temporary folders; none of that means anything to the room, and it names the machine.
+    """
+    import tempfile
+
+    text = text.replace(str(root) + "/", "").replace(str(root), ".")
+    text = re.sub(r"(?<![\w.~-])(?:/home|/Users)/[^/\s\"'<>]+(?=/)", "~", text)
+    text = re.sub(r"(?<![\w.~-])/root(?=/)", "~", text)
+    for tmp in sorted({tempfile.gettempdir(), "/tmp", "/var/tmp", "/private/tmp"}, key=len, reverse=True):
+        text = re.sub(r"(?<![\w.~-])" + re.escape(tmp) + r"(?=/)", "TMPDIR", text)
+    return _TMP_SUFFIX.sub(r"\1XXXXXXXX", text)
+
+
 def export_deck(executed: Path, source: Path | None = None) -> tuple[str, list[str]]:
     """(HTML of the deck, warnings) for one executed notebook."""
     import nbformat
@@ -332,14 +360,23 @@ def export_deck(executed: Path, source: Path | None = None) -> tuple[str, list[s
         "slides": expected_slides(nb), "charts": charts,
         "css": (TEMPLATE_DIR / "deck.css").read_text(), "js": (TEMPLATE_DIR / "deck.js").read_text()}}
     html, _ = exporter.from_notebook_node(deck, resources=resources)
+    html = scrub_paths(html)
     remote = remote_loads(html)
     if remote:
         raise ValueError(f"{name}: the deck would load from the network: {remote[:3]}")
     return html, warnings
 
 
-def slides(names=()) -> int:
-    SLIDES.mkdir(exist_ok=True)
+def _vendored(dest: Path) -> None:
+    """Put the vendored reveal.js and KaTeX beside decks written outside slides/ (decks load them by relative path)."""
+    for _, target in VENDOR_DIRS.values():
+        shutil.copytree(SLIDES / target, dest / target, dirs_exist_ok=True)
+
+
+def slides(names=(), out: Path = BUILD_SLIDES) -> int:
+    """Export a deck per executed notebook into ``out`` (build/slides/; `publish` copies them to slides/)."""
+    out.mkdir(parents=True, exist_ok=True)
+    _vendored(out)
     executed = select(BUILD.glob("*.ipynb"), names) if BUILD.is_dir() else []
     if not executed:
         print("no executed notebooks in build/notebooks/; run `make notebooks` first", file=sys.stderr)
@@ -359,16 +396,51 @@ def slides(names=()) -> int:
             failed.append(path.stem)
             print(f"    no deck for {path.stem}: {err}", file=sys.stderr)
             continue
-        out = SLIDES / f"{path.stem}{DECK_SUFFIX}"
-        out.write_text(html)
+        deck = out / f"{path.stem}{DECK_SUFFIX}"
+        deck.write_text(html)
         for line in warnings:
             print(f"    warning: {line}", file=sys.stderr)
-        print(f"    {out.relative_to(ROOT)} ({len(html) // 1024} KiB)")
-    orphans = [d.name for d in SLIDES.glob(f"*{DECK_SUFFIX}")
+        print(f"    {deck.relative_to(ROOT) if deck.is_relative_to(ROOT) else deck} ({len(html) // 1024} KiB)")
+    orphans = [d.name for d in out.glob(f"*{DECK_SUFFIX}")
                if not (NOTEBOOKS / (d.name[:-len(DECK_SUFFIX)] + ".ipynb")).exists()]
     if orphans:
         print(f"    warning: decks without a notebook (delete them): {', '.join(orphans)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _deck_fingerprint(html: str) -> str | None:
+    """The fingerprint a deck records (its course-fingerprint meta tag; attributes in any order)."""
+    for tag in re.findall(r"<meta\b[^>]*>", html):
+        attrs = dict(re.findall(r'(\w[\w-]*)="([^"]*)"', tag))
+        if attrs.get("name") == "course-fingerprint":
+            return attrs.get("content")
+    return None
+
+
+def publish(build: Path = BUILD_SLIDES, dest: Path = SLIDES) -> int:
+    """Copy the built decks into the committed slides/ (`make publish-slides`), only when every notebook has a
+    deck built from its current version; decks whose notebook is gone are removed from slides/."""
+    notebooks = {p.stem: p for p in NOTEBOOKS.glob("*.ipynb")}
+    import nbformat
+
+    problems = []
+    for stem, source in sorted(notebooks.items()):
+        deck = build / f"{stem}{DECK_SUFFIX}"
+        if not deck.exists():
+            problems.append(f"{stem}: no deck in {deck.parent.name}/")
+        elif _deck_fingerprint(deck.read_text()) != fingerprint(nbformat.read(source, as_version=4)):
+            problems.append(f"{stem}: its built deck shows another version of the notebook")
+    if problems:
+        print("not published: " + "; ".join(problems) + " (run `make course` first)", file=sys.stderr)
+        return 1
+    for stem in sorted(notebooks):
+        shutil.copyfile(build / f"{stem}{DECK_SUFFIX}", dest / f"{stem}{DECK_SUFFIX}")
+    for old in dest.glob(f"*{DECK_SUFFIX}"):
+        if old.name[: -len(DECK_SUFFIX)] not in notebooks:
+            old.unlink()
+            print(f"    removed {old.name} (no notebook)")
+    print(f"    published {len(notebooks)} decks into slides/: review `git diff --stat slides/`, then commit them")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,8 +490,8 @@ def docs_shot(names=()) -> int:
 
 
 if __name__ == "__main__":
-    commands = {"execute": execute, "slides": slides, "vendor": vendor, "docs-shot": docs_shot}
+    commands = {"execute": execute, "slides": slides, "publish": publish, "vendor": vendor, "docs-shot": docs_shot}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        sys.exit("usage: python tools/build_course.py (execute | slides | vendor | docs-shot) [NN ...]")
+        sys.exit("usage: python tools/build_course.py (execute | slides | publish | vendor | docs-shot) [NN ...]")
     command, args = commands[sys.argv[1]], sys.argv[2:]
-    sys.exit(command() if command is vendor else command(args))
+    sys.exit(command() if command in (vendor, publish) else command(args))

@@ -19,7 +19,7 @@ the next section still runs), and the report is rewritten after each one:
 - ``fsdp_1b``: a ~1.08B-parameter course model (``ONE_B``), FSDP2 FULL_SHARD on one GPU (world
   size 1, NCCL, started by ``course_utils.launch``), bf16 compute and fp32 reduce, activation
   checkpointing on every block: the wrapping and optimizer of the rehearsal
-  (``course_utils.rehearse.shard_model`` / ``make_optimizer``). Measures step time, tokens/s,
+  (``course_utils.fsdp.shard_model`` / ``make_optimizer``). Measures step time, tokens/s,
   MFU, ``torch.cuda.max_memory_allocated`` in a steady step against ``rehearse.rehearse`` for the
   same model and setting (target: within 10%), and a torch.profiler summary of the top kernels
   (where the time goes, for the 40% MFU target).
@@ -293,7 +293,7 @@ def fsdp_step_worker(shape: dict, micro_batch: int, steps: int = 10, warmup: int
     import torch
 
     from course_utils import dist as cdist
-    from course_utils import rehearse
+    from course_utils import fsdp, rehearse
     from course_utils.data import batch_for_rank
     from course_utils.models import GPTConfig, build_model
 
@@ -302,7 +302,8 @@ def fsdp_step_worker(shape: dict, micro_batch: int, steps: int = 10, warmup: int
         cfg = GPTConfig(**shape)
         model = build_model(cfg, seed=0, device=info.device)
         mesh = rehearse.make_mesh("full_shard", info.world_size, device_type=info.device.type)
-        rehearse.shard_model(model, mesh, "full_shard", mixed_precision="bf16", act_ckpt=True)
+        fsdp.shard_model(model, mesh, reshard_after_forward=True, mp_policy=rehearse.mixed_precision_policy("bf16"),
+                         act_ckpt=True)
         opt = rehearse.make_optimizer(model)
         x, y = batch_for_rank(0, info.rank, info.world_size, batch=micro_batch * info.world_size, seq=cfg.seq,
                               vocab=cfg.vocab, device=info.device)
@@ -449,10 +450,10 @@ def _strategies_on_gpu() -> dict:
 
 def _overlap_timers_on_gpu() -> dict:
     """Notebook 05's block-overlap worker on one GPU: its timers synchronise the device."""
-    from course_utils import plan
+    from course_utils.labs import lab05
     from course_utils.launch import launch
 
-    rows = launch(plan.block_overlap_worker, nproc=1, backend="nccl", echo=False, progress=False,
+    rows = launch(lab05.block_overlap_worker, nproc=1, backend="nccl", echo=False, progress=False,
                   kwargs={"widths": (1024, 2048), "tokens": (1024, 8192), "repeats": 3})[0]
     text = "; ".join(f"h={r['width']} {r['tokens']} tokens fwd {r['fwd_s'] * 1e3:.2f} ms" for r in rows)
     return {"result": text, "ok": all(r["fwd_s"] > 0 for r in rows)}
@@ -460,9 +461,9 @@ def _overlap_timers_on_gpu() -> dict:
 
 def _bridge_on_gpu() -> dict:
     """Notebook 05b's bridge at world size 1: the rehearsal's bytes against real cuda shards."""
-    from course_utils import rehearse
+    from course_utils.labs import lab05b
 
-    rows = rehearse.bridge(1, ("full_shard", "shard_grad_op"))
+    rows = lab05b.bridge(1, ("full_shard", "shard_grad_op"))
     return {"result": ", ".join(f"{r['strategy']} equal: {r['equal']}" for r in rows), "ok": all(r["equal"] for r in rows)}
 
 

@@ -67,7 +67,7 @@ def caller(index: int, launches: int, nproc: int, timeout_s: float, slow_s: floa
     for i in range(launches):
         done = threading.Event()
 
-        def watchdog(tag=f"{index}-{i}"):
+        def watchdog(tag=f"{index}-{i}", done=done):
             if not done.wait(slow_s) and _AgentServer.proc is not None:
                 _dump_stacks(_AgentServer.proc.pid, folder, tag)
         threading.Thread(target=watchdog, daemon=True).start()

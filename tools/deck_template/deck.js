@@ -5,6 +5,9 @@
    3. Fit every slide to the canvas, so one idea stays one slide and nothing is cut off:
       a. charts get at least MIN_CHART of the slide's height, and printed outputs the largest type
          (up to OUTPUT_PX) at which their longest line still fits the width;
+      w. a table or displayed formula wider than the slide gets smaller type until it fits the width
+         (down to WIDE_MIN_PX); one still too wide scrolls sideways in its own box (a last resort that
+         keeps every column reachable instead of cut off at the canvas edge);
       b. if the slide overflows, printed outputs get smaller (down to OUTPUT_MIN_PX), then its
          text shrinks a little, down to MILD;
       c. if it still overflows, its trailing prose (last list items, last paragraphs; never a cell's
@@ -12,12 +15,13 @@
          order, into the slide's speaker notes;
       d. if it still overflows, its text shrinks further, never below SMALLEST;
       e. charts then grow into whatever height is left.
-   Each slide records what was done (data-course-fit, data-course-moved, data-course-overflow);
+   Each slide records what was done (data-course-fit, data-course-moved, data-course-overflow,
+   data-course-narrowed, data-course-scrolled);
    document.body.dataset.courseFitted = "1" once all slides are fitted (the browser tests wait for it). */
 (function () {
   "use strict";
   var WIDTH = 1280, HEIGHT = 720, MIN_CHART = 0.45, MILD = 0.85, SMALLEST = 0.7;
-  var OUTPUT_PX = 26, OUTPUT_MIN_PX = 15;
+  var OUTPUT_PX = 26, OUTPUT_MIN_PX = 15, WIDE_MIN_PX = 14;
   var slides = document.querySelector(".reveal .slides");
   var toArray = function (list) { return Array.prototype.slice.call(list); };
 
@@ -65,6 +69,43 @@
       if (!larger.length) break;
       larger.forEach(function (pre) { pre.style.fontSize = (parseFloat(pre.style.fontSize) - 1) + "px"; });
     }
+  }
+
+  // How far (canvas px) an element reaches past the slide's right edge, inside its padding; <= 0 fits.
+  // Measured on screen rectangles, so it holds wherever the element sits (a flex output area grows
+  // with a wide table, so comparing with the parent's width would say it fits).
+  function pastRightEdge(section, el) {
+    var box = section.getBoundingClientRect();
+    var scale = box.width / section.offsetWidth || 1;
+    var pad = parseFloat(window.getComputedStyle(section).paddingRight) || 0;
+    return (el.getBoundingClientRect().right - (box.right - pad * scale)) / scale;
+  }
+
+  // Width: tables (markdown or printed by a cell) and displayed formulas never run off the right edge.
+  function fitWidth(section) {
+    var narrowed = 0, scrolled = 0;
+    toArray(section.querySelectorAll("table, .katex-display")).forEach(function (el) {
+      if (el.closest("aside") || el.parentNode.closest("table, .katex-display") || pastRightEdge(section, el) <= 0.5) return;
+      var parentPx = parseFloat(window.getComputedStyle(el.parentNode).fontSize) || 16;
+      var px = parseFloat(window.getComputedStyle(el).fontSize);
+      while (pastRightEdge(section, el) > 0.5 && px > WIDE_MIN_PX) {
+        px -= 1;
+        el.style.fontSize = (px / parentPx) + "em";  // em: the slide's own shrinking (below) still applies
+      }
+      narrowed += 1;
+      var past = pastRightEdge(section, el);
+      if (past > 0.5) {
+        var box = document.createElement("div");
+        box.className = "course-scroll";
+        box.style.overflowX = "auto";
+        box.style.maxWidth = Math.floor(el.getBoundingClientRect().width / (section.getBoundingClientRect().width / section.offsetWidth || 1) - past) + "px";
+        el.parentNode.insertBefore(box, el);
+        box.appendChild(el);
+        scrolled += 1;
+      }
+    });
+    if (narrowed) section.dataset.courseNarrowed = String(narrowed);
+    if (scrolled) section.dataset.courseScrolled = String(scrolled);
   }
 
   function asksToPredict(el) {
@@ -123,6 +164,7 @@
     var charts = chartsOf(section).length;
     if (charts) sizeCharts(section, HEIGHT * MIN_CHART);
     sizeOutputs(section);
+    fitWidth(section);
     var scale = 1;
     function shrink(floor) {
       while (overflow(section) > 0 && scale > floor + 1e-6) {

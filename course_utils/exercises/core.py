@@ -1,0 +1,496 @@
+"""The checking machinery behind every notebook's "Exercises" section (notebooks 01 to 06).
+
+An ``Exercise`` is one record: its task (markdown), the stub the student fills in, its hints,
+and how it is checked. A check runs the student's function the way the course runs its own:
+in this process for arithmetic, on real ranks through ``course_utils.launch.launch`` for
+anything distributed, and compares the result with the course's reference (the same functions
+the notebook's lecture cells call). The answer is one ``Outcome``: passed, failed with one
+sentence in the exercise's terms, or not done (the stub is untouched). A check never raises on
+a wrong answer, so a notebook with untouched stubs still runs from top to bottom.
+
+Notebook side::
+
+    from course_utils.exercises import check, show_hint, load_solution
+    check("02", "averaging_hook", averaging_hook)     # prints passed / failed: why / not done
+    show_hint("02", "averaging_hook", 1)              # hints open one at a time
+    averaging_hook = load_solution("02", "averaging_hook")   # prints the reference, defines it
+
+Teacher side: ``python -m course_utils exercises --json | --run solutions | --run stubs |
+--grade STUDENT.ipynb`` (see ``exercises_command``).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import os
+import sys
+import textwrap
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CourseInputError
+
+NOTEBOOKS = ("01", "02", "03", "04", "05", "06")
+#: Where ``check`` appends its outcomes when set (the grader sets it for the notebook it runs).
+REPORT_ENV = "COURSE_EXERCISE_REPORT"
+#: What an untouched stub raises; any NotImplementedError counts as "not done".
+STUB_MARKER = "NotImplementedError"
+PASSED, FAILED, NOT_DONE = "passed", "failed", "not done"
+
+
+class Wrong(Exception):
+    """Raised inside a check with the one sentence a student sees (notebooks 01-06)."""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise: what the student reads, writes and is checked on (notebooks 01-06).
+
+    Either ``judge(fn)`` runs in this process and raises ``Wrong("...")`` on a wrong answer, or
+    (distributed exercises, ``nproc`` > 0) ``on_rank(fn, info)`` runs on every rank of a launch
+    and returns plain data, and ``verdict(results_by_rank)`` raises ``Wrong`` on a wrong answer.
+    """
+
+    notebook: str
+    name: str
+    title: str
+    checks: str                     # what the check compares, in one sentence
+    task: str                       # the markdown the student reads
+    stub: str                       # the code cell the student fills in (defines ``name``)
+    hints: tuple[str, ...]
+    judge: Callable | None = None
+    on_rank: Callable | None = None
+    verdict: Callable | None = None
+    nproc: int = 0
+    timeout_s: float = 60.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.notebook}.{self.name}"
+
+    def describe(self) -> dict:
+        return {"notebook": self.notebook, "name": self.name, "title": self.title, "checks": self.checks,
+                "distributed": bool(self.nproc), "nproc": self.nproc, "hints": len(self.hints)}
+
+
+@dataclass
+class Outcome:
+    """A check's answer: ``status`` is "passed", "failed" or "not done"; ``message`` one sentence."""
+
+    notebook: str
+    name: str
+    status: str
+    message: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASSED
+
+    def to_dict(self) -> dict:
+        return {"notebook": self.notebook, "name": self.name, "status": self.status, "message": self.message}
+
+    def __str__(self) -> str:
+        mark = {PASSED: "PASSED", FAILED: "NOT YET", NOT_DONE: "NOT DONE"}[self.status]
+        return f"[{mark}] exercise {self.notebook}.{self.name}" + (f": {self.message}" if self.message else "")
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython shows the sentence, not a dataclass dump
+        p.text(str(self))
+
+
+REGISTRY: dict[tuple[str, str], Exercise] = {}
+
+
+def register(ex: Exercise) -> Exercise:
+    """Add an exercise to the registry (each ``nbNN`` module registers its own at import)."""
+    REGISTRY[(ex.notebook, ex.name)] = ex
+    return ex
+
+
+def _load(notebooks=NOTEBOOKS) -> None:
+    """Import the exercise modules of these notebooks (each registers its exercises); a notebook's
+    check imports only its own, so the section adds nothing heavy to the notebook's run."""
+    for nb in notebooks:
+        try:
+            importlib.import_module(f"course_utils.exercises.nb{nb}")
+        except ModuleNotFoundError as exc:  # a notebook without exercises yet
+            if exc.name != f"course_utils.exercises.nb{nb}":
+                raise
+
+
+def exercises(notebook: str | None = None) -> list[Exercise]:
+    """Every exercise, in notebook order (or one notebook's) (notebooks 01-06)."""
+    _load(NOTEBOOKS if notebook is None else (_nb(notebook),))
+    out = [ex for ex in REGISTRY.values() if notebook is None or ex.notebook == _nb(notebook)]
+    return sorted(out, key=lambda ex: NOTEBOOKS.index(ex.notebook))
+
+
+def _nb(notebook) -> str:
+    text = str(notebook).zfill(2)
+    if text not in NOTEBOOKS:
+        raise CourseInputError(f"notebook {notebook!r} has no exercises; choose one of {', '.join(NOTEBOOKS)}")
+    return text
+
+
+def get(notebook, name: str) -> Exercise:
+    """The exercise ``name`` of ``notebook`` ("02" or 2), or a CourseInputError that lists the names."""
+    nb = _nb(notebook)
+    _load((nb,))
+    ex = REGISTRY.get((nb, name))
+    if ex is None:
+        names = ", ".join(n for (b, n) in REGISTRY if b == nb)
+        raise CourseInputError(f"notebook {nb} has no exercise {name!r}; its exercises are: {names}")
+    return ex
+
+
+# ---------------------------------------------------------------------------------------------
+# Not done, and how a student's error reads
+# ---------------------------------------------------------------------------------------------
+
+def is_stub(fn) -> bool:
+    """True when ``fn`` is an untouched stub: its body (after a docstring) starts by raising
+    NotImplementedError (notebooks 01-06). Found from the source, so nothing is launched for it."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        code = getattr(fn, "__code__", None)  # no source (exec'd): a tiny body that names the marker
+        return code is not None and STUB_MARKER in code.co_names and len(code.co_code) < 40
+    node = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))), None)
+    if node is None:
+        return False
+    body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if isinstance(node, ast.ClassDef):  # a class stub: its first method decides
+        method = next((s for s in body if isinstance(s, ast.FunctionDef)), None)
+        body = [] if method is None else [s for s in method.body
+                                          if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    first = body[0] if body else None
+    if not isinstance(first, ast.Raise) or first.exc is None:
+        return False
+    target = first.exc.func if isinstance(first.exc, ast.Call) else first.exc
+    return isinstance(target, ast.Name) and target.id == STUB_MARKER
+
+
+def student_error(exc: BaseException) -> str:
+    """One line for an exception raised by the student's code: its type, message and where."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if "course_utils" not in f.filename.replace("\\", "/").split("/site-packages/")[-1]
+            or "<" in f.filename]
+    where = f" (line {mine[-1].lineno}: {mine[-1].line.strip()})" if mine and mine[-1].line else ""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"your code raised {type(exc).__name__}{': ' + text if text else ''}{where}"
+
+
+def _outcome(ex: Exercise, status: str, message: str = "") -> Outcome:
+    return Outcome(ex.notebook, ex.name, status, message)
+
+
+def _not_done(ex: Exercise) -> Outcome:
+    return _outcome(ex, NOT_DONE, f"the stub is untouched: fill in {ex.name} above, then run this cell again "
+                                  f"(hints: show_hint({ex.notebook!r}, {ex.name!r}, 1))")
+
+
+# ---------------------------------------------------------------------------------------------
+# Running on real ranks: the student's function travels with the launch (by value when it was
+# written in a notebook cell: ``launch`` serialises its arguments with cloudpickle)
+# ---------------------------------------------------------------------------------------------
+
+#: Names a stub may use without importing them (what ``run_stub`` defines it with).
+CELL_GLOBALS = "import math\nimport torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n" \
+               "import torch.distributed as dist\n"
+
+
+def run_on_ranks(jobs: list) -> list:
+    """Worker: run each ``(notebook, name, fn)`` job's ``on_rank`` on this rank, in order.
+
+    A job whose student code raises returns ``{"error": one line}``; the other jobs still run.
+    """
+    from .. import dist as cdist
+
+    out = []
+    with cdist.session() as info:
+        for notebook, name, fn in jobs:
+            ex = get(notebook, name)
+            try:
+                out.append({"value": ex.on_rank(fn, info)})
+            except NotImplementedError:
+                out.append({"not_done": True})
+            except Wrong as exc:
+                out.append({"wrong": str(exc)})
+            except Exception as exc:  # the student's code: one line, never a traceback wall
+                out.append({"error": student_error(exc)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking
+# ---------------------------------------------------------------------------------------------
+
+def _judge_local(ex: Exercise, fn) -> Outcome:
+    try:
+        ex.judge(fn)
+    except NotImplementedError:
+        return _not_done(ex)
+    except Wrong as exc:
+        return _outcome(ex, FAILED, str(exc))
+    except Exception as exc:
+        return _outcome(ex, FAILED, student_error(exc))
+    return _outcome(ex, PASSED, "matches the course's reference")
+
+
+def _verdict(ex: Exercise, per_rank: dict) -> Outcome:
+    for rank in sorted(per_rank):
+        r = per_rank[rank]
+        if r.get("not_done"):
+            return _not_done(ex)
+        if "wrong" in r:
+            return _outcome(ex, FAILED, f"rank {rank}: {r['wrong']}")
+        if "error" in r:
+            return _outcome(ex, FAILED, f"on rank {rank}, {r['error']}")
+    try:
+        ex.verdict({rank: r["value"] for rank, r in per_rank.items()})
+    except Wrong as exc:
+        return _outcome(ex, FAILED, str(exc))
+    return _outcome(ex, PASSED, f"matches the course's reference on {len(per_rank)} real ranks")
+
+
+def check_many(pairs: list, *, record: bool = True) -> list[Outcome]:
+    """Check several ``(exercise, fn)`` pairs; the distributed ones share one launch per world size.
+
+    Each launch costs about a second, so the tests and ``--run`` batch their checks here.
+    """
+    from ..launch import LaunchError, launch
+
+    results: dict[int, Outcome] = {}
+    batches: dict[int, list] = {}
+    for i, (ex, fn) in enumerate(pairs):
+        if fn is None or is_stub(fn):
+            results[i] = _not_done(ex)
+        elif ex.nproc:
+            batches.setdefault(ex.nproc, []).append(i)
+        else:
+            results[i] = _judge_local(ex, fn)
+    for nproc, idxs in batches.items():
+        jobs = [(pairs[i][0].notebook, pairs[i][0].name, pairs[i][1]) for i in idxs]
+        timeout = sum(pairs[i][0].timeout_s for i in idxs)
+        try:
+            # gloo on CPU everywhere: the checks build their tensors on the CPU, and a check is about
+            # correctness and bytes, which the CPU shows exactly (NCCL needs every tensor on a GPU).
+            run = launch(run_on_ranks, nproc=nproc, args=(jobs,), timeout_s=timeout, progress=False,
+                         backend="gloo")
+        except LaunchError as exc:
+            first = str(exc).strip().splitlines()[0]
+            for i in idxs:
+                results[i] = _outcome(pairs[i][0], FAILED,
+                                      f"the ranks did not finish together ({first}); a collective that some "
+                                      "ranks call and others do not waits forever: call the same collectives, "
+                                      "in the same order, on every rank")
+            continue
+        for j, i in enumerate(idxs):
+            results[i] = _verdict(pairs[i][0], {rank: values[j] for rank, values in run.items()})
+    out = [results[i] for i in range(len(pairs))]
+    if record:
+        _record(out)
+    return out
+
+
+def check(notebook, name: str, fn) -> Outcome:
+    """Check the student's ``fn`` for exercise ``name`` of ``notebook`` and print the answer (notebooks 01-06).
+
+    Never raises on a wrong or unfinished answer: it returns (and the notebook shows) an
+    ``Outcome``, so a notebook with untouched stubs still runs to the end.
+    """
+    return check_many([(get(notebook, name), fn)])[0]
+
+
+def _record(outcomes: list[Outcome]) -> None:
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    with open(path, "a") as fh:
+        for o in outcomes:
+            fh.write(json.dumps(o.to_dict()) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hints and solutions
+# ---------------------------------------------------------------------------------------------
+
+def hint_text(notebook, name: str, n: int) -> str:
+    """Hint ``n`` (1-based) of an exercise, with how many there are."""
+    ex = get(notebook, name)
+    if not isinstance(n, int) or not 1 <= n <= len(ex.hints):
+        raise CourseInputError(f"exercise {ex.key} has hints 1 to {len(ex.hints)}; ask for one of those")
+    more = (f" (next: show_hint({ex.notebook!r}, {ex.name!r}, {n + 1}))" if n < len(ex.hints) else " (the last hint)")
+    return f"Hint {n} of {len(ex.hints)}{more}: {ex.hints[n - 1]}"
+
+
+def show_hint(notebook, name: str, n: int = 1) -> None:
+    """Print hint ``n`` of an exercise; the hints open one at a time (notebooks 01-06)."""
+    print(hint_text(notebook, name, n))
+
+
+def solutions_dir() -> Path:
+    """The repository's ``solutions/`` folder (reference solutions, kept out of the notebooks)."""
+    return Path(__file__).resolve().parents[2] / "solutions"
+
+
+def solution(notebook, name: str):
+    """The reference solution of an exercise, imported from ``solutions/nbNN.py``."""
+    ex = get(notebook, name)
+    folder = solutions_dir()
+    if not (folder / f"nb{ex.notebook}.py").is_file():
+        raise CourseInputError(f"the reference solutions are not installed here (no {folder.name}/nb{ex.notebook}.py); "
+                               "use a source checkout of the course")
+    root = str(folder.parent)
+    if root not in sys.path:
+        sys.path.append(root)  # the launcher puts the same folder on the workers' path
+    module = importlib.import_module(f"solutions.nb{ex.notebook}")
+    return getattr(module, ex.name)
+
+
+def load_solution(notebook, name: str, *, quiet: bool = False):
+    """Give up on an exercise: print the reference solution, define it in the caller, return it (notebooks 01-06)."""
+    fn = solution(notebook, name)
+    if not quiet:
+        print(inspect.getsource(fn))
+    caller = sys._getframe(1).f_globals
+    if caller.get("__name__") == "__main__":
+        caller[name] = fn
+    return fn
+
+
+def run_stub(ex: Exercise):
+    """The stub's function, defined from the exercise's stub source (what the notebook cell holds)."""
+    namespace: dict = {}
+    exec(compile(CELL_GLOBALS + ex.stub, f"<stub {ex.key}>", "exec"), namespace)
+    return namespace[ex.name]
+
+
+# ---------------------------------------------------------------------------------------------
+# For teachers and CI: list, run on solutions or stubs, grade a student's notebook
+# ---------------------------------------------------------------------------------------------
+
+_CHECK_CALL = r"""check\(\s*["'](\d\d)["']\s*,\s*["'](\w+)["']"""
+
+
+def run_all(which: str) -> list[Outcome]:
+    """Every exercise's check on the reference solutions ("solutions") or the untouched stubs ("stubs")."""
+    if which not in ("solutions", "stubs"):
+        raise CourseInputError(f"--run takes 'solutions' or 'stubs', got {which!r}")
+    pairs = [(ex, solution(ex.notebook, ex.name) if which == "solutions" else run_stub(ex)) for ex in exercises()]
+    return check_many(pairs, record=False)
+
+
+def grade(path, *, timeout_s: float = 900.0) -> list[Outcome]:
+    """Execute a student's notebook headless (papermill) and report every exercise in it (notebooks 01-06).
+
+    Each exercise whose check cell appears in the notebook is passed, failed (with its message)
+    or not done; an exercise whose check cell never ran (the notebook stopped earlier) is failed
+    with the error that stopped it.
+    """
+    import re
+    import tempfile
+
+    import nbformat
+    import papermill
+
+    path = Path(path)
+    if not path.is_file():
+        raise CourseInputError(f"no notebook at {path}; give the path of the student's .ipynb")
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as exc:
+        raise CourseInputError(f"{path} is not a readable notebook ({exc}); give a .ipynb file") from None
+    wanted = []
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            for nb_id, name in re.findall(_CHECK_CALL, cell.source):
+                if (nb_id, name) not in wanted:
+                    wanted.append((nb_id, name))
+    if not wanted:
+        raise CourseInputError(f"{path} has no exercise check cells (check(\"NN\", \"name\", fn)); is it a course notebook?")
+    stopped = ""
+    with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
+        report = Path(tmp) / "outcomes.jsonl"
+        before = os.environ.get(REPORT_ENV)
+        os.environ[REPORT_ENV] = str(report)
+        try:
+            papermill.execute_notebook(str(path), str(Path(tmp) / "executed.ipynb"), cwd=str(path.parent),
+                                       progress_bar=False, execution_timeout=timeout_s, kernel_name="python3")
+        except papermill.PapermillExecutionError as exc:
+            first = exc.evalue.splitlines()[0] if exc.evalue else ""
+            stopped = f"the notebook stopped at cell {exc.exec_count} ({exc.ename}: {first})"
+        finally:
+            if before is None:
+                os.environ.pop(REPORT_ENV, None)
+            else:
+                os.environ[REPORT_ENV] = before
+        seen = {}
+        if report.exists():
+            for line in report.read_text().splitlines():
+                o = json.loads(line)
+                seen[(o["notebook"], o["name"])] = Outcome(**o)  # the last check of an exercise counts
+    return [seen.get(key) or Outcome(*key, FAILED, f"its check cell did not run: {stopped or 'it was not executed'}")
+            for key in wanted]
+
+
+def table_text(outcomes: list[Outcome]) -> str:
+    """Outcomes as a plain-text table: exercise, status, message."""
+    rows = [(f"{o.notebook}.{o.name}", o.status, o.message) for o in outcomes]
+    width = max([len("exercise")] + [len(r[0]) for r in rows])
+    lines = [f"{'exercise':<{width}}  {'status':<8}  message"]
+    lines += [f"{a:<{width}}  {b:<8}  {c}" for a, b, c in rows]
+    counts = {s: sum(o.status == s for o in outcomes) for s in (PASSED, FAILED, NOT_DONE)}
+    lines.append(f"{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[NOT_DONE]} not done, of {len(outcomes)}")
+    return "\n".join(lines)
+
+
+def exercises_arguments(parser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--run", choices=("solutions", "stubs"),
+                       help="run every check on the reference solutions (all must pass) or on the untouched stubs "
+                            "(all must be 'not done')")
+    group.add_argument("--grade", metavar="STUDENT.ipynb", nargs="+",
+                       help="execute each student's notebook headless and report every exercise in it")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def exercises_command(args) -> int:
+    """``python -m course_utils exercises``: list, run or grade the exercises (notebooks 01-06).
+
+    Exit status: 0, or 1 when ``--run solutions`` has a check that does not pass or ``--run stubs``
+    one that is not "not done".
+    """
+    if args.run is None and not args.grade:
+        listing = [ex.describe() for ex in exercises()]
+        if args.json:
+            print(json.dumps(listing, indent=1))
+        else:
+            for row in listing:
+                where = f"{row['nproc']} ranks" if row["distributed"] else "in process"
+                print(f"{row['notebook']}.{row['name']:<24} {where:<10} {row['checks']}")
+        return 0
+    if args.run:
+        outcomes = run_all(args.run)
+        want = PASSED if args.run == "solutions" else NOT_DONE
+        status = 0 if all(o.status == want for o in outcomes) else 1
+        graded = {"run": args.run, "outcomes": [o.to_dict() for o in outcomes]}
+    else:
+        graded = {"grades": {}}
+        status = 0
+        for path in args.grade:
+            outcomes = grade(path)
+            graded["grades"][str(path)] = [o.to_dict() for o in outcomes]
+            if not args.json:
+                print(f"== {path}")
+                print(table_text(outcomes))
+        if not args.json:
+            return status
+    if args.json:
+        print(json.dumps(graded, indent=1))
+    else:
+        print(table_text(outcomes))
+    return status

@@ -1,0 +1,224 @@
+"""Notebook 03's experiment: every ZeRO stage trains like one process, in one launch.
+
+``agreement`` trains the one-process reference and each stage on the same model and data
+through the one loop (``loop.run_steps``), and compares gradients, weights, losses and bytes
+held. The mechanism it checks is ``course_utils.zero``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from .. import dist as cdist
+from ..data import batch_for_rank
+from ..instrument import CountCollectives, HeldAtRest, weights_sha256
+from ..launch import launch
+from ..loop import TrainConfig, apply_single, resolve_strategy, run_steps
+from ..models import build_model, get_config
+from ..zero import ShardedOptimizer, apply_torch_zero1, shard_bounds
+
+#: What ``agreement_worker`` can run besides the strategies of ``strategies.STRATEGIES``.
+REFERENCES = {"torch_zero1": apply_torch_zero1}
+
+
+def _train_steps(prepared, cfg, info, rank: int, world: int, count=None) -> tuple[list[float], dict]:
+    """The one loop (``loop.run_steps``) on ``rank``'s share of ``world``: the losses, and the bytes held
+    counted where ``train`` counts them (the last step, after the update, before the gradients are cleared).
+    ``count``: a ``CountCollectives`` observer to count the collectives too."""
+    held = HeldAtRest(prepared.held, at=cfg.steps - 1)
+    losses = run_steps(prepared, cfg, info, range(cfg.steps), [held] + ([count] if count else []), rank=rank, world=world)
+    return [float(loss) for loss in losses], held.bytes
+
+
+def gradient_error(prepared, model, ref_grads: dict) -> float:
+    """Largest |g - g_single| of the averaged gradient this rank updates with, over max |g_single| (notebook 03).
+
+    For the hand-built stages that is ``grad_shard`` of every flat buffer (this rank's slice,
+    compared with the same slice of single's gradient, padding excluded); for DDP and the
+    library reference it is every parameter's ``.grad``. A missing division by Nd gives ~1.
+    """
+    names = {p: n for n, p in model.named_parameters()}
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    opt = prepared.optimizer
+    if not isinstance(opt, ShardedOptimizer):
+        return max(float((p.grad - ref_grads[n]).abs().max()) for n, p in model.named_parameters()) / scale
+    worst = 0.0
+    for flat in opt.flats:
+        ref = torch.cat([ref_grads[names[p]].reshape(-1) for p in flat.params])
+        lo, hi = shard_bounds(flat.padded, flat.nd, flat.rank)
+        mine = flat.grad_shard[:max(0, min(hi, flat.numel) - lo)].float()
+        worst = max(worst, float((mine - ref[lo:lo + mine.numel()]).abs().max()) if mine.numel() else 0.0)
+    return worst / scale
+
+
+def _first_gradients(prepared, cfg, mcfg, rank: int, world: int, device) -> None:
+    """One forward and backward of step 0, reduced but not applied."""
+    x, y = batch_for_rank(0, rank, world, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed,
+                          device=device)
+    prepared.model(x, y).backward()
+    prepared.before_step()
+    if type(prepared.optimizer) is ShardedOptimizer:  # stage 1 reduces at the step; do that part only
+        prepared.optimizer.reduce_gradients()
+
+
+def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3", "torch_zero1")) -> dict:
+    """Train ``single`` and each strategy in one launch; compare gradients and final weights with single's (notebook 03).
+
+    Rank 0 trains the one-process reference on the whole global batch by itself (no
+    collectives) and sends its gradients and weights to every rank; then each strategy runs on
+    its share of the batch, exactly as ``train`` would (same model, data, Adam; fp32 unless
+    ``precision`` says otherwise). Rank 0 returns, per strategy: ``grad_error``
+    (``gradient_error`` after step 0's backward, worst over ranks),
+    ``max_abs_diff`` (largest |w - w_single| over every final weight), ``rel_diff``
+    (‖w - w_single‖ / ‖w_single‖), the losses (averaged over ranks), ``weights_sha256``, and, shaped
+    like a ``train`` report so that ``memory_check`` reads them, ``strategy``, ``world_size``,
+    ``per_rank`` (every rank's bytes held, counted as ``train`` counts them),
+    ``strategy_info`` and ``comm_per_step`` (rank 0's collectives per step, ``CountCollectives``). The other ranks return ``{"rank": r}``.
+    """
+
+    cfg = TrainConfig(**config).validate()
+    mcfg = get_config(cfg.model)
+    with cdist.session(cfg.backend if cfg.backend != "auto" else None) as info:
+        reference = [None]
+        if info.rank == 0:  # the one-process reference, on the whole global batch, without collectives
+            model = build_model(mcfg, seed=cfg.seed, device=info.device)
+            single = apply_single(model, cfg, info)
+            _first_gradients(single, cfg, mcfg, 0, 1, info.device)
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            single.optimizer.zero_grad(set_to_none=True)
+            losses, _ = _train_steps(single, cfg, info, 0, 1)
+            reference = [({k: v.cpu() for k, v in grads.items()},
+                          {k: v.cpu() for k, v in single.full_state_dict().items()}, losses)]
+        dist.broadcast_object_list(reference, src=0)
+        ref_grads, ref, ref_losses = reference[0]
+        ref_grads = {k: v.to(info.device) for k, v in ref_grads.items()}
+        ref = {k: v.to(info.device) for k, v in ref.items()}
+        out = {"single": {"losses": ref_losses, "weights_sha256": weights_sha256(ref)}}
+        for name in strategies:
+            apply = REFERENCES.get(name) or resolve_strategy(name)
+            model = build_model(mcfg, seed=cfg.seed, device=info.device)
+            first = apply(model, cfg, info)
+            _first_gradients(first, cfg, mcfg, info.rank, info.world_size, info.device)
+            grad_error = torch.tensor(gradient_error(first, model, ref_grads), device=info.device)
+            dist.all_reduce(grad_error, op=dist.ReduceOp.MAX)
+            model = build_model(mcfg, seed=cfg.seed, device=info.device)
+            prepared = apply(model, cfg, info)
+            count = CountCollectives()  # the same counter as train(): ZeroRedundancyOptimizer's traffic too
+            losses, held = _train_steps(prepared, cfg, info, info.rank, info.world_size, count)
+            losses = torch.tensor(losses, device=info.device)
+            dist.all_reduce(losses)
+            full = prepared.full_state_dict()
+            per_rank = [None] * info.world_size
+            dist.all_gather_object(per_rank, held)
+            diff = max(float((full[k].float() - ref[k].float()).abs().max()) for k in ref)
+            num = sum(float((full[k].float() - ref[k].float()).pow(2).sum()) for k in ref)
+            den = sum(float(ref[k].float().pow(2).sum()) for k in ref)
+            out[name] = {"losses": (losses / info.world_size).cpu().tolist(), "grad_error": float(grad_error),
+                         "max_abs_diff": diff, "rel_diff": (num / den) ** 0.5,
+                         "weights_sha256": weights_sha256(full), "strategy": name, "world_size": info.world_size,
+                         "per_rank": [dict(rank=r, **row) for r, row in enumerate(per_rank)],
+                         "strategy_info": prepared.info, "comm_per_step": count.summary(cfg.steps)}
+        return {"rank": info.rank, **out} if info.rank == 0 else {"rank": info.rank}
+
+
+def agreement(cfg=None, *, strategies=("ddp", "zero1", "zero2", "zero3", "torch_zero1"), **overrides) -> dict:
+    """Launch ``agreement_worker`` on ``cfg.nproc`` ranks and return rank 0's comparison (notebook 03).
+
+    ``cfg`` is a ``loop.TrainConfig`` (or its fields as keyword arguments); the strategies
+    are names from ``strategies.STRATEGIES`` or ``REFERENCES``.
+    """
+    base = asdict(cfg or TrainConfig(strategy="zero1"))  # cfg.strategy is not used: ``strategies`` are
+    cfg = TrainConfig(**{**base, **overrides}).validate()
+    result = launch(agreement_worker, nproc=cfg.nproc, args=(asdict(cfg), tuple(strategies)), backend=cfg.backend,
+                    timeout_s=cfg.timeout_s, echo=False)
+    out = result[0]
+    out.pop("rank", None)
+    return out
+
+
+# ---------------------------------------------------------------- FSDP2's own defaults, measured (notebook 03)
+
+def fsdp2_facts(config: dict) -> dict | None:
+    """What FSDP2 (``fully_shard``) does that the hand-built stage 3 does not, measured (collective; notebook 03).
+
+    1. The root unit. Each block gets ``fully_shard`` with the default ``reshard_after_forward=None``
+       (True for a non-root module); the root once with the default (None: False for the root, so
+       it stays gathered from forward to backward and is not all-gathered again) and once with
+       True (as the hand-built ``Zero3Module`` does). Collectives are counted by ``CommCounter``
+       over the steps after the first.
+    2. Per-parameter sharding. Every parameter becomes a DTensor sharded on dim 0 (no flat
+       buffer): the placements, and the local and global shapes of one weight.
+    3. Gradient-norm clipping across shards: the global L2 norm of the gradient, computed by
+       hand (each rank's sum of squares of its shards, one all-reduce, a square root), by
+       ``torch.nn.utils.clip_grad_norm_`` (DTensor-aware), from one rank's shards alone (wrong),
+       and by one process on the whole batch (the reference); then the gradient clipped by hand
+       to half that norm, gathered whole, against the reference clipped the same way.
+    Rank 0 returns the facts; other ranks None.
+    """
+    from contextlib import nullcontext
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ..fsdp import fsdp_mesh
+    from ..instrument import CommCounter
+    from ..loop import make_optimizer
+
+    cfg = TrainConfig(**config).validate()
+    mcfg = get_config(cfg.model)
+    with cdist.session() as info:
+        mesh = fsdp_mesh(info, "full_shard")
+        batches = [batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
+                                  vocab=mcfg.vocab, seed=cfg.seed, device=info.device) for step in range(cfg.steps)]
+        out = {"comm": {}}
+        for root in ("default", "reshard"):
+            model = build_model(mcfg, seed=cfg.seed, device=info.device)
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh, **({} if root == "default" else {"reshard_after_forward": True}))
+            optimizer = make_optimizer(model.parameters(), cfg)
+            comm = CommCounter()
+            for step, (x, y) in enumerate(batches):
+                with comm if step else nullcontext():  # step 0 includes lazy initialisation
+                    model(x, y).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            out["comm"][root] = comm.summary(max(1, cfg.steps - 1))
+        # 2. per-parameter sharding, read from the last model
+        params = dict(model.named_parameters())
+        out["all_dtensor_shard0"] = all(isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)
+                                        for p in params.values())
+        name = "blocks.0.attn.qkv.weight"
+        out["example"] = {"name": name, "global": tuple(params[name].shape),
+                          "local": tuple(params[name].to_local().shape)}
+        out["root_params"] = sum(p.numel() for n, p in params.items() if not n.startswith("blocks."))
+        # 3. clipping across shards, on a fresh model's first gradient
+        model = build_model(mcfg, seed=cfg.seed, device=info.device)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model(*batches[0]).backward()
+        grads = [p.grad for p in model.parameters()]
+        local_sq = torch.stack([g.to_local().double().pow(2).sum() for g in grads]).sum()
+        alone = float(local_sq.sqrt())
+        dist.all_reduce(local_sq)
+        by_hand = float(local_sq.sqrt())
+        by_torch = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf"))
+        by_torch = float(by_torch.full_tensor() if isinstance(by_torch, DTensor) else by_torch)
+        for g in grads:  # clip to half the norm, each rank on its own shards
+            g.to_local().mul_(0.5)
+        clipped = {n: p.grad.full_tensor().double() for n, p in model.named_parameters()}
+        if info.rank != 0:
+            return None
+        ref = build_model(mcfg, seed=cfg.seed, device=info.device)
+        x, y = batch_for_rank(0, 0, 1, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed,
+                              device=info.device)
+        ref(x, y).backward()
+        ref_norm = float(torch.stack([p.grad.double().pow(2).sum() for p in ref.parameters()]).sum().sqrt())
+        worst = max(float((clipped[n] - 0.5 * p.grad.double()).abs().max()) for n, p in ref.named_parameters())
+        scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+        out.update(norm_by_hand=by_hand, norm_by_torch=by_torch, norm_one_rank_alone=alone,
+                   norm_one_process=ref_norm, clipped_rel_error=worst / scale)
+        return out

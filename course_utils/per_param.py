@@ -1,0 +1,476 @@
+"""FSDP2's layout built by hand: every parameter sharded on dim 0, gathered one unit at a time (notebook 04).
+
+The hand-built stage 3 of notebook 03 (``zero.Zero3Module``) lays each unit's parameters end to
+end in one flat buffer and gives rank r one contiguous slice of it: FSDP1's and DeepSpeed's
+layout. A slice can cut a weight matrix anywhere, so the optimizer sees flat fragments. PyTorch's
+FSDP2 (``fully_shard``) shards *each parameter* instead: rank r keeps rows
+``[r·c, (r+1)·c)`` of dim 0, with c = ceil(dim0 / N) (``torch.chunk``; a rank past the end keeps
+no rows, and the gathered buffer is padded with zeros to c·N rows, as torch 2.13's
+``_fsdp_param.py`` does with ``_chunk_with_empty``). What that changes:
+
+- after the backward every parameter has its own gradient shard, shaped like its own shard, so
+  any ``torch.optim`` optimizer built over ``module.parameters()`` drives the model unchanged;
+- an optimizer that looks at a whole tensor (Shampoo, Adafactor's row/column statistics, LAMB's
+  per-tensor trust ratio) sees a block of rows, not a flat fragment that crosses tensors: rows are
+  still not the whole tensor, so such optimizers need the full tensor gathered or their statistics
+  reduced across ranks;
+- gradient-norm clipping must sum the squares of every rank's shards before the square root
+  (``clip_grad_norm_``): one rank's shards give only part of the norm.
+
+How it runs. Each unit (a transformer block, and the root for everything else) has a forward
+pre-hook that all-gathers its parameters into full tensors in the compute dtype and puts them
+where the modules look for them; the module's registered parameters stay the shards. The
+all-gather is an autograd function (``_Unshard``) whose backward reduce-scatters the full
+gradient and divides it by N: the averaged gradient of this rank's rows lands in the shard's
+``.grad``. With ``reshard_after_forward`` a block frees its full tensors after its forward and
+gathers them again just before its backward (FULL_SHARD); the root stays gathered (FSDP2 does the
+same: it would be gathered again at once for the backward). FSDP2 packs a unit's shards into one
+all-gather and one reduce-scatter; here there is one collective per parameter, which keeps the code
+short and sends the same bytes. ``tests/test_per_param.py`` checks it against one process with
+SGD, Adam and AdamW, tied and frozen weights, fp32 and bf16, on 2 and 4 ranks, and against
+``fully_shard``'s own local shards.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+
+from .instrument import tensor_bytes
+from .zero import GatheredBytes, assign_units
+
+# ---------------------------------------------------------------------------------------------
+# The layout: rows of dim 0, padded as torch.chunk pads
+# ---------------------------------------------------------------------------------------------
+
+def chunk_rows(dim0: int, nd: int) -> int:
+    """c = ceil(dim0 / Nd): the rows of every (padded) shard, FSDP2's ``chunks[0].size(0)`` (notebook 04)."""
+    return -(-int(dim0) // int(nd))
+
+
+def shard_rows(dim0: int, nd: int, rank: int) -> tuple[int, int]:
+    """``(start, stop)`` rows of dim 0 that rank r keeps; empty past the end (notebook 04).
+
+    dim0 = 10 on Nd = 4: c = 3, ranks keep rows [0, 3), [3, 6), [6, 9), [9, 10).
+    dim0 = 2 on Nd = 4: c = 1, ranks 2 and 3 keep nothing.
+    """
+    c = chunk_rows(dim0, nd)
+    return min(rank * c, dim0), min((rank + 1) * c, dim0)
+
+
+def padded_shard(full: torch.Tensor, rank: int, nd: int) -> torch.Tensor:
+    """Rank r's shard of ``full`` padded with zero rows to c rows: what it sends in the all-gather (notebook 04)."""
+    c = chunk_rows(full.shape[0], nd)
+    start, stop = shard_rows(full.shape[0], nd, rank)
+    out = full.new_zeros((c, *full.shape[1:]))
+    out[:stop - start] = full[start:stop]
+    return out
+
+
+def unshard_rows(gathered: torch.Tensor, dim0: int) -> torch.Tensor:
+    """The full parameter from the Nd·c gathered rows: the padding rows dropped (notebook 04)."""
+    return gathered[:dim0]
+
+
+# ---------------------------------------------------------------------------------------------
+# One sharded parameter
+# ---------------------------------------------------------------------------------------------
+
+class ShardedParam:
+    """A parameter kept as rank r's rows (fp32 master, what the optimizer updates), gathered on demand.
+
+    ``local`` is the registered ``nn.Parameter``: a view of the first rows of ``padded`` (c rows),
+    so the optimizer sees exactly this rank's real elements and the padding rides along unseen.
+    """
+
+    def __init__(self, param: nn.Parameter, *, group, compute_dtype):
+        self.group = group
+        self.rank, self.nd = dist.get_rank(group), dist.get_world_size(group)
+        self.shape = param.shape
+        self.c = chunk_rows(self.shape[0], self.nd)
+        start, stop = shard_rows(self.shape[0], self.nd, self.rank)
+        self.padded = padded_shard(param.detach(), self.rank, self.nd)
+        self.local = nn.Parameter(self.padded[:stop - start], requires_grad=param.requires_grad)
+        self.compute_dtype = compute_dtype or param.dtype
+        self.on_reduced = lambda: None  # set by the unit: counts the gradients reduced in a backward
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the gathered tensor, padding included: Nd·c rows in the compute dtype."""
+        return self.nd * self.padded.numel() * torch.empty((), dtype=self.compute_dtype).element_size()
+
+    def all_gather(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Nd·c rows gathered from every rank's padded shard, in the compute dtype."""
+        send = self.padded.to(self.compute_dtype)
+        if out is None:
+            out = torch.empty((self.nd * self.c, *self.shape[1:]), dtype=self.compute_dtype, device=send.device)
+        dist.all_gather_single(out, send, group=self.group)
+        return out
+
+    def reduce_scatter(self, grad_full: torch.Tensor) -> torch.Tensor:
+        """The mean over ranks of this rank's rows of ``grad_full``, shaped like ``local``."""
+        padded = grad_full.new_zeros((self.nd * self.c, *self.shape[1:]))
+        padded[:self.shape[0]] = grad_full
+        out = grad_full.new_empty((self.c, *self.shape[1:]))
+        dist.reduce_scatter_single(out, padded.contiguous(), group=self.group)
+        out.div_(self.nd)
+        return out[:self.local.shape[0]].to(self.local.dtype)
+
+
+class _Unshard(torch.autograd.Function):
+    """Forward: the full parameter from every rank's rows. Backward: reduce-scatter its gradient."""
+
+    @staticmethod
+    def forward(ctx, sp: ShardedParam, local: torch.Tensor, gathered: torch.Tensor):
+        ctx.sp = sp
+        # ``.data``: an alias of the gathered storage with its own version counter, so gathering
+        # again into the freed storage before the backward is not an in-place change autograd sees
+        # (FSDP does the same with its unsharded parameters).
+        return unshard_rows(gathered, sp.shape[0]).data
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        grad = ctx.sp.reduce_scatter(grad_full)
+        ctx.sp.on_reduced()
+        return None, grad, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Units and the module
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class PerParamUnit:
+    """The parameters gathered together, and where the modules look for each of them."""
+
+    name: str
+    module: nn.Module
+    params: list = field(default_factory=list)      # ShardedParam
+    slots: list = field(default_factory=list)       # [(module, attribute name)] per ShardedParam
+    buffers: list = field(default_factory=list)     # gathered storages while gathered, else []
+    reshard_after_forward: bool = True
+    pending: int = 0                                # gradients still to reduce in this backward
+
+
+class PerParamSharded(nn.Module):
+    """FSDP2-style per-parameter sharding, built by hand (notebook 04).
+
+    ``model = PerParamSharded(build_model(...), units=model.blocks)``; then build any optimizer
+    over ``model.parameters()`` (the shards) and train as usual: ``loss = model(x, y)``,
+    ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``.
+
+    Args:
+        module: any nn.Module of standard layers; tied weights and frozen parameters are fine.
+        units: submodules gathered one at a time (for the course model: its blocks); every other
+            parameter belongs to the root unit.
+        reshard_after_forward: free each block's full parameters after its forward and gather
+            them again before its backward (FULL_SHARD, 3 collectives per parameter and step);
+            False keeps them until the backward (SHARD_GRAD_OP, 2 collectives).
+        compute_dtype: dtype of the gathered weights, the gradients and both collectives
+            (``torch.bfloat16``: FSDP2's ``MixedPrecisionPolicy(param_dtype=reduce_dtype=bf16)``);
+            the shards stay fp32 masters. None keeps the parameters' dtype.
+        group: the process group (default: all ranks).
+
+    ``tracker`` (``zero.GatheredBytes``) records the live and peak bytes of gathered parameters.
+    """
+
+    def __init__(self, module: nn.Module, *, units=(), reshard_after_forward: bool = True,
+                 compute_dtype=None, group=None):
+        super().__init__()
+        self.module = module
+        self.tracker = GatheredBytes()
+        self.units: list[PerParamUnit] = []
+        self._backward_started = False
+        slots_of: dict = {}
+        for mod in module.modules():
+            for attr, p in list(mod._parameters.items()):
+                if p is not None:
+                    slots_of.setdefault(p, []).append((mod, attr))
+        for name, mod, params in assign_units(module, list(units)):
+            unit = PerParamUnit(name, mod, reshard_after_forward=reshard_after_forward and mod is not module)
+            for p in params:
+                sp = ShardedParam(p, group=group, compute_dtype=compute_dtype)
+                for owner, attr in slots_of[p]:
+                    owner._parameters[attr] = sp.local  # the registered parameter is the shard
+                sp.on_reduced = lambda unit=unit: self._reduced(unit)
+                unit.params.append(sp)
+                unit.slots.append(slots_of[p])
+            self.units.append(unit)
+            mod.register_forward_pre_hook(lambda m, args, unit=unit: self._before_forward(unit))
+            mod.register_forward_hook(lambda m, args, out, unit=unit: self._after_forward(unit, out))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # -- gather and free --------------------------------------------------------------------------
+    def _gather(self, unit: PerParamUnit) -> None:
+        if unit.buffers:
+            return
+        for sp in unit.params:
+            unit.buffers.append(sp.all_gather())
+            self.tracker.add(sp.gathered_bytes)
+
+    def _refill(self, unit: PerParamUnit) -> None:
+        """Gather again into the storages the forward saved for the backward (freed in between)."""
+        for sp, buf in zip(unit.params, unit.buffers):
+            if buf.untyped_storage().nbytes() == 0:
+                buf.untyped_storage().resize_(sp.gathered_bytes)
+                sp.all_gather(out=buf)
+                self.tracker.add(sp.gathered_bytes)
+
+    def _free(self, unit: PerParamUnit, forget: bool) -> None:
+        for sp, buf in zip(unit.params, unit.buffers):
+            if buf.untyped_storage().nbytes():
+                buf.untyped_storage().resize_(0)
+                self.tracker.sub(sp.gathered_bytes)
+        if forget:
+            unit.buffers = []
+
+    def _before_forward(self, unit: PerParamUnit) -> None:
+        self._gather(unit)
+        if torch.is_grad_enabled():
+            unit.pending = sum(sp.local.requires_grad for sp in unit.params)
+        for sp, buf, slots in zip(unit.params, unit.buffers, unit.slots):
+            full = _Unshard.apply(sp, sp.local, buf.detach()) if torch.is_grad_enabled() else unshard_rows(buf, sp.shape[0])
+            for owner, attr in slots:
+                owner._parameters[attr] = full  # what the module's forward reads as its weight
+
+    def _after_forward(self, unit: PerParamUnit, output) -> None:
+        for sp, slots in zip(unit.params, unit.slots):
+            for owner, attr in slots:
+                owner._parameters[attr] = sp.local  # the module's parameters are the shards again
+        if not torch.is_grad_enabled():
+            self._free(unit, forget=True)
+            return
+        outs = output if isinstance(output, (tuple, list)) else [output]
+        for t in outs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad, unit=unit: self._before_backward(unit))
+        if unit.reshard_after_forward:
+            self._free(unit, forget=False)  # the storages stay referenced by autograd, empty
+
+    def _before_backward(self, unit: PerParamUnit) -> None:
+        if not self._backward_started:  # once per backward: free everything when autograd is done
+            self._backward_started = True
+            Variable._execution_engine.queue_callback(self._after_backward)
+        self._refill(unit)
+
+    def _reduced(self, unit: PerParamUnit) -> None:
+        """A gradient of the unit was reduce-scattered; after the last, the block's full copy goes."""
+        unit.pending -= 1
+        if unit.pending == 0 and unit.reshard_after_forward:
+            self._free(unit, forget=True)
+
+    def _after_backward(self) -> None:
+        for unit in self.units:
+            self._free(unit, forget=True)
+        self._backward_started = False
+
+    # -- what this rank holds -----------------------------------------------------------------------
+    def sharded_params(self) -> list[ShardedParam]:
+        return [sp for unit in self.units for sp in unit.params]
+
+    def held_bytes(self) -> int:
+        """Bytes of the shards this rank keeps at rest, padding included (the padded storages)."""
+        return sum(sp.padded.untyped_storage().nbytes() for sp in self.sharded_params())
+
+    def full_state_dict(self) -> dict:
+        """The full fp32 weights keyed like the wrapped module's ``state_dict()`` (collective)."""
+        values = {}
+        for sp in self.sharded_params():
+            gathered = torch.empty((sp.nd * sp.c, *sp.shape[1:]), dtype=sp.padded.dtype, device=sp.padded.device)
+            dist.all_gather_single(gathered, sp.padded, group=sp.group)
+            values[sp.local] = unshard_rows(gathered, sp.shape[0]).clone()
+        out = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            out[key] = values[value] if value in values else value.detach().clone()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# What per-parameter sharding changes: clipping, and the formulas
+# ---------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
+    """Clip the gradient norm of a sharded model: the norm of the *whole* gradient (notebook 04).
+
+    Each rank holds only its rows, so the squares are summed locally, all-reduced, and the
+    square root taken of the total; every rank then scales its shards by the same factor, exactly
+    what ``torch.nn.utils.clip_grad_norm_`` does to the full gradients of one process.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    for g in grads:
+        total += g.float().pow(2).sum()
+    dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return norm
+
+
+def expected_shard_bytes(model: nn.Module, nd: int, bytes_per_element: int = 4) -> int:
+    """Bytes of padded shards one rank keeps: Σ over parameters of c·(other dims) (notebook 04).
+
+    Every rank keeps c rows of every parameter (a rank past the end keeps c zero rows of padding
+    in its storage): Ψ/Nd plus at most Nd-1 rows of padding per parameter.
+    """
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += chunk_rows(p.shape[0], nd) * math.prod(p.shape[1:])
+    return total * bytes_per_element
+
+
+def expected_traffic(model: nn.Module, units, nd: int, *, reshard_after_forward: bool = True,
+                     bytes_per_element: int = 4) -> dict:
+    """Bytes one rank sends per step by kind, in the ring model (notebook 04).
+
+    all-gather: every parameter's Nd·c rows once for the forward, and again for the backward for
+    the blocks when ``reshard_after_forward``; reduce-scatter: every trainable parameter once.
+    Each sends (Nd-1)/Nd of the gathered (padded) bytes.
+    """
+    frac = (nd - 1) / nd
+    out = {"all_gather": 0.0, "reduce_scatter": 0.0}
+    for name, _mod, params in assign_units(model, list(units)):
+        for p in params:
+            nbytes = nd * chunk_rows(p.shape[0], nd) * math.prod(p.shape[1:]) * bytes_per_element
+            again = reshard_after_forward and name != "(root)"
+            out["all_gather"] += frac * nbytes * (2 if again else 1)
+            if p.requires_grad:
+                out["reduce_scatter"] += frac * nbytes
+    return out
+
+
+def held(model: PerParamSharded, optimizer) -> dict:
+    """Bytes held at rest (shards, gradient shards, optimizer state), as ``instrument.held_bytes`` reports."""
+    from .instrument import optimizer_tensors
+
+    params = [sp.padded for sp in model.sharded_params()]
+    grads = [sp.local.grad for sp in model.sharded_params()]
+    return {"params": tensor_bytes(params), "grads": tensor_bytes(grads),
+            "optim": tensor_bytes(optimizer_tensors(optimizer)) if optimizer is not None else 0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Against one process, and against fully_shard (one launch runs several cases)
+# ---------------------------------------------------------------------------------------------
+
+def _freeze(model: nn.Module, names) -> None:
+    for name, p in model.named_parameters():
+        if name in names:
+            p.requires_grad_(False)
+
+
+def compare_worker(cases: list[dict]) -> list[dict]:
+    """Train the course model with ``PerParamSharded`` and with one process; report the differences (notebook 04).
+
+    Each case: ``optimizer`` ("SGD", "Adam", "AdamW"), ``compute_dtype`` (None or "bfloat16"),
+    ``frozen`` (parameter names), ``reshard_after_forward``, ``steps``. Returns per case the
+    relative weight difference (``instrument.weight_diff``), the bytes held and sent with their
+    formulas, the peak of gathered bytes, and the rows each rank keeps against ``fully_shard``'s.
+    """
+    from . import dist as cdist
+    from .data import batch_for_rank
+    from .fsdp import expected_peak_unsharded_bytes
+    from .instrument import CommCounter, weight_diff
+    from .models import build_model, get_config
+
+    cfg = get_config("tiny")
+    out = []
+    with cdist.session() as info:
+        kw = dict(batch=8, seq=cfg.seq, vocab=cfg.vocab, device=info.device)
+        for case in cases:
+            opt_kw = {"SGD": {"lr": 0.05, "momentum": 0.9}, "Adam": {"lr": 3e-3},
+                      "AdamW": {"lr": 3e-3, "weight_decay": 0.1}}[case["optimizer"]]
+            cls = getattr(torch.optim, case["optimizer"])
+            dtype = getattr(torch, case["compute_dtype"]) if case.get("compute_dtype") else None
+            reshard = case.get("reshard_after_forward", True)
+            ref, model = build_model(cfg, seed=0, device=info.device), build_model(cfg, seed=0, device=info.device)
+            for m in (ref, model):
+                _freeze(m, case.get("frozen", ()))
+            sharded = PerParamSharded(model, units=list(model.blocks), reshard_after_forward=reshard,
+                                      compute_dtype=dtype)
+            ref_opt = cls([p for p in ref.parameters() if p.requires_grad], **opt_kw)
+            opt = cls([p for p in sharded.parameters() if p.requires_grad], **opt_kw)  # unchanged torch.optim
+            steps = case.get("steps", 3)
+            with CommCounter() as comm:
+                for step in range(steps):
+                    sharded(*batch_for_rank(step, info.rank, info.world_size, **kw)).backward()
+                    grads_are_shards = all((sp.local.grad is not None and sp.local.grad.shape == sp.local.shape)
+                                           if sp.local.requires_grad else sp.local.grad is None
+                                           for sp in sharded.sharded_params())
+                    opt.step()
+                    opt.zero_grad()
+            for step in range(steps):
+                ref(*batch_for_rank(step, 0, 1, **kw)).backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+            bpe = 2 if dtype is not None else 4
+            fresh = build_model(cfg, seed=0)
+            _freeze(fresh, case.get("frozen", ()))
+            units = [{"name": n, "numel": sum(p.numel() for p in ps)}
+                     for n, _, ps in assign_units(fresh, list(fresh.blocks))]
+            sent = {k: v["sent_bytes"] for k, v in comm.summary(steps).items()}
+            out.append({**case, "rel_weight_diff": weight_diff(sharded.full_state_dict(), ref.state_dict())["relative"],
+                        "held_bytes": sharded.held_bytes(),
+                        "expected_held_bytes": expected_shard_bytes(build_model(cfg, seed=0), info.world_size),
+                        "real_elements": sum(sp.local.numel() for sp in sharded.sharded_params()),
+                        "sent": sent,
+                        "expected_sent": expected_traffic(fresh, list(fresh.blocks), info.world_size,
+                                                          reshard_after_forward=reshard, bytes_per_element=bpe),
+                        "peak_gathered": sharded.tracker.peak,
+                        "expected_peak": expected_peak_unsharded_bytes(
+                            units, "full_shard" if reshard else "shard_grad_op", prefetch="none",
+                            bytes_per_element=bpe) if info.world_size > 1 else None,
+                        "grads_are_shards": grads_are_shards})
+        out.append({"fully_shard_rows_match": _rows_match_fully_shard(info)})
+    return out
+
+
+def _rows_match_fully_shard(info) -> bool:
+    """Does every parameter's shard here hold the same rows as ``fully_shard``'s local tensor?"""
+    from torch.distributed.fsdp import fully_shard
+
+    from .models import build_model
+
+    theirs = build_model("tiny", seed=0, device=info.device)
+    for block in theirs.blocks:
+        fully_shard(block)
+    fully_shard(theirs)
+    mine = build_model("tiny", seed=0, device=info.device)
+    PerParamSharded(mine, units=list(mine.blocks))
+    ours = dict(mine.named_parameters())
+    return all(torch.equal(ours[name].detach(), p.to_local().detach()) for name, p in theirs.named_parameters())
+
+
+def clip_worker(max_norm: float = 0.05) -> dict:
+    """``clip_grad_norm_`` on shards against ``torch.nn.utils.clip_grad_norm_`` on one process's full gradients (notebook 04)."""
+    from . import dist as cdist
+    from .data import batch_for_rank
+    from .models import build_model, get_config
+
+    cfg = get_config("tiny")
+    with cdist.session() as info:
+        kw = dict(batch=8, seq=cfg.seq, vocab=cfg.vocab, device=info.device)
+        ref, model = build_model(cfg, seed=0, device=info.device), build_model(cfg, seed=0, device=info.device)
+        ref(*batch_for_rank(0, 0, 1, **kw)).backward()
+        reference_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        sharded = PerParamSharded(model, units=list(model.blocks))
+        sharded(*batch_for_rank(0, info.rank, info.world_size, **kw)).backward()
+        norm = clip_grad_norm_(sharded.parameters(), max_norm)
+        full = dict(ref.named_parameters())
+        worst = 0.0
+        for name, p in sharded.module.named_parameters():
+            start, stop = shard_rows(full[name].shape[0], info.world_size, info.rank)
+            want = full[name].grad[start:stop]
+            if want.numel():
+                worst = max(worst, ((p.grad - want).norm() / want.norm().clamp_min(1e-30)).item())
+        return {"norm": norm.item(), "reference_norm": reference_norm.item(), "max_rel_err": worst}

@@ -1,0 +1,1 @@
+"""Reference solutions of the course's exercises, one module per notebook (loaded by ``load_solution``)."""

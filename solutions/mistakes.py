@@ -1,0 +1,145 @@
+"""Known wrong answers, one or more per exercise: what students really write (used by the tests).
+
+``MISTAKES[(notebook, name)]`` lists ``(function, words the check's message must contain)``: each
+must fail its check with a message in the exercise's terms.
+"""
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+# 01 -------------------------------------------------------------------------------------------
+def bill_forgets_to_shard(psi, nd, stage, k=12):
+    return (2 + 2 + k) * psi  # every stage billed as plain data parallelism
+
+
+def activations_counted_per_tensor(block, x):
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()  # views and parameters counted too
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return total[0]
+
+
+# 02 -------------------------------------------------------------------------------------------
+def summing_hook(grad):
+    g = grad.clone()
+    dist.all_reduce(g)
+    return g  # the sum over ranks, not the mean
+
+
+def bucket_without_wait(buckets):
+    for bucket in buckets:
+        dist.all_reduce(bucket, async_op=True)  # the work is dropped: nothing waits for it
+        bucket.div_(dist.get_world_size())
+
+
+# 03 -------------------------------------------------------------------------------------------
+def zero2_wrong_shard_offset(params, grads, lr):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    s = params.numel() // world
+    g = torch.empty(s)
+    dist.reduce_scatter_single(g, grads)
+    g /= world
+    start = (world - 1 - rank) * s  # the slice of the wrong rank
+    params[start:start + s] -= lr * g
+    dist.all_gather_single(params, params[rank * s:(rank + 1) * s].clone())
+
+
+def unsharded_inner_optimizer(params, optimizer_class, **defaults):
+    world = dist.get_world_size()
+    whole = params.clone().requires_grad_()
+    opt = optimizer_class([whole], **defaults)  # state for all Ψ elements on every rank
+
+    def step(grads):
+        g = grads.clone()
+        dist.all_reduce(g)
+        whole.grad = g / world
+        opt.step()
+        params.copy_(whole.detach())
+    return step
+
+
+# 04 -------------------------------------------------------------------------------------------
+def shard_wrong_offset(full, rank, world_size):
+    rows = full.shape[0]
+    c = -(-rows // world_size)
+    start, stop = min(rank * (c - 1), rows), min(rank * (c - 1) + c, rows)  # the wrong stride
+    out = full.new_zeros((c, *full.shape[1:]))
+    out[:stop - start] = full[start:stop]
+    return out
+
+
+def unshard_keeps_padding(shard, dim0):
+    out = shard.new_empty((dist.get_world_size() * shard.shape[0], *shard.shape[1:]))
+    dist.all_gather_single(out, shard.contiguous())
+    return out  # the padding rows are still there
+
+
+def clip_with_local_norm(grads, max_norm):
+    norm = torch.stack([g.norm() for g in grads]).norm()  # this rank's shards only
+    for g in grads:
+        g.mul_(min(1.0, max_norm / (norm.item() + 1e-6)))
+    return norm
+
+
+def layout_always_reshard(budget_bytes, units):
+    return {"wrap": "block", "reshard_after_forward": True}
+
+
+# 05 -------------------------------------------------------------------------------------------
+def hsdp_sharded_over_every_gpu(params, gpus_per_node, nodes, mp, strategy):
+    p, nd = params / mp, gpus_per_node * nodes // mp
+    sharded = {"ddp": 0, "zero1": 12, "zero2": 14, "zero3": 16, "hsdp": 16, "zero2_offload": 14,
+               "zero3_offload": 16}[strategy]
+    gpu, host = (16 - sharded) * p + sharded * p / nd, 0.0
+    if strategy.endswith("_offload"):
+        host = 12 * p / nd
+        gpu -= host
+    return {"gpu": gpu, "host": host}
+
+
+def decide_first_that_fits(numbers):
+    fitting = [s for s, n in numbers.items() if n["fits"]]  # the seed's rule: never looks at the step time
+    return fitting[0] if fitting else "none"
+
+
+# 06 -------------------------------------------------------------------------------------------
+def newest_by_name(root):
+    names = sorted(p.name for p in Path(root).glob("step-*") if re.fullmatch(r"step-\d+", p.name))
+    return int(names[-1].split("-")[1]) if names else None  # no commit check, and "step-9" > "step-10"
+
+
+def resume_without_optimizer(root, model, optimizer):
+    import torch.distributed.checkpoint as dcp
+
+    from course_utils.checkpoint import latest_complete
+
+    step = latest_complete(root)
+    state = {"model": model.state_dict(), "step": torch.tensor(-1)}
+    dcp.load(state, checkpoint_id=str(Path(root) / f"step-{step}"))
+    model.load_state_dict(state["model"])
+    return int(state["step"])
+
+
+MISTAKES = {
+    ("01", "model_state_bill"): [(bill_forgets_to_shard, "that is the ddp bill")],
+    ("01", "block_activation_bytes"): [(activations_counted_per_tensor, "weights")],
+    ("02", "averaging_hook"): [(summing_hook, "did you average over ranks")],
+    ("02", "bucketed_all_reduce"): [(bucket_without_wait, "never waited on")],
+    ("03", "zero2_step"): [(zero2_wrong_shard_offset, "[r·S, (r+1)·S)")],
+    ("03", "sharded_optimizer"): [(unsharded_inner_optimizer, "K·Ψ/Nd")],
+    ("04", "shard_dim0"): [(shard_wrong_offset, "did you start at rank·c")],
+    ("04", "unshard"): [(unshard_keeps_padding, "padding")],
+    ("04", "clip_sharded"): [(clip_with_local_norm, "all-reduce the sum of squares")],
+    ("04", "choose_layout"): [(layout_always_reshard, "reshard_after_forward=False")],
+    ("05", "model_states_per_gpu"): [(hsdp_sharded_over_every_gpu, "HSDP shards within one node")],
+    ("05", "decide"): [(decide_first_that_fits, "lowest estimated step time")],
+    ("06", "newest_complete"): [(newest_by_name, "no commit.json")],
+    ("06", "resume"): [(resume_without_optimizer, "optimizer state")],
+}

@@ -1,0 +1,155 @@
+"""The notebooks' exercises (course_utils.exercises, notebooks 01-06).
+
+Every check passes on the reference solutions, says "not done" on the untouched stubs (without
+launching anything), and fails with its message in the exercise's terms on a known wrong
+answer. The distributed checks of solutions and mistakes share one launch.
+"""
+import json
+import linecache
+import sys
+
+import pytest
+
+from course_utils import cli
+from course_utils.errors import CourseInputError
+from course_utils.exercises import core
+
+sys.path.insert(0, str(core.solutions_dir().parent))
+from solutions.mistakes import MISTAKES  # noqa: E402
+from tools import exercise_cells  # noqa: E402
+
+
+def test_every_notebook_has_at_least_two_exercises():
+    exs = core.exercises()
+    assert len(exs) >= 14
+    for nb in core.NOTEBOOKS:
+        assert len(core.exercises(nb)) >= 2, nb
+    for ex in exs:
+        assert len(ex.hints) >= 2 and ex.task and ex.checks
+        assert (ex.judge is None) != (ex.on_rank is None and ex.verdict is None), ex.key
+        assert (ex.notebook, ex.name) in MISTAKES, f"{ex.key} has no known wrong answer"
+
+
+def test_notebook_sections_are_the_records():
+    """The Exercises cells of each notebook are what tools/exercise_cells.py writes from the records."""
+    for nb in core.NOTEBOOKS:
+        data = json.loads(exercise_cells.notebook_path(nb).read_text())
+        cells = [c for c in data["cells"] if c["id"].startswith(f"{nb}-ex-")]
+        assert cells == exercise_cells.section(nb), f"notebook {nb}: run python -m tools.exercise_cells {nb}"
+        assert data["cells"][-len(cells):] == cells  # the section ends the notebook
+        tasks = [c for c in cells if c["source"].startswith("### Exercise")]
+        assert all(c["metadata"]["slideshow"]["slide_type"] == "slide" for c in tasks)
+        stubs = [c for c in cells if c["cell_type"] == "code" and "NotImplementedError" in c["source"]]
+        assert all(c["metadata"]["slideshow"]["slide_type"] == "skip" for c in stubs)
+
+
+def test_stubs_are_not_done_without_launching(monkeypatch):
+    import course_utils.launch as launch_module
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a stub must be recognised without starting processes")
+    monkeypatch.setattr(launch_module, "launch", no_launch)
+    outcomes = core.run_all("stubs")
+    assert [o.status for o in outcomes] == [core.NOT_DONE] * len(outcomes)
+    assert all(f"show_hint({o.notebook!r}, {o.name!r}, 1)" in o.message for o in outcomes)
+
+
+def test_solutions_pass_and_known_mistakes_fail_with_their_message():
+    pairs, expected = [], []
+    for ex in core.exercises():
+        pairs.append((ex, core.solution(ex.notebook, ex.name)))
+        expected.append((core.PASSED, None))
+        for fn, words in MISTAKES[(ex.notebook, ex.name)]:
+            pairs.append((ex, fn))
+            expected.append((core.FAILED, words))
+    outcomes = core.check_many(pairs, record=False)
+    for (ex, fn), outcome, (status, words) in zip(pairs, outcomes, expected):
+        assert outcome.status == status, (ex.key, fn.__name__, outcome.message)
+        if words:
+            assert words in outcome.message, (ex.key, fn.__name__, outcome.message)
+            assert "Traceback" not in outcome.message and "\n" not in outcome.message
+
+
+def _cell_function(source: str, name: str, cell: int):
+    """Define ``name`` the way a notebook cell does: module ``__main__``, source kept in linecache
+    (how the not-done detection reads a stub), sent to the workers by value by ``launch``."""
+    filename = f"<ipython-input-{cell}>"  # IPython registers each cell's source under such a name
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"__name__": "__main__"}
+    exec(core.CELL_GLOBALS, namespace)
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[name]
+
+
+def test_a_function_written_in_a_cell_is_checked_on_real_ranks():
+    """A function with no module (as a notebook cell defines it) travels to the workers by value."""
+    fn = _cell_function("def averaging_hook(grad):\n    g = grad.clone()\n    dist.all_reduce(g)\n"
+                        "    return g / dist.get_world_size()\n", "averaging_hook", 1)
+    broken = _cell_function("def averaging_hook(grad):\n    return grad.undefined_thing\n", "averaging_hook", 2)
+    stub = _cell_function(core.get("02", "averaging_hook").stub, "averaging_hook", 3)
+    assert fn.__module__ == "__main__"
+    ex = core.get("02", "averaging_hook")
+    ok, bad, not_done = core.check_many([(ex, fn), (ex, broken), (ex, stub)], record=False)
+    assert ok.status == core.PASSED, ok.message
+    # a student's exception is one line that names it, not a traceback wall
+    assert bad.status == core.FAILED and "AttributeError" in bad.message and "\n" not in bad.message
+    assert not_done.status == core.NOT_DONE and core.is_stub(stub)
+
+
+def test_hints_open_one_at_a_time_and_solutions_load(capsys):
+    text = core.hint_text("02", "averaging_hook", 1)
+    assert text.startswith("Hint 1 of 3") and "show_hint('02', 'averaging_hook', 2)" in text
+    assert "the last hint" in core.hint_text("02", "averaging_hook", 3)
+    with pytest.raises(CourseInputError):
+        core.hint_text("02", "averaging_hook", 4)
+    fn = core.load_solution("01", "model_state_bill")
+    assert "def model_state_bill" in capsys.readouterr().out
+    assert core.check("01", "model_state_bill", fn).passed
+    with pytest.raises(CourseInputError):
+        core.get("07", "anything")
+    with pytest.raises(CourseInputError):
+        core.get("02", "no_such_exercise")
+
+
+def test_cli_lists_every_exercise_and_rejects_bad_input(capsys):
+    assert cli.main(["exercises", "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [(r["notebook"], r["name"]) for r in listing] == [(e.notebook, e.name) for e in core.exercises()]
+    assert cli.main(["exercises", "--grade", "no-such.ipynb"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no notebook" in err
+
+
+def test_grade_reports_passed_failed_and_not_done(tmp_path):
+    """A student's notebook, executed headless: solved (one on real ranks, its function written in a cell and
+    launched by value), wrong, untouched, and never reached."""
+    import inspect
+
+    import nbformat
+
+    from solutions import mistakes
+
+    def cells(nb, name, body):
+        return [nbformat.v4.new_code_cell(body), nbformat.v4.new_code_cell(f"check({nb!r}, {name!r}, {name})")]
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("from course_utils.exercises import check")]
+    nb.cells += cells("01", "model_state_bill", inspect.getsource(core.solution("01", "model_state_bill")))
+    nb.cells += cells("02", "averaging_hook", "import torch.distributed as dist\n\n"
+                      + inspect.getsource(core.solution("02", "averaging_hook")))
+    wrong_rule = inspect.getsource(mistakes.decide_first_that_fits).replace("decide_first_that_fits", "decide")
+    nb.cells += cells("05", "decide", wrong_rule)
+    nb.cells += cells("06", "newest_complete", core.get("06", "newest_complete").stub)
+    nb.cells += [nbformat.v4.new_code_cell("raise RuntimeError('the student broke this cell')")]
+    nb.cells += cells("01", "block_activation_bytes", core.get("01", "block_activation_bytes").stub)
+    path = tmp_path / "student.ipynb"
+    nbformat.write(nb, path)
+    got = {o.name: o for o in core.grade(path)}
+    assert [got[n].status for n in ("model_state_bill", "averaging_hook", "decide", "newest_complete",
+                                    "block_activation_bytes")] == \
+        [core.PASSED, core.PASSED, core.FAILED, core.NOT_DONE, core.FAILED], {n: o.message for n, o in got.items()}
+    assert "on 2 real ranks" in got["averaging_hook"].message
+    assert "lowest estimated step time" in got["decide"].message
+    assert "did not run" in got["block_activation_bytes"].message and "the student broke this cell" in \
+        got["block_activation_bytes"].message
+    assert "2 passed, 2 failed, 1 not done, of 5" in core.table_text(list(got.values()))
