@@ -702,7 +702,8 @@ def zero_r_and_headlines(gpu_mem: float = 32 * GB) -> list[dict]:
     """The ZeRO paper's ZeRO-R sums and headline results, recomputed with this module's formulas (notebook 01).
 
     Each row: ``claim``, ``paper`` (the figure the paper states, or its annotated reading
-    works out from the paper's inputs, in the row's ``unit``) and ``ours`` (recomputed here, in the same unit). Model states are mixed-precision Adam
+    works out from the paper's inputs, in the row's ``unit``) and ``ours`` (recomputed here, in the
+    same unit). Model states are mixed-precision Adam
     (K = 12); the 100B model is L = 125 blocks of width h = 8,192 at b = 32, s = 1,024 (the
     paper's Table 4), ZeRO-100B is stage 2 with Nm = 16 inside a DGX-2.
     """

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import CourseInputError
 
+
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (torch >= 1.13) to all_gather_single /
 # reduce_scatter_single and made the old names deprecated aliases; an older torch (Colab's, say) has only
 # the old names. Both run the same c10d ops (_allgather_base_, _reduce_scatter_base_), so CommCounter
