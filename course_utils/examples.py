@@ -81,3 +81,31 @@ def model_sha256(model: str = "tiny", seed: int = 0) -> dict:
     from .models import build_model, get_config
 
     return {"pid": os.getpid(), "sha256": weights_sha256(build_model(get_config(model), seed=seed).state_dict())}
+
+
+def three_collectives(psi: int = 8) -> dict:
+    """Broadcast, all-gather and reduce-scatter on the ZeRO paper's tiny example: Ψ = 8 on Nd ranks (notebook 00).
+
+    The Ψ parameters are the numbers 0 … Ψ−1, cut into Nd equal slices; rank r owns slice r.
+    - broadcast: rank 0 sends its whole vector (r + 1 everywhere on rank r) to every rank;
+    - all-gather: every rank contributes its slice and receives the whole vector 0 … Ψ−1;
+    - reduce-scatter: every rank holds a full "gradient" of r + 1 everywhere; each receives
+      the sum over ranks of its own slice only (N(N+1)/2 in each of its Ψ/Nd places).
+    Ψ must divide by the number of ranks. Returns this rank's three results.
+    """
+    from .errors import CourseInputError
+    from .zero import all_gather_single, reduce_scatter_single
+
+    with cdist.session() as info:
+        n, r = info.world_size, info.rank
+        if psi % n:
+            raise CourseInputError(f"Ψ = {psi} does not divide into {n} equal slices: pick a multiple of {n}")
+        s = psi // n
+        mine = torch.full((psi,), float(r + 1), device=info.device)
+        dist.broadcast(mine, src=0)
+        whole = torch.empty(psi, device=info.device)
+        all_gather_single(whole, torch.arange(r * s, (r + 1) * s, dtype=torch.float32, device=info.device))
+        slice_sum = torch.empty(s, device=info.device)
+        reduce_scatter_single(slice_sum, torch.full((psi,), float(r + 1), device=info.device))
+        return {"rank": r, "broadcast": mine.cpu().tolist(), "all_gather": whole.cpu().tolist(),
+                "reduce_scatter": slice_sum.cpu().tolist()}

@@ -301,8 +301,8 @@ def memory_chart_view(psi, *, nd: int = 64, k: float = ADAM_MIXED_K, nm=1, gpu_m
 
     Returns a dict with ``nds`` (array), ``curves`` ({stage: bytes per GPU at each Nd}),
     ``readout`` ({stage: bytes at the chosen ``nd``}), ``fits`` ({stage: bool at ``nd``}),
-    ``floors`` ({stage: bytes as Nd → ∞}), ``first_fit`` ({stage: smallest Nd on the axis
-    that fits, or None}), the inputs, a ``title`` that states the answer and the ``readout_text``.
+    ``floors`` ({stage: bytes as Nd → ∞}), ``first_fit`` ({stage: the smallest whole Nd
+    that fits, ``smallest_nd_that_fits``, or None}), the inputs, a ``title`` that states the answer and the ``readout_text``.
     """
     if not (isinstance(nd, (int, np.integer)) and nd >= 1):
         raise CourseInputError(f"nd (Nd) must be a whole number of GPUs >= 1, got {nd!r}")
@@ -311,10 +311,8 @@ def memory_chart_view(psi, *, nd: int = 64, k: float = ADAM_MIXED_K, nm=1, gpu_m
     curves = {s: model_state_bytes(psi, nds, s, k=k, nm=nm) for s in STAGES}
     readout = {s: model_state_bytes(psi, nd, s, k=k, nm=nm) for s in STAGES}
     fits = {s: bool(v <= gpu_mem) for s, v in readout.items()}
-    first_fit = {}
-    for s in STAGES:
-        ok = np.nonzero(curves[s] <= gpu_mem)[0]
-        first_fit[s] = int(nds[ok[0]]) if len(ok) else None
+    # the smallest whole Nd that fits, not the first point of the doubling axis: one definition everywhere
+    first_fit = {s: smallest_nd_that_fits(psi, s, gpu_mem, k=k, nm=nm) for s in STAGES}
     floors = {s: floor_bytes(psi, s, nm=nm, k=k) for s in STAGES}
     view = {"psi": float(psi), "k": float(k), "nm": nm, "nd": int(nd), "gpu_mem": float(gpu_mem),
             "nds": nds, "curves": curves, "readout": readout, "fits": fits, "floors": floors,
@@ -674,8 +672,56 @@ def compare_activations(cases, *, model="tiny", dtype=None, seed: int = 0) -> li
         ckpt = measure_activation_bytes(net, x, y, checkpointing=True)
         rule = activation_bytes(cfg.width, batch, cfg.seq, cfg.layers)
         rule_ckpt = activation_bytes(cfg.width, batch, cfg.seq, cfg.layers, checkpointing=True)
-        rows.append({"batch": batch, "seq": cfg.seq, "width": cfg.width, "layers": cfg.layers,
+        rows.append({"batch": batch, "seq": cfg.seq, "width": cfg.width, "layers": cfg.layers, "heads": cfg.heads,
                      "measured_blocks": full["blocks"], "measured_total": full["total"],
                      "measured_blocks_ckpt": ckpt["blocks"], "measured_total_ckpt": ckpt["total"],
                      "rule": rule, "rule_ckpt": rule_ckpt, "ratio": full["blocks"] / rule})
     return rows
+
+
+def activation_bytes_korthikanti(h, b, s, layers, heads, *, dropout: bool = True, fused_attention: bool = False):
+    """Activation bytes a transformer layer keeps in 16-bit, by Korthikanti et al. 2022 (notebook 01).
+
+    "Reducing Activation Recomputation in Large Transformer Models", eq. (1): a layer keeps
+    s·b·h·(34 + 5·a·s/h) bytes (a heads). The 34 are, in units of s·b·h bytes: attention 11
+    (QKV input 2, Q and K 4, V 2, output-projection input 2, dropout mask 1), MLP 19 (input 2, GELU
+    input 8, second linear's input 8, dropout mask 1), two layer-norm inputs 4; the 5·a·s/h term is
+    the attention scores, softmax and its dropout mask. ``dropout=False`` drops the three masks;
+    ``fused_attention=True`` (PyTorch's ``scaled_dot_product_attention``) the score terms.
+    Measured on the course model (bf16, fused attention, no dropout): 32·s·b·h per layer, plus
+    0.5-1.2% of per-row statistics (softmax log-sum-exp, norm statistics).
+    """
+    _check_positive(h=h, b=b, s=s, layers=layers, heads=heads)
+    per_layer = 34 * s * b * h - (0 if dropout else 2 * s * b * h)
+    if not fused_attention:
+        per_layer += (5 if dropout else 4) * heads * s * s * b
+    return float(per_layer * layers)
+
+
+def zero_r_and_headlines(gpu_mem: float = 32 * GB) -> list[dict]:
+    """The ZeRO paper's ZeRO-R sums and headline results, recomputed with this module's formulas (notebook 01).
+
+    Each row: ``claim``, ``paper`` (the figure the paper states, or its annotated reading
+    works out from the paper's inputs, in the row's ``unit``) and ``ours`` (recomputed here, in the
+    same unit). Model states are mixed-precision Adam
+    (K = 12); the 100B model is L = 125 blocks of width h = 8,192 at b = 32, s = 1,024 (the
+    paper's Table 4), ZeRO-100B is stage 2 with Nm = 16 inside a DGX-2.
+    """
+    h, b, s, L = 8192, 32, 1024, 125
+    inputs = activation_numbers(h, b, s, L, checkpointing=True) - activation_numbers(h, b, s, 1)  # L layer inputs
+    message = h * b * s                                  # one block input: the message of every MP collective
+    megatron = 6 * 2 * message                           # 6 all-reduces per block (fwd, recompute, bwd), 2× each
+    rows = [
+        ("plain DP: 1.4B parameters' model states on one GPU", 22.4, model_state_bytes(1.4e9) / GB, "GB"),
+        ("plain DP: the most parameters whose model states alone fit", 2.0, gpu_mem / model_state_bytes(1) / 1e9,
+         "billion"),
+        ("7.5B on Nd = 64, stage 1", 31.4, model_state_bytes(7.5e9, 64, "zero1") / GB, "GB"),
+        ("13B with no model parallelism, stage 2 on 128 GPUs", 27.4, model_state_bytes(13e9, 128, "zero2") / GB, "GB"),
+        ("60B, Nm = 16, stage 2 on 64 GPUs (Nd = 4)", 20.6, model_state_bytes(60e9, 4, "zero2", nm=16) / GB, "GB"),
+        ("60B, Nm = 16, stage 2 on 400 GPUs (Nd = 25)", 9.6, model_state_bytes(60e9, 25, "zero2", nm=16) / GB, "GB"),
+        ("Pa: 100B model's activation checkpoints, L·b·s·h", 33.6, inputs / 1e9, "billion numbers"),
+        ("Pa: the same split over Nm = 16", 2.1, inputs / 16 / 1e9, "billion numbers"),
+        ("Pa: its extra all-gather, against Megatron-LM's traffic per block", 8.3, 100 * message / megatron, "%"),
+        ("CB: one fused fp32 gradient buffer for 3B parameters", 12.0, fused_gradient_buffer_bytes(3e9) / GB, "GB"),
+    ]
+    return [{"claim": c, "paper": p, "ours": o, "unit": u} for c, p, o, u in rows]

@@ -127,8 +127,10 @@ def bill_bars_figure(bars: dict, *, unit: str = "bytes", title: str = "", gpu_me
                      width: float = 7.5, height: float = 4.5):
     """One GPU's bill per row as stacked bars; the part a stage no longer holds is dashed (notebook 01).
 
-    ``bars`` is ``memory.bill_bars(...)``. Each part keeps its replicated height; the filled
-    piece is what the GPU holds, the dashed outline above it is what sharding dropped.
+    ``bars`` is ``memory.bill_bars(...)``. What the GPU holds is stacked from zero (filled), so a
+    bar is as tall as the bytes it holds and shrinks stage by stage; what sharding dropped is
+    stacked above it, dashed, so every bar still reaches the replicated bill. The drawn heights are
+    returned in ``fig.course_heights`` (``{stage: (held, dropped)}``) for the notebook to check.
     """
     from matplotlib.patches import Patch
 
@@ -138,19 +140,22 @@ def bill_bars_figure(bars: dict, *, unit: str = "bytes", title: str = "", gpu_me
     ax = fig.add_subplot()
     scale = _scale(unit)
     stages = list(bars)
+    heights = {}
     for i, stage in enumerate(stages):
         bottom = 0.0
-        for part in BILL_PARTS:
-            held, full = bars[stage][part]["held"] / scale, bars[stage][part]["full"] / scale
-            if full <= 0:
-                continue
-            ax.bar(i, held, bottom=bottom, color=PART_COLORS[part], width=0.6, edgecolor="white")
-            if full - held > 1e-12 * max(full, 1):
-                ax.bar(i, full - held, bottom=bottom + held, width=0.6, fill=False,
-                       edgecolor=PART_COLORS[part], ls="--", lw=1.2)
-            bottom += full
-        total = sum(bars[stage][p]["held"] for p in BILL_PARTS) / scale
-        ax.text(i, bottom, f"{total:.3g}", ha="center", va="bottom", fontsize=9)
+        for part in BILL_PARTS:  # what one GPU holds, from zero
+            held = bars[stage][part]["held"] / scale
+            if held > 0:
+                ax.bar(i, held, bottom=bottom, color=PART_COLORS[part], width=0.6, edgecolor="white")
+                bottom += held
+        total = bottom
+        for part in BILL_PARTS:  # what sharding dropped, above it
+            dropped = (bars[stage][part]["full"] - bars[stage][part]["held"]) / scale
+            if dropped > 1e-12 * max(bars[stage][part]["full"] / scale, 1):
+                ax.bar(i, dropped, bottom=bottom, width=0.6, fill=False, edgecolor=PART_COLORS[part], ls="--", lw=1.2)
+                bottom += dropped
+        heights[stage] = (total, bottom - total)
+        ax.text(i, total, f"{total:.3g}", ha="center", va="bottom", fontsize=9, fontweight="bold")
     if gpu_mem is not None:
         ax.axhline(gpu_mem / scale, color="#c0392b", ls="--", lw=1.5)
         ax.text(len(stages) - 0.5, gpu_mem / scale, f" {gpu_mem / GB:g} GB GPU", color="#c0392b",
@@ -162,6 +167,7 @@ def bill_bars_figure(bars: dict, *, unit: str = "bytes", title: str = "", gpu_me
     handles.append(Patch(fill=False, ls="--", edgecolor="#555555", label="no longer held (sharded away)"))
     fig.legend(handles=handles, fontsize=8, loc="outside right upper")
     ax.set_title(title or "Each stage drops one more part of the bill", fontsize=10)
+    fig.course_heights = heights
     return fig
 
 
@@ -343,7 +349,29 @@ def ddp_timeline_figure(timeline: dict, *, title: str = "", width: float = 8.5, 
     """
     buckets = sorted({r["bucket"] for r in timeline["ready"]})
     fig = new_figure(width, height or 1.9 + 0.38 * (len(buckets) + 1))
-    ax = fig.add_subplot()
+    _draw_ddp_timeline(fig.add_subplot(), timeline)
+    fig.axes[0].set_title(title or "Each bucket's all-reduce starts as soon as its last gradient is ready")
+    return fig
+
+
+def ddp_timelines_figure(timelines: list, *, title: str = "", width: float = 8.5):
+    """Every rank's DDP step, one panel per rank, each on its own clock (notebook 02).
+
+    ``timelines`` is a row's ``"timelines"`` from ``ddp.bucket_sweep``: one ``ddp_timeline_figure``
+    timeline per rank, times in ms after that rank's backward began.
+    """
+    buckets = len({r["bucket"] for r in timelines[0]["ready"]})
+    fig = new_figure(width, 1.2 + len(timelines) * (0.6 + 0.3 * (buckets + 1)))
+    axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False)[:, 0]
+    for rank, (ax, timeline) in enumerate(zip(axes, timelines)):
+        _draw_ddp_timeline(ax, timeline, legend=rank == len(timelines) - 1, xlabel=rank == len(timelines) - 1)
+        ax.set_title(f"rank {rank}", fontsize=9, loc="left")
+    fig.suptitle(title or "Each bucket's all-reduce starts as soon as its last gradient is ready", fontsize=10)
+    return fig
+
+
+def _draw_ddp_timeline(ax, timeline: dict, *, legend: bool = True, xlabel: bool = True) -> None:
+    buckets = sorted({r["bucket"] for r in timeline["ready"]})
     top = len(buckets)
     ax.barh(top, -timeline["forward_ms"], left=timeline["forward_ms"], color="#bbbbbb", height=0.6, label="forward")
     ax.barh(top, timeline["backward_end_ms"], left=0, color=PART_COLORS["gradients"], height=0.6, label="backward")
@@ -359,10 +387,11 @@ def ddp_timeline_figure(timeline: dict, *, title: str = "", width: float = 8.5, 
     ax.axvline(timeline["backward_end_ms"], color="#444444", lw=0.8, ls=":")
     ax.set_yticks(list(buckets) + [top], [f"bucket {b}" for b in buckets] + ["compute"])
     ax.invert_yaxis()
-    ax.set_xlabel("time since backward began (ms)")
-    ax.set_title(title or "Each bucket's all-reduce starts as soon as its last gradient is ready")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=5, fontsize=8, frameon=False)
-    return fig
+    if xlabel:
+        ax.set_xlabel("time since backward began (ms)")
+    if legend:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3 if xlabel else -0.14), ncol=5, fontsize=8,
+                  frameon=False)
 
 
 def bucket_sweep_figure(rows: list, *, title: str = "", width: float = 10.0, height: float = 3.8):
@@ -429,32 +458,56 @@ def measured_memory_figure(view: dict, measured: dict, *, title: str = "", width
 
 
 def zero3_schedule_figure(state, *, width: float = 10.0, height: float = 4.2):
-    """One state of the stage-3 schedule: the GPUs × shards grid and what each GPU has sent (notebook 03).
+    """One state of the stage-3 schedule: the GPUs × layers grid and what each GPU has sent (notebook 03).
 
-    ``state`` is a ``stepper.Stage3State``. Left: row g is GPU g, column s is shard (layer) s;
-    filled purple = its own shard, light = a borrowed copy, an orange dot = that shard's
-    gradients summed onto its owner, the outlined column = the layer being worked on.
-    Right: Ψ units each GPU has sent so far, by kind, against plain DP's 2(Nd-1)/Nd·Ψ.
+    ``state`` is a ``stepper.Stage3State``. Left: row g is GPU g, column l is layer l, cut into
+    Nd vertical slices; GPU g's own slice g of every layer is filled purple, the rest of a layer
+    light while it is gathered whole, an orange mark on a slice once its summed gradients have
+    arrived, the outlined column the layer being worked on. Right: Ψ units each GPU has sent so
+    far, by kind, against plain DP's 2(Nd-1)/Nd·Ψ.
     """
+    fig = new_figure(width, height)
+    grid, bars = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.3]})
+    _draw_stage3(grid, bars, state)
+    fig.suptitle(state.caption, fontsize=9)
+    return fig
+
+
+def zero3_schedule_frames(states: list, *, width: float = 10.0, row_height: float = 3.0):
+    """Several states of the stage-3 schedule, one row each (notebook 03: what a headless run shows)."""
+    fig = new_figure(width, row_height * len(states))
+    axes = fig.subplots(len(states), 2, gridspec_kw={"width_ratios": [1, 1.3]}, squeeze=False)
+    for (grid, bars), state in zip(axes, states):
+        _draw_stage3(grid, bars, state, legend=state is states[-1])
+        heading = grid.get_title()
+        grid.set_title("")
+        bars.set_title("")  # the centred "Traffic so far": the caption takes its place
+        bars.set_title(heading + ": " + state.caption, fontsize=8, loc="left", wrap=True)
+    return fig
+
+
+def _draw_stage3(grid, bars, state, *, legend: bool = True) -> None:
     from matplotlib.patches import Rectangle
 
     from .stepper import TRAFFIC_KINDS
 
     nd = state.nd
-    fig = new_figure(width, height)
-    grid, bars = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.3]})
+    layers = len(state.held[0])
+    w = 0.92 / nd  # one slice's width inside a layer's cell
     for g in range(nd):
-        for s in range(nd):
-            kind = state.held[g][s]
-            color = {"own": PART_COLORS["weights"], "borrowed": "#cdbde6", "": "#f2f2f2"}[kind]
-            grid.add_patch(Rectangle((s, nd - 1 - g), 0.92, 0.92, facecolor=color, edgecolor="white"))
-            if state.grads[s] and g == s:
-                grid.plot(s + 0.46, nd - 1 - g + 0.46, "o", color=PART_COLORS["gradients"], ms=12)
+        for layer in range(layers):
+            y = nd - 1 - g
+            grid.add_patch(Rectangle((layer, y), 0.92, 0.92, facecolor="#f2f2f2", edgecolor="white"))
+            if state.held[g][layer] == "whole":
+                grid.add_patch(Rectangle((layer, y), 0.92, 0.92, facecolor="#cdbde6", edgecolor="white"))
+            grid.add_patch(Rectangle((layer + g * w, y), w, 0.92, facecolor=PART_COLORS["weights"], edgecolor="white"))
+            if state.grads[layer]:
+                grid.plot(layer + (g + 0.5) * w, y + 0.46, "o", color=PART_COLORS["gradients"], ms=max(3, 24 / nd))
     if state.layer is not None:
         grid.add_patch(Rectangle((state.layer - 0.04, -0.04), 1.0, nd, fill=False, edgecolor="#222222", lw=2))
-    grid.set_xlim(-0.1, nd)
+    grid.set_xlim(-0.1, layers)
     grid.set_ylim(-0.1, nd)
-    grid.set_xticks([s + 0.46 for s in range(nd)], [f"shard {s}" for s in range(nd)], fontsize=8)
+    grid.set_xticks([s + 0.46 for s in range(layers)], [f"layer {s}" for s in range(layers)], fontsize=8)
     grid.set_yticks([nd - 1 - g + 0.46 for g in range(nd)], [f"GPU {g}" for g in range(nd)], fontsize=8)
     grid.set_aspect("equal")
     grid.tick_params(length=0)
@@ -478,10 +531,9 @@ def zero3_schedule_figure(state, *, width: float = 10.0, height: float = 4.2):
     bars.set_ylim(-0.6, nd)
     bars.set_yticks(range(nd)[::-1], [f"GPU {g}" for g in range(nd)], fontsize=8)
     bars.set_xlabel("sent by each GPU so far, in units of Ψ (ring model)")
-    bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
+    if legend:
+        bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     bars.set_title("Traffic so far", fontsize=10)
-    fig.suptitle(state.caption, fontsize=9)
-    return fig
 
 
 # ---------------------------------------------------------------------------------------------

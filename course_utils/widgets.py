@@ -287,7 +287,7 @@ def planner(params: float = 7e9, *, nodes: int = 1, gpus_per_node: int = 8, gpu_
 
 def _stage3_readout(state) -> str:
     sent = state.sent_total(0)
-    rows = "".join(f"<tr><td>GPU {g}</td><td>{state.shards_held(g)} shard(s) held</td>"
+    rows = "".join(f"<tr><td>GPU {g}</td><td>{state.held_psi(g):.3g}Ψ of parameters held</td>"
                    f"<td style='text-align:right'>{state.sent_total(g):.4g}Ψ sent</td></tr>" for g in range(state.nd))
     return (f"<div><b>{html.escape(state.caption)}</b><br>step {state.step}, every GPU has sent {sent:.4g}Ψ "
             f"(plain DP sends {2 * (state.nd - 1) / state.nd:.4g}Ψ per step)<table>{rows}</table></div>")
@@ -299,14 +299,17 @@ def zero3_stepper(nd: int = 4):
     Controls (CSS class, description): ``course-zero3-step`` ("Step"), ``course-zero3-back``
     ("Back"), ``course-zero3-reset`` ("Reset"); the picture ``course-zero3-chart``; the readout
     of exact values ``course-zero3-readout``. The states come from ``stepper.Stage3Stepper``.
-    Headless: a ``plots.StaticFigure`` of the final state (every GPU has sent 3(Nd-1)/Nd·Ψ).
+    Headless: a ``plots.StaticFigure`` of four states, one per row: the start, layer 0 gathered
+    in the forward pass, the last layer reduce-scattered in the backward pass, and the end (every
+    GPU has sent 3(Nd-1)/Nd·Ψ); its text is the last caption.
     """
     from .stepper import Stage3Stepper
 
     machine = Stage3Stepper(nd)
     if is_headless():
-        state = machine.last()
-        return plots.StaticFigure(plots.zero3_schedule_figure(state), state.caption)
+        states = machine.states
+        frames = [states[0], states[1], states[2 * nd + 2], states[-1]]
+        return plots.StaticFigure(plots.zero3_schedule_frames(frames), states[-1].caption)
     w = _ipw()
     step = _classed(w.Button(description="Step", button_style="primary"), "course-zero3-step")
     back = _classed(w.Button(description="Back"), "course-zero3-back")

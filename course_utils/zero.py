@@ -39,6 +39,22 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import CourseInputError
 
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (torch >= 1.13) to all_gather_single /
+# reduce_scatter_single and made the old names deprecated aliases; an older torch (Colab's, say) has only
+# the old names. Both run the same c10d ops (_allgather_base_, _reduce_scatter_base_), so CommCounter
+# counts them alike.
+def newest_collective(*names: str):
+    """The first of ``names`` that this ``torch.distributed`` has (notebook 03)."""
+    for name in names:
+        if hasattr(dist, name):
+            return getattr(dist, name)
+    raise CourseInputError(f"this torch has none of torch.distributed.{', '.join(names)}: install torch >= 1.13")
+
+
+all_gather_single = newest_collective("all_gather_single", "all_gather_into_tensor")
+reduce_scatter_single = newest_collective("reduce_scatter_single", "reduce_scatter_tensor")
+
 # ---------------------------------------------------------------------------------------------
 # Padding and the flat layout
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +134,7 @@ class FlatParams:
         if storage.nbytes() == 0:
             storage.resize_(self.working_bytes)
         # Stages 1 and 2: the shard is a view of ``full`` itself, so this gathers in place.
-        dist.all_gather_single(self.full, self.shard, group=self.group)
+        all_gather_single(self.full, self.shard, group=self.group)
 
     def free(self) -> None:
         """Drop the gathered copy; the parameters keep their shapes but hold no memory (notebook 03)."""
@@ -139,7 +155,7 @@ class FlatParams:
         second backward before the step (gradient accumulation) adds to ``grad_shard``.
         """
         out = torch.empty(self.shard_numel, dtype=self.full.dtype, device=self.full.device)
-        dist.reduce_scatter_single(out, self.flat_grads(), group=self.group)
+        reduce_scatter_single(out, self.flat_grads(), group=self.group)
         out.div_(self.nd)
         self.grad_shard = out if self.grad_shard is None else self.grad_shard.add_(out)
         if drop_full_grads:
@@ -149,7 +165,7 @@ class FlatParams:
     def full_fp32(self) -> list[torch.Tensor]:
         """All-gather the fp32 master slices and return each parameter's full fp32 value (collective)."""
         whole = torch.empty(self.padded, dtype=self.master.dtype, device=self.master.device)
-        dist.all_gather_single(whole, self.master.contiguous(), group=self.group)
+        all_gather_single(whole, self.master.contiguous(), group=self.group)
         out, offset = [], 0
         for p in self.params:
             out.append(whole[offset:offset + p.numel()].view(p.shape).clone())

@@ -224,3 +224,22 @@ def test_state_dicts_round_trip(tmp_path):
     assert files[0]["params_with_state"] == n_params and files[1]["params_with_state"] == 0
     assert files[1]["new_api_params_with_state"] == 0
     assert (tmp_path / "full_state_dict.pt").is_file() and (tmp_path / "dcp-step-2" / ".metadata").is_file()
+
+
+def test_fsdp2_keeps_the_root_gathered_and_clips_across_shards():
+    from dataclasses import asdict
+
+    from course_utils.labs import lab03
+    from course_utils.launch import launch
+
+    model = build_model("tiny")
+    psi = param_count(model)
+    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    facts = launch(lab03.fsdp2_facts, nproc=2, args=(asdict(TrainConfig(strategy="full_shard", nproc=2, steps=2)),),
+                   echo=False)[0]
+    default, reshard = (facts["comm"][k]["all_gather"] for k in ("default", "reshard"))
+    assert reshard["payload_bytes"] == 2 * 4 * psi and reshard["payload_bytes"] - default["payload_bytes"] == 4 * root
+    assert facts["all_dtensor_shard0"] and facts["example"]["local"] == (96, 64)   # 192 rows of qkv over 2 ranks
+    assert facts["norm_by_hand"] == pytest.approx(facts["norm_one_process"], rel=1e-5)
+    assert facts["norm_by_torch"] == pytest.approx(facts["norm_by_hand"], rel=1e-6)
+    assert facts["norm_one_rank_alone"] < facts["norm_by_hand"] and facts["clipped_rel_error"] < 1e-5

@@ -432,3 +432,12 @@ def test_a_killed_kernel_takes_its_runs_with_it_even_when_a_worker_ignores_sigte
         time.sleep(0.2)
     assert not any(pid_alive(p) for p in pids), "workers outlived their killed kernel"
     assert not _processes_mentioning(str(tmp_path / "run"))
+
+
+def test_three_collectives_in_a_world_of_one(monkeypatch):
+    for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    out = examples.three_collectives(8)   # one rank: it owns the whole vector, and every sum is its own
+    assert out["broadcast"] == [1.0] * 8
+    assert out["all_gather"] == [float(i) for i in range(8)]
+    assert out["reduce_scatter"] == [1.0] * 8

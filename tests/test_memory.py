@@ -105,11 +105,12 @@ def test_memory_chart_view():
     v = memory.memory_chart_view(7.5e9, nd=64, gpu_mem=32 * GB)
     assert v["readout"] == memory.bytes_per_gpu(7.5e9, 64)
     assert v["fits"] == {"ddp": False, "zero1": True, "zero2": True, "zero3": True}
-    assert v["first_fit"] == {"ddp": None, "zero1": 64, "zero2": 8, "zero3": 4}
-    assert v["title"] == "7.5B on one 32 GB GPU: stage 3 from Nd = 4, stage 2 from 8, stage 1 from 64, plain DP never"
+    # by hand: 30 + 90/Nd <= 32 from Nd = 45; 15 + 105/Nd <= 32 from 7; 120/Nd <= 32 from 4 (GB)
+    assert v["first_fit"] == {"ddp": None, "zero1": 45, "zero2": 7, "zero3": 4}
+    assert v["title"] == "7.5B on one 32 GB GPU: stage 3 from Nd = 4, stage 2 from 7, stage 1 from 45, plain DP never"
     assert "31.4 GB" in v["readout_text"] and "1.88 GB" in v["readout_text"]
     t = memory.memory_chart_view(1e12, nd=1024)
-    assert t["first_fit"]["zero3"] == 512 and t["first_fit"]["zero1"] is None
+    assert t["first_fit"]["zero3"] == 500 and t["first_fit"]["zero1"] is None   # 16e12 / 32e9
     assert memory.memory_chart_view(1e12, nd=1024)["readout_text"] != v["readout_text"]
 
 
@@ -209,6 +210,32 @@ def test_measured_activations_against_rule():
         assert r["measured_blocks_ckpt"] == 2 * r["batch"] * r["seq"] * r["width"] * r["layers"]
         assert r["measured_total_ckpt"] < r["measured_total"] / 2
     assert rows[1]["measured_blocks"] == 2 * rows[0]["measured_blocks"] * 2  # linear in b·s
+    for r in rows:  # Korthikanti et al. 2022, no dropout, fused attention: 32·s·b·h bytes, plus per-row statistics
+        k22 = memory.activation_bytes_korthikanti(r["width"], r["batch"], r["seq"], r["layers"], r["heads"],
+                                                  dropout=False, fused_attention=True)
+        assert 0 <= r["measured_blocks"] - k22 < 0.02 * k22
+    # with dropout and unfused attention, the paper's 34·s·b·h + 5·a·s²·b bytes per layer
+    assert memory.activation_bytes_korthikanti(64, 1, 32, 1, 4) == 34 * 32 * 64 + 5 * 4 * 32 * 32
+
+
+def test_bill_chart_stacks_what_is_held_from_zero():
+    from course_utils import plots
+
+    fig = plots.bill_bars_figure(memory.bill_bars(8, 4))
+    held = {s: h for s, (h, _) in fig.course_heights.items()}
+    assert held == memory.bytes_per_gpu(8, nd=4)                              # bars as tall as the bytes held
+    assert all(h + dropped == 16 * 8 for h, dropped in fig.course_heights.values())  # dashed up to the full bill
+
+
+
+def test_zero_r_and_headlines_reproduce_the_papers_figures():
+    rows = {r["claim"]: r for r in memory.zero_r_and_headlines()}
+    assert len(rows) == 10
+    for r in rows.values():
+        assert round(r["ours"], 1) == r["paper"], r
+    # by hand, from the paper's inputs: L·b·s·h of the 100B model, and 3e9 fp32 gradients
+    assert rows["Pa: 100B model's activation checkpoints, L·b·s·h"]["ours"] == 125 * 32 * 1024 * 8192 / 1e9
+    assert rows["CB: one fused fp32 gradient buffer for 3B parameters"]["ours"] == 3e9 * 4 / GB
 
 
 def test_fmt_size_picks_a_unit_and_never_writes_an_exponent():

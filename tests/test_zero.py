@@ -104,12 +104,14 @@ def test_stepper_walks_forward_then_backward(nd):
     assert states[0].phase == "start" and states[-1].phase == "done"
     for s in states:
         for g in range(nd):
-            assert s.held[g][g] == "own"  # a GPU never drops its own shard
-            assert s.shards_held(g) <= 2   # its own shard plus at most one borrowed layer
+            assert all(h in ("slice", "whole") for h in s.held[g])  # a GPU never drops its own slice of any layer
+            assert sum(h == "whole" for h in s.held[g]) <= 1         # at most one layer gathered at a time
+            # its own slices (Ψ/Nd) plus the rest of at most one layer of Ψ/L: the course's code, rank r owning slice r
+            assert s.held_psi(g) <= 1 / nd + (1 - 1 / nd) / nd + 1e-12
         if s.action == "gather":
-            assert all(s.held[g][s.layer] for g in range(nd))
+            assert all(s.held[g][s.layer] == "whole" for g in range(nd))
         if s.action in ("drop", "reduce", ""):
-            assert all(s.shards_held(g) == 1 for g in range(nd))
+            assert all(s.held_psi(g) == pytest.approx(1 / nd) for g in range(nd))
     final = states[-1]
     assert all(final.grads) and not any(states[2 * nd].grads)
     for g in range(nd):
@@ -130,7 +132,7 @@ def test_stepper_machine():
             stepper.stage3_schedule(bad)
 
 
-def test_stepper_widget_headless_is_the_final_state(monkeypatch):
+def test_stepper_widget_headless_shows_several_states(monkeypatch):
     from course_utils import plots, widgets
 
     monkeypatch.setenv("COURSE_HEADLESS", "1")
@@ -318,6 +320,17 @@ def test_hand_built_stage1_matches_the_library(agreement2):
     assert sum(lib_optim) == sum(ours_optim) == 8 * PSI
 
 
+
+def test_library_zero1_all_reduces_full_gradients_then_broadcasts_every_weight(agreement2):
+    comm = {n: agreement2[n]["comm_per_step"] for n in ("ddp", "zero1", "torch_zero1")}
+    ddp_bcast = comm["ddp"].get("broadcast", {"calls": 0, "payload_bytes": 0})   # DDP's bucket-order broadcast
+    assert comm["torch_zero1"]["all_reduce"]["payload_bytes"] == 4 * PSI
+    assert comm["torch_zero1"]["broadcast"]["payload_bytes"] - ddp_bcast["payload_bytes"] == 4 * PSI
+    assert comm["torch_zero1"]["broadcast"]["calls"] - ddp_bcast["calls"] == len(list(build_model("tiny").parameters()))
+    assert "all_reduce" not in comm["zero1"] and comm["zero1"]["reduce_scatter"]["payload_bytes"] == 4 * PSI
+    sent = {n: zero.traffic_in_psi(c, PSI, 4) for n, c in comm.items()}
+    assert sent["torch_zero1"] - sent["zero1"] == pytest.approx(1.0, abs=1e-3)   # one Ψ of broadcasts more
+
 @pytest.mark.parametrize("stage", ("ddp",) + STAGES)
 def test_bytes_held_are_the_formula_fp32(agreement2, stage):
     check = zero.memory_check(agreement2[stage], psi=PSI)
@@ -384,3 +397,16 @@ def test_stage3_working_set_is_root_plus_one_block(request, runs, b):
     assert names == ["blocks.0", "blocks.1", "(root)"]
     assert info["peak_gathered_bytes"] == zero.expected_peak_gathered_bytes(info["units"], b)
     assert set(info["peak_gathered_bytes_per_step"]) == {info["peak_gathered_bytes"]}
+
+
+
+def test_collective_names_fall_back_on_an_older_torch(monkeypatch):
+    import torch.distributed as dist
+
+    assert zero.all_gather_single is dist.all_gather_single            # torch 2.13: the new names
+    assert zero.reduce_scatter_single is dist.reduce_scatter_single
+    monkeypatch.delattr(dist, "all_gather_single")                      # as on torch < 2.13
+    assert zero.newest_collective("all_gather_single", "all_gather_into_tensor") is dist.all_gather_into_tensor
+    monkeypatch.delattr(dist, "all_gather_into_tensor")
+    with pytest.raises(CourseInputError, match="torch >= 1.13"):
+        zero.newest_collective("all_gather_single", "all_gather_into_tensor")

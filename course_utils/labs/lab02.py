@@ -117,6 +117,9 @@ def _sweep_one_cap(cfg: TrainConfig, info, cap_mb: float) -> dict:
     mean_losses = torch.stack(losses).to(info.device)
     dist.all_reduce(mean_losses)
     counted = count.summary(cfg.steps).get("all_reduce", {"calls": 0, "payload_bytes": 0, "sent_bytes": 0})
+    timeline = watch.timeline()
+    timelines = [None] * info.world_size  # every rank's last step, each on its own clock
+    dist.all_gather_object(timelines, timeline)
     return {
         "cap_mb": cap_mb, **ddp.describe(),
         "calls_per_step": counted["calls"], "payload_bytes_per_step": counted["payload_bytes"],
@@ -127,7 +130,7 @@ def _sweep_one_cap(cfg: TrainConfig, info, cap_mb: float) -> dict:
         "replicas_identical": watch.replicas_identical, "weights_sha256": weights_sha256(model.state_dict()),
         "grad_rel_vs_full_batch": watch.grad_rel,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "timeline": watch.timeline(),
+        "timeline": timeline, "timelines": timelines,
     }
 
 
@@ -338,8 +341,9 @@ def worker_log_errors(run_dir, limit: int = 3) -> list[str]:
 def overlap_summary(timeline: dict) -> dict:
     """How much of the all-reduce time ran while backward was still computing (notebook 02).
 
-    From a ``bucket_sweep`` timeline: how many buckets started before backward ended, the total
-    time all-reduces were in flight, the part of it inside the backward pass, and how long the
+    From a ``bucket_sweep`` timeline: how many buckets started before backward ended, the time
+    at least one all-reduce was in flight (the union of their intervals: they overlap, so their
+    sum would be longer than the step), the part of it inside the backward pass, and how long the
     optimizer waited after backward for the last all-reduce.
     """
     end = timeline["backward_end_ms"]
@@ -348,10 +352,21 @@ def overlap_summary(timeline: dict) -> dict:
     return {
         "buckets": len(spans),
         "started_during_backward": sum(start < end for start, _ in spans),
-        "in_flight_ms": sum(stop - start for start, stop in spans),
-        "in_flight_during_backward_ms": sum(max(0.0, min(stop, end) - start) for start, stop in spans),
+        "in_flight_ms": _union_ms(spans),
+        "in_flight_during_backward_ms": _union_ms([(start, min(stop, end)) for start, stop in spans]),
         "wait_after_backward_ms": timeline["synced_ms"] - end,
+        "step_ms": timeline["synced_ms"] - timeline["forward_ms"],
     }
+
+
+def _union_ms(spans) -> float:
+    """Length of the union of ``(start, stop)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > reach:
+            total += stop - max(start, reach)
+            reach = stop
+    return total
 
 
 def weights_agreement(a: dict, b: dict, start: dict) -> dict:
@@ -381,3 +396,186 @@ def weights_agreement(a: dict, b: dict, start: dict) -> dict:
     rows.sort(key=lambda r: -r["rel"])
     return {"rel": (diff2 / moved2) ** 0.5 if moved2 else 0.0, "max_abs": max(r["max_abs"] for r in rows),
             "worst": rows[:3], "key_bias": [r for r in rows if r["tensor"].endswith("[k]")]}
+
+
+# ---------------------------------------------------------------- torch's DDP, read from torch itself (notebook 02)
+
+def extra_buffer_bytes(grads, buffers) -> int:
+    """Bytes of ``buffers`` whose storage no gradient in ``grads`` shares (notebook 02).
+
+    The communication buckets are a second gradient-sized copy unless ``param.grad`` is a view
+    into them (torch's ``gradient_as_bucket_view=True``): this counts what they really add, by
+    comparing storages, not by a formula.
+    """
+    grad_storages = {g.untyped_storage().data_ptr() for g in grads if g is not None}
+    seen, extra = set(), 0
+    for b in buffers:
+        ptr = b.untyped_storage().data_ptr()
+        if ptr not in grad_storages and ptr not in seen:
+            seen.add(ptr)
+            extra += b.untyped_storage().nbytes()
+    return extra
+
+
+def _mean_local_gradients(cfg: TrainConfig, info, x, y) -> dict:
+    """The gradient of this rank's batch on a plain model, averaged over ranks by one all-reduce each:
+    the mean every DDP must deliver, computed without any DDP."""
+    model = build_model(get_config(cfg.model), seed=cfg.seed, device=info.device)
+    model(x, y).backward()
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        out[name] = g / info.world_size
+    return out
+
+
+def _rel_to_mean(model, mean: dict) -> float:
+    """max |grad − mean| / max |mean| over every parameter of ``model`` (inf where a grad is missing)."""
+    scale = max(float(g.abs().max()) for g in mean.values())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            return float("inf")
+        worst = max(worst, float((p.grad - mean[name]).abs().max()))
+    return worst / scale
+
+
+def _torch_layout(ddp_model, names: list) -> dict:
+    """torch DDP's bucket sizes (bytes) and parameter names per bucket, from its own logging data."""
+    data = ddp_model._get_ddp_logging_data()
+    def sizes(key):
+        return [int(s) for s in str(data[key]).split(",")] if key in data else None
+    indices = data.get("rebuilt_per_bucket_param_indices")
+    return {"bucket_cap_bytes": int(data["bucket_cap_bytes"]), "bucket_sizes": sizes("bucket_sizes"),
+            "rebuilt_bucket_sizes": sizes("rebuilt_bucket_sizes"),
+            "rebuilt_names": None if indices is None else [[names[int(i)] for i in part.split()]
+                                                           for part in str(indices).split(",")],
+            "gradient_as_bucket_view": bool(data["gradient_as_bucket_view"])}
+
+
+def torch_ddp_internals(cfg: TrainConfig, info, cap_mb: float, steps: int = 3) -> dict:
+    """What torch's DDP does, read from torch itself, beside the hand-built one (collective; notebook 02).
+
+    For torch's default cap (``bucket_cap_mb=None``) and for ``cap_mb``, with and without
+    ``gradient_as_bucket_view``, trains ``steps`` steps and reports: the bucket sizes from
+    ``_get_ddp_logging_data()`` before the first backward and after the rebuild, with the
+    parameter names of each rebuilt bucket; the bytes its bucket buffers add beyond the
+    gradients (buffers captured by a comm hook, storages compared with ``param.grad``'s); and,
+    right after ``loss.backward()`` returns, how far ``param.grad`` is from the mean of every
+    rank's local gradient (computed without DDP). The same two measurements are made on
+    ``BucketedDDP`` (after backward, and after ``finish_gradient_synchronization``).
+    Measured on torch 2.13 CPU, tiny model: one 474,112-byte bucket on the first iteration at
+    any cap; at 0.1 MiB four rebuilt buckets in gradient-arrival order; 4Ψ extra bytes without
+    the view option, 0 with it; torch's gradients averaged when backward returns, the
+    hand-built one's only after the explicit wait.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    mcfg = get_config(cfg.model)
+    batches = [batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
+                              vocab=mcfg.vocab, seed=cfg.seed, device=info.device) for step in range(steps)]
+    mean0 = _mean_local_gradients(cfg, info, *batches[0])
+    out = {"default_first_bucket_bytes": dist._DEFAULT_FIRST_BUCKET_BYTES, "torch": {}}
+    for cap, view in ((None, False), (cap_mb, False), (cap_mb, True)):
+        model = build_model(mcfg, seed=cfg.seed, device=info.device)
+        names = [n for n, _ in model.named_parameters()]
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=cap, gradient_as_bucket_view=view)
+        first = _torch_layout(wrapped, names)["bucket_sizes"]
+        buffers = {}
+
+        def hook(state, bucket, buffers=buffers):  # the default all-reduce; it only keeps a handle on the buffer
+            buffers[bucket.index()] = bucket.buffer()
+            return allreduce_hook(state, bucket)
+
+        wrapped.register_comm_hook(None, hook)
+        row = {}
+        for step, (x, y) in enumerate(batches):
+            wrapped(x, y).backward()
+            if step == 0:  # nothing called after backward: is the gradient already the mean?
+                row["rel_to_mean_after_backward"] = _rel_to_mean(model, mean0)
+            if step == steps - 1:
+                row["extra_bucket_bytes"] = extra_buffer_bytes([p.grad for p in model.parameters()],
+                                                               buffers.values())
+            model.zero_grad(set_to_none=True)
+        layout = _torch_layout(wrapped, names)
+        out["torch"][(cap, view)] = {**layout, "first_iteration_bucket_sizes": first, **row}
+        del wrapped
+    model = build_model(mcfg, seed=cfg.seed, device=info.device)
+    scratch = BucketedDDP(model, bucket_cap_mb=cap_mb)
+    scratch(*batches[0]).backward()
+    after_backward = _rel_to_mean(model, mean0)
+    scratch.finish_gradient_synchronization()
+    out["scratch"] = {"rel_to_mean_after_backward": after_backward, "rel_to_mean_after_finish": _rel_to_mean(model, mean0),
+                      "extra_bucket_bytes": extra_buffer_bytes([p.grad for p in model.parameters()],
+                                                               [b.buffer for b in scratch.buckets]),
+                      "bucket_sizes": [b.nbytes for b in scratch.buckets],
+                      "bucket_names": [b.names for b in scratch.buckets]}
+    return out
+
+
+def ddp_measurements(config: dict, caps_mb: list, torch_cap_mb: float) -> dict | None:
+    """One launch for notebook 02: ``bucket_sweep``'s rows and ``torch_ddp_internals`` at ``torch_cap_mb``.
+
+    Rank 0 returns ``{"sweep": rows, "torch_ddp": internals}``; the other ranks None.
+    """
+    cfg = TrainConfig(**config).validate()
+    with cdist.session() as info:
+        rows = [_sweep_one_cap(cfg, info, float(cap)) for cap in caps_mb]
+        internals = torch_ddp_internals(cfg, info, float(torch_cap_mb))
+        return {"sweep": rows, "torch_ddp": internals} if info.rank == 0 else None
+
+
+def all_reduce_on_the_wire(numel: int) -> list | None:
+    """Bytes each rank writes to gloo's sockets for one fp32 all-reduce of ``numel`` elements (collective; notebook 02).
+
+    A warm-up all-reduce first opens every connection; then one all-reduce of ``numel`` ones is
+    timed by ``socket_bytes_written`` on every rank, and its result checked (every element = N).
+    Rank 0 returns the list of every rank's bytes (None where ``/proc/self/io`` is missing);
+    the other ranks None. This is the measurement the ring model 4·2(N−1)/N·numel is held to.
+    """
+    with cdist.session() as info:
+        dist.all_reduce(torch.ones(numel, device=info.device))   # warm-up: connections, buffers
+        t = torch.ones(numel, device=info.device)
+        before = socket_bytes_written()
+        dist.all_reduce(t)
+        after = socket_bytes_written()
+        if not bool((t == info.world_size).all()):
+            raise RuntimeError("all-reduce returned a wrong sum")
+        wire = None if before is None or info.backend != "gloo" else after - before
+        everyone = [None] * info.world_size
+        dist.all_gather_object(everyone, wire)
+        return everyone if info.rank == 0 else None
+
+
+def default_collective_timeouts() -> dict:
+    """How long a collective waits before it raises, when nobody sets ``timeout`` (notebook 02).
+
+    Read from torch, not typed in: gloo's (and every non-NCCL backend's) from
+    ``torch.distributed.constants.default_pg_timeout``; NCCL's from
+    ``constants.default_pg_nccl_timeout`` when this torch was built with NCCL, otherwise from the
+    C++ constant ``kProcessGroupNCCLDefaultTimeout`` in the header the wheel ships
+    (``torch/include/.../ProcessGroupNCCL.hpp``). torch 2.13: 30 min and 10 min.
+    """
+    import datetime
+    import re
+    from pathlib import Path
+
+    from torch.distributed import constants
+
+    out = {"gloo": constants.default_pg_timeout, "gloo_source": "torch.distributed.constants.default_pg_timeout"}
+    if constants.default_pg_nccl_timeout is not None:
+        out.update(nccl=constants.default_pg_nccl_timeout, nccl_source="torch.distributed.constants.default_pg_nccl_timeout")
+        return out
+    header = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
+    found = re.search(r"kProcessGroupNCCLDefaultTimeout\s*=\s*std::chrono::milliseconds\(([\d\s*]+)\)",
+                      header.read_text()) if header.exists() else None
+    nccl = None
+    if found:
+        ms = 1
+        for factor in found.group(1).split("*"):
+            ms *= int(factor)
+        nccl = datetime.timedelta(milliseconds=ms)
+    out.update(nccl=nccl, nccl_source="kProcessGroupNCCLDefaultTimeout in torch's ProcessGroupNCCL.hpp "
+               "(this torch has no NCCL)" if nccl else "not found in this torch")
+    return out

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .. import dist as cdist
 from ..data import batch_for_rank
-from ..instrument import HeldAtRest, weights_sha256
+from ..instrument import CountCollectives, HeldAtRest, weights_sha256
 from ..launch import launch
 from ..loop import TrainConfig, apply_single, resolve_strategy, run_steps
 from ..models import build_model, get_config
@@ -23,11 +23,12 @@ from ..zero import ShardedOptimizer, apply_torch_zero1, shard_bounds
 REFERENCES = {"torch_zero1": apply_torch_zero1}
 
 
-def _train_steps(prepared, cfg, info, rank: int, world: int) -> tuple[list[float], dict]:
+def _train_steps(prepared, cfg, info, rank: int, world: int, count=None) -> tuple[list[float], dict]:
     """The one loop (``loop.run_steps``) on ``rank``'s share of ``world``: the losses, and the bytes held
-    counted where ``train`` counts them (the last step, after the update, before the gradients are cleared)."""
+    counted where ``train`` counts them (the last step, after the update, before the gradients are cleared).
+    ``count``: a ``CountCollectives`` observer to count the collectives too."""
     held = HeldAtRest(prepared.held, at=cfg.steps - 1)
-    losses = run_steps(prepared, cfg, info, range(cfg.steps), [held], rank=rank, world=world)
+    losses = run_steps(prepared, cfg, info, range(cfg.steps), [held] + ([count] if count else []), rank=rank, world=world)
     return [float(loss) for loss in losses], held.bytes
 
 
@@ -73,8 +74,9 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
     ``max_abs_diff`` (largest |w - w_single| over every final weight), ``rel_diff``
     (‖w - w_single‖ / ‖w_single‖), the losses (averaged over ranks), ``weights_sha256``, and, shaped
     like a ``train`` report so that ``memory_check`` reads them, ``strategy``, ``world_size``,
-    ``per_rank`` (every rank's bytes held, counted as ``train`` counts them) and
-    ``strategy_info``. The other ranks return ``{"rank": r}``.
+    ``per_rank`` (every rank's bytes held, counted as ``train`` counts them),
+    ``strategy_info`` and ``comm_per_step`` (rank 0's collectives per step, ``CountCollectives``).
+    The other ranks return ``{"rank": r}``.
     """
 
     cfg = TrainConfig(**config).validate()
@@ -104,7 +106,8 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
             dist.all_reduce(grad_error, op=dist.ReduceOp.MAX)
             model = build_model(mcfg, seed=cfg.seed, device=info.device)
             prepared = apply(model, cfg, info)
-            losses, held = _train_steps(prepared, cfg, info, info.rank, info.world_size)
+            count = CountCollectives()  # the same counter as train(): ZeroRedundancyOptimizer's traffic too
+            losses, held = _train_steps(prepared, cfg, info, info.rank, info.world_size, count)
             losses = torch.tensor(losses, device=info.device)
             dist.all_reduce(losses)
             full = prepared.full_state_dict()
@@ -117,7 +120,7 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
                          "max_abs_diff": diff, "rel_diff": (num / den) ** 0.5,
                          "weights_sha256": weights_sha256(full), "strategy": name, "world_size": info.world_size,
                          "per_rank": [dict(rank=r, **row) for r, row in enumerate(per_rank)],
-                         "strategy_info": prepared.info}
+                         "strategy_info": prepared.info, "comm_per_step": count.summary(cfg.steps)}
         return {"rank": info.rank, **out} if info.rank == 0 else {"rank": info.rank}
 
 
@@ -134,3 +137,89 @@ def agreement(cfg=None, *, strategies=("ddp", "zero1", "zero2", "zero3", "torch_
     out = result[0]
     out.pop("rank", None)
     return out
+
+
+# ---------------------------------------------------------------- FSDP2's own defaults, measured (notebook 03)
+
+def fsdp2_facts(config: dict) -> dict | None:
+    """What FSDP2 (``fully_shard``) does that the hand-built stage 3 does not, measured (collective; notebook 03).
+
+    1. The root unit. Each block gets ``fully_shard`` with the default ``reshard_after_forward=None``
+       (True for a non-root module); the root once with the default (None: False for the root, so
+       it stays gathered from forward to backward and is not all-gathered again) and once with
+       True (as the hand-built ``Zero3Module`` does). Collectives are counted by ``CommCounter``
+       over the steps after the first.
+    2. Per-parameter sharding. Every parameter becomes a DTensor sharded on dim 0 (no flat
+       buffer): the placements, and the local and global shapes of one weight.
+    3. Gradient-norm clipping across shards: the global L2 norm of the gradient, computed by
+       hand (each rank's sum of squares of its shards, one all-reduce, a square root), by
+       ``torch.nn.utils.clip_grad_norm_`` (DTensor-aware), from one rank's shards alone (wrong),
+       and by one process on the whole batch (the reference); then the gradient clipped by hand
+       to half that norm, gathered whole, against the reference clipped the same way.
+    Rank 0 returns the facts; other ranks None.
+    """
+    from contextlib import nullcontext
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ..fsdp import fsdp_mesh
+    from ..instrument import CommCounter
+    from ..loop import make_optimizer
+
+    cfg = TrainConfig(**config).validate()
+    mcfg = get_config(cfg.model)
+    with cdist.session() as info:
+        mesh = fsdp_mesh(info, "full_shard")
+        batches = [batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
+                                  vocab=mcfg.vocab, seed=cfg.seed, device=info.device) for step in range(cfg.steps)]
+        out = {"comm": {}}
+        for root in ("default", "reshard"):
+            model = build_model(mcfg, seed=cfg.seed, device=info.device)
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh, **({} if root == "default" else {"reshard_after_forward": True}))
+            optimizer = make_optimizer(model.parameters(), cfg)
+            comm = CommCounter()
+            for step, (x, y) in enumerate(batches):
+                with comm if step else nullcontext():  # step 0 includes lazy initialisation
+                    model(x, y).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            out["comm"][root] = comm.summary(max(1, cfg.steps - 1))
+        # 2. per-parameter sharding, read from the last model
+        params = dict(model.named_parameters())
+        out["all_dtensor_shard0"] = all(isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)
+                                        for p in params.values())
+        name = "blocks.0.attn.qkv.weight"
+        out["example"] = {"name": name, "global": tuple(params[name].shape),
+                          "local": tuple(params[name].to_local().shape)}
+        out["root_params"] = sum(p.numel() for n, p in params.items() if not n.startswith("blocks."))
+        # 3. clipping across shards, on a fresh model's first gradient
+        model = build_model(mcfg, seed=cfg.seed, device=info.device)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model(*batches[0]).backward()
+        grads = [p.grad for p in model.parameters()]
+        local_sq = torch.stack([g.to_local().double().pow(2).sum() for g in grads]).sum()
+        alone = float(local_sq.sqrt())
+        dist.all_reduce(local_sq)
+        by_hand = float(local_sq.sqrt())
+        by_torch = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf"))
+        by_torch = float(by_torch.full_tensor() if isinstance(by_torch, DTensor) else by_torch)
+        for g in grads:  # clip to half the norm, each rank on its own shards
+            g.to_local().mul_(0.5)
+        clipped = {n: p.grad.full_tensor().double() for n, p in model.named_parameters()}
+        if info.rank != 0:
+            return None
+        ref = build_model(mcfg, seed=cfg.seed, device=info.device)
+        x, y = batch_for_rank(0, 0, 1, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed,
+                              device=info.device)
+        ref(x, y).backward()
+        ref_norm = float(torch.stack([p.grad.double().pow(2).sum() for p in ref.parameters()]).sum().sqrt())
+        worst = max(float((clipped[n] - 0.5 * p.grad.double()).abs().max()) for n, p in ref.named_parameters())
+        scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+        out.update(norm_by_hand=by_hand, norm_by_torch=by_torch, norm_one_rank_alone=alone,
+                   norm_one_process=ref_norm, clipped_rel_error=worst / scale)
+        return out
