@@ -925,6 +925,21 @@ class Checkpointer:
                  extra=extra, keep=self.cfg.keep_checkpoints, die=self.die_in_save == done)
             cdist.log(f"saved step-{done}")
 
+    def wait_until_recorded(self, done: int, timeout_s: float = 30.0) -> None:
+        """Wait until rank 0 has recorded ``done`` completed steps of this attempt (notebook 06's
+        failure injection). A rank that dies on purpose at step ``done`` first waits for it: rank 0
+        may still be finishing step ``done - 1`` when a faster rank reaches the failure, and the
+        steps a restart redoes would then depend on which rank was faster."""
+        path = self.records / f"attempt_{self.attempt.attempt}.json"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if json.loads(path.read_text())["reached"] >= done:
+                    return
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.01)
+
     def attempts(self) -> list[dict]:
         """Every attempt of this run so far, in order (read from ``D/_runs/<run id>``)."""
         rows = [json.loads(Path(f).read_text()) for f in glob.glob(str(self.records / "attempt_*.json"))]

@@ -60,11 +60,13 @@ PROGRESS_LOSS_EVERY = 10
 class _FailOnPurpose(Observer):
     """notebook 06: this rank dies hard mid-step, after its forward (the peers wait for its gradients)."""
 
-    def __init__(self, fail_step: int | None, info):
-        self.fail_step, self.info = fail_step, info
+    def __init__(self, fail_step: int | None, info, ckpt: Checkpointer | None = None):
+        self.fail_step, self.info, self.ckpt = fail_step, info, ckpt
 
     def after_forward(self, step: int, loss) -> None:
         if step == self.fail_step:
+            if self.ckpt is not None:  # so that "steps redone" counts the same steps every time
+                self.ckpt.wait_until_recorded(step)
             die_hard(f"fail_at {self.info.rank}:{step} on attempt {self.info.restart_count}")
 
 
@@ -128,7 +130,7 @@ def run_training(cfg: TrainConfig, info, observe: bool = True) -> dict:
     start_step = ckpt.resume() if ckpt else 0
     steps = range(start_step, cfg.steps)
     timer = StepTimer(info.device, skip=min(1, len(steps) - 1))
-    observers = [timer, _FailOnPurpose(planned_failure(cfg.fail_at, info.rank, info.restart_count), info)]
+    observers = [timer, _FailOnPurpose(planned_failure(cfg.fail_at, info.rank, info.restart_count), info, ckpt)]
     count = held = None
     if observe:
         count, held = CountCollectives(node_size=cfg.node_size), HeldAtRest(prepared.held, at=cfg.steps - 1)

@@ -203,14 +203,14 @@ def test_results_markdown_tables_are_well_formed():
             table = None
 
 
-def test_sections_and_arguments():
+def test_sections_and_arguments(tmp_path):
     assert bench.parse_sections(None, cuda_available=False) == ["launch", "pairs", "theory", "scaling", "notebooks"]
     assert bench.parse_sections(None, cuda_available=True)[-1] == "cuda"
     assert bench.parse_sections("theory, launch", False) == ["launch", "theory"]  # run in the canonical order
     for bad in ("launch,warp", ",", "cuda"):
         with pytest.raises(CourseInputError):
             bench.parse_sections(bad, cuda_available=False)
-    ok = argparse.Namespace(rounds=3, steps=8, repeats=5)
+    ok = argparse.Namespace(rounds=3, steps=8, repeats=5, peak_tflops=None, out=str(tmp_path))
     bench.check_arguments(ok)
     for name, value in (("steps", 2), ("rounds", 0), ("repeats", 1)):
         with pytest.raises(CourseInputError, match=name):

@@ -31,7 +31,9 @@ def test_badges_and_setup_cells_agree_with_the_metadata():
         cells = json.loads(path.read_text())["cells"]
         assert f"colab.research.google.com/github/{owner_repo}/blob/{ref}/notebooks/{path.name})" in cells[0]["source"]
         setup = [c for c in cells if c["cell_type"] == "code"][1]["source"]
-        assert f'"course-utils @ git+{url}@{ref}"' in setup, path.name  # course_utils alone, no extras
+        extras = json.loads(path.read_text())["metadata"].get("course", {}).get("colab_extras", [])
+        package = "course-utils" + (f"[{','.join(extras)}]" if extras else "")  # only the extras it declares
+        assert f'"{package} @ git+{url}@{ref}"' in setup, path.name
         assert "check=True" not in setup
 
 

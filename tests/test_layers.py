@@ -13,14 +13,14 @@ PACKAGE = ROOT / "course_utils"
 
 #: The layers, lowest first. A module may import modules of its own layer or below, never above.
 LAYERS = [
-    {"errors", "units", "__init__"},
-    {"strategies", "comm", "stepper"},                                # the record; pure arithmetic
+    {"errors", "units", "__init__", "compat"},
+    {"strategies", "comm", "stepper", "validate"},                    # the record; pure arithmetic; input checks
     {"models", "data", "memory", "dist", "instrument", "_agent", "worker"},  # model, data, the bill, observers
     {"launch", "checkpoint", "plan"},                                 # starts processes; DCP checkpoints; planner
     {"loop"},                                                         # the one loop and its types
     {"ddp", "zero", "fsdp", "per_param", "examples"},                 # strategies: the mechanism, apply_*
     {"train", "rehearse", "plots"},                                   # the run and its CLI; rehearsal; figures
-    {"widgets", "bench", "cli", "__main__", "ft"},                    # views, commands; the TorchFT run
+    {"widgets", "bench", "cli", "__main__", "ft", "cluster"},         # views, commands; TorchFT; namespace nodes
     {"labs", "exercises"},                                            # each notebook's experiments and exercises
 ]
 #: Arithmetic: what the course's numbers rest on. They start no process and never touch torch.distributed.
