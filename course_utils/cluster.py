@@ -586,8 +586,8 @@ def links_vs_planner(strategies=("ddp", "full_shard", "hybrid_shard"), links=("u
     "above" it, "always" or "never"; ``text``: that in words.
     """
     from . import plan
-    from .bench import PLAN_ROW
     from .models import build_model, param_count
+    from .strategies import get as strategy
     from .train import TrainConfig
 
     cfg = TrainConfig(**config, nproc=nodes * nproc_per_node, node_size=nproc_per_node)
@@ -608,7 +608,7 @@ def links_vs_planner(strategies=("ddp", "full_shard", "hybrid_shard"), links=("u
     for r in out["rows"]:
         rate = None if r["link"] == "loopback" else parse_link(r["link"]).bytes_per_s
         machines = plan.Cluster(gpus_per_node=nproc_per_node, nodes=nodes, inter_bw=rate or 1e12)
-        net = plan.network_step(PLAN_ROW[r["strategy"]], psi, machines, bytes_per_value=4)
+        net = plan.network_step(strategy(r["strategy"]).plan_row, psi, machines, bytes_per_value=4)
         r["planned_cross_node_bytes"] = net["cross_node_bytes"]
         r["link_bytes"] = net["network_s"] * machines.inter_bw  # what the busiest cable carries per step
         r["planned_step_time_s"] = None if r["strategy"] not in base else base[r["strategy"]] + (
