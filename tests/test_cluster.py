@@ -160,6 +160,10 @@ def test_teardown_on_error_interrupt_and_timeout(as_root):
         with pytest.raises(type(failure)):
             with cluster.Cluster(nodes=3, link="100mbit") as c:
                 procs = [c.start(node, ["sleep", "60"]) for node in c.nodes]
+                # `ip netns exec` enters the namespace a moment after it starts: wait for that, then fail
+                deadline = time.monotonic() + 20
+                while not all(cluster.namespace_pids(node.ns) for node in c.nodes) and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 assert all(cluster.namespace_pids(node.ns) for node in c.nodes)
                 raise failure
         assert all(p.poll() is not None for p in procs)  # killed and reaped
