@@ -167,8 +167,13 @@ def executed():
         _code("import sys  # Colab set-up", [], kind="skip"),
         _md("## With $N$ ranks\n\nThe sum is $N(N+1)/2$; next: [notebook 02](02_next.ipynb)."),
         _md("Say this aloud, do not show it.", kind="notes"),
+        _code("notes(total)", [{"output_type": "display_data", "metadata": {},
+                                "data": {"text/markdown": "The number to remember: **42 bytes**.",
+                                         "text/plain": "<IPython.core.display.Markdown object>"}}], kind="notes"),
         _code("result = 3\nassert result == 3", [_stdout("checked\n")]),
-        _code("chart()", [_image(), _stdout("drawn\n"),
+        _code("chart()", [{"output_type": "display_data", "metadata": {},
+                           "data": {"text/plain": "[  4.1s] rank 0: done (at 6/6 loss=5.2) | rank 1: done"}},
+                          _image(), _stdout("drawn\n"),
                           {"output_type": "stream", "name": "stderr", "text": "a FutureWarning\n"},
                           {"output_type": "display_data", "metadata": {},
                            "data": {"application/vnd.jupyter.widget-view+json": {"model_id": "x"},
@@ -190,8 +195,9 @@ def test_deck_keeps_slide_cells_only(executed):
     sources = [c.source for c in deck.cells]
     assert not any("steps = 2" in s or "Colab set-up" in s or "assert result" in s for s in sources)
     kinds = [bc.slide_type(c) for c in deck.cells]
-    assert kinds.count("notes") == 2  # the notebook's notes cell and the deck's own keys note
-    assert len(warnings) == 1 and "cell 10" in warnings[0] and "chart" in warnings[0]
+    assert kinds.count("notes") == 3  # the notes cell, the computed notes and the deck's own keys note
+    assert "The number to remember: **42 bytes**." in sources
+    assert len(warnings) == 1 and "cell 11" in warnings[0] and "chart" in warnings[0]
     assert "widgets" not in deck.metadata
     assert deck.metadata["title"] == "99 · A test deck"
 
@@ -220,7 +226,7 @@ def test_deck_markdown_loads_nothing_remote_and_links_decks(executed):
 
 
 def test_deck_refuses_a_notebook_with_an_error(executed):
-    executed.cells[5].outputs.append(nbformat.from_dict(
+    executed.cells[6].outputs.append(nbformat.from_dict(
         {"output_type": "error", "ename": "AssertionError", "evalue": "", "traceback": []}))
     with pytest.raises(ValueError, match="AssertionError"):
         bc.deck_notebook(executed, "99_test")
@@ -233,7 +239,7 @@ def test_exported_deck(executed, tmp_path):
     assert bc.remote_loads(html) == []
     assert _leaf_sections(html) == bc.expected_slides(executed) == int(_meta(html, "course-slides")) == 5
     assert int(_meta(html, "course-charts")) == 1 and 'alt="the readout"' in html
-    assert html.count('<aside class="notes">') == 2 and "Say this aloud" in html
+    assert html.count('<aside class="notes">') == 3 and "Say this aloud" in html and "42 bytes" in html
     assert "'long cell'" not in html and "long cell" in html  # source hidden, output shown
     assert "'shown'" in html  # source shown: tagged slide-code
     assert "$N(N+1)/2$" in html  # KaTeX typesets it when the deck opens
@@ -288,11 +294,11 @@ def test_export_scrubs_machine_paths(executed, tmp_path):
     import tempfile
 
     tmp = tempfile.gettempdir()
-    executed.cells[5].outputs = [nbformat.from_dict(_stdout(
+    executed.cells[6].outputs = [nbformat.from_dict(_stdout(
         f'File "{ROOT}/course_utils/examples.py", line 12\n'
         f'  {ROOT}/.venv/lib/python3.11/site-packages/torch/x.py\n'
         f"logs kept in {tmp}/course-run-1aiyrz7w/logs and /home/alice/runs/a.log and /root/.cache/x\n"))]
-    executed.cells[5].metadata["slideshow"] = {"slide_type": "subslide"}
+    executed.cells[6].metadata["slideshow"] = {"slide_type": "subslide"}
     path = tmp_path / "99_test.ipynb"
     nbformat.write(executed, path)
     html, _ = bc.export_deck(path)
@@ -341,3 +347,42 @@ def test_built_decks_are_ignored_by_git():
     for path in ("build/slides/01_memory_bill.slides.html", "build/notebooks/01_memory_bill.ipynb"):
         done = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
         assert done.returncode == 0, f"{path} is not ignored by git"
+
+
+# ---------------------------------------------------------------------------------------------
+# What a teacher presents: every slide of every notebook passes the deck rules (issue 23)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_slide_can_be_presented(notebook):
+    problems = bc.deck_lint(nbformat.read(notebook, as_version=4), notebook.stem)
+    assert not problems, f"{len(problems)} slide(s) to fix:\n" + "\n".join(problems)
+
+
+def test_deck_lint_finds_what_a_teacher_trips_over():
+    nb = nbformat.v4.new_notebook()
+    long = "A sentence that says a little more than it should. " * 12
+    nb.cells = [
+        _md("# 99 · Title"),
+        _md("## One point\n\nShort and clear.", kind="slide"),
+        _md("The point is X; ask the class what happens at 4 ranks; the number to remember is 2 bytes. " * 2,
+            kind="notes"),
+        _md("## Too long\n\n" + long, kind="slide"),
+        _md("Notes long enough to speak from, saying the point and asking a question of the room. " * 2,
+            kind="notes"),
+        _code("chart()", [], kind="subslide"),
+        _md("## Dangling\n\nThe result is:", kind="slide"),
+        _code("notes(x)", [], kind="notes"),
+        _md("## Maths by hand\n\nEach rank keeps 16Ψ/Nd bytes, or $16\\Psi/N_d$ written well.", kind="slide"),
+        _md("Too short.", kind="notes"),
+    ]
+    problems = bc.deck_lint(nb, "99_test")
+    assert len(bc.slides_of(nb)) == 6
+    assert any("slide 3" in p and "characters of prose" in p for p in problems)
+    assert any("slide 4" in p and "notes missing" in p for p in problems)
+    assert any("slide 4" in p and "no heading" in p for p in problems)
+    assert any("slide 5" in p and "colon" in p for p in problems)
+    assert not any("slide 5" in p and "notes" in p for p in problems), "a code cell's computed notes count"
+    assert any("slide 6" in p and "'Ψ'" in p for p in problems)
+    assert any("slide 6" in p and "notes missing" in p for p in problems)
+    assert not any("slide 2" in p for p in problems) and not any("slide 1 " in p for p in problems)

@@ -16,7 +16,10 @@ that refreshes the committed decks. Every deck has the build machine's paths scr
 How a notebook becomes a deck (slides/README.md says the same for teachers):
 
 - Only cells that carry ``slideshow`` metadata go into the deck; cells without it (the parameters,
-  imports, asserting cells) stay in the notebook. ``skip`` drops a cell, ``notes`` makes it speaker notes.
+  imports, asserting cells) stay in the notebook. ``skip`` drops a cell, ``notes`` makes it speaker notes
+  (a markdown cell's text, or what a code cell printed or displayed: notes whose numbers the run computed).
+- ``deck_lint`` checks every slide a teacher will present (``make test`` runs it on every notebook):
+  speaker notes, at most ``SLIDE_PROSE_CHARS`` of prose, a heading, no dangling colon, maths in $...$.
 - A code cell in the deck shows its outputs. Its source is shown too (small) when it is at most
   ``SHORT_CODE_LINES`` lines, the one call that drew the chart, or when tagged ``slide-code``;
   ``slide-no-code`` hides a short one.
@@ -149,11 +152,20 @@ _WIDGET = "application/vnd.jupyter.widget-view+json"
 _DROPPED_MIME = (_WIDGET, "application/javascript", "application/vnd.jupyter.widget-state+json")
 
 
+#: A launch's live status line (course_utils.launch._Progress): a clock for the room watching the run,
+#: noise on a slide shown later (it would show that run's step counters, not the result).
+_PROGRESS_LINE = re.compile(r"^\[\s*\d+\.\ds\] rank 0: ")
+
+
 def deck_outputs(outputs: list) -> list:
-    """Outputs as a deck shows them: no stderr, no widget views or JavaScript (they need a kernel)."""
+    """Outputs as a deck shows them: no stderr, no launch progress lines, no widget views or JavaScript."""
     kept = []
     for out in outputs:
         if out.get("output_type") == "stream" and out.get("name") == "stderr":
+            continue
+        plain = out.get("data", {}).get("text/plain", "")
+        if (out.get("output_type") == "display_data" and set(out.get("data", {})) == {"text/plain"}
+                and _PROGRESS_LINE.match("".join(plain) if isinstance(plain, list) else plain)):
             continue
         if out.get("output_type") in ("display_data", "execute_result"):
             out = copy.deepcopy(out)
@@ -175,6 +187,19 @@ def _is_image(out) -> bool:
 
 _REMOTE_IMAGE = re.compile(r"!\[([^\]]*)\]\((https?://[^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _NOTEBOOK_LINK = re.compile(r"\]\((\d\d[a-z]?_[a-z0-9_]+)\.ipynb\)")
+
+
+def _notes_text(outputs: list) -> str:
+    """The speaker notes a code cell marked ``notes`` printed or displayed (markdown preferred)."""
+    parts = []
+    for out in outputs:
+        if out.get("output_type") == "stream" and out.get("name") == "stdout":
+            parts.append("".join(out.get("text", "")))
+        elif out.get("output_type") in ("display_data", "execute_result"):
+            data = out.get("data", {})
+            text = data.get("text/markdown") or data.get("text/plain") or ""
+            parts.append("".join(text) if isinstance(text, list) else text)
+    return "\n\n".join(p.strip() for p in parts if p.strip())
 
 
 def _deck_markdown(source: str) -> str:
@@ -226,8 +251,11 @@ def deck_notebook(nb, name: str):
             cells.append(cell)
             continue
         # a code cell
-        if kind == "notes":
-            continue  # notes are prose; a code cell marked "notes" has nothing to say aloud
+        if kind == "notes":  # notes computed by the run: its printed or displayed text becomes the notes
+            said = _notes_text(cell.get("outputs", []))
+            if said:
+                cells.append(_markdown_cell(said, "notes", cell.get("id", f"c{index}")))
+            continue
         cell.outputs = deck_outputs(cell.get("outputs", []))
         tags = set(cell.metadata.get("tags", []))
         lines = len(cell.source.strip().splitlines())
@@ -250,6 +278,84 @@ def deck_notebook(nb, name: str):
     out.metadata.pop("widgets", None)  # no widget state: the deck needs no widget JavaScript
     out.metadata["title"] = title
     return out, warnings
+
+
+#: What a slide may carry (issue 23): the headline, the chart or table, a line or two of text and the
+#: prediction question. Prose beyond this goes into the slide's speaker notes (a ``notes`` cell).
+SLIDE_PROSE_CHARS = 450
+#: The shortest speaker notes a teacher can speak from: the point, a question for the class, a number.
+NOTES_MIN_CHARS = 120
+_MATH = re.compile(r"\$\$.*?\$\$|\$[^$\n]+\$", re.S)
+_CODE_SPAN = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+#: Maths written by hand where KaTeX would typeset it: a caret power (10^12), a subscript (N_d), a
+#: Greek letter or a superscript/root sign outside $...$.
+_RAW_MATH = re.compile(r"\w\^[\w({]|(?<![\w\\])[A-Za-z]_[A-Za-z0-9{]|[ΨΦαβγδσμΣ²³√∑]")
+
+
+def _visible_prose(source: str) -> str:
+    """The prose of a markdown cell as a slide shows it: no headings, tables, code, maths, links' targets."""
+    text = _CODE_SPAN.sub(" ", source)
+    text = _MATH.sub("x", text)
+    lines = [ln for ln in text.splitlines()
+             if not ln.lstrip().startswith(("#", "|", "<", "[![")) and ln.strip()]
+    text = " ".join(lines)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return re.sub(r"[*_>\[\]]|\s+", lambda m: " " if m.group().isspace() else "", text).strip()
+
+
+def slides_of(nb) -> list[list]:
+    """The deck's slides as lists of the notebook cells they are made of, notes cells included."""
+    out: list[list] = []
+    for cell in nb["cells"]:
+        kind = slide_type(cell)
+        if kind in (None, "skip") or cell["cell_type"] == "raw" or _is_injected(cell):
+            continue
+        if not out or kind in ("slide", "subslide"):
+            if kind == "notes" and out:
+                out[-1].append(cell)
+                continue
+            out.append([])
+        out[-1].append(cell)
+    return out
+
+
+def _source(cell) -> str:
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def deck_lint(nb, name: str) -> list[str]:
+    """What a teacher would trip over in the deck of ``nb``, one line per slide (issue 23).
+
+    Every slide needs speaker notes (a ``notes`` cell after it: markdown, or a code cell whose output
+    is the notes, so numbers in the notes are computed); carries at most ``SLIDE_PROSE_CHARS`` of prose;
+    has a heading (the title slide aside); does not end on a colon that introduces nothing; and
+    writes its maths for KaTeX ($16\\Psi/N_d$), not by hand (16Ψ/Nd, 10^12).
+    """
+    problems = []
+    for number, cells in enumerate(slides_of(nb), 1):
+        shown = [c for c in cells if slide_type(c) != "notes"]
+        notes = [c for c in cells if slide_type(c) == "notes"]
+        markdown = [_source(c) for c in shown if c["cell_type"] == "markdown"]
+        heading = next((m.group(1) for s in markdown for m in [re.search(r"^#+\s+(.+)$", s, re.M)] if m), None)
+        where = f"{name} slide {number} ({(heading or 'no heading')[:50]})"
+        said = sum(len(_source(c)) for c in notes)
+        if number > 1 and (not notes or (said < NOTES_MIN_CHARS and all(c["cell_type"] == "markdown" for c in notes))):
+            problems.append(f"{where}: speaker notes missing or under {NOTES_MIN_CHARS} characters; add a "
+                            "`notes` cell after it: the point, a question for the class, the number to remember")
+        prose = sum(len(_visible_prose(s)) for s in markdown)
+        if prose > SLIDE_PROSE_CHARS:
+            problems.append(f"{where}: {prose} characters of prose on the slide (at most {SLIDE_PROSE_CHARS}); "
+                            "keep the point on the slide and move the rest into a `notes` cell")
+        if number > 1 and heading is None:
+            problems.append(f"{where}: no heading; start the slide with a markdown heading that states its point")
+        if shown and shown[-1]["cell_type"] == "markdown" and _visible_prose(_source(shown[-1])).rstrip().endswith(":"):
+            problems.append(f"{where}: ends on a colon that introduces nothing on the slide")
+        for s in markdown:
+            raw = _RAW_MATH.search(_MATH.sub(" ", _CODE_SPAN.sub(" ", s)))
+            if raw:
+                problems.append(f"{where}: maths written by hand ({raw.group()!r}); write it in $...$ for KaTeX")
+                break
+    return problems
 
 
 def _title(nb) -> str:
