@@ -22,7 +22,10 @@ from conftest import ROOT, pid_alive
 
 from course_utils.train import _config_from_args, train, train_arguments
 
-TRIES = 3
+#: Before the fix every try failed (0 in 3), so one try in `make test` catches that regression; the
+#: repeated tries that look for a rarer race are `COURSE_README_TRIES=9 pytest tests/test_torchrun_readme.py`
+#: (9 in 9 equal when the fix landed).
+TRIES = int(os.environ.get("COURSE_README_TRIES", "1"))
 TRY_TIMEOUT_S = 240  # a hang is a failure, not a wait: on 2 loaded cores a try takes 10-60 s
 
 
@@ -78,7 +81,7 @@ def command():
     return readme_torchrun_line(ROOT)
 
 
-def test_readme_torchrun_line_resumes_bit_identical_every_try(command, tmp_path):
+def test_readme_torchrun_line_resumes_bit_identical(command, tmp_path):
     assert "--fail-at" in command and "--max-restarts 1" in command
     expected = _reference_sha(command)
     results = []
