@@ -20,8 +20,8 @@ number) and ``benchmarks/scaling.png``:
   step time, tokens/s, model FLOPs utilisation against the bf16 peak, ``max_memory_allocated``
   against ``plan.memory_breakdown``.
 
-The formulas are the package's own (``memory``, ``comm``, ``zero``, ``fsdp``); this module only
-picks the one that matches each strategy (``expected_bytes``). Timings live here and never in
+The formulas are the package's own (``course_utils.predict.expected_bytes`` picks the one that
+matches each strategy). Timings live here and never in
 pass/fail tests: on a shared 2-core machine they move with the load, which every section records.
 """
 from __future__ import annotations
@@ -40,7 +40,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import CourseInputError
-from .strategies import FSDP_STRATEGIES, STRATEGIES
+from .predict import expected_bytes
+from .strategies import STRATEGIES
 from .validate import writable_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,79 +200,6 @@ def startup_split(wall_s: float, kernel_s: float, launches: list[dict], per_laun
     return {"wall_s": wall_s, "starting_s": starting, "computing_s": wall_s - starting,
             "launches": len(launches), "launch_wall_s": sum(r["wall_s"] for r in launches),
             "starting_share": starting / wall_s if wall_s > 0 else 0.0}
-
-
-def paper_sent_bytes(strategy: str, psi: float, nproc: int, node_size: int = 2, bytes_per_element: int = 4) -> float:
-    """Bytes one rank sends per step by the paper's ring formulas, no padding (README, Benchmarks).
-
-    ``comm.step_sent``: 2(N−1)/N·Ψ elements for DDP, stages 1-2, NO_SHARD and SHARD_GRAD_OP;
-    3(N−1)/N·Ψ for stage 3 and FULL_SHARD. HYBRID_SHARD: stage 3 inside a node of n ranks plus
-    an all-reduce of the Ψ/n-element shard across the N/n nodes: 3(n−1)/n·Ψ + 2(N/n−1)/(N/n)·Ψ/n.
-    """
-    from . import comm
-
-    if strategy == "single" or nproc == 1:
-        return 0.0
-    if strategy == "hybrid_shard":
-        nodes = nproc // node_size
-        elements = comm.step_sent("zero3", psi, node_size) if node_size > 1 else 0.0
-        if nodes > 1:
-            elements += comm.all_reduce_sent(psi / node_size, nodes)
-        return elements * bytes_per_element
-    if strategy not in STRATEGIES:
-        raise CourseInputError(f"no traffic formula for strategy {strategy!r}")
-    return comm.step_sent(STRATEGIES[strategy].zero_row_at_peak, psi, nproc) * bytes_per_element
-
-
-def expected_bytes(strategy: str, psi: int, nproc: int, *, node_size: int = 2, precision: str = "fp32",
-                   strategy_info: dict | None = None) -> dict:
-    """What a run of ``strategy`` should hold per rank and send per step, by the course's formulas (README).
-
-    Returns ``{"held_paper", "held_exact", "sent_paper", "sent_exact", "source"}`` in bytes:
-    ``*_paper`` is the paper's formula (Ψ/Nd, no padding); ``*_exact`` the same formula with the
-    padding the run really has (from ``strategy_info``: ZeRO's ``shard_numel`` and ``units``,
-    FSDP's ``units``). Sources: ``memory.model_state_bytes`` with the fp32 Adam bill (4 + 4 + 8
-    bytes/param) for single and DDP; ``zero.expected_held_bytes`` / ``zero.expected_traffic``;
-    ``fsdp.expected_held_bytes`` / ``fsdp.expected_collectives``; ``paper_sent_bytes``.
-    """
-    from . import memory
-
-    info = strategy_info or {}
-    bill = memory.OPTIMIZERS["adam_fp32" if precision == "fp32" else "adam_mixed"]
-    sent_paper = paper_sent_bytes(strategy, psi, nproc, node_size, 4 if precision == "fp32" else 2)
-    if strategy in ("single", "ddp", "ddp_scratch"):
-        held = memory.model_state_bytes(psi, nproc, "ddp", k=bill.k, weight_bytes=bill.weight_bytes,
-                                        grad_bytes=bill.grad_bytes)
-        if strategy != "single":  # DDP all-reduces fp32 gradients whatever the compute precision
-            sent_paper = paper_sent_bytes(strategy, psi, nproc, node_size, 4)
-        return {"held_paper": held, "held_exact": held, "sent_paper": sent_paper, "sent_exact": sent_paper,
-                "source": "memory.model_state_bytes (fp32 Adam bill), comm.step_sent"}
-    if strategy in ("zero1", "zero2", "zero3"):
-        from . import zero
-
-        paper = zero.expected_held_bytes(strategy, psi, nproc, precision=precision)["total"]
-        exact = paper
-        if "shard_numel" in info:
-            exact = zero.expected_held_bytes(strategy, psi, nproc, precision=precision,
-                                             shard_numel=info["shard_numel"])["total"]
-        sent_exact = sent_paper
-        if info.get("units"):
-            sent_exact = sum(r["sent_bytes"] for r in
-                             zero.expected_traffic(strategy, nproc, info["units"], precision=precision).values())
-        return {"held_paper": paper, "held_exact": exact, "sent_paper": sent_paper, "sent_exact": sent_exact,
-                "source": "zero.expected_held_bytes, zero.expected_traffic"}
-    from . import fsdp
-
-    if strategy not in FSDP_STRATEGIES:
-        raise CourseInputError(f"no formula for strategy {strategy!r}")
-    held = fsdp.expected_held_bytes(strategy, psi, nproc, node_size)["total"]
-    sent_exact = sent_paper
-    if info.get("units"):
-        param_bytes = info.get("compute_bytes_per_element", 4)
-        sent_exact = sum(r["sent_bytes"] for r in fsdp.expected_collectives(
-            strategy, info["units"], nproc, node_size, param_bytes=param_bytes, grad_bytes=4).values())
-    return {"held_paper": held, "held_exact": held, "sent_paper": sent_paper, "sent_exact": sent_exact,
-            "source": "fsdp.expected_held_bytes, fsdp.expected_collectives"}
 
 
 def measured_bytes(report: dict) -> dict:

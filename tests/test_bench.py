@@ -1,5 +1,5 @@
-"""The benchmark's pure pieces (course_utils.bench): statistics and ratios, the formulas it picks for
-each strategy (against the paper's numbers worked by hand), the start-up estimate, the verdicts, the
+"""The benchmark's pure pieces (course_utils.bench): statistics and ratios, the theory rows (measured
+against ``predict.expected_bytes``), the start-up estimate, the verdicts, the
 results.md writer and argument checking. No timing is asserted: timings live in ``make bench``.
 
 One real run, in this process (a world of one): the training loop on a width the presets do not
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from course_utils import bench, cli, comm, models, zero
+from course_utils import bench, cli, models, predict
 from course_utils.errors import CourseInputError
 
 PSI = 1000  # a round Ψ for the formulas
@@ -54,50 +54,9 @@ def test_startup_split():
     assert capped["starting_s"] == 3.0 and capped["computing_s"] == 0.0
 
 
-# ---------------------------------------------------------------------------------------------
-# The formulas each strategy is held to
-# ---------------------------------------------------------------------------------------------
-
-def test_paper_traffic_formulas():
-    # one rank's ring bytes per step, fp32: all-reduce 2(N-1)/N·4Ψ, stage 3 3(N-1)/N·4Ψ
-    assert bench.paper_sent_bytes("ddp", PSI, 2) == 4 * PSI
-    assert bench.paper_sent_bytes("ddp_scratch", PSI, 4) == pytest.approx(2 * 3 / 4 * 4 * PSI)
-    for s in ("zero1", "zero2", "shard_grad_op", "no_shard"):
-        assert bench.paper_sent_bytes(s, PSI, 4) == pytest.approx(comm.step_sent("ddp", PSI, 4) * 4)
-    assert bench.paper_sent_bytes("zero3", PSI, 4) == pytest.approx(3 * 3 / 4 * 4 * PSI)
-    assert bench.paper_sent_bytes("full_shard", PSI, 2) == pytest.approx(1.5 * 4 * PSI)
-    # HSDP, 2 nodes x 2: stage 3 inside the node (1.5Ψ) + all-reduce of the Ψ/2 shard across 2 nodes (0.5Ψ)
-    assert bench.paper_sent_bytes("hybrid_shard", PSI, 4, node_size=2) == pytest.approx(2.0 * 4 * PSI)
-    assert bench.paper_sent_bytes("single", PSI, 1) == 0.0
-    with pytest.raises(CourseInputError):
-        bench.paper_sent_bytes("zero4", PSI, 2)
-
-
-@pytest.mark.parametrize("strategy, nproc, per_param", [
-    ("single", 1, 16), ("ddp", 2, 16), ("ddp_scratch", 4, 16), ("no_shard", 2, 16),
-    ("zero1", 2, 8 + 8 / 2), ("zero2", 2, 4 + 12 / 2), ("zero3", 4, 16 / 4),
-    ("full_shard", 2, 16 / 2), ("shard_grad_op", 2, 16 / 2), ("hybrid_shard", 4, 16 / 2),
-])
-def test_held_formulas_fp32(strategy, nproc, per_param):
-    # fp32 Adam, 4 + 4 + 8 bytes per parameter; FSDP2's SHARD_GRAD_OP reshards after backward (16Ψ/N at rest)
-    exp = bench.expected_bytes(strategy, PSI, nproc)
-    assert exp["held_paper"] == pytest.approx(per_param * PSI) and exp["held_exact"] == exp["held_paper"]
-
-
-def test_padding_is_counted_from_the_run():
-    # Ψ = 10 on 4 ranks pads to 12: each rank owns S = 3 elements
-    units = [{"name": "flat 0", "numel": 10, "padded": 12, "shard_numel": 3, "padding": 2, "trainable": True}]
-    exp = bench.expected_bytes("zero1", 10, 4, strategy_info={"shard_numel": 3, "units": units})
-    assert exp["held_paper"] == 8 * 10 + 8 * 10 / 4 and exp["held_exact"] == 8 * 10 + 8 * 3
-    assert exp["sent_paper"] == pytest.approx(2 * 3 / 4 * 10 * 4)   # 60 B
-    assert exp["sent_exact"] == pytest.approx(2 * 3 / 4 * 12 * 4)   # 72 B: the padded buffer travels
-    assert exp["sent_exact"] == pytest.approx(sum(r["sent_bytes"] for r in zero.expected_traffic(
-        "zero1", 4, units, precision="fp32").values()))
-
-
 def test_theory_row_compares_measured_with_formula():
     nd = 2
-    formula = bench.expected_bytes("zero3", PSI, nd)
+    formula = predict.expected_bytes("zero3", PSI, nd)
     report = {"world_size": nd, "config": {"node_size": 2, "precision": "fp32"}, "strategy_info": {},
               "per_rank": [{"rank": r, "total": formula["held_paper"]} for r in range(nd)],
               "comm_per_step": {"all_gather": {"calls": 6, "sent_bytes": 2 * PSI * 4 * 0.5}},
