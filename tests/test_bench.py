@@ -1,6 +1,7 @@
-"""The benchmark's pure pieces (course_utils.bench): statistics and ratios, the theory rows (measured
-against ``predict.expected_bytes``), the start-up estimate, the verdicts, the
-results.md writer and argument checking. No timing is asserted: timings live in ``make bench``.
+"""The benchmark harness's pure pieces (tools/bench.py): statistics and ratios, the theory rows (measured
+against ``predict.expected_bytes``), the start-up estimate, the verdicts, the results.md writer and
+argument checking, and ``python -m course_utils bench`` handing over to it. No timing is asserted:
+timings live in ``make bench``.
 
 One real run, in this process (a world of one): the training loop on a width the presets do not
 have, whose bytes held must equal the fp32 bill 16Ψ exactly.
@@ -9,11 +10,17 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 import pytest
+from conftest import ROOT
 
-from course_utils import bench, cli, models, predict
+from course_utils import bench as bench_command
+from course_utils import cli, launch, models, predict
 from course_utils.errors import CourseInputError
+
+sys.path.insert(0, str(ROOT))
+from tools import bench  # noqa: E402
 
 PSI = 1000  # a round Ψ for the formulas
 
@@ -176,10 +183,52 @@ def test_sections_and_arguments(tmp_path):
             bench.check_arguments(argparse.Namespace(**{**vars(ok), name: value}))
 
 
-def test_cli_refuses_bad_sections_in_one_line(capsys, tmp_path):
+#: Bad input of the harness (they were rows of test_cli_inputs while it lived in the package).
+BAD_ARGUMENTS = [
+    ("out-file", ["--render-only", "--out", "{file}"]),
+    ("out-corrupt", ["--render-only", "--out", "{corrupt}"]),
+    ("out-empty", ["--render-only", "--out", "{dir}"]),
+    ("rounds-0", ["--rounds", "0", "--out", "{dir}"]),
+    ("steps-1", ["--steps", "1", "--out", "{dir}"]),
+    ("repeats-1", ["--repeats", "1", "--out", "{dir}"]),
+    ("out-under-file", ["--render-only", "--out", "{file}/bench"]),
+    ("sections", ["--sections", "nope", "--out", "{dir}"]),
+    ("peak-nan", ["--peak-tflops", "nan", "--out", "{dir}"]),
+    ("peak-negative", ["--peak-tflops", "-1", "--out", "{dir}"]),
+]
+
+
+@pytest.mark.parametrize("name, argv", BAD_ARGUMENTS, ids=[r[0] for r in BAD_ARGUMENTS])
+def test_bad_arguments_exit_2_with_one_line(name, argv, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "results.json").write_text("{not json")
+    (tmp_path / "empty").mkdir()
+    paths = {"file": str(tmp_path / "a-file"), "dir": str(tmp_path / "empty"), "corrupt": str(tmp_path / "corrupt")}
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a worker was launched for refused input"))
+    try:
+        status = bench.main([a.format(**paths) for a in argv])
+    except SystemExit as exc:  # argparse's own errors
+        status = exc.code
+    out = capsys.readouterr()
+    assert status == 2, out.err[-2000:]
+    assert len(out.err.splitlines()) == 1 and out.err.strip() and "Traceback" not in out.err + out.out
+
+
+def test_the_cli_hands_over_to_the_harness_in_a_clone(capfd, tmp_path):
+    """``python -m course_utils bench ...`` runs ``python -m tools.bench ...`` in the clone: same arguments
+    (options included), the same one-line error and exit status."""
+    assert bench_command.repository_root() == ROOT
     assert cli.main(["bench", "--sections", "warp", "--out", str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip()
+    err = capfd.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "unknown section" in err and not list(tmp_path.iterdir())
+
+
+def test_an_installed_package_without_the_repository_says_where_to_run(monkeypatch, capsys):
+    monkeypatch.setattr(bench_command, "repository_root", lambda: None)
+    assert cli.main(["bench", "--sections", "theory"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "make bench" in err and "clone" in err
 
 
 def test_scaling_figure_draws(tmp_path):
