@@ -15,7 +15,8 @@ PACKAGE = ROOT / "course_utils"
 LAYERS = [
     {"errors", "units", "__init__", "compat"},
     {"strategies", "comm", "stepper", "validate"},                    # the record; pure arithmetic; input checks
-    {"models", "data", "memory", "dist", "instrument", "_agent", "worker"},  # model, data, the bill, observers
+    {"models", "data", "memory", "dist", "instrument", "_agent", "worker",  # model, data, the bill, observers;
+     "checksums"},                                                    # a state dict's checksums in any layout
     {"launch", "checkpoint", "plan", "predict"},                      # processes; DCP; planner; predictions
     {"loop"},                                                         # the one loop and its types
     {"ddp", "zero", "fsdp", "per_param", "examples"},                 # strategies: the mechanism, apply_*
