@@ -118,7 +118,7 @@ lab: setup
 
 bench: setup
 	@echo "==> benchmarks into benchmarks/"
-	@$(BIN)/python -m course_utils bench
+	@$(BIN)/python -m tools.bench
 
 # The launcher's long stress test (issue 14): 2 x 300 launches beside a CPU hog; results in benchmarks/.
 stress: setup

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = {
     "errors", "units", "strategies", "memory", "comm", "plan", "launch", "dist", "models", "data",
-    "instrument", "loop", "train", "ddp", "zero", "fsdp", "checkpoint", "stepper", "widgets", "plots",
+    "instrument", "loop", "train", "ddp", "zero", "fsdp", "checkpoint", "stepper", "widgets", "plots", "predict",
     "rehearse", "bench", "examples", "labs", "compat",
 }
 

@@ -28,7 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "list the exercises, run their checks on the solutions or stubs, grade a student's notebook "
                   "(notebooks 01-06)"),
     "ft": ("course_utils.ft", "TorchFT: lose a replica group, keep training, heal it from a live peer (notebook 06)"),
-    "bench": ("course_utils.bench", "benchmarks: course run time, launch overhead, hand-built vs torch (README)"),
+    "bench": ("course_utils.bench", "benchmarks: course run time, launch overhead, hand-built vs torch; runs "
+                                    "tools/bench.py in a clone of the repository (README)"),
 }
 
 

@@ -43,10 +43,10 @@ strategy), ``wrap`` ("block", "model" or "linear": what one unit is), ``prefetch
 "explicit" or "none"), ``offload`` (true: ``CPUOffloadPolicy``). ``precision="mixed"`` gives
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
 
-Also here: ``UnshardedTracker`` (peak bytes of gathered parameters, on any device) and
-``expected_held_bytes`` / ``expected_collectives`` / ``predict`` (what the formulas predict for
-a run). The notebook's experiments (many runs in one launch, its tables, the state-dict demo)
-are ``course_utils.labs.lab04``.
+Also here: ``UnshardedTracker`` (peak bytes of gathered parameters, on any device). What the
+formulas predict for a run (bytes held, collectives, the peak of gathered bytes) is
+``course_utils.predict`` (``predict.fsdp_run``). The notebook's experiments (many runs in one
+launch, its tables, the state-dict demo) are ``course_utils.labs.lab04``.
 """
 from __future__ import annotations
 
@@ -60,11 +60,12 @@ from . import dist as cdist
 from .errors import CourseInputError
 from .instrument import Observer
 from .loop import Prepared, TrainConfig, make_optimizer, module_held
-from .models import Block, get_config, init_weights
-from .strategies import FSDP_STRATEGIES, get, get_fsdp, mesh_shape, shard_group_size
+from .models import UNIT_GRANULARITIES, Block, init_weights, unit_modules
+from .predict import unit_table
+from .strategies import get_fsdp, mesh_shape
 
 #: Accepted values of the strategy knobs in ``TrainConfig.options``; the first is the default.
-OPTIONS = {"api": ("fsdp2", "fsdp1"), "wrap": ("block", "model", "linear"),
+OPTIONS = {"api": ("fsdp2", "fsdp1"), "wrap": UNIT_GRANULARITIES,
            "prefetch": ("default", "explicit", "none"), "offload": (False, True)}
 
 
@@ -116,22 +117,6 @@ def fsdp_mesh(info, strategy: str, node_size: int = 2):
         mesh = cdist.init_mesh(info, shape, names)
         _MESHES[key] = (dist.group.WORLD, mesh)
     return mesh
-
-
-def unit_modules(model: nn.Module, granularity: str = "block") -> list[nn.Module]:
-    """The submodules that become their own FSDP unit, in forward order; the root is always one more (notebook 04).
-
-    "model": none (one unit, the whole model). "block": each transformer block (the usual
-    choice). "linear": each linear layer inside the blocks (the head is tied to the token
-    embedding, so it stays with the root, like the LayerNorms).
-    """
-    if granularity == "model":
-        return []
-    if granularity == "block":
-        return list(model.blocks)
-    if granularity == "linear":
-        return [m for block in model.blocks for m in block.modules() if isinstance(m, nn.Linear)]
-    raise CourseInputError(f"wrap must be one of {', '.join(OPTIONS['wrap'])}, got {granularity!r}")
 
 
 def set_prefetch(units: list, mode: str = "default", depth: int = 1) -> None:
@@ -220,49 +205,6 @@ def shard_model(model: nn.Module, mesh, *, reshard_after_forward: bool, granular
     return units
 
 
-def unit_table(model: nn.Module, shard_size: int = 1, units: list[nn.Module] | None = None) -> list[dict]:
-    """Each FSDP unit's parameters: ``[{"name", "numel", "padded"}]`` in forward order, the root last (notebook 04).
-
-    ``units``: the unit modules below the root (default: the ``FSDPModule`` submodules of a
-    model after ``shard_model``; pass ``unit_modules(...)`` to plan before sharding). A unit owns
-    the parameters of its subtree that no other unit owns (a tied weight counts once). ``padded``:
-    FSDP2 pads dim 0 of every parameter to a multiple of the shard size before splitting it, so
-    an all-gather moves ``padded`` elements.
-    """
-    if units is None:
-        from torch.distributed.fsdp import FSDPModule
-
-        units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
-    names = {id(m): n for n, m in model.named_modules()}
-    seen, rows = set(), []
-    for module in [*units, model]:  # units do not nest; whatever they leave belongs to the root
-        numel = padded = 0
-        for p in module.parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            dim0 = p.shape[0] if p.dim() else 1
-            numel += p.numel()
-            padded += -(-dim0 // shard_size) * shard_size * (p.numel() // max(dim0, 1))
-        rows.append({"name": names[id(module)] or "(root)", "numel": numel, "padded": padded})
-    return rows
-
-
-def planned_units(model: str = "tiny", granularity: str = "block", shard_size: int = 1) -> list[dict]:
-    """``unit_table`` of the course model before any process starts: what a run will gather (notebook 04)."""
-    gpt = _meta_model(model)
-    return unit_table(gpt, shard_size, unit_modules(gpt, granularity))
-
-
-def _meta_model(model: str) -> nn.Module:
-    """The course model's structure, for counting (a CPU build: milliseconds, where the first
-    meta-device build costs seconds of lazy imports); the global RNG is left as it was."""
-    from .models import GPT
-
-    with torch.random.fork_rng(devices=[]):
-        return GPT(get_config(model))
-
-
 # ---------------------------------------------------------------------------------------------
 # Peak bytes of gathered parameters
 # ---------------------------------------------------------------------------------------------
@@ -347,29 +289,6 @@ class UnshardedTracker(Observer):
         self.handles = []
 
 
-def expected_peak_unsharded_bytes(units: list[dict], strategy: str, prefetch: str = "default",
-                                  bytes_per_element: int = 4) -> int:
-    """The peak of gathered parameter bytes the schedule predicts, from the unit sizes (notebook 04).
-
-    The root unit (embeddings, final norm, head) is gathered through the whole forward and again
-    through the whole backward. SHARD_GRAD_OP and NO_SHARD keep every unit gathered from its
-    forward to its backward: at the end of the forward the whole model is gathered. FULL_SHARD
-    and HYBRID_SHARD hold the root plus the unit computing plus the unit being prefetched, its
-    neighbour in execution order (FSDP2 prefetches one unit ahead in backward by default;
-    "explicit" also in forward; "none" never): root + the largest pair of neighbouring units, or
-    root + the largest unit without prefetching. ``units``: ``unit_table`` rows in forward order.
-    """
-    root = sum(u["numel"] for u in units if u["name"] == "(root)")
-    others = [u["numel"] for u in units if u["name"] != "(root)"]
-    if not get_fsdp(strategy).reshard_after_forward or not others:
-        working = sum(others)
-    elif prefetch == "none" or len(others) == 1:
-        working = max(others)
-    else:
-        working = max(a + b for a, b in zip(others, others[1:]))
-    return (root + working) * bytes_per_element
-
-
 # ---------------------------------------------------------------------------------------------
 # The strategies (python -m course_utils train --strategy no_shard|shard_grad_op|full_shard|hybrid_shard)
 # ---------------------------------------------------------------------------------------------
@@ -413,7 +332,7 @@ def _apply_fsdp(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
               "mesh": {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names)},
               "reshard_after_forward": spec.reshard_after_forward, **opts,
               "compute_bytes_per_element": 2 if mp else 4,
-              "units": unit_table(model, mesh.shape[-1]), "peak_unsharded_bytes": 0}
+              "units": unit_table(model, mesh.shape[-1], unit_modules(model, opts["wrap"])), "peak_unsharded_bytes": 0}
     tracker = UnshardedTracker(model, report)
     report["tracker_units"] = len(tracker.units)
     return Prepared(model=model, optimizer=optimizer, full_state_dict=lambda: full_state_dict(model),
@@ -510,105 +429,6 @@ def apply_fsdp1(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
                     held=lambda: module_held(wrapped, optimizer), info=report)
 
 
-# ---------------------------------------------------------------------------------------------
-# What the formulas predict for a run
-# ---------------------------------------------------------------------------------------------
-
-def expected_held_bytes(strategy: str, psi: int, nproc: int, node_size: int = 2) -> dict:
-    """Bytes of parameters, gradients and Adam state one rank holds at rest, by the ZeRO table (notebook 04).
-
-    FSDP2 keeps fp32 parameters and gradients and fp32 Adam moments, whatever the compute
-    precision (bf16 is only the gathered working copy): 4 + 4 + K = 8 bytes per parameter, the
-    ``memory.OPTIMIZERS["adam_fp32"]`` bill. The row is the record's ``zero_row_at_rest``;
-    sharded parts divide by Nd (``strategies.shard_group_size``):
-
-    - single, no_shard: the plain-DP row, 16Ψ;
-    - full_shard, hybrid_shard: stage 3, 16Ψ/Nd;
-    - shard_grad_op: stage 3's bytes at rest as well (FSDP2 reshards after backward); stage 2's
-      extra 4Ψ of whole weights appears only during the step (``expected_peak_unsharded_bytes``).
-
-    Exact per rank when every parameter's dim 0 divides by Nd; otherwise the ranks' sum is exact
-    (FSDP2's local shards exclude the padding).
-    """
-    from .memory import OPTIMIZERS, model_state_bytes
-
-    bill = OPTIMIZERS["adam_fp32"]
-    nd = shard_group_size(strategy, nproc, node_size)
-    row = get(strategy).zero_row_at_rest
-    sharded = 1 / nd if row == "zero3" else 1.0
-    out = {"params": bill.weight_bytes * psi * sharded, "grads": bill.grad_bytes * psi * sharded,
-           "optim": bill.k * psi * sharded}
-    out["total"] = model_state_bytes(psi, nd, row, k=bill.k, weight_bytes=bill.weight_bytes,
-                                     grad_bytes=bill.grad_bytes)
-    return out
-
-
-def _ring(kind: str, n: int) -> float:
-    from .instrument import RING_FACTOR
-
-    return RING_FACTOR[kind](n)
-
-
-def expected_collectives(strategy: str, units: list[dict], nproc: int, node_size: int = 2, *,
-                         param_bytes: int = 4, grad_bytes: int = 4) -> dict:
-    """Collectives one rank issues per step, predicted from the units: ``{kind: {calls, payload_bytes,
-    sent_bytes, group}}``, the shape of ``CommCounter.summary`` plus the group size (notebook 04).
-
-    With U units of ``padded`` elements (``unit_table(model, shard_size)``) summing to Ψ':
-
-    - full_shard: 2U all-gathers of Ψ' (params), U reduce-scatters of Ψ' (grads), group N;
-      3(N-1)/N·Ψ' elements sent per rank;
-    - shard_grad_op: U all-gathers, U reduce-scatters: 2(N-1)/N·Ψ', as DDP;
-    - no_shard: U all-reduces of Ψ' gradients over N ranks: 2(N-1)/N·Ψ';
-    - hybrid_shard: full_shard's collectives inside a node (group n), plus U all-reduces of
-      the reduce-scattered Ψ'/n elements across the N/n nodes.
-
-    ``param_bytes``: bytes per gathered element (2 under bf16 mixed precision); ``grad_bytes``:
-    per reduced element (4: the reduction stays fp32).
-    """
-    u = len(units)
-    psi = sum(r["padded"] for r in units)
-    n = node_size if strategy == "hybrid_shard" else nproc
-    rows = {}
-    if strategy in ("full_shard", "hybrid_shard", "shard_grad_op"):
-        gathers = 2 if strategy != "shard_grad_op" else 1
-        rows["all_gather"] = (gathers * u, gathers * psi * param_bytes, n)
-        rows["reduce_scatter"] = (u, psi * grad_bytes, n)
-        if strategy == "hybrid_shard":  # FSDP2 all-reduces over the replicate dimension, even a group of one
-            rows["all_reduce"] = (u, psi // n * grad_bytes, nproc // node_size)
-    elif strategy == "no_shard":
-        rows["all_reduce"] = (u, psi * grad_bytes, nproc)
-    else:
-        raise CourseInputError(f"unknown FSDP strategy {strategy!r}; choose one of {', '.join(FSDP_STRATEGIES)}")
-    if n == 1:  # nothing to gather or scatter in a group of one
-        rows.pop("all_gather", None)
-        rows.pop("reduce_scatter", None)
-    return {kind: {"calls": float(calls), "payload_bytes": float(payload),
-                   "sent_bytes": _ring(kind, group) * payload, "group": group}
-            for kind, (calls, payload, group) in sorted(rows.items())}
-
-
-def predict(strategy: str, *, model: str = "tiny", nproc: int, node_size: int = 2, wrap: str = "block",
-            prefetch: str = "default", precision: str = "fp32") -> dict:
-    """Everything the formulas say about one run before it starts (notebook 04).
-
-    Returns ``{"units", "held", "comm", "peak"}``: the units (``planned_units``, padded for this
-    strategy's shard size), bytes held per rank at rest (``expected_held_bytes``), collectives
-    per step (``expected_collectives``; bf16 gathers under mixed precision) and the peak of
-    gathered parameter bytes (``expected_peak_unsharded_bytes``). For "single" only ``held``.
-    """
-    from .models import param_count
-
-    held = expected_held_bytes(strategy, param_count(model), nproc, node_size)
-    if strategy == "single":
-        return {"units": [], "held": held, "comm": {}, "peak": None}
-    units = planned_units(model, wrap, shard_group_size(strategy, nproc, node_size))
-    w = 2 if precision == "mixed" else 4
-    return {"units": units, "held": held,
-            "comm": expected_collectives(strategy, units, nproc, node_size, param_bytes=w, grad_bytes=4),
-            "peak": expected_peak_unsharded_bytes(units, strategy, prefetch, w)}
-
-
 def _b(n) -> str:
     return "–" if n is None else f"{n:,.0f}"
 
@@ -617,23 +437,6 @@ def calls_text(comm: dict) -> str:
     """Collectives per step in short: "10 AG + 5 RS" (all-gather, reduce-scatter, all-reduce) (notebook 04)."""
     short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
     return " + ".join(f"{v['calls']:g} {short.get(k, k)}" for k, v in comm.items()) or "none"
-
-
-def comm_matches(row: dict, expected: dict) -> bool:
-    """True if a run's collectives are the predicted ones: same kinds, calls, payload bytes and group
-    sizes, and ring bytes sent equal up to float rounding (notebook 04)."""
-    measured = row["comm_per_step"]
-    if set(measured) != set(expected):
-        return False
-    for kind, e in expected.items():
-        m = measured[kind]
-        if (m["calls"], m["payload_bytes"]) != (e["calls"], e["payload_bytes"]):
-            return False
-        if abs(m["sent_bytes"] - e["sent_bytes"]) > 1e-9 * max(1.0, e["sent_bytes"]):
-            return False
-        if "comm_groups" in row and row["comm_groups"].get(kind) != [e["group"]]:
-            return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -647,9 +450,7 @@ def comm_matches(row: dict, expected: dict) -> bool:
 
 
 __all__ = [
-    "OPTIONS", "fsdp_options", "fsdp_mesh", "unit_modules", "set_prefetch", "mixed_precision_policy", "offload_policy",
-    "shard_model", "unit_table", "UnshardedTracker", "expected_peak_unsharded_bytes", "full_state_dict",
-    "full_state_dict_via_dtensor", "apply_full_shard", "apply_shard_grad_op", "apply_no_shard",
-    "apply_hybrid_shard", "apply_fsdp1", "expected_held_bytes", "expected_collectives",
-    "planned_units", "predict", "calls_text", "comm_matches",
+    "OPTIONS", "fsdp_options", "fsdp_mesh", "set_prefetch", "mixed_precision_policy", "offload_policy",
+    "shard_model", "UnshardedTracker", "full_state_dict", "full_state_dict_via_dtensor", "apply_full_shard",
+    "apply_shard_grad_op", "apply_no_shard", "apply_hybrid_shard", "apply_fsdp1", "calls_text",
 ]

@@ -46,6 +46,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from types import SimpleNamespace
 
 from .errors import CourseInputError
 
@@ -118,13 +119,14 @@ class FTConfig:
 # ---------------------------------------------------------------- one replica group (a forked process)
 
 def replica_main(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, run_dir: Path) -> None:
-    """One replica group's training loop with torchft (notebook 06).
+    """One replica group's training with torchft, through the course's one loop (notebook 06).
 
-    The loop is the course's (``train.train_worker``) with torchft's three pieces in it: the
+    The loop is ``loop.run_steps`` with torchft's three pieces in it: before each step the
     optimizer wrapper's ``zero_grad`` asks the lighthouse for a quorum (and heals this group from
     a live peer when it is behind), DDP's gradient all-reduce runs over the quorum's process
     group, and the wrapper's ``step`` applies the update only if every group's all-reduce worked
-    (``should_commit``). The step counter is the manager's: a discarded step is tried again.
+    (``should_commit``). The step numbers are the manager's (``quorum_steps``): a discarded step
+    is tried again, and a group that healed jumps to the step its peer is at.
     """
     from datetime import timedelta
 
@@ -133,9 +135,8 @@ def replica_main(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, run
     from torchft.checkpointing.pg_transport import PGTransport
 
     from .checkpoint import die_hard
-    from .data import batch_for_rank
-    from .instrument import weights_sha256
-    from .loop import make_optimizer
+    from .instrument import Observer, weights_sha256
+    from .loop import Prepared, make_optimizer, module_held, run_steps
     from .models import build_model, get_config
 
     # R processes on a few cores: split the cores, as course_utils.dist.init does for torchrun's workers
@@ -204,25 +205,40 @@ def replica_main(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, run
     while attempt == 0 and not all((run_dir / f"ready-{r}").exists() for r in range(cfg.replicas)):
         time.sleep(0.01)
 
-    while manager.current_step() < cfg.steps:
-        if kill and kill[0] == replica and not cfg.during_allreduce and manager.current_step() == kill[1]:
-            record(kill=kill[1], where="between", t=time.time())
-            die_hard(f"replica {replica} between steps, before step {kill[1]}")
-        t0 = time.time()
-        optimizer.zero_grad()  # the quorum for this step; heals this group here if it is behind
-        t_quorum = time.time()
-        step = manager.current_step()
-        if healed:
-            record(healed_to_step=step, heal_s=healed.pop(), t=t_quorum)
-        if step >= cfg.steps:  # healed from a peer that had already finished
-            break
-        x, y = batch_for_rank(step, replica, cfg.replicas, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab,
-                              seed=cfg.seed)
-        loss = ddp(x, y)
-        loss.backward()        # the gradient all-reduce across the groups in the quorum
-        optimizer.step()       # applied only if should_commit() says every group's all-reduce worked
-        record(step=step, committed=manager.current_step() > step, participants=manager.num_participants(),
-               t0=t0, quorum_s=t_quorum - t0, commit_s=votes.pop(), t1=time.time(), loss=float(loss))
+    clock = {}
+
+    def quorum_steps():
+        """The step numbers as the manager hands them out: a step starts with its quorum, before the batch."""
+        while manager.current_step() < cfg.steps:
+            if kill and kill[0] == replica and not cfg.during_allreduce and manager.current_step() == kill[1]:
+                record(kill=kill[1], where="between", t=time.time())
+                die_hard(f"replica {replica} between steps, before step {kill[1]}")
+            clock["t0"] = time.time()
+            optimizer.zero_grad()  # the quorum for this step; heals this group here if it is behind
+            clock["quorum"] = time.time()
+            step = manager.current_step()
+            if healed:
+                record(healed_to_step=step, heal_s=healed.pop(), t=clock["quorum"])
+            if step >= cfg.steps:  # healed from a peer that had already finished
+                return
+            yield step
+
+    class Committed(Observer):  # what the manager decided about each step, as the loop runs it
+        def after_forward(self, step, loss):
+            self.loss = loss
+
+        def after_update(self, step):
+            record(step=step, committed=manager.current_step() > step, participants=manager.num_participants(),
+                   t0=clock["t0"], quorum_s=clock["quorum"] - clock["t0"], commit_s=votes.pop(), t1=time.time(),
+                   loss=float(self.loss))
+
+    # The loop's optimizer: torchft's step (applied only if should_commit() says every group's all-reduce
+    # worked); its zero_grad only clears gradients, the quorum being quorum_steps' first act of a step.
+    update = SimpleNamespace(step=optimizer.step, zero_grad=inner.zero_grad)
+    prepared = Prepared(model=ddp, optimizer=update, full_state_dict=model.state_dict,
+                        held=lambda: module_held(model, inner))
+    info = SimpleNamespace(rank=replica, world_size=cfg.replicas, device=torch.device("cpu"))
+    run_steps(prepared, cfg.train_config(), info, quorum_steps(), [Committed()])
 
     # A group that finished keeps answering quorums (no steps) until every group has finished, so a
     # restarted group that arrives late can still heal from it.

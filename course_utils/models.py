@@ -139,6 +139,27 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+#: What one sharding unit of the course model can be (``unit_modules``); the first is the default.
+UNIT_GRANULARITIES = ("block", "model", "linear")
+
+
+def unit_modules(model: nn.Module, granularity: str = "block") -> list[nn.Module]:
+    """The submodules that become their own sharding unit, in forward order; the root is always one more (notebook 04).
+
+    "model": none (one unit, the whole model). "block": each transformer block (the usual
+    choice). "linear": each linear layer inside the blocks (the head is tied to the token
+    embedding, so it stays with the root, like the LayerNorms). ``fsdp.shard_model`` wraps these;
+    ``predict.planned_units`` counts them before any process starts.
+    """
+    if granularity == "model":
+        return []
+    if granularity == "block":
+        return list(model.blocks)
+    if granularity == "linear":
+        return [m for block in model.blocks for m in block.modules() if isinstance(m, nn.Linear)]
+    raise CourseInputError(f"wrap must be one of {', '.join(UNIT_GRANULARITIES)}, got {granularity!r}")
+
+
 def build_model(cfg: GPTConfig | str = "tiny", seed: int = 0, device="cpu") -> GPT:
     """The course model with weights fixed by ``seed`` alone, identical in every process (notebook 00).
 

@@ -41,6 +41,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from .instrument import tensor_bytes
+from .predict import peak_gathered_bytes
 from .zero import GatheredBytes, assign_units
 
 # ---------------------------------------------------------------------------------------------
@@ -379,7 +380,6 @@ def compare_worker(cases: list[dict]) -> list[dict]:
     """
     from . import dist as cdist
     from .data import batch_for_rank
-    from .fsdp import expected_peak_unsharded_bytes
     from .instrument import CommCounter, weight_diff
     from .models import build_model, get_config
 
@@ -427,9 +427,9 @@ def compare_worker(cases: list[dict]) -> list[dict]:
                         "expected_sent": expected_traffic(fresh, list(fresh.blocks), info.world_size,
                                                           reshard_after_forward=reshard, bytes_per_element=bpe),
                         "peak_gathered": sharded.tracker.peak,
-                        "expected_peak": expected_peak_unsharded_bytes(
-                            units, "full_shard" if reshard else "shard_grad_op", prefetch="none",
-                            bytes_per_element=bpe) if info.world_size > 1 else None,
+                        "expected_peak": peak_gathered_bytes(
+                            units, bpe, "full_shard" if reshard else "shard_grad_op",
+                            prefetch="none") if info.world_size > 1 else None,
                         "grads_are_shards": grads_are_shards})
         out.append({"fully_shard_rows_match": _rows_match_fully_shard(info)})
     return out

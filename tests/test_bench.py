@@ -1,6 +1,7 @@
-"""The benchmark's pure pieces (course_utils.bench): statistics and ratios, the formulas it picks for
-each strategy (against the paper's numbers worked by hand), the start-up estimate, the verdicts, the
-results.md writer and argument checking. No timing is asserted: timings live in ``make bench``.
+"""The benchmark harness's pure pieces (tools/bench.py): statistics and ratios, the theory rows (measured
+against ``predict.expected_bytes``), the start-up estimate, the verdicts, the results.md writer and
+argument checking, and ``python -m course_utils bench`` handing over to it. No timing is asserted:
+timings live in ``make bench``.
 
 One real run, in this process (a world of one): the training loop on a width the presets do not
 have, whose bytes held must equal the fp32 bill 16Ψ exactly.
@@ -9,11 +10,17 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 import pytest
+from conftest import ROOT
 
-from course_utils import bench, cli, comm, models, zero
+from course_utils import bench as bench_command
+from course_utils import cli, launch, models, predict
 from course_utils.errors import CourseInputError
+
+sys.path.insert(0, str(ROOT))
+from tools import bench  # noqa: E402
 
 PSI = 1000  # a round Ψ for the formulas
 
@@ -54,50 +61,9 @@ def test_startup_split():
     assert capped["starting_s"] == 3.0 and capped["computing_s"] == 0.0
 
 
-# ---------------------------------------------------------------------------------------------
-# The formulas each strategy is held to
-# ---------------------------------------------------------------------------------------------
-
-def test_paper_traffic_formulas():
-    # one rank's ring bytes per step, fp32: all-reduce 2(N-1)/N·4Ψ, stage 3 3(N-1)/N·4Ψ
-    assert bench.paper_sent_bytes("ddp", PSI, 2) == 4 * PSI
-    assert bench.paper_sent_bytes("ddp_scratch", PSI, 4) == pytest.approx(2 * 3 / 4 * 4 * PSI)
-    for s in ("zero1", "zero2", "shard_grad_op", "no_shard"):
-        assert bench.paper_sent_bytes(s, PSI, 4) == pytest.approx(comm.step_sent("ddp", PSI, 4) * 4)
-    assert bench.paper_sent_bytes("zero3", PSI, 4) == pytest.approx(3 * 3 / 4 * 4 * PSI)
-    assert bench.paper_sent_bytes("full_shard", PSI, 2) == pytest.approx(1.5 * 4 * PSI)
-    # HSDP, 2 nodes x 2: stage 3 inside the node (1.5Ψ) + all-reduce of the Ψ/2 shard across 2 nodes (0.5Ψ)
-    assert bench.paper_sent_bytes("hybrid_shard", PSI, 4, node_size=2) == pytest.approx(2.0 * 4 * PSI)
-    assert bench.paper_sent_bytes("single", PSI, 1) == 0.0
-    with pytest.raises(CourseInputError):
-        bench.paper_sent_bytes("zero4", PSI, 2)
-
-
-@pytest.mark.parametrize("strategy, nproc, per_param", [
-    ("single", 1, 16), ("ddp", 2, 16), ("ddp_scratch", 4, 16), ("no_shard", 2, 16),
-    ("zero1", 2, 8 + 8 / 2), ("zero2", 2, 4 + 12 / 2), ("zero3", 4, 16 / 4),
-    ("full_shard", 2, 16 / 2), ("shard_grad_op", 2, 16 / 2), ("hybrid_shard", 4, 16 / 2),
-])
-def test_held_formulas_fp32(strategy, nproc, per_param):
-    # fp32 Adam, 4 + 4 + 8 bytes per parameter; FSDP2's SHARD_GRAD_OP reshards after backward (16Ψ/N at rest)
-    exp = bench.expected_bytes(strategy, PSI, nproc)
-    assert exp["held_paper"] == pytest.approx(per_param * PSI) and exp["held_exact"] == exp["held_paper"]
-
-
-def test_padding_is_counted_from_the_run():
-    # Ψ = 10 on 4 ranks pads to 12: each rank owns S = 3 elements
-    units = [{"name": "flat 0", "numel": 10, "padded": 12, "shard_numel": 3, "padding": 2, "trainable": True}]
-    exp = bench.expected_bytes("zero1", 10, 4, strategy_info={"shard_numel": 3, "units": units})
-    assert exp["held_paper"] == 8 * 10 + 8 * 10 / 4 and exp["held_exact"] == 8 * 10 + 8 * 3
-    assert exp["sent_paper"] == pytest.approx(2 * 3 / 4 * 10 * 4)   # 60 B
-    assert exp["sent_exact"] == pytest.approx(2 * 3 / 4 * 12 * 4)   # 72 B: the padded buffer travels
-    assert exp["sent_exact"] == pytest.approx(sum(r["sent_bytes"] for r in zero.expected_traffic(
-        "zero1", 4, units, precision="fp32").values()))
-
-
 def test_theory_row_compares_measured_with_formula():
     nd = 2
-    formula = bench.expected_bytes("zero3", PSI, nd)
+    formula = predict.expected_bytes("zero3", PSI, nd)
     report = {"world_size": nd, "config": {"node_size": 2, "precision": "fp32"}, "strategy_info": {},
               "per_rank": [{"rank": r, "total": formula["held_paper"]} for r in range(nd)],
               "comm_per_step": {"all_gather": {"calls": 6, "sent_bytes": 2 * PSI * 4 * 0.5}},
@@ -217,10 +183,52 @@ def test_sections_and_arguments(tmp_path):
             bench.check_arguments(argparse.Namespace(**{**vars(ok), name: value}))
 
 
-def test_cli_refuses_bad_sections_in_one_line(capsys, tmp_path):
+#: Bad input of the harness (they were rows of test_cli_inputs while it lived in the package).
+BAD_ARGUMENTS = [
+    ("out-file", ["--render-only", "--out", "{file}"]),
+    ("out-corrupt", ["--render-only", "--out", "{corrupt}"]),
+    ("out-empty", ["--render-only", "--out", "{dir}"]),
+    ("rounds-0", ["--rounds", "0", "--out", "{dir}"]),
+    ("steps-1", ["--steps", "1", "--out", "{dir}"]),
+    ("repeats-1", ["--repeats", "1", "--out", "{dir}"]),
+    ("out-under-file", ["--render-only", "--out", "{file}/bench"]),
+    ("sections", ["--sections", "nope", "--out", "{dir}"]),
+    ("peak-nan", ["--peak-tflops", "nan", "--out", "{dir}"]),
+    ("peak-negative", ["--peak-tflops", "-1", "--out", "{dir}"]),
+]
+
+
+@pytest.mark.parametrize("name, argv", BAD_ARGUMENTS, ids=[r[0] for r in BAD_ARGUMENTS])
+def test_bad_arguments_exit_2_with_one_line(name, argv, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "results.json").write_text("{not json")
+    (tmp_path / "empty").mkdir()
+    paths = {"file": str(tmp_path / "a-file"), "dir": str(tmp_path / "empty"), "corrupt": str(tmp_path / "corrupt")}
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a worker was launched for refused input"))
+    try:
+        status = bench.main([a.format(**paths) for a in argv])
+    except SystemExit as exc:  # argparse's own errors
+        status = exc.code
+    out = capsys.readouterr()
+    assert status == 2, out.err[-2000:]
+    assert len(out.err.splitlines()) == 1 and out.err.strip() and "Traceback" not in out.err + out.out
+
+
+def test_the_cli_hands_over_to_the_harness_in_a_clone(capfd, tmp_path):
+    """``python -m course_utils bench ...`` runs ``python -m tools.bench ...`` in the clone: same arguments
+    (options included), the same one-line error and exit status."""
+    assert bench_command.repository_root() == ROOT
     assert cli.main(["bench", "--sections", "warp", "--out", str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip()
+    err = capfd.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "unknown section" in err and not list(tmp_path.iterdir())
+
+
+def test_an_installed_package_without_the_repository_says_where_to_run(monkeypatch, capsys):
+    monkeypatch.setattr(bench_command, "repository_root", lambda: None)
+    assert cli.main(["bench", "--sections", "theory"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "make bench" in err and "clone" in err
 
 
 def test_scaling_figure_draws(tmp_path):

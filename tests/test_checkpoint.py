@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from course_utils import checkpoint as ck
+from course_utils import checksums
 from course_utils import dist as cdist
 from course_utils.errors import CourseInputError
 from course_utils.instrument import weights_sha256
@@ -402,12 +403,12 @@ def test_a_non_finite_loss_stops_the_run(tmp_path):
 
 def test_checksums_add_up_across_shards_and_see_a_moved_value(monkeypatch):
     x = torch.randn(37, 11)
-    whole = int(ck._positional_sum(x, [0, 0], x.shape))
-    halves = ck._positional_sum(x[:20], [0, 0], x.shape) + ck._positional_sum(x[20:], [20, 0], x.shape)
-    columns = ck._positional_sum(x[:, :5], [0, 0], x.shape) + ck._positional_sum(x[:, 5:], [0, 5], x.shape)
+    whole = int(checksums._positional_sum(x, [0, 0], x.shape))
+    halves = checksums._positional_sum(x[:20], [0, 0], x.shape) + checksums._positional_sum(x[20:], [20, 0], x.shape)
+    columns = checksums._positional_sum(x[:, :5], [0, 0], x.shape) + checksums._positional_sum(x[:, 5:], [0, 5], x.shape)
     assert int(halves) == int(columns) == whole
-    monkeypatch.setattr(ck, "_CHUNK", 50)  # a large tensor is hashed in slices of rows: same number
-    assert int(ck._positional_sum(x, [0, 0], x.shape)) == whole
+    monkeypatch.setattr(checksums, "_CHUNK", 50)  # a large tensor is hashed in slices of rows: same number
+    assert int(checksums._positional_sum(x, [0, 0], x.shape)) == whole
     swapped = x.clone()
     swapped[3, 4], swapped[5, 6] = x[5, 6], x[3, 4]  # the same values, two of them in each other's place
-    assert int(ck._positional_sum(swapped, [0, 0], x.shape)) != whole
+    assert int(checksums._positional_sum(swapped, [0, 0], x.shape)) != whole

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_utils import fsdp, strategies
+from course_utils import fsdp, predict, strategies
 from course_utils.errors import CourseInputError
 from course_utils.labs import lab04
 from course_utils.models import build_model, get_config, param_count
@@ -46,36 +46,36 @@ def block_numel(h: int, ratio: int) -> int:
 
 def test_planned_units_follow_the_model_shapes():
     c = get_config(MODEL)
-    units = fsdp.planned_units(MODEL, "block", shard_size=NPROC)
+    units = predict.planned_units(MODEL, "block", shard_size=NPROC)
     assert [u["name"] for u in units] == [f"blocks.{i}" for i in range(c.layers)] + ["(root)"]
     assert all(u["numel"] == block_numel(c.width, c.mlp_ratio) for u in units[:-1])
     assert units[-1]["numel"] == c.vocab * c.width + c.seq * c.width + 2 * c.width  # head tied: counted once
     assert sum(u["numel"] for u in units) == param_count(MODEL)
-    linear = fsdp.planned_units(MODEL, "linear", shard_size=NPROC)
+    linear = predict.planned_units(MODEL, "linear", shard_size=NPROC)
     assert len(linear) == 4 * c.layers + 1 and sum(u["numel"] for u in linear) == param_count(MODEL)
-    assert fsdp.planned_units(MODEL, "model") == [{"name": "(root)", "numel": param_count(MODEL),
+    assert predict.planned_units(MODEL, "model") == [{"name": "(root)", "numel": param_count(MODEL),
                                                    "padded": param_count(MODEL)}]
 
 
 def test_padding_rounds_dim0_up_to_the_shard_size():
-    units = fsdp.planned_units(MODEL, "block", shard_size=3)
+    units = predict.planned_units(MODEL, "block", shard_size=3)
     psi = param_count(MODEL)
     assert sum(u["padded"] for u in units) > psi
     assert all(u["padded"] >= u["numel"] for u in units)
 
 
 def test_expected_collectives_are_the_zero_volumes():
-    units = fsdp.planned_units(MODEL, "block", shard_size=NPROC)
+    units = predict.planned_units(MODEL, "block", shard_size=NPROC)
     psi, u, n = param_count(MODEL), len(units), NPROC
-    full = fsdp.expected_collectives("full_shard", units, n)
+    full = predict.fsdp_collectives("full_shard", units, n)
     assert full["all_gather"]["calls"] == 2 * u and full["reduce_scatter"]["calls"] == u
     sent = sum(r["sent_bytes"] for r in full.values())
     assert sent == pytest.approx(3 * (n - 1) / n * psi * 4)  # the paper's 3Ψ, in fp32 bytes
-    sgo = fsdp.expected_collectives("shard_grad_op", units, n)
+    sgo = predict.fsdp_collectives("shard_grad_op", units, n)
     assert sum(r["sent_bytes"] for r in sgo.values()) == pytest.approx(2 * (n - 1) / n * psi * 4)
-    ddp = fsdp.expected_collectives("no_shard", units, n)
+    ddp = predict.fsdp_collectives("no_shard", units, n)
     assert list(ddp) == ["all_reduce"] and ddp["all_reduce"]["sent_bytes"] == pytest.approx(2 * (n - 1) / n * psi * 4)
-    hsdp = fsdp.expected_collectives("hybrid_shard", fsdp.planned_units(MODEL, "block", NODE), n, NODE)
+    hsdp = predict.fsdp_collectives("hybrid_shard", predict.planned_units(MODEL, "block", NODE), n, NODE)
     assert hsdp["all_reduce"]["group"] == n // NODE and hsdp["all_gather"]["group"] == NODE
     assert hsdp["all_reduce"]["payload_bytes"] == psi * 4 / NODE
 
@@ -84,14 +84,14 @@ def test_expected_held_bytes_are_the_zero_rows():
     from course_utils.memory import model_state_bytes
 
     psi = param_count(MODEL)
-    assert fsdp.expected_held_bytes("no_shard", psi, NPROC)["total"] == 16 * psi
-    assert fsdp.expected_held_bytes("full_shard", psi, NPROC)["total"] == 16 * psi / NPROC
-    assert fsdp.expected_held_bytes("hybrid_shard", psi, NPROC, NODE)["total"] == 16 * psi / NODE
+    assert predict.strategy_held_bytes("no_shard", psi, NPROC)["total"] == 16 * psi
+    assert predict.strategy_held_bytes("full_shard", psi, NPROC)["total"] == 16 * psi / NPROC
+    assert predict.strategy_held_bytes("hybrid_shard", psi, NPROC, NODE)["total"] == 16 * psi / NODE
     zero2 = model_state_bytes(psi, NPROC, "zero2", k=8, weight_bytes=4, grad_bytes=4)
-    sgo = fsdp.expected_held_bytes("shard_grad_op", psi, NPROC)
-    units = fsdp.planned_units(MODEL, "block", NPROC)
+    sgo = predict.strategy_held_bytes("shard_grad_op", psi, NPROC)
+    units = predict.planned_units(MODEL, "block", NPROC)
     # at rest + the whole model gathered during the step = stage 2's row
-    assert sgo["grads"] + sgo["optim"] + fsdp.expected_peak_unsharded_bytes(units, "shard_grad_op") == zero2
+    assert sgo["grads"] + sgo["optim"] + predict.peak_gathered_bytes(units, 4, "shard_grad_op", "default") == zero2
 
 
 def test_bad_settings_are_refused_with_a_sentence():
@@ -134,17 +134,17 @@ def test_mixed_precision_is_a_visibly_different_arithmetic(rows):
 def test_collectives_match_the_prediction_and_comm_debug_mode(rows, strategy):
     row = rows[strategy]
     units = row["strategy_info"]["units"]
-    expected = fsdp.expected_collectives(strategy, units, NPROC, NODE)
-    assert fsdp.comm_matches(row, expected), (row["comm_per_step"], row["comm_groups"], expected)
+    expected = predict.fsdp_collectives(strategy, units, NPROC, NODE)
+    assert predict.comm_matches(row, expected), (row["comm_per_step"], row["comm_groups"], expected)
     assert row["comm_debug_per_step"] == {k: v["calls"] for k, v in row["comm_per_step"].items()}
 
 
 def test_comm_matches_notices_a_wrong_group_or_count(rows):
     row = rows["hybrid_shard"]
-    expected = fsdp.expected_collectives("hybrid_shard", row["strategy_info"]["units"], NPROC, NODE)
+    expected = predict.fsdp_collectives("hybrid_shard", row["strategy_info"]["units"], NPROC, NODE)
     wrong_group = {k: {**v, "group": NPROC} if k == "all_reduce" else v for k, v in expected.items()}
     fewer = {k: {**v, "calls": v["calls"] - 1} for k, v in expected.items()}
-    assert not fsdp.comm_matches(row, wrong_group) and not fsdp.comm_matches(row, fewer)
+    assert not predict.comm_matches(row, wrong_group) and not predict.comm_matches(row, fewer)
 
 
 def test_full_shard_gathers_twice_per_unit_and_shard_grad_op_once(rows):
@@ -163,7 +163,7 @@ def test_hybrid_shard_all_reduces_across_the_replicate_dimension(rows):
 @pytest.mark.parametrize("strategy", ["single", *STRATEGIES])
 def test_bytes_held_match_the_zero_row(rows, strategy):
     row = rows[strategy]
-    expected = fsdp.expected_held_bytes(strategy, param_count(MODEL), NPROC, NODE)
+    expected = predict.strategy_held_bytes(strategy, param_count(MODEL), NPROC, NODE)
     for held in row["per_rank"]:
         assert {k: held[k] for k in expected} == expected
 
@@ -181,7 +181,7 @@ def test_peak_gathered_bytes_follow_the_schedule(rows):
                                       ("hybrid_shard", "hybrid_shard", "default"), ("no_shard", "no_shard", "default"),
                                       ("no prefetch", "full_shard", "none")]:
         row = rows[label]
-        expected = fsdp.expected_peak_unsharded_bytes(row["strategy_info"]["units"], strategy, prefetch)
+        expected = predict.peak_gathered_bytes(row["strategy_info"]["units"], 4, strategy, prefetch)
         assert row["peak_unsharded_bytes"] == [expected] * NPROC, label
     assert rows["no prefetch"]["peak_unsharded_bytes"][0] < rows["full_shard"]["peak_unsharded_bytes"][0]
 

@@ -15,8 +15,9 @@ PACKAGE = ROOT / "course_utils"
 LAYERS = [
     {"errors", "units", "__init__", "compat"},
     {"strategies", "comm", "stepper", "validate"},                    # the record; pure arithmetic; input checks
-    {"models", "data", "memory", "dist", "instrument", "_agent", "worker"},  # model, data, the bill, observers
-    {"launch", "checkpoint", "plan"},                                 # starts processes; DCP checkpoints; planner
+    {"models", "data", "memory", "dist", "instrument", "_agent", "worker",  # model, data, the bill, observers;
+     "checksums"},                                                    # a state dict's checksums in any layout
+    {"launch", "checkpoint", "plan", "predict"},                      # processes; DCP; planner; predictions
     {"loop"},                                                         # the one loop and its types
     {"ddp", "zero", "fsdp", "per_param", "examples"},                 # strategies: the mechanism, apply_*
     {"train", "rehearse", "plots"},                                   # the run and its CLI; rehearsal; figures
@@ -24,7 +25,7 @@ LAYERS = [
     {"labs", "exercises"},                                            # each notebook's experiments and exercises
 ]
 #: Arithmetic: what the course's numbers rest on. They start no process and never touch torch.distributed.
-ARITHMETIC = {"memory", "comm", "plan"}
+ARITHMETIC = {"memory", "comm", "plan", "predict"}
 
 
 def _name(path) -> str:

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_utils import memory, stepper, zero
+from course_utils import memory, predict, stepper, zero
 from course_utils.errors import CourseInputError
 from course_utils.labs import lab03
 from course_utils.models import build_model, param_count
@@ -46,49 +46,49 @@ def test_buckets_fill_from_the_last_parameter():
 
 def test_held_formulas_are_the_papers():
     # the annotated paper's tiny example: Ψ = 8 on 4 GPUs: 56, 44 and 32 bytes
-    assert [zero.expected_held_bytes(s, 8, 4)["total"] for s in STAGES] == [56, 44, 32]
+    assert [predict.held_bytes(s, 8, 4)["total"] for s in STAGES] == [56, 44, 32]
     for s in ("ddp",) + STAGES:
         for nd in (1, 4, 64):
-            assert zero.expected_held_bytes(s, 7.5e9, nd)["total"] == pytest.approx(memory.model_state_bytes(7.5e9, nd, s))
+            assert predict.held_bytes(s, 7.5e9, nd)["total"] == pytest.approx(memory.model_state_bytes(7.5e9, nd, s))
             fp32 = memory.model_state_bytes(7.5e9, nd, s, k=8, weight_bytes=4, grad_bytes=4)
-            assert zero.expected_held_bytes(s, 7.5e9, nd, precision="fp32")["total"] == pytest.approx(fp32)
+            assert predict.held_bytes(s, 7.5e9, nd, precision="fp32")["total"] == pytest.approx(fp32)
     # fp32 stage 1 is 8Ψ + 8Ψ/Nd; padding counts S = Nd·S/Nd elements in the sharded parts only
-    assert zero.expected_held_bytes("zero1", 10, 4, precision="fp32", shard_numel=3)["total"] == 8 * 10 + 8 * 3
+    assert predict.held_bytes("zero1", 10, 4, precision="fp32", shard_numel=3)["total"] == 8 * 10 + 8 * 3
     with pytest.raises(CourseInputError):
-        zero.expected_held_bytes("zero4", 8, 4)
+        predict.held_bytes("zero4", 8, 4)
     with pytest.raises(CourseInputError):
-        zero.expected_held_bytes("zero1", 8, 4, precision="fp16")
+        predict.held_bytes("zero1", 8, 4, precision="fp16")
 
 
 def test_traffic_formulas():
     units = [{"padded": 1000, "trainable": True}]
     for nd in (2, 4, 8):
-        t1 = zero.expected_traffic("zero1", nd, units, precision="fp32")
-        t3 = zero.expected_traffic("zero3", nd, units, precision="fp32")
-        dp = zero.expected_traffic("ddp", nd, units, precision="fp32")
-        elements = {k: zero.traffic_in_psi(t, 1000, 4) for k, t in (("1", t1), ("3", t3), ("dp", dp))}
+        t1 = predict.zero_traffic("zero1", nd, units, precision="fp32")
+        t3 = predict.zero_traffic("zero3", nd, units, precision="fp32")
+        dp = predict.zero_traffic("ddp", nd, units, precision="fp32")
+        elements = {k: predict.traffic_in_psi(t, 1000, 4) for k, t in (("1", t1), ("3", t3), ("dp", dp))}
         assert elements["1"] == pytest.approx(2 * (nd - 1) / nd)
         assert elements["dp"] == pytest.approx(2 * (nd - 1) / nd)
         assert elements["3"] == pytest.approx(3 * (nd - 1) / nd)
         assert elements["3"] / elements["1"] == pytest.approx(1.5)
-    mixed = zero.expected_traffic("zero3", 2, units + [{"padded": 10, "trainable": False}], precision="mixed")
+    mixed = predict.zero_traffic("zero3", 2, units + [{"padded": 10, "trainable": False}], precision="mixed")
     assert mixed["all_gather"] == {"calls": 4, "payload_bytes": 2 * 1010 * 2.0, "sent_bytes": 2020.0}
     assert mixed["reduce_scatter"]["calls"] == 1
 
 
 def test_freed_memory_buys_batch():
     # Ψ = 8 (the annotated paper's toy), a 16Ψ = 128-byte GPU, 10 bytes of activations per sample
-    fits = [zero.samples_that_fit(8, nd, "zero2", 128, 10) for nd in (1, 2, 4, 8)]
+    fits = [predict.samples_that_fit(8, nd, "zero2", 128, 10) for nd in (1, 2, 4, 8)]
     assert fits == [0, 8 * 7 // 10, (128 - 44) // 10, int((128 - 2 * 8 - 14 * 8 / 8) // 10)]
     assert [nd * f for nd, f in zip((1, 2, 4, 8), fits)] == [0, 10, 32, 72]   # the global batch outgrows Nd
-    assert zero.samples_that_fit(8, 1, "zero1", 10, 1) == 0   # model states alone do not fit
+    assert predict.samples_that_fit(8, 1, "zero1", 10, 1) == 0   # model states alone do not fit
     with pytest.raises(CourseInputError):
-        zero.samples_that_fit(8, 2, "zero2", 128, 0)
+        predict.samples_that_fit(8, 2, "zero2", 128, 0)
 
 
 def test_peak_gathered_is_root_plus_largest_unit():
     units = [{"name": "blocks.0", "padded": 50}, {"name": "blocks.1", "padded": 70}, {"name": "(root)", "padded": 20}]
-    assert zero.expected_peak_gathered_bytes(units, 2) == (20 + 70) * 2
+    assert predict.peak_gathered_bytes(units, 2) == (20 + 70) * 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def test_zero3_module_on_tied_and_frozen_weights(world_of_one):
     assert torch.equal(full["blocks.0.2.weight"], frozen_before)
     assert full["head.weight"].data_ptr() != 0 and torch.equal(full["head.weight"], full["emb.weight"])
     table = wrapped.unit_table()
-    assert wrapped.tracker.peak == zero.expected_peak_gathered_bytes(table, 4)
+    assert wrapped.tracker.peak == predict.peak_gathered_bytes(table, 4)
 
 
 def test_units_may_not_nest():
@@ -328,12 +328,12 @@ def test_library_zero1_all_reduces_full_gradients_then_broadcasts_every_weight(a
     assert comm["torch_zero1"]["broadcast"]["payload_bytes"] - ddp_bcast["payload_bytes"] == 4 * PSI
     assert comm["torch_zero1"]["broadcast"]["calls"] - ddp_bcast["calls"] == len(list(build_model("tiny").parameters()))
     assert "all_reduce" not in comm["zero1"] and comm["zero1"]["reduce_scatter"]["payload_bytes"] == 4 * PSI
-    sent = {n: zero.traffic_in_psi(c, PSI, 4) for n, c in comm.items()}
+    sent = {n: predict.traffic_in_psi(c, PSI, 4) for n, c in comm.items()}
     assert sent["torch_zero1"] - sent["zero1"] == pytest.approx(1.0, abs=1e-3)   # one Ψ of broadcasts more
 
 @pytest.mark.parametrize("stage", ("ddp",) + STAGES)
 def test_bytes_held_are_the_formula_fp32(agreement2, stage):
-    check = zero.memory_check(agreement2[stage], psi=PSI)
+    check = predict.memory_check(agreement2[stage], psi=PSI)
     assert check["precision"] == "fp32" and check["nd"] == 2 and check["padding"] == 0
     assert check["equal"], (check["measured"], check["expected"])
     assert check["expected"]["total"] == check["paper"]["total"]
@@ -344,8 +344,8 @@ def test_bytes_held_are_the_formula_mixed(mixed2, stage):
     report = mixed2[stage]
     info = report["strategy_info"]
     assert info["psi"] == PSI and info["nd"] == 2 and info["precision"] == "mixed"
-    expected = zero.expected_held_bytes(stage, PSI, 2, precision="mixed", shard_numel=info["shard_numel"])
-    paper = zero.expected_held_bytes(stage, PSI, 2, precision="mixed")["total"]
+    expected = predict.held_bytes(stage, PSI, 2, precision="mixed", shard_numel=info["shard_numel"])
+    paper = predict.held_bytes(stage, PSI, 2, precision="mixed")["total"]
     for row in report["per_rank"]:
         assert {k: row[k] for k in expected} == expected
         assert abs(row["total"] - paper) <= 16 * info["padding"] / 2
@@ -358,11 +358,11 @@ def test_bytes_held_with_padding_fp32(fp32_3ranks, stage):
     info = report["strategy_info"]
     assert info["padding"] > 0
     assert info["shard_numel"] * 3 == sum(u["padded"] for u in info["units"])
-    expected = zero.expected_held_bytes(stage, PSI, 3, precision="fp32", shard_numel=info["shard_numel"])
+    expected = predict.held_bytes(stage, PSI, 3, precision="fp32", shard_numel=info["shard_numel"])
     for row in report["per_rank"]:
         assert {k: row[k] for k in expected} == expected
     sharded_bytes = {"zero1": 8, "zero2": 12, "zero3": 16}[stage]
-    gap = expected["total"] - zero.expected_held_bytes(stage, PSI, 3, precision="fp32")["total"]
+    gap = expected["total"] - predict.held_bytes(stage, PSI, 3, precision="fp32")["total"]
     assert gap == pytest.approx(sharded_bytes * info["padding"] / 3)
 
 
@@ -371,7 +371,7 @@ def test_traffic_is_counted_exactly(request, runs, nd, precision):
     reports = request.getfixturevalue(runs)
     for stage in STAGES:
         info = reports[stage]["strategy_info"]
-        expected = zero.expected_traffic(stage, nd, info["units"], precision=precision)
+        expected = predict.zero_traffic(stage, nd, info["units"], precision=precision)
         for comm in reports[stage]["comm_per_step_by_rank"]:
             assert set(comm) == set(expected)
             for kind, row in expected.items():
@@ -379,13 +379,13 @@ def test_traffic_is_counted_exactly(request, runs, nd, precision):
                 assert comm[kind]["payload_bytes"] == pytest.approx(row["payload_bytes"])
                 assert comm[kind]["sent_bytes"] == pytest.approx(row["sent_bytes"])
     for stage in STAGES:
-        check = zero.traffic_check(reports[stage])
+        check = predict.traffic_check(reports[stage])
         assert check["equal"] and check["psi_units"] == pytest.approx(check["formula_psi"])
     zero2 = reports["zero2"]["strategy_info"]["units"]
     assert len(zero2) > 1  # bucketed: several reduce-scatters during the backward
     psi_pad = {s: sum(u["padded"] for u in reports[s]["strategy_info"]["units"]) for s in STAGES}
     b = 2 if precision == "mixed" else 4
-    moved = {s: zero.traffic_in_psi(reports[s]["comm_per_step"], psi_pad[s], b) for s in STAGES}
+    moved = {s: predict.traffic_in_psi(reports[s]["comm_per_step"], psi_pad[s], b) for s in STAGES}
     assert moved["zero1"] == pytest.approx(2 * (nd - 1) / nd) and moved["zero2"] == pytest.approx(2 * (nd - 1) / nd)
     assert moved["zero3"] == pytest.approx(3 * (nd - 1) / nd)
 
@@ -395,7 +395,7 @@ def test_stage3_working_set_is_root_plus_one_block(request, runs, b):
     info = request.getfixturevalue(runs)["zero3"]["strategy_info"]
     names = [u["name"] for u in info["units"]]
     assert names == ["blocks.0", "blocks.1", "(root)"]
-    assert info["peak_gathered_bytes"] == zero.expected_peak_gathered_bytes(info["units"], b)
+    assert info["peak_gathered_bytes"] == predict.peak_gathered_bytes(info["units"], b)
     assert set(info["peak_gathered_bytes_per_step"]) == {info["peak_gathered_bytes"]}
 
 

@@ -37,7 +37,7 @@ the next section still runs), and the report is rewritten after each one:
   more ranks than GPUs use NCCL and one GPU per rank, the rest gloo on CPU (``dist.pick_backend``).
   The report counts, per notebook, the launches on each backend.
 
-MFU counts model FLOPs only: ``course_utils.bench.train_flops``, 6Ψ per token plus 12·L·s·h per
+MFU counts model FLOPs only: ``tools.bench.train_flops``, 6Ψ per token plus 12·L·s·h per
 token for attention (PaLM's accounting, causal masking not discounted); the recomputation of
 activation checkpointing is not counted, so it shows as lost MFU. The 1B timing run joins with
 ``dist.init(deterministic=False)`` (the fast kernels); every other run keeps the deterministic
@@ -76,8 +76,8 @@ NEEDS_S = {"fsdp_1b": 150, "train_1gpu": 60, "single_process": 120, "nccl_2rank"
 def step_flops(shape: dict, tokens: int) -> float:
     """Model FLOPs of one training step over ``tokens`` tokens of the course model ``shape``:
     ``bench.train_flops`` (6Ψ + 12·L·s·h per token) with Ψ counted on the meta device."""
-    from course_utils.bench import train_flops
     from course_utils.models import GPTConfig, param_count
+    from tools.bench import train_flops
 
     psi = param_count(GPTConfig(**shape))
     return train_flops(psi, shape["layers"], shape["width"], shape["seq"], tokens)
@@ -269,7 +269,7 @@ def matmul_peak_section(n: int = 8192, iters: int = 50, trials: int = 3) -> dict
     """bf16 FLOP/s of an n x n x n matmul (2n³ FLOPs), timed with CUDA events, best of ``trials``."""
     import torch
 
-    from course_utils.bench import bf16_peak
+    from tools.bench import bf16_peak
 
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     for _ in range(5):  # warm-up: cuBLAS picks its kernel, clocks ramp up
@@ -382,7 +382,7 @@ def fsdp_1b_section(peak_flops: float | None, micro_batch: int) -> dict:
 
 def train_1gpu_section() -> dict:
     """FSDP2 FULL_SHARD through the course's training entry point on one GPU (NCCL, world size 1)."""
-    from course_utils import bench
+    from tools import bench
 
     shape = bench.model_shape(**bench.CUDA_MODEL)
     rep = bench.run_train("full_shard", 1, shape, steps=10, batch=8, precision="mixed", cuda_peak=True,

@@ -154,13 +154,40 @@ def bucket_sweep(config: dict, caps_mb: list) -> list | dict:
         return rows if info.rank == 0 else {"rank": info.rank}
 
 
+class _TorchDDPBeside(Observer):
+    """Torch DDP trained in lockstep beside the loop's BucketedDDP: same batch, same Adam (notebook 02).
+
+    At ``before_update`` the loop's gradients are synchronised (its ``before_step`` ran) and not
+    yet applied: torch DDP then runs its forward and backward on the very batch the loop used
+    (``data.batch_for_rank`` of this step), the largest gradient difference is recorded, and its
+    own optimizer steps. Each replica's arithmetic is its own, so interleaving them changes no bit.
+    """
+
+    def __init__(self, theirs, optimizer, ours, cfg: TrainConfig, info):
+        self.theirs, self.optimizer, self.ours, self.cfg, self.info = theirs, optimizer, ours, cfg, info
+        self.grad_max_diff, self.losses = [], []
+
+    def before_update(self, step: int) -> None:
+        mcfg = get_config(self.cfg.model)
+        x, y = batch_for_rank(step, self.info.rank, self.info.world_size, batch=self.cfg.batch, seq=mcfg.seq,
+                              vocab=mcfg.vocab, seed=self.cfg.seed, device=self.info.device)
+        loss = self.theirs(x, y)
+        loss.backward()
+        self.grad_max_diff.append(max(float((p.grad - q.grad).abs().max()) for p, q in zip(
+            self.ours.module.parameters(), self.theirs.module.parameters()) if p.requires_grad))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses.append(float(loss))
+
+
 def check_against_torch_ddp(config: dict, cap_mb: float = 0.1) -> dict:
     """BucketedDDP and torch DDP side by side on every rank, step by step (notebook 02; the tests use it).
 
     Each rank builds the course model from a *different* seed (so only rank 0's broadcast can
     make the replicas agree) and freezes ``pos_emb.weight`` (a parameter that does not require
-    gradients); the head is tied to the token embedding. One copy is wrapped in BucketedDDP,
-    another in torch DDP; both train on the same batches with the same Adam.
+    gradients); the head is tied to the token embedding. One copy is wrapped in BucketedDDP and
+    trained by the one loop (``loop.run_steps``); another is wrapped in torch DDP and steps
+    beside it on the same batches with the same Adam (``_TorchDDPBeside``, an observer).
 
     Returns, per rank: whether both started from rank 0's weights, the largest gradient
     difference between the two after each step's synchronisation, both losses, and both final
@@ -177,26 +204,15 @@ def check_against_torch_ddp(config: dict, cap_mb: float = 0.1) -> dict:
         rank0_start = weights_sha256(build_model(cfg.model, seed=1000).state_dict())
         started = [weights_sha256(m.state_dict()) == rank0_start for m in (ours.module, theirs.module)]
         opt_ours, opt_theirs = make_optimizer(ours.parameters(), cfg), make_optimizer(theirs.parameters(), cfg)
-        mcfg = get_config(cfg.model)
-        out = {"rank": info.rank, "grad_max_diff": [], "losses_ours": [], "losses_torch": [],
-               "buckets": len(ours.buckets), "started_from_rank0": started}
-        for step in range(cfg.steps):
-            x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
-                                  vocab=mcfg.vocab, seed=cfg.seed, device=info.device)
-            loss_ours, loss_theirs = ours(x, y), theirs(x, y)
-            loss_ours.backward()
-            ours.finish_gradient_synchronization()
-            loss_theirs.backward()
-            out["grad_max_diff"].append(max(float((p.grad - q.grad).abs().max()) for p, q in zip(
-                ours.module.parameters(), theirs.module.parameters()) if p.requires_grad))
-            for opt in (opt_ours, opt_theirs):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            out["losses_ours"].append(float(loss_ours))
-            out["losses_torch"].append(float(loss_theirs))
-        out["sha_ours"] = weights_sha256(ours.module.state_dict())
-        out["sha_torch"] = weights_sha256(theirs.module.state_dict())
-        return out
+        prepared = Prepared(model=ours, optimizer=opt_ours, full_state_dict=lambda: ours.module.state_dict(),
+                            held=lambda: module_held(ours.module, opt_ours),
+                            before_step=ours.finish_gradient_synchronization)
+        beside = _TorchDDPBeside(theirs, opt_theirs, ours, cfg, info)
+        losses = run_steps(prepared, cfg, info, range(cfg.steps), [beside])
+        return {"rank": info.rank, "grad_max_diff": beside.grad_max_diff, "losses_ours": [float(v) for v in losses],
+                "losses_torch": beside.losses, "buckets": len(ours.buckets), "started_from_rank0": started,
+                "sha_ours": weights_sha256(ours.module.state_dict()),
+                "sha_torch": weights_sha256(theirs.module.state_dict())}
 
 
 # ---------------------------------------------------------------- find_unused_parameters

@@ -73,7 +73,7 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
     (``gradient_error`` after step 0's backward, worst over ranks),
     ``max_abs_diff`` (largest |w - w_single| over every final weight), ``rel_diff``
     (‖w - w_single‖ / ‖w_single‖), the losses (averaged over ranks), ``weights_sha256``, and, shaped
-    like a ``train`` report so that ``memory_check`` reads them, ``strategy``, ``world_size``,
+    like a ``train`` report so that ``predict.memory_check`` reads them, ``strategy``, ``world_size``,
     ``per_rank`` (every rank's bytes held, counted as ``train`` counts them),
     ``strategy_info`` and ``comm_per_step`` (rank 0's collectives per step, ``CountCollectives``).
     The other ranks return ``{"rank": r}``.

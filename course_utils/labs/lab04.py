@@ -3,7 +3,7 @@
 Each run is the one loop (``loop.run_steps``) with the observers the notebook reads (bytes
 held, collectives and their groups, peak gathered bytes, an optional CommDebugMode count, step
 time); many runs share one launch (``run_experiments``). The mechanism they measure is
-``course_utils.fsdp``; the predictions they are held against are ``fsdp.predict``.
+``course_utils.fsdp``; the predictions they are held against are ``predict.fsdp_run``.
 """
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from .. import dist as cdist
-from ..fsdp import _b, _meta_model, calls_text, fsdp_options, full_state_dict, full_state_dict_via_dtensor, predict
+from ..fsdp import _b, calls_text, fsdp_options, full_state_dict, full_state_dict_via_dtensor
 from ..instrument import CountCollectives, HeldAtRest, Observer, StepTimer, weight_diff, weights_sha256
 from ..loop import Prepared, TrainConfig, prepare, run_steps
 from ..models import build_model
+from ..predict import _meta_model, fsdp_run
 from ..strategies import FSDP_STRATEGIES
 
 
@@ -50,9 +51,9 @@ def side_by_side_table(rows: list, *, nproc: int, node_size: int) -> tuple[list,
     out = []
     for r in rows:
         cfg = r["config"]
-        p = predict(r["strategy"], model=cfg["model"], nproc=nproc, node_size=node_size,
-                    wrap=r["options"].get("wrap", "block"), prefetch=r["options"].get("prefetch", "default"),
-                    precision=r["precision"])
+        p = fsdp_run(r["strategy"], model=cfg["model"], nproc=nproc, node_size=node_size,
+                     wrap=r["options"].get("wrap", "block"), prefetch=r["options"].get("prefetch", "default"),
+                     precision=r["precision"])
         sent = sum(v["sent_bytes"] for v in r["comm_per_step"].values())
         out.append([r["label"], r["strategy_info"].get("fsdp1_name", "–"), _b(r["per_rank"][0]["total"]),
                     _b(p["held"]["total"]), _b(r["peak_unsharded_bytes"][0]), _b(p["peak"]),
