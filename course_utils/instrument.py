@@ -293,24 +293,60 @@ class CountCollectives(Observer):
 
 
 class HeldAtRest(Observer):
-    """Bytes held: ``held_bytes`` of ``held()`` after the update of step ``at``, gradients still present (notebook 02).
+    """Bytes held: ``held_bytes`` of ``held()`` after the update of step ``at``, gradients still present (notebook 02);
+    with ``peak=True``, also the most bytes the update of that step held (notebook 03).
 
     Args:
         held: the strategy's ``Prepared.held`` (or any function returning ``(params, grads, optim)``).
         at: the step to count at (the last one, usually).
         also: more functions of ``(params, grads, optim)`` to record at the same moment, by name.
+        peak: watch the update of step ``at`` (from ``before_update`` to ``after_update``: stage 1's
+            reduce-scatter, the optimizer's arithmetic, the all-gather) with torch's own memory tracker,
+            ``torch.distributed._tools.mem_tracker.MemTracker`` (the base of the ``FSDPMemTracker`` that
+            notebook 05b rehearses with; here on the real tensors). ``update_extra`` is then the most bytes
+            the update held at any moment above what was held when it began, and ``update_peak`` that plus
+            ``held_bytes`` at its start: the peak of the bytes held during the update. The tracker sees
+            every tensor the rank's operators create (not a collective library's internal buffers).
+        optimizer: the torch optimizer inside the strategy's optimizer, so that its 0-dim step counters
+            are counted from the start (the tracker would otherwise count them when first touched).
     """
 
-    def __init__(self, held, at: int, also: dict | None = None):
+    def __init__(self, held, at: int, also: dict | None = None, *, peak: bool = False, optimizer=None):
         self.held, self.at, self.also = held, at, also or {}
         self.bytes: dict | None = None
         self.extra: dict = {}
+        self.peak, self.optimizer = peak, optimizer
+        self.update_extra: int | None = None
+        self.update_peak: int | None = None
+        self._tracker = None
+
+    def before_update(self, step: int) -> None:
+        if self.peak and step == self.at:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            params, grads, optim = self.held()
+            self._start = held_bytes(params, grads, optim)["total"]
+            self._tracker = MemTracker()
+            self._tracker.track_external(*[t for t in (*params, *grads, *optim) if t is not None],
+                                         *([self.optimizer] if self.optimizer is not None else []))
+            self._tracker.__enter__()
+            self._base = _tracked_total(self._tracker, "current")
 
     def after_update(self, step: int) -> None:
         if step == self.at:
+            if self._tracker is not None:
+                self._tracker.__exit__(None, None, None)
+                self.update_extra = _tracked_total(self._tracker, "peak") - self._base
+                self.update_peak = self._start + self.update_extra
+                self._tracker = None
             parts = self.held()
             self.bytes = held_bytes(*parts)
             self.extra = {name: fn(*parts) for name, fn in self.also.items()}
+
+
+def _tracked_total(tracker, which: str) -> int:
+    """Bytes a ``MemTracker`` snapshot holds, every device together."""
+    return sum(int(snap.get("Total", 0)) for snap in tracker.get_tracker_snapshot(which).values())
 
 
 class StepTimer(Observer):

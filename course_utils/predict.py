@@ -369,6 +369,74 @@ def expected_bytes(strategy: str, psi: int, nproc: int, *, node_size: int = 2, p
 # A run's report against the predictions
 # ---------------------------------------------------------------------------------------------
 
+#: Adam's scratch while it updates one slice of S fp32 elements: ``exp_avg_sq.sqrt()`` and that divided by the
+#: bias correction are alive together (torch 2.13, ``torch.optim.adam._single_tensor_adam``, ``foreach=False``).
+ADAM_SCRATCH_FP32_COPIES = 2
+
+
+def update_extra_bytes(stage: str, units: list[dict], *, precision: str = "mixed") -> dict:
+    """The most bytes the update of a step holds above what stage 1 or 2 held when it began (notebook 03).
+
+    The stages' ``step()`` read as a list of the tensors it creates, moment by moment, from the flat
+    buffers' sizes (``units``: a report's ``strategy_info["units"]``, each with ``padded`` = Nd·S,
+    ``shard_numel`` = S, ``padding``; only trainable ones are updated). g = bytes of a 16-bit or fp32
+    gradient element, c = 4 when an fp32 copy of the gradient slice is made for the fp32 master
+    (mixed precision), else 0:
+
+    - stage 1 reduces at the step, buffer after buffer: while buffer f is reduce-scattered the rank
+      holds the slices already reduced, its output slice (g·S), the contiguous copy of the full
+      gradients it sends (g·Nd·S) and the padding zeros appended to it (g·padding).
+    - then: the reduced slices (g·ΣS; stage 2 already held them when the update began), their fp32
+      copies (c·ΣS), and Adam's scratch for the slice it is updating (``ADAM_SCRATCH_FP32_COPIES`` x 4
+      bytes x S, the largest S being the peak).
+    - stages 1 and 2 all-gather into the working buffer they already hold: nothing new.
+
+    Returns ``{"reduce_scatter", "update", "extra"}`` (bytes at each moment's peak, and their max),
+    and ``"gloo_may_hold"``: g·Nd·S of stage 1's largest buffer, the copy a gloo worker thread may still
+    hold for a moment after the collective returned (gloo runs the work on its own thread, which lets go of
+    it a moment after the caller has resumed: measured alive right after the call on some runs, freed 50 ms
+    later), so a measurement may read up to that much more.
+    """
+    if stage not in ("zero1", "zero2"):  # stage 3's peak is its gathered units (peak_gathered_bytes)
+        raise CourseInputError(f"the update's peak is predicted for zero1 and zero2, not {stage!r}")
+    g = _check_precision(precision)[1]
+    c = 4 if precision == "mixed" else 0
+    flats = [u for u in units if u.get("trainable", True)]
+    slices = [u["shard_numel"] for u in flats]
+    reduce_scatter, update, lingering = 0, 0, 0
+    if stage == "zero1":
+        done = 0
+        for u in flats:
+            reduce_scatter = max(reduce_scatter, done + g * (u["shard_numel"] + u["padded"] + u["padding"]))
+            done += g * u["shard_numel"]
+        update = done
+        lingering = g * max(u["padded"] for u in flats)
+    update += c * sum(slices) + ADAM_SCRATCH_FP32_COPIES * 4 * max(slices)
+    return {"reduce_scatter": reduce_scatter, "update": update, "extra": max(reduce_scatter, update),
+            "gloo_may_hold": lingering}
+
+
+def peak_check(report: dict) -> dict:
+    """A report's measured peak of the update (``HeldAtRest(peak=True)``) against the prediction (notebook 03).
+
+    ``report``: an ``agreement`` row of stage 1 or 2 (``update_peak`` and ``update_extra`` per rank).
+    Returns ``{"at_rest"`` (``held_bytes``, the S padded elements), ``"predicted"``
+    (``update_extra_bytes``), ``"predicted_peak"`` (at rest + predicted extra),
+    ``"measured_peak"``, ``"measured_extra"`` (rank 0's), ``"within"`` (on every rank: extra at least
+    the prediction and at most the prediction plus what gloo may still hold, the peak at rest + extra)}``.
+    """
+    stage, nd, info = report["strategy"], report["world_size"], report["strategy_info"]
+    precision = info.get("precision", "fp32")
+    at_rest = held_bytes(stage, info["psi"], nd, precision=precision, shard_numel=info["shard_numel"])
+    predicted = update_extra_bytes(stage, info["units"], precision=precision)
+    within = all(predicted["extra"] <= r["update_extra"] <= predicted["extra"] + predicted["gloo_may_hold"]
+                 and r["update_peak"] == r["total"] + r["update_extra"] for r in report["per_rank"])
+    return {"stage": stage, "precision": precision, "nd": nd, "at_rest": at_rest["total"], "predicted": predicted,
+            "predicted_peak": at_rest["total"] + predicted["extra"],
+            "measured_peak": report["per_rank"][0]["update_peak"],
+            "measured_extra": report["per_rank"][0]["update_extra"], "within": within}
+
+
 def memory_check(report: dict, psi: int | None = None) -> dict:
     """A ZeRO ``train`` report's bytes per rank against ``held_bytes`` (notebook 03).
 
@@ -446,6 +514,7 @@ def comm_matches(row: dict, expected: dict) -> bool:
 
 
 __all__ = [
+    "update_extra_bytes", "peak_check", "ADAM_SCRATCH_FP32_COPIES",
     "PRECISION_BYTES", "SHARDED_PARTS", "held_bytes", "strategy_held_bytes", "paper_sent_bytes", "zero_traffic",
     "fsdp_collectives", "traffic_in_psi", "peak_gathered_bytes", "samples_that_fit", "unit_table",
     "planned_units", "fsdp_run", "expected_bytes", "memory_check", "traffic_check", "comm_matches",

@@ -159,7 +159,7 @@ register(Exercise(
          "ZeRO stage 1 for any element-wise `torch.optim` class. `params` is the flat, padded weights (the same "
          "on every rank); each rank creates `optimizer_class` over its own slice only, and `step(grads)` "
          "reduce-scatters this rank's full flat gradient, steps the slice, and all-gathers the new weights. "
-         "Predict first: how many bytes of Adam state does each of 2 ranks keep for Ψ parameters?",
+         "Predict first: how many bytes of Adam state does each of 2 ranks keep for $\\Psi$ parameters?",
     stub='def sharded_optimizer(params, optimizer_class, **defaults):\n'
          '    """ZeRO-1: return step(grads) that updates the flat params with optimizer_class on this rank\'s slice."""\n'
          '    raise NotImplementedError("exercise 03.sharded_optimizer: your code here")\n',

@@ -19,17 +19,23 @@ from ..loop import TrainConfig, apply_single, resolve_strategy, run_steps
 from ..models import build_model, get_config
 from ..zero import ShardedOptimizer, apply_torch_zero1, shard_bounds
 
+#: The stages whose last update ``agreement_worker`` also watches for its peak (``predict.peak_check``); stage 3's
+#: peak is its gathered units (``zero.GatheredBytes``), during forward and backward.
+PEAK_WATCHED = ("zero1", "zero2")
 #: What ``agreement_worker`` can run besides the strategies of ``strategies.STRATEGIES``.
 REFERENCES = {"torch_zero1": apply_torch_zero1}
 
 
-def _train_steps(prepared, cfg, info, rank: int, world: int, count=None) -> tuple[list[float], dict]:
+def _train_steps(prepared, cfg, info, rank: int, world: int, count=None, peak: bool = False) -> tuple[list[float], dict]:
     """The one loop (``loop.run_steps``) on ``rank``'s share of ``world``: the losses, and the bytes held
     counted where ``train`` counts them (the last step, after the update, before the gradients are cleared).
-    ``count``: a ``CountCollectives`` observer to count the collectives too."""
-    held = HeldAtRest(prepared.held, at=cfg.steps - 1)
+    ``count``: a ``CountCollectives`` observer to count the collectives too. ``peak``: also the peak of the
+    last step's update (``HeldAtRest(peak=True)``), as ``update_peak`` and ``update_extra`` in the bytes."""
+    held = HeldAtRest(prepared.held, at=cfg.steps - 1, peak=peak,
+                      optimizer=getattr(prepared.optimizer, "optimizer", prepared.optimizer))
     losses = run_steps(prepared, cfg, info, range(cfg.steps), [held] + ([count] if count else []), rank=rank, world=world)
-    return [float(loss) for loss in losses], held.bytes
+    peaks = {"update_peak": held.update_peak, "update_extra": held.update_extra} if peak else {}
+    return [float(loss) for loss in losses], {**held.bytes, **peaks}
 
 
 def gradient_error(prepared, model, ref_grads: dict) -> float:
@@ -74,7 +80,8 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
     ``max_abs_diff`` (largest |w - w_single| over every final weight), ``rel_diff``
     (‖w - w_single‖ / ‖w_single‖), the losses (averaged over ranks), ``weights_sha256``, and, shaped
     like a ``train`` report so that ``predict.memory_check`` reads them, ``strategy``, ``world_size``,
-    ``per_rank`` (every rank's bytes held, counted as ``train`` counts them),
+    ``per_rank`` (every rank's bytes held, counted as ``train`` counts them; for stages 1 and 2 also
+    ``update_peak`` and ``update_extra``, the peak of the last step's update, ``predict.peak_check``),
     ``strategy_info`` and ``comm_per_step`` (rank 0's collectives per step, ``CountCollectives``).
     The other ranks return ``{"rank": r}``.
     """
@@ -107,7 +114,8 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
             model = build_model(mcfg, seed=cfg.seed, device=info.device)
             prepared = apply(model, cfg, info)
             count = CountCollectives()  # the same counter as train(): ZeroRedundancyOptimizer's traffic too
-            losses, held = _train_steps(prepared, cfg, info, info.rank, info.world_size, count)
+            losses, held = _train_steps(prepared, cfg, info, info.rank, info.world_size, count,
+                                        peak=name in PEAK_WATCHED)
             losses = torch.tensor(losses, device=info.device)
             dist.all_reduce(losses)
             full = prepared.full_state_dict()
