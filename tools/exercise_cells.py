@@ -41,13 +41,21 @@ def section(nb: str) -> list[dict]:
         n[0] += 1
         return f"{nb}-ex-{n[0]:02d}"
 
+    # The slide: the heading, one line and the list; how checks and hints work goes in its speaker notes
+    # (issue 23: a slide carries the point). The notes cell's id is outside the numbering, so adding it
+    # renumbered nothing.
     cells = [_cell("markdown", cid(), "## Exercises: build it yourself\n\n"
-                   + "Each exercise gives a task, a stub to fill in and a check cell. The check runs your code the "
+                   + "Each exercise gives a task, a stub to fill in and a check cell that compares your code with "
+                   "the course's reference.\n\n"
+                   + "\n".join(f"- **{nb}.{ex.name}**: {ex.title}" for ex in exs), "slide"),
+             _cell("markdown", f"{nb}-ex-notes",
+                   "Each exercise gives a task, a stub to fill in and a check cell. The check runs your code the "
                    "way this notebook ran the course's own (on real ranks where the idea is distributed) and "
                    "compares it with the course's reference. Until you fill a stub in, its check says "
                    "*not done*. Stuck? `show_hint(notebook, name, 1)` opens the first hint (then 2, 3); "
                    "`load_solution(notebook, name)` prints the reference and defines it.\n\n"
-                   + "\n".join(f"- **{nb}.{ex.name}**: {ex.title}" for ex in exs), "slide"),
+                   "Ask the room to predict the answer each task asks for before anyone writes code; the check "
+                   "compares the code, the prediction is theirs to compare.", "notes"),
              _cell("code", cid(), "from course_utils.exercises import check, load_solution, show_hint")]
     for kind, source, slide in getattr(module, "EXTRA_CELLS", ()):
         cells.append(_cell(kind, cid(), source, slide))
