@@ -17,7 +17,9 @@
          first paragraph, a heading, a table, code, an output or a "Predict" question) moves, in
          order, into the slide's speaker notes;
       d. if it still overflows, its text shrinks further, never below SMALLEST;
-      e. charts then grow into whatever height is left.
+      e. printed outputs shrunk in b grow back, up to their size from a, while the slide still fits
+         (moving prose into the notes may have freed the room); on a slide with a chart, the chart
+         instead grows into whatever height is left.
    Each slide records what was done (data-course-fit, data-course-moved, data-course-overflow,
    data-course-narrowed, data-course-scrolled);
    document.body.dataset.courseFitted = "1" once all slides are fitted (the browser tests wait for it). */
@@ -74,12 +76,29 @@
       var fits = Math.floor(20 * room / Math.max(natural, 1));
       var floor = columns(pre) ? OUTPUT_MIN_PX : OUTPUT_WRAP_PX;
       pre.style.fontSize = Math.max(floor, Math.min(OUTPUT_PX, fits)) + "px";
+      pre.dataset.courseWidthPx = pre.style.fontSize;  // the most step e may give back
       pre.style.whiteSpace = "pre-wrap";  // a line too long even at the floor wraps, never is cut
     });
     while (overflow(section) > 0) {
       var larger = pres.filter(function (pre) { return parseFloat(pre.style.fontSize) > OUTPUT_MIN_PX; });
       if (!larger.length) break;
       larger.forEach(function (pre) { pre.style.fontSize = (parseFloat(pre.style.fontSize) - 1) + "px"; });
+    }
+  }
+
+  // Step e: outputs shrunk for height grow back, a pixel at a time, while the slide fits.
+  function growOutputs(section) {
+    var pres = toArray(section.querySelectorAll(".jp-OutputArea-output pre"));
+    for (;;) {
+      var smaller = pres.filter(function (pre) {
+        return parseFloat(pre.style.fontSize) < parseFloat(pre.dataset.courseWidthPx);
+      });
+      if (!smaller.length) return;
+      smaller.forEach(function (pre) { pre.style.fontSize = (parseFloat(pre.style.fontSize) + 1) + "px"; });
+      if (overflow(section) > 0) {
+        smaller.forEach(function (pre) { pre.style.fontSize = (parseFloat(pre.style.fontSize) - 1) + "px"; });
+        return;
+      }
     }
   }
 
@@ -207,6 +226,8 @@
     if (charts) {
       chartsOf(section).forEach(function (img) { img.style.height = "0px"; });
       sizeCharts(section, HEIGHT - section.scrollHeight - 8);
+    } else {
+      growOutputs(section);
     }
     section.dataset.courseFit = scale < 1 ? "shrunk to " + Math.round(scale * 100) + "%" : "fits";
     if (moved) section.dataset.courseMoved = String(moved);
