@@ -1,6 +1,6 @@
 /* The course deck's behaviour (inlined into every deck by tools/build_course.py).
 
-   1. Typeset math offline with KaTeX (vendored in slides/katex/).
+   1. Typeset math offline with KaTeX (vendored in slides/katex/); in speaker notes as MathML alone.
    2. Start reveal.js on a 1280 x 720 canvas, with the speaker-notes plugin.
    3. Fit every slide to the canvas, so one idea stays one slide and nothing is cut off:
       a. charts get at least MIN_CHART of the slide's height, and printed outputs the largest type
@@ -30,14 +30,22 @@
   var slides = document.querySelector(".reveal .slides");
   var toArray = function (list) { return Array.prototype.slice.call(list); };
 
+  // Speaker notes get MathML only: the speaker view (notes plugin) shows their HTML without KaTeX's
+  // stylesheet, where KaTeX's HTML rendering would show each formula twice; browsers draw MathML natively.
   if (window.renderMathInElement) {
-    window.renderMathInElement(slides, {
-      delimiters: [
-        {left: "$$", right: "$$", display: true}, {left: "\\[", right: "\\]", display: true},
-        {left: "$", right: "$", display: false}, {left: "\\(", right: "\\)", display: false}
-      ],
-      ignoredClasses: ["jp-OutputArea", "jp-InputArea-editor"],
-      throwOnError: false
+    var math = function (ignored, output) {
+      return {
+        delimiters: [
+          {left: "$$", right: "$$", display: true}, {left: "\\[", right: "\\]", display: true},
+          {left: "$", right: "$", display: false}, {left: "\\(", right: "\\)", display: false}
+        ],
+        ignoredClasses: ["jp-OutputArea", "jp-InputArea-editor"].concat(ignored),
+        output: output, throwOnError: false
+      };
+    };
+    window.renderMathInElement(slides, math(["notes"], "htmlAndMathml"));
+    toArray(slides.querySelectorAll("aside.notes")).forEach(function (aside) {
+      window.renderMathInElement(aside, math([], "mathml"));
     });
   }
 
@@ -198,6 +206,7 @@
       piece.appendChild(unit);
       if (!list.children.length) list.remove();
     }
+    toArray(piece.querySelectorAll(".katex-html")).forEach(function (el) { el.remove(); });  // MathML stays (step 1)
     aside.insertBefore(piece, aside.firstChild);  // moved from the end backwards: notes keep the order
   }
 
