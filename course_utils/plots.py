@@ -187,7 +187,9 @@ def bill_items_figure(items: dict, *, gpu_mem: float, title: str = "", width: fl
     ax.text(gpu_mem / GB, -0.45, f" one {gpu_mem / GB:g} GB GPU", color="#c0392b", fontsize=9, va="center")
     ax.set_xlabel("GB (10^9 bytes)")
     ax.set_xlim(0, max(values + [gpu_mem / GB]) * 1.25)
-    ax.set_title(title, fontsize=10)
+    # over the whole figure, not the axes: the long bar labels push the axes right, and a title centred
+    # on them ran off the image's right edge (issue 23: deck 01's clipped chart title)
+    fig.suptitle(title, fontsize=10)
     return fig
 
 

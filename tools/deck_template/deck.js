@@ -1,10 +1,13 @@
 /* The course deck's behaviour (inlined into every deck by tools/build_course.py).
 
-   1. Typeset math offline with KaTeX (vendored in slides/katex/).
+   1. Typeset math offline with KaTeX (vendored in slides/katex/); in speaker notes as MathML alone.
    2. Start reveal.js on a 1280 x 720 canvas, with the speaker-notes plugin.
    3. Fit every slide to the canvas, so one idea stays one slide and nothing is cut off:
       a. charts get at least MIN_CHART of the slide's height, and printed outputs the largest type
-         (up to OUTPUT_PX) at which their longest line still fits the width;
+         (up to OUTPUT_PX, a size the back of the room reads) at which their longest line still fits
+         the width. Columns (an output with aligned columns) go down to OUTPUT_MIN_PX rather than wrap;
+         other text never goes below OUTPUT_WRAP_PX for that, and a line too long even there wraps, so
+         one long line (a path, a traceback) does not shrink a whole output to footnote size;
       w. a table or displayed formula wider than the slide gets smaller type until it fits the width
          (down to WIDE_MIN_PX); one still too wide scrolls sideways in its own box (a last resort that
          keeps every column reachable instead of cut off at the canvas edge);
@@ -14,25 +17,35 @@
          first paragraph, a heading, a table, code, an output or a "Predict" question) moves, in
          order, into the slide's speaker notes;
       d. if it still overflows, its text shrinks further, never below SMALLEST;
-      e. charts then grow into whatever height is left.
+      e. printed outputs shrunk in b grow back, up to their size from a, while the slide still fits
+         (moving prose into the notes may have freed the room); on a slide with a chart, the chart
+         instead grows into whatever height is left.
    Each slide records what was done (data-course-fit, data-course-moved, data-course-overflow,
    data-course-narrowed, data-course-scrolled);
    document.body.dataset.courseFitted = "1" once all slides are fitted (the browser tests wait for it). */
 (function () {
   "use strict";
   var WIDTH = 1280, HEIGHT = 720, MIN_CHART = 0.45, MILD = 0.85, SMALLEST = 0.7;
-  var OUTPUT_PX = 26, OUTPUT_MIN_PX = 15, WIDE_MIN_PX = 14;
+  var OUTPUT_PX = 24, OUTPUT_WRAP_PX = 19, OUTPUT_MIN_PX = 15, WIDE_MIN_PX = 14;
   var slides = document.querySelector(".reveal .slides");
   var toArray = function (list) { return Array.prototype.slice.call(list); };
 
+  // Speaker notes get MathML only: the speaker view (notes plugin) shows their HTML without KaTeX's
+  // stylesheet, where KaTeX's HTML rendering would show each formula twice; browsers draw MathML natively.
   if (window.renderMathInElement) {
-    window.renderMathInElement(slides, {
-      delimiters: [
-        {left: "$$", right: "$$", display: true}, {left: "\\[", right: "\\]", display: true},
-        {left: "$", right: "$", display: false}, {left: "\\(", right: "\\)", display: false}
-      ],
-      ignoredClasses: ["jp-OutputArea", "jp-InputArea-editor"],
-      throwOnError: false
+    var math = function (ignored, output) {
+      return {
+        delimiters: [
+          {left: "$$", right: "$$", display: true}, {left: "\\[", right: "\\]", display: true},
+          {left: "$", right: "$", display: false}, {left: "\\(", right: "\\)", display: false}
+        ],
+        ignoredClasses: ["jp-OutputArea", "jp-InputArea-editor"].concat(ignored),
+        output: output, throwOnError: false
+      };
+    };
+    window.renderMathInElement(slides, math(["notes"], "htmlAndMathml"));
+    toArray(slides.querySelectorAll("aside.notes")).forEach(function (aside) {
+      window.renderMathInElement(aside, math([], "mathml"));
     });
   }
 
@@ -54,20 +67,46 @@
 
   function overflow(section) { return section.scrollHeight - HEIGHT; }
 
-  // Printed outputs: as large as their longest line allows (no wrapping of aligned columns).
+  // Printed outputs: as large as their longest line allows, up to OUTPUT_PX (step a above). The room
+  // is measured from the output's left edge to the slide's right edge, and the line at its own width
+  // (max-content): a pre's clientWidth is only as wide as its text, so comparing the two said every
+  // short output "fits at 20 px" and none ever got larger.
   function sizeOutputs(section) {
     var pres = toArray(section.querySelectorAll(".jp-OutputArea-output pre"));
+    var scale = section.getBoundingClientRect().width / section.offsetWidth || 1;
     pres.forEach(function (pre) {
       pre.style.whiteSpace = "pre";
       pre.style.fontSize = "20px";
-      var fits = Math.floor(20 * pre.clientWidth / Math.max(pre.scrollWidth, 1));
-      pre.style.fontSize = Math.max(OUTPUT_MIN_PX, Math.min(OUTPUT_PX, fits)) + "px";
-      pre.style.whiteSpace = "pre-wrap";  // a line too long even at the smallest size wraps, never is cut
+      pre.style.width = "max-content";
+      var natural = pre.getBoundingClientRect().width / scale;
+      pre.style.width = "";
+      var room = roomRightOf(section, pre) - 2;
+      var fits = Math.floor(20 * room / Math.max(natural, 1));
+      var floor = columns(pre) ? OUTPUT_MIN_PX : OUTPUT_WRAP_PX;
+      pre.style.fontSize = Math.max(floor, Math.min(OUTPUT_PX, fits)) + "px";
+      pre.dataset.courseWidthPx = pre.style.fontSize;  // the most step e may give back
+      pre.style.whiteSpace = "pre-wrap";  // a line too long even at the floor wraps, never is cut
     });
     while (overflow(section) > 0) {
       var larger = pres.filter(function (pre) { return parseFloat(pre.style.fontSize) > OUTPUT_MIN_PX; });
       if (!larger.length) break;
       larger.forEach(function (pre) { pre.style.fontSize = (parseFloat(pre.style.fontSize) - 1) + "px"; });
+    }
+  }
+
+  // Step e: outputs shrunk for height grow back, a pixel at a time, while the slide fits.
+  function growOutputs(section) {
+    var pres = toArray(section.querySelectorAll(".jp-OutputArea-output pre"));
+    for (;;) {
+      var smaller = pres.filter(function (pre) {
+        return parseFloat(pre.style.fontSize) < parseFloat(pre.dataset.courseWidthPx);
+      });
+      if (!smaller.length) return;
+      smaller.forEach(function (pre) { pre.style.fontSize = (parseFloat(pre.style.fontSize) + 1) + "px"; });
+      if (overflow(section) > 0) {
+        smaller.forEach(function (pre) { pre.style.fontSize = (parseFloat(pre.style.fontSize) - 1) + "px"; });
+        return;
+      }
     }
   }
 
@@ -79,6 +118,19 @@
     var scale = box.width / section.offsetWidth || 1;
     var pad = parseFloat(window.getComputedStyle(section).paddingRight) || 0;
     return (el.getBoundingClientRect().right - (box.right - pad * scale)) / scale;
+  }
+
+  // A table printed by a cell: two or more lines with a gap of two spaces or more between words.
+  function columns(pre) {
+    return pre.textContent.split("\n").filter(function (line) { return /\S {2,}\S/.test(line); }).length >= 2;
+  }
+
+  // The width (canvas px) from the element's left edge to the slide's right edge, inside its padding.
+  function roomRightOf(section, el) {
+    var box = section.getBoundingClientRect();
+    var scale = box.width / section.offsetWidth || 1;
+    var pad = parseFloat(window.getComputedStyle(section).paddingRight) || 0;
+    return (box.right - pad * scale - el.getBoundingClientRect().left) / scale;
   }
 
   // Width: tables (markdown or printed by a cell) and displayed formulas never run off the right edge.
@@ -154,6 +206,7 @@
       piece.appendChild(unit);
       if (!list.children.length) list.remove();
     }
+    toArray(piece.querySelectorAll(".katex-html")).forEach(function (el) { el.remove(); });  // MathML stays (step 1)
     aside.insertBefore(piece, aside.firstChild);  // moved from the end backwards: notes keep the order
   }
 
@@ -182,6 +235,8 @@
     if (charts) {
       chartsOf(section).forEach(function (img) { img.style.height = "0px"; });
       sizeCharts(section, HEIGHT - section.scrollHeight - 8);
+    } else {
+      growOutputs(section);
     }
     section.dataset.courseFit = scale < 1 ? "shrunk to " + Math.round(scale * 100) + "%" : "fits";
     if (moved) section.dataset.courseMoved = String(moved);
