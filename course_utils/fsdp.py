@@ -19,10 +19,11 @@ hybrid_shard    True                    (N/n, n)   ("replicate","shard") stage 3
 - FULL_SHARD gathers each unit before its forward, frees it after, gathers it again before its
   backward and reduce-scatters its gradients: two all-gathers and one reduce-scatter per unit and
   step, 3(N-1)/N·Ψ elements sent per rank, the ZeRO paper's 1.5x.
-- SHARD_GRAD_OP keeps each unit gathered from its forward to its backward: one all-gather fewer,
-  and while a step runs the whole model is unsharded at once. FSDP2 reshards after the backward,
-  so *at rest* it holds exactly what FULL_SHARD holds; stage 2's replicated 16-bit weights show
-  up as the peak of gathered bytes during the step, not as bytes at rest.
+- SHARD_GRAD_OP keeps each unit gathered from its forward to its backward: one all-gather fewer
+  (stage 2's traffic), and while a step runs the whole model is unsharded at once. FSDP2 reshards
+  after the backward, so *at rest* it holds exactly what FULL_SHARD holds (stage 3's bytes). At the
+  peak it holds stage 2's row plus one fp32 parameter shard: the whole model gathered, and beside
+  it the shard FSDP2 keeps as the master copy (measured in notebook 04).
 - NO_SHARD: FSDP2 has no flag for it. A 2-D mesh whose shard dimension has size 1 *is* NO_SHARD:
   each rank's shard is the whole tensor, nothing is gathered or scattered, and gradients are
   all-reduced over the replicate dimension (one all-reduce per unit). We use it because it is
@@ -46,7 +47,8 @@ strategy), ``wrap`` ("block", "model" or "linear": what one unit is), ``prefetch
 Also here: ``UnshardedTracker`` (peak bytes of gathered parameters, on any device). What the
 formulas predict for a run (bytes held, collectives, the peak of gathered bytes) is
 ``course_utils.predict`` (``predict.fsdp_run``). The notebook's experiments (many runs in one
-launch, its tables, the state-dict demo) are ``course_utils.labs.lab04``.
+launch, the state-dict demo) are ``course_utils.labs.lab04``; its tables are views in
+``course_utils.plots``.
 """
 from __future__ import annotations
 
@@ -362,7 +364,8 @@ def apply_shard_grad_op(model, cfg: TrainConfig, info) -> Prepared:
 
     One all-gather and one reduce-scatter per unit and step (2(N-1)/N·Ψ sent, as DDP). Units stay
     gathered from forward to backward, so the whole model (4Ψ bytes in fp32) is unsharded at the
-    end of the forward; at rest FSDP2 keeps 16Ψ/N, as FULL_SHARD does.
+    end of the forward; at rest FSDP2 keeps 16Ψ/N, as FULL_SHARD does. Held plus gathered at that
+    peak: 4Ψ + 16Ψ/N, stage 2's row (4Ψ + 12Ψ/N) plus the fp32 parameter shard (4Ψ/N).
     """
     return _apply_fsdp(model, cfg, info, "shard_grad_op")
 
@@ -439,14 +442,6 @@ def calls_text(comm: dict) -> str:
     return " + ".join(f"{v['calls']:g} {short.get(k, k)}" for k, v in comm.items()) or "none"
 
 
-# ---------------------------------------------------------------------------------------------
-# Many runs in one launch: the notebook's side-by-side tables
-# ---------------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------------
-# State dicts: DCP sharded checkpoint, full state dict via DTensor, FSDP1's rank0_only pitfall
-# ---------------------------------------------------------------------------------------------
 
 
 __all__ = [

@@ -186,6 +186,34 @@ def test_peak_gathered_bytes_follow_the_schedule(rows):
     assert rows["no prefetch"]["peak_unsharded_bytes"][0] < rows["full_shard"]["peak_unsharded_bytes"][0]
 
 
+def test_runs_one_schedule_knob_apart_end_bit_for_bit_the_same(rows):
+    groups = lab04.bit_identical_groups(list(rows.values()))
+    assert sorted(label for g in groups for label in g) == sorted(rows)  # every run, once
+    same = next(g for g in groups if "full_shard" in g)
+    assert {"shard_grad_op", "no prefetch"} <= set(same)   # reshard_after_forward and prefetch move bytes, not sums
+    assert "single" not in same and "mixed" not in same     # another order of sums; another arithmetic
+
+
+def test_tables_show_each_run_beside_its_prediction(rows):
+    from course_utils import plots
+
+    side = [rows[s] for s in STRATEGIES]
+    pred = {s: predict.fsdp_run(s, model=MODEL, nproc=NPROC, node_size=NODE) for s in STRATEGIES}
+    header, table = plots.fsdp_side_by_side_table(side, pred)
+    col = header.index
+    assert [r[0] for r in table] == list(STRATEGIES) and all(len(r) == len(header) for r in table)
+    for r, s in zip(table, STRATEGIES):
+        assert r[col("held / rank, B")] == r[col("ZeRO row, B")] == f"{rows[s]['per_rank'][0]['total']:,}"
+        assert r[col("peak gathered, B")] == r[col("predicted, B")] == f"{pred[s]['peak']:,}"
+    header, table = plots.fsdp_table(side, list(plots.FSDP_COLUMNS))
+    assert header == ["run", *plots.FSDP_COLUMNS]
+    # a CPU host cannot resolve step times: the table says so instead of printing noise
+    step_time = header.index("step time, ms")
+    assert {r[step_time] for r in table} == {"not meaningful (CPU)"}
+    gpu_row = {**rows["full_shard"], "device": "cuda", "step_time_s": 0.0125}
+    assert plots.step_time_cell(gpu_row) == "12.5"
+
+
 def test_train_gives_the_same_run_as_the_harness(rows, train_reports):
     report, row = train_reports["full_shard"], rows["full_shard"]  # same world, same threads: bit for bit
     assert report["weights_sha256"] == row["weights_sha256"]

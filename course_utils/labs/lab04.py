@@ -3,7 +3,8 @@
 Each run is the one loop (``loop.run_steps``) with the observers the notebook reads (bytes
 held, collectives and their groups, peak gathered bytes, an optional CommDebugMode count, step
 time); many runs share one launch (``run_experiments``). The mechanism they measure is
-``course_utils.fsdp``; the predictions they are held against are ``predict.fsdp_run``.
+``course_utils.fsdp``; the predictions they are held against are ``predict.fsdp_run``; the tables
+that show the rows are views (``plots.fsdp_table``, ``plots.fsdp_side_by_side_table``).
 """
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from .. import dist as cdist
-from ..fsdp import _b, calls_text, fsdp_options, full_state_dict, full_state_dict_via_dtensor
+from ..fsdp import fsdp_options, full_state_dict, full_state_dict_via_dtensor
 from ..instrument import CountCollectives, HeldAtRest, Observer, StepTimer, weight_diff, weights_sha256
 from ..loop import Prepared, TrainConfig, prepare, run_steps
 from ..models import build_model
-from ..predict import _meta_model, fsdp_run
+from ..predict import _meta_model
 from ..strategies import FSDP_STRATEGIES
 
 
@@ -39,56 +40,17 @@ def meta_init_worker(model: str = "tiny", seed: int = 0, strategies=FSDP_STRATEG
         return out
 
 
-def side_by_side_table(rows: list, *, nproc: int, node_size: int) -> tuple[list, list]:
-    """``(header, rows)`` of the notebook's strategy table, measured with predicted beside it (notebook 04).
+def bit_identical_groups(rows: list) -> list[list[str]]:
+    """The runs' labels grouped by their final weights, bit for bit (``weights_sha256``), in run order (notebook 04).
 
-    For each run: the FSDP1 name, rank 0's bytes at rest (measured / ZeRO row), peak gathered
-    bytes (measured / schedule), collectives per step (AG all-gather, RS reduce-scatter, AR
-    all-reduce), bytes sent per step by one rank, step time, final loss and the distance to single.
+    Runs without weights (the state-dict report) are left out. Two runs land in one group only if
+    every final fp32 weight is the same bit pattern: the same numbers added in the same order.
     """
-    header = ["run", "FSDP1 name", "held per rank, B", "ZeRO row, B", "peak gathered, B", "predicted, B",
-              "collectives / step", "sent / step, B", "step time, ms", "final loss", "‖Δw‖/‖w‖ vs single"]
-    out = []
-    for r in rows:
-        cfg = r["config"]
-        p = fsdp_run(r["strategy"], model=cfg["model"], nproc=nproc, node_size=node_size,
-                     wrap=r["options"].get("wrap", "block"), prefetch=r["options"].get("prefetch", "default"),
-                     precision=r["precision"])
-        sent = sum(v["sent_bytes"] for v in r["comm_per_step"].values())
-        out.append([r["label"], r["strategy_info"].get("fsdp1_name", "–"), _b(r["per_rank"][0]["total"]),
-                    _b(p["held"]["total"]), _b(r["peak_unsharded_bytes"][0]), _b(p["peak"]),
-                    calls_text(r["comm_per_step"]), _b(sent), f"{r['step_time_s'] * 1e3:.0f}", f"{r['losses'][-1]:.5f}",
-                    f"{r['rel_weight_diff']:.1e}" if "rel_weight_diff" in r else "–"])
-    return header, out
-
-
-def _largest_unit(r) -> int | None:
-    units = r["strategy_info"].get("units")
-    return max(u["numel"] for u in units) * r["strategy_info"]["compute_bytes_per_element"] if units else None
-
-
-#: Columns ``measurements_table`` can show: header -> cell from a run row (notebook 04).
-COLUMNS = {
-    "units": lambda r: str(len(r["strategy_info"].get("units", [])) or "–"),
-    "collectives / step": lambda r: calls_text(r["comm_per_step"]),
-    "largest unit, B": lambda r: _b(_largest_unit(r)),
-    "peak gathered, B": lambda r: _b(r["peak_unsharded_bytes"][0]),
-    "held per rank, B": lambda r: _b(r["per_rank"][0]["total"]),
-    "held where": lambda r: ", ".join(f"{k}: {v:,}" for k, v in r["held_by_device"].items()),
-    "all-gather payload, B": lambda r: _b(r["comm_per_step"].get("all_gather", {}).get("payload_bytes")),
-    "reduce-scatter payload, B": lambda r: _b(r["comm_per_step"].get("reduce_scatter", {}).get("payload_bytes")),
-    "sent / step, B": lambda r: _b(sum(v["sent_bytes"] for v in r["comm_per_step"].values())),
-    ".item() every step": lambda r: "yes" if r["sync_every_step"] else "no",
-    "step time, ms": lambda r: f"{r['step_time_s'] * 1e3:.1f}",
-    "final loss": lambda r: f"{r['losses'][-1]:.5f}",
-    "‖Δw‖/‖w‖ vs single": lambda r: f"{r['rel_weight_diff']:.1e}" if "rel_weight_diff" in r else "–",
-    "GPU max allocated, B": lambda r: _b(r["max_memory_allocated"][0]),
-}
-
-
-def measurements_table(rows: list, columns: list[str]) -> tuple[list, list]:
-    """``(header, rows)`` with the named ``COLUMNS`` for each run, labelled (notebook 04)."""
-    return ["run", *columns], [[r["label"], *(COLUMNS[c](r) for c in columns)] for r in rows]
+    groups: dict[str, list[str]] = {}
+    for row in rows:
+        if row.get("weights_sha256"):
+            groups.setdefault(row["weights_sha256"], []).append(row["label"])
+    return list(groups.values())
 
 
 #: Keys of a run description that are not ``TrainConfig`` fields.
@@ -394,7 +356,7 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
 
     # 3. FSDP1: full_optim_state_dict(rank0_only=True), written by every rank
     old = _fresh(TrainConfig(**{**asdict(cfg), "options": {"api": "fsdp1"}}), info, "full_shard", seed_offset=0)
-    _train_steps(old, cfg, info, range(2))
+    _train_steps(old, cfg, info, range(cfg.steps))
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     with warnings.catch_warnings():
