@@ -8,7 +8,9 @@ from __future__ import annotations
 import time
 
 #: Sizes (bytes of the gathered fp32 tensor) of the all-gather sweep: from latency-bound to bandwidth-bound.
-GATHER_BYTES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 22, 1 << 23, 1 << 24)
+#: They stop at 8 MB: a 16 MB gather over loopback ran slower per byte here (past the CPU's caches) and fell
+#: outside the range of its readings on the line fitted to 0.5-8 MB; one line describes one regime.
+GATHER_BYTES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 22, 1 << 23)
 
 
 def time_on_device(fn, sync) -> float:
@@ -27,7 +29,7 @@ def time_on_device(fn, sync) -> float:
     return time.perf_counter() - t0
 
 
-def time_collectives(fns: dict, sync, barrier=None, *, warmup: int = 2, repeats: int = 7, inner: int = 3) -> dict:
+def time_collectives(fns: dict, sync, barrier=None, *, warmup: int = 2, repeats: int = 5, inner: int = 2) -> dict:
     """Seconds per call of each collective in ``fns`` (``{key: fn}``), one reading per repeat:
     ``{key: [seconds, ...]}`` (notebook 05).
 
@@ -58,7 +60,7 @@ def time_collective(fn, sync, barrier=None, **kwargs) -> list:
 
 
 def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats: int = 3, seq: int = 64,
-                         gather_bytes=GATHER_BYTES, gather_repeats: int = 7) -> dict:
+                         gather_bytes=GATHER_BYTES, gather_repeats: int = 5) -> dict:
     """Worker for ``course_utils.launch``: time one course-model block's forward and backward, and
     an all-gather of its parameters sharded over the ranks, for each width and tokens per
     micro-batch; then all-gathers of ``gather_bytes`` sizes for the latency and bandwidth fit
