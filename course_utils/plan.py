@@ -971,14 +971,22 @@ def plan_command(args) -> int:
 # Measured on this host (notebook 05): a block's compute against an all-gather of its parameters
 # ---------------------------------------------------------------------------------------------
 
+#: A size is bandwidth-bound when its bytes take at least this many times the latency on the wire (three
+#: quarters of its time): nearer the latency, per-call overheads the line does not model show up (a 64 KB
+#: gather with bytes/bandwidth just above the latency fell below its measured range here).
+BANDWIDTH_DOMINATES = 3.0
+
+
 def fit_latency_bandwidth(sweep: list) -> dict:
     """Latency and bandwidth of a collective, t = latency + received bytes / bandwidth, fitted from
     ``labs.lab05.block_overlap_worker``'s sweep, and whether the fit explains its points (notebook 05).
 
     Each size's readings give a median and a range (``bench.spread``). The fit is least squares in
     relative terms (each point weighs by 1/median², so small sizes count as much as large ones)
-    over the sizes where bandwidth dominates: received bytes / bandwidth at least the latency,
-    chosen again after each fit until the choice settles (the two largest sizes if fewer qualify).
+    over the sizes where bandwidth dominates: received bytes / bandwidth at least
+    ``BANDWIDTH_DOMINATES`` times the latency,
+    chosen again after each fit until the choice settles (the three largest sizes if fewer qualify:
+    a line through two points would explain them whatever they were).
     A negative latency (noise at the small end) is refitted as zero. ``explains``: every fitted
     size's prediction lies inside that size's measured range.
     Returns ``{"latency_s", "bandwidth", "points": [{"bytes", "received_bytes", "median_s", "min_s",
@@ -1006,11 +1014,12 @@ def fit_latency_bandwidth(sweep: list) -> dict:
             a, c = 0.0, sxt / sxx
         return a, c
 
-    chosen = pts[-2:]
+    least = min(3, len(pts))  # a line through two points explains them whatever they are: fit three or more
+    chosen = pts[-least:]
     for _ in range(len(pts)):
         a, c = fit(chosen)
-        again = [p for p in pts if p["received_bytes"] * c >= a]
-        again = again if len(again) >= 2 else pts[-2:]
+        again = [p for p in pts if p["received_bytes"] * c >= BANDWIDTH_DOMINATES * a]
+        again = again if len(again) >= least else pts[-least:]
         if again == chosen:
             break
         chosen = again

@@ -60,7 +60,7 @@ def time_collective(fn, sync, barrier=None, **kwargs) -> list:
 
 
 def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats: int = 3, seq: int = 64,
-                         gather_bytes=GATHER_BYTES, gather_repeats: int = 5) -> dict:
+                         gather_bytes=GATHER_BYTES, gather_repeats: int = 7) -> dict:
     """Worker for ``course_utils.launch``: time one course-model block's forward and backward, and
     an all-gather of its parameters sharded over the ranks, for each width and tokens per
     micro-batch; then all-gathers of ``gather_bytes`` sizes for the latency and bandwidth fit
