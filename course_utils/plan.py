@@ -9,7 +9,10 @@ The decision rule of the course (the lesson on the stages, and the ZeRO paper's 
 3. Stage 3 (or HSDP: stage 3 inside a node, replicas across nodes) only when nothing lower
    fits; its extra all-gathers (3Ψ instead of 2Ψ per step) are free only when they hide
    behind each block's compute.
-4. Offload (optimizer state in host memory) turns an impossible run into a slow one.
+4. Offload (optimizer state in host memory) turns an impossible run into a slow one: slow because
+   the CPU runs the optimizer step, not because of PCIe. Each library offloads something else
+   (``offload_modes``: DeepSpeed's ZeRO-Offload and ZeRO-3 ``offload_optimizer``, FSDP2's
+   ``CPUOffloadPolicy``, ZeRO-Infinity's NVMe).
 5. If even that does not fit, the limit is not the model states: activations, or a single
    layer that must be gathered whole on one GPU. No data-parallel strategy helps then.
 
@@ -44,8 +47,8 @@ STRATEGY_NAMES = {
     "zero2": "stage 2 (P_os+g, SHARD_GRAD_OP)",
     "zero3": "stage 3 (P_os+g+p, FULL_SHARD)",
     "hsdp": "HSDP (HYBRID_SHARD: stage 3 per shard group)",
-    "zero2_offload": "stage 2 + optimizer offload",
-    "zero3_offload": "stage 3 + optimizer offload",
+    "zero2_offload": "stage 2 + optimizer offload (ZeRO-Offload)",
+    "zero3_offload": "stage 3 + optimizer offload (DeepSpeed ZeRO-3)",
 }
 #: The recommendation when nothing fits.
 NOTHING_FITS = ("no data-parallel strategy fits: activations / a single FSDP unit are the limit; use activation "
@@ -172,6 +175,8 @@ class Cluster:
     ``intra_bw``: per GPU inside a node (NVLink-class); ``inter_bw``: per node between nodes
     (all its network cards together); ``pcie_bw``: per GPU to host memory; ``hbm_bw``: a GPU's
     own memory; ``host_bw``: a node's CPU memory bandwidth (the CPU optimizer step of offload);
+    ``nvme_bw``: a node's NVMe drives together (ZeRO-Infinity's offload target; one PCIe 4.0 drive reads
+    about 7 GB/s, so the default assumes a few striped);
     ``flops``: achievable 16-bit FLOP/s per GPU (well below the data-sheet peak); ``mp``: Nm;
     ``reserve``: the fraction of GPU memory kept free for the allocator, CUDA context and
     fragmentation.
@@ -189,12 +194,13 @@ class Cluster:
     host_bw: float = 100e9
     mp: int = 1
     reserve: float = 0.10
+    nvme_bw: float = 25e9
 
     def __post_init__(self):
         _whole("gpus-per-node", self.gpus_per_node)
         _whole("nodes", self.nodes)
         _whole("mp (Nm)", self.mp)
-        for name in ("gpu_mem", "intra_bw", "inter_bw", "flops", "pcie_bw", "hbm_bw", "host_mem", "host_bw"):
+        for name in ("gpu_mem", "intra_bw", "inter_bw", "flops", "pcie_bw", "hbm_bw", "host_mem", "host_bw", "nvme_bw"):
             value = getattr(self, name)
             _need(isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
                   f"{name.replace('_', '-')} must be a positive number, got {value!r}")
@@ -353,12 +359,14 @@ class Plan:
     strategies: dict
     recommendation: dict
     limits: dict
+    offload: dict = field(default_factory=dict)  # offload_modes(): each library's offload, under its own name
 
     def to_dict(self) -> dict:
         return {"model": asdict(self.model), "cluster": {**asdict(self.cluster),
                                                           "network": network_class(self.cluster.inter_bw)}, "k": self.k,
                 "strategies": {s: p.to_dict() for s, p in self.strategies.items()},
-                "recommendation": dict(self.recommendation), "limits": dict(self.limits)}
+                "recommendation": dict(self.recommendation), "limits": dict(self.limits),
+                "offload": {name: dict(row) for name, row in self.offload.items()}}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -519,7 +527,8 @@ def plan(model: ModelSpec | None = None, cluster: Cluster | None = None, *, k: f
             mem["host_bytes"], not why, headroom, why, link, volume, pcie, compute, exposed, compute + exposed, block,
             shard_size)
     limits = _limits(model, cluster, k)
-    return Plan(model, cluster, k, strategies, _recommend(model, cluster, k, strategies, limits), limits)
+    return Plan(model, cluster, k, strategies, _recommend(model, cluster, k, strategies, limits), limits,
+                offload_modes(model, cluster, k=k, plans=strategies))
 
 
 def _limits(model: ModelSpec, cluster: Cluster, k: float) -> dict:
@@ -677,6 +686,109 @@ def offload_arithmetic(psi: float, nd: int, cluster: Cluster | None = None) -> d
     return rows
 
 
+#: The four ways to park model states off the GPU, each under the name its library gives it.
+OFFLOAD_MODES = ("zero_offload", "zero3_offload", "fsdp2_cpu_offload", "zero_infinity")
+OFFLOAD_NAMES = {
+    "zero_offload": "DeepSpeed ZeRO-Offload (stage 2, offload_optimizer to CPU)",
+    "zero3_offload": "DeepSpeed ZeRO-3, offload_optimizer to CPU",
+    "fsdp2_cpu_offload": "FSDP2 fully_shard(offload_policy=CPUOffloadPolicy())",
+    "zero_infinity": "DeepSpeed ZeRO-Infinity (ZeRO-3, parameters and optimizer on NVMe)",
+}
+
+
+def offload_modes(model: ModelSpec, cluster: Cluster, *, k: float = memory.ADAM_MIXED_K,
+                  plans: dict | None = None) -> dict:
+    """Each library's offload, per GPU: what stays on the GPU, what the host (and NVMe) hold, what
+    crosses PCIe (and the NVMe link) per step, and where the optimizer step runs (notebook 05).
+
+    ``plans``: the planner's ``StrategyPlan`` rows, if already computed (``plan()`` passes them).
+    With p = Ψ/Nm parameters per model-parallel rank and Nd replicas:
+
+    - ``zero_offload``, DeepSpeed's ZeRO-Offload: the planner's ``zero2_offload`` row. 16-bit
+      weights stay whole on every GPU, gradients are reduce-scattered, the K·p/Nd optimizer bytes
+      live on the host; per step the 16-bit gradient shard goes down and the updated 16-bit weights
+      come back: 4p/Nd over PCIe. DeepSpeed's vectorised CPU Adam runs the step.
+    - ``zero3_offload``, DeepSpeed ZeRO-3 with ``offload_optimizer``: the planner's row of that
+      name; the same 4p/Nd over PCIe, the same CPU Adam.
+    - ``fsdp2_cpu_offload``, FSDP2's ``CPUOffloadPolicy`` (torch 2.13,
+      ``_fully_shard/_fsdp_api.py``): parameters, gradients and optimizer state all on the CPU. The
+      sharded parameter is the fp32 master copy (``_fsdp_param.py`` copies the shard to the GPU,
+      ``.to(device, non_blocking=True)``, before every all-gather, then casts it to ``param_dtype``),
+      so a shard crosses PCIe in fp32 for the forward gather and again for the backward one (8p/Nd),
+      and the reduced gradient is cast back to fp32 and copied to the host (``_fsdp_collectives.py``,
+      4p/Nd): 12p/Nd a step. The host holds 4 + 4 + (K − 4) = K + 4 bytes per parameter shard;
+      the GPU only the gathered units, their gradients and the activations. ``torch.optim`` runs the
+      step on the CPU tensors.
+    - ``zero_infinity``, DeepSpeed ZeRO-Infinity with parameters and optimizer on NVMe: the GPU as
+      FSDP2's; NVMe holds the 16-bit weights and the optimizer state, (2 + K)·p/Nd; per step
+      the 16-bit shard comes up twice and the gradient goes down over PCIe (6p/Nd), and NVMe reads
+      the weights twice, reads and writes the optimizer state and writes the new weights:
+      (2·2 + 2K + 2)·p/Nd, at the node's ``nvme_bw`` shared by its GPUs.
+
+    The CPU step is memory-bound: it reads and writes the K bytes of state, reads the gradient and
+    writes the weight, (2K + 4)·p/Nd bytes for each of a node's GPUs through the node's
+    ``host_bw``. That, not PCIe, is the cost: with Adam's K = 12, 28 bytes of CPU memory traffic per
+    parameter against 4 over PCIe, through a link (``host_bw``) only a few times faster.
+    ``step_s`` adds PCIe, CPU (and NVMe) time to the GPU-resident strategy's step (stage 2's or
+    stage 3's), none of it hidden: an upper bound; ``pcie_s`` is what could hide behind the backward.
+    Each row: ``{"name", "base", "gpu_bytes", "host_bytes", "nvme_bytes", "pcie_bytes",
+    "nvme_step_bytes", "optimizer_step", "pcie_s", "cpu_step_s", "nvme_s", "step_s", "fits", "why_not"}``.
+    """
+    plans = plans or {}
+    p = model.params / cluster.mp
+    nd, g = cluster.nd, cluster.gpus_per_node
+
+    def row_of(strategy):
+        if strategy in plans:
+            sp = plans[strategy]
+            return {"total": sp.total, "step_s": sp.step_s, "compute_s": sp.compute_s,
+                    "exposed_comm_s": sp.exposed_comm_s, "host_bytes": sp.host_bytes, "buffers": sp.buffers,
+                    "activations": sp.activations}
+        mem = memory_breakdown(model, cluster, strategy, k=k)
+        block = _block_overlap(model, cluster, strategy)
+        _, _, _, compute, exposed = _time(model, cluster, strategy, k, block)
+        return {"total": mem["total"], "step_s": compute + exposed, "compute_s": compute, "exposed_comm_s": exposed,
+                "host_bytes": mem["host_bytes"], "buffers": mem["buffers"], "activations": mem["activations"]}
+
+    cpu_s = (2 * k + 4) * p / nd * g / cluster.host_bw
+    z3 = row_of("zero3")
+    z3_no_cpu = z3["step_s"]  # stage 3 on the GPUs: the step the offloads of stage 3's layout add to
+    rows = {}
+    for name in ("zero_offload", "zero3_offload"):
+        base = row_of("zero2_offload" if name == "zero_offload" else "zero3_offload")
+        pcie = (memory.GRAD_BYTES + memory.WEIGHT_BYTES) * p / nd
+        rows[name] = {"gpu_bytes": base["total"], "host_bytes": base["host_bytes"], "nvme_bytes": 0.0,
+                      "pcie_bytes": pcie, "nvme_step_bytes": 0.0, "pcie_s": pcie / cluster.pcie_bw,
+                      "cpu_step_s": cpu_s, "nvme_s": 0.0, "step_s": base["step_s"],
+                      "optimizer_step": "CPU: DeepSpeed's vectorised CPU Adam over the host's optimizer shard",
+                      "base": "zero2" if name == "zero_offload" else "zero3"}
+    on_gpu = z3["activations"] + z3["buffers"]  # nothing resident: the gathered units and the activations
+    pcie = (2 * 4.0 + 4.0) * p / nd
+    rows["fsdp2_cpu_offload"] = {
+        "gpu_bytes": on_gpu, "host_bytes": (4.0 + 4.0 + (k - 4.0)) * p / nd, "nvme_bytes": 0.0,
+        "pcie_bytes": pcie, "nvme_step_bytes": 0.0, "pcie_s": pcie / cluster.pcie_bw, "cpu_step_s": cpu_s,
+        "nvme_s": 0.0, "step_s": z3_no_cpu + pcie / cluster.pcie_bw + cpu_s,
+        "optimizer_step": "CPU: torch.optim on the CPU parameter shards (FSDP2 only moves the tensors)",
+        "base": "zero3"}
+    pcie = (2 * memory.WEIGHT_BYTES + memory.GRAD_BYTES) * p / nd
+    nvme_step = (2 * memory.WEIGHT_BYTES + 2 * k + memory.WEIGHT_BYTES) * p / nd
+    nvme_s = nvme_step * g / cluster.nvme_bw
+    rows["zero_infinity"] = {
+        "gpu_bytes": on_gpu, "host_bytes": 0.0, "nvme_bytes": (memory.WEIGHT_BYTES + k) * p / nd,
+        "pcie_bytes": pcie, "nvme_step_bytes": nvme_step, "pcie_s": pcie / cluster.pcie_bw, "cpu_step_s": cpu_s,
+        "nvme_s": nvme_s, "step_s": z3_no_cpu + pcie / cluster.pcie_bw + cpu_s + nvme_s,
+        "optimizer_step": "CPU: DeepSpeed's CPU Adam, its state streamed from NVMe and back",
+        "base": "zero3"}
+    for name, r in rows.items():
+        why = []
+        if r["gpu_bytes"] > cluster.usable:
+            why.append(f"needs {r['gpu_bytes'] / GB:.1f} GB of {cluster.usable / GB:.1f} GB usable on the GPU")
+        if r["host_bytes"] * g > cluster.host_mem:
+            why.append(f"host memory: needs {r['host_bytes'] * g / GB:.0f} GB per node of {cluster.host_mem / GB:.0f} GB")
+        r.update(name=OFFLOAD_NAMES[name], fits=not why, why_not="; ".join(why))
+    return {name: rows[name] for name in OFFLOAD_MODES}
+
+
 def overlap_curve(model: ModelSpec, cluster: Cluster, tokens) -> dict:
     """Per-block forward compute and all-gather time across tokens per micro-batch (b·s), for the
     overlap chart (notebook 05). The gather does not depend on tokens; compute grows with them.
@@ -763,6 +875,7 @@ def plan_arguments(parser) -> None:
     c.add_argument("--pcie-bw", default="25GB/s", help="per-GPU host link (default 25GB/s, PCIe 4.0 x16)")
     c.add_argument("--hbm-bw", default="2TB/s", help="GPU memory bandwidth (default 2TB/s)")
     c.add_argument("--host-mem", default="1000GB", help="CPU memory per node (default 1000GB)")
+    c.add_argument("--nvme-bw", default="25GB/s", help="a node's NVMe drives together, for ZeRO-Infinity (default 25GB/s)")
     c.add_argument("--mp", type=int, default=1, help="Nm: model-parallel degree (default 1)")
     c.add_argument("--reserve", type=float, default=d.reserve, help="fraction of GPU memory kept free (default 0.1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -780,7 +893,8 @@ def _cluster_from_args(args) -> Cluster:
                    inter_bw=parse_bandwidth(args.inter_bw, name="--inter-bw"),
                    flops=args.tflops * 1e12, pcie_bw=parse_bandwidth(args.pcie_bw, name="--pcie-bw"),
                    hbm_bw=parse_bandwidth(args.hbm_bw, name="--hbm-bw"),
-                   host_mem=parse_bytes(args.host_mem, name="--host-mem"), mp=args.mp, reserve=args.reserve)
+                   host_mem=parse_bytes(args.host_mem, name="--host-mem"), mp=args.mp, reserve=args.reserve,
+                   nvme_bw=parse_bandwidth(getattr(args, "nvme_bw", "25GB/s"), name="--nvme-bw"))
 
 
 def _model_from_args(args) -> ModelSpec:
@@ -810,25 +924,33 @@ def format_plan(p: Plan) -> str:
              f"per node ({network_class(c.inter_bw)}), {c.flops / 1e12:g} TFLOP/s per GPU",
              "",
              "Memory per GPU, GB (10^9 bytes)",
-             f"{'strategy':<40} {'states':>8} {'activ.':>8} {'buffers':>8} {'total':>8} {'headroom':>9}  fits",
+             f"{'strategy':<46} {'states':>8} {'activ.':>8} {'buffers':>8} {'total':>8} {'headroom':>9}  fits",
              ]
     for sp in p.strategies.values():
-        lines.append(f"{_label(sp):<40} {sp.model_states / GB:>8.1f} {sp.activations / GB:>8.1f} "
+        lines.append(f"{_label(sp):<46} {sp.model_states / GB:>8.1f} {sp.activations / GB:>8.1f} "
                      f"{sp.buffers / GB:>8.2f} {sp.total / GB:>8.1f} {sp.headroom / GB:>9.1f}  "
                      f"{'yes' if sp.fits else 'no: ' + sp.why_not}")
     lines += ["", "Per transformer block (stage 3 family): compute against the all-gather of its parameters",
-              f"{'strategy':<40} {'fwd ms':>8} {'gather ms':>10} {'bwd ms':>8} {'gath+RS ms':>11}  hides?  link"]
+              f"{'strategy':<46} {'fwd ms':>8} {'gather ms':>10} {'bwd ms':>8} {'gath+RS ms':>11}  hides?  link"]
     for sp in p.strategies.values():
         b = sp.block
         if b:
-            lines.append(f"{_label(sp):<40} {b['fwd_compute_s'] * 1e3:>8.3g} {b['gather_s'] * 1e3:>10.3g} "
+            lines.append(f"{_label(sp):<46} {b['fwd_compute_s'] * 1e3:>8.3g} {b['gather_s'] * 1e3:>10.3g} "
                          f"{b['bwd_compute_s'] * 1e3:>8.3g} {(b['gather_s'] + b['reduce_scatter_s']) * 1e3:>11.3g}  "
                          f"{'yes' if b['hides_fwd'] and b['hides_bwd'] else 'no':<6}  {b['link']}")
     lines += ["", "Step: communication per GPU and estimated time",
-              f"{'strategy':<40} {'comm GB':>8} {'PCIe GB':>8} {'compute s':>10} {'exposed s':>10} {'step s':>8}"]
+              f"{'strategy':<46} {'comm GB':>8} {'PCIe GB':>8} {'compute s':>10} {'exposed s':>10} {'step s':>8}"]
     for sp in p.strategies.values():
-        lines.append(f"{_label(sp):<40} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
+        lines.append(f"{_label(sp):<46} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
                      f"{sp.compute_s:>10.3g} {sp.exposed_comm_s:>10.3g} {sp.step_s:>8.3g}")
+    lines += ["", "Offload, each library's under its own name: per GPU, and per step",
+              f"{'offload':<67} {'GPU GB':>7} {'host GB':>8} {'NVMe GB':>8} {'PCIe GB':>8} {'PCIe s':>7} "
+              f"{'CPU Adam s':>10} {'NVMe s':>7} {'step s':>7}  fits"]
+    for o in p.offload.values():
+        lines.append(f"{o['name']:<67} {o['gpu_bytes'] / GB:>7.1f} {o['host_bytes'] / GB:>8.1f} "
+                     f"{o['nvme_bytes'] / GB:>8.1f} {o['pcie_bytes'] / GB:>8.2f} {o['pcie_s']:>7.3g} "
+                     f"{o['cpu_step_s']:>10.3g} {o['nvme_s']:>7.3g} {o['step_s']:>7.3g}  "
+                     f"{'yes' if o['fits'] else 'no: ' + o['why_not']}")
     r = p.recommendation
     lines += ["", f"Recommendation: {r['strategy']}", f"Reason: {r['reason']}", f"In PyTorch: {r['pytorch']}"]
     if r.get("practice"):
@@ -849,11 +971,78 @@ def plan_command(args) -> int:
 # Measured on this host (notebook 05): a block's compute against an all-gather of its parameters
 # ---------------------------------------------------------------------------------------------
 
-def host_fit(rows: list) -> dict:
+#: A size is bandwidth-bound when its bytes take at least this many times the latency on the wire (three
+#: quarters of its time): nearer the latency, per-call overheads the line does not model show up (a 64 KB
+#: gather with bytes/bandwidth just above the latency fell below its measured range here).
+BANDWIDTH_DOMINATES = 3.0
+
+
+def fit_latency_bandwidth(sweep: list) -> dict:
+    """Latency and bandwidth of a collective, t = latency + received bytes / bandwidth, fitted from
+    ``labs.lab05.block_overlap_worker``'s sweep, and whether the fit explains its points (notebook 05).
+
+    Each size's readings give a median and a range (``bench.spread``). The fit is least squares in
+    relative terms (each point weighs by 1/median², so small sizes count as much as large ones)
+    over the sizes where bandwidth dominates: received bytes / bandwidth at least
+    ``BANDWIDTH_DOMINATES`` times the latency,
+    chosen again after each fit until the choice settles (the three largest sizes if fewer qualify:
+    a line through two points would explain them whatever they were).
+    A negative latency (noise at the small end) is refitted as zero. ``explains``: every fitted
+    size's prediction lies inside that size's measured range.
+    Returns ``{"latency_s", "bandwidth", "points": [{"bytes", "received_bytes", "median_s", "min_s",
+    "max_s", "n", "predicted_s", "fitted", "within"}], "fitted_bytes", "explains"}``.
+    """
+    from .bench import spread
+
+    _need(len(sweep) >= 2, "the fit needs at least two sizes of all-gather readings")
+    pts = []
+    for r in sorted(sweep, key=lambda r: r["bytes"]):
+        n = r["world_size"]
+        _need(n >= 2, "a collective over one rank moves nothing: measure with two or more ranks")
+        pts.append({"bytes": r["bytes"], "received_bytes": r["bytes"] * (n - 1) / n, **{
+            f"{k}_s" if k != "n" else k: v for k, v in spread(r["readings"]).items()}})
+
+    def fit(chosen):
+        xs = [p["received_bytes"] for p in chosen]
+        ts = [p["median_s"] for p in chosen]
+        ws = [1.0 / t ** 2 for t in ts]
+        sw, sx, sxx = sum(ws), sum(w * x for w, x in zip(ws, xs)), sum(w * x * x for w, x in zip(ws, xs))
+        st, sxt = sum(w * t for w, t in zip(ws, ts)), sum(w * x * t for w, x, t in zip(ws, xs, ts))
+        det = sw * sxx - sx * sx
+        a, c = ((sxx * st - sx * sxt) / det, (sw * sxt - sx * st) / det) if det > 0 else (0.0, sxt / sxx)
+        if a < 0 or c <= 0:  # noise at the small end: a line through the origin
+            a, c = 0.0, sxt / sxx
+        return a, c
+
+    least = min(3, len(pts))  # a line through two points explains them whatever they are: fit three or more
+    chosen = pts[-least:]
+    for _ in range(len(pts)):
+        a, c = fit(chosen)
+        again = [p for p in pts if p["received_bytes"] * c >= BANDWIDTH_DOMINATES * a]
+        again = again if len(again) >= least else pts[-least:]
+        if again == chosen:
+            break
+        chosen = again
+    for p in pts:
+        p["predicted_s"] = a + c * p["received_bytes"]
+        p["fitted"] = p in chosen
+        p["within"] = p["min_s"] <= p["predicted_s"] <= p["max_s"]
+    return {"latency_s": a, "bandwidth": 1.0 / c, "points": pts, "fitted_bytes": [p["bytes"] for p in chosen],
+            "explains": all(p["within"] for p in chosen)}
+
+
+def host_fit(rows, gathers: list | None = None) -> dict:
     """Achievable FLOP/s and all-gather bandwidth of this host, fitted from ``labs.lab05.block_overlap_worker``
-    rows, so the planner's formulas can be drawn for this machine (notebook 05)."""
+    rows, so the planner's formulas can be drawn for this machine (notebook 05).
+
+    ``gathers``: the worker's all-gather sweep; with it the bandwidth (and latency) come from
+    ``fit_latency_bandwidth`` (``"gather_fit"``), without it from the blocks' own gathers."""
     import statistics
 
     flops = [(24.0 * r["width"] ** 2 * r["tokens"]) / r["fwd_s"] for r in rows]
+    if gathers:
+        f = fit_latency_bandwidth(gathers)
+        return {"flops": statistics.median(flops), "gather_bw": f["bandwidth"], "gather_latency_s": f["latency_s"],
+                "gather_fit": f}
     bws = [r["gather_bytes"] * (r["world_size"] - 1) / r["world_size"] / r["gather_s"] for r in rows if r["gather_s"] > 0]
     return {"flops": statistics.median(flops), "gather_bw": statistics.median(bws) if bws else float("nan")}

@@ -30,9 +30,11 @@ def test_the_overlap_worker_times_with_the_device_sync(monkeypatch):
     """block_overlap_worker hands each timer this rank's device sync (one process, one small case)."""
     seen = []
     monkeypatch.setattr(cdist, "synchronize", lambda device: seen.append(device))
-    rows = lab05.block_overlap_worker(widths=(64,), tokens=(64,), repeats=1)
-    assert len(rows) == 1 and rows[0]["world_size"] == 1
-    # 2 gathers + 2 forwards + 2 forward-backwards, each with a sync before and after
+    out = lab05.block_overlap_worker(widths=(64,), tokens=(64,), repeats=1, gather_bytes=(4096,), gather_repeats=1)
+    rows = out["blocks"]
+    assert len(rows) == 1 and rows[0]["world_size"] == 1 and len(out["gathers"]) == 1
+    # one timed reading of the block's gathers + 2 forwards + 2 forward-backwards + one reading of the sweep's
+    # gathers, each with a sync before and after (warm-up calls are not timed)
     assert seen == [torch.device("cpu")] * 12
 
 

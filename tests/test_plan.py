@@ -245,3 +245,158 @@ def test_cli_bad_input_exits_2_with_one_line(argv, names):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and names in lines[0] and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Offload, each library's under its own name (issue 18 item 3)
+# ---------------------------------------------------------------------------------------------
+
+def _tensor_bill(mode: str, params: float, nd: int, k: float, on_gpu: float) -> dict:
+    """An independent bill: each tensor a library keeps, with its dtype and where it lives."""
+    p = params / nd
+    bf16, fp32 = 2, 4
+    tensors = {  # (bytes per parameter of the shard, where)
+        "zero3_offload": [(bf16, "gpu"), (bf16, "gpu"), (k, "host")],        # sharded bf16 weight and grad
+        "fsdp2_cpu_offload": [(fp32, "host"), (fp32, "host"), (2 * fp32, "host")],  # fp32 shard, grad, moments
+        "zero_infinity": [(bf16, "nvme"), (k, "nvme")],
+    }[mode]
+    bill = {"gpu": on_gpu, "host": 0.0, "nvme": 0.0}
+    for nbytes, where in tensors:
+        bill[where] += nbytes * p
+    # per step: what crosses PCIe, named copy by copy
+    copies = {"zero3_offload": [bf16, bf16],              # gradient down, updated weight up
+              "fsdp2_cpu_offload": [fp32, fp32, fp32],    # shard up for the forward gather, the backward one, grad down
+              "zero_infinity": [bf16, bf16, bf16]}[mode]  # shard up twice, gradient down
+    bill["pcie"] = sum(copies) * p
+    return bill
+
+
+@pytest.mark.parametrize("params, cluster", [(70e9, plan.Cluster(nodes=1)), (13e9, plan.Cluster(nodes=2, mp=2)),
+                                             (7e9, plan.Cluster(gpus_per_node=4, host_mem=64 * GB))])
+def test_offload_rows_match_a_tensor_by_tensor_bill(params, cluster):
+    p = plan.plan(plan.model_spec(params), cluster)
+    z3 = p.strategies["zero3"]
+    nd_params = params / cluster.mp
+    for mode in ("zero3_offload", "fsdp2_cpu_offload", "zero_infinity"):
+        bill = _tensor_bill(mode, nd_params, cluster.nd, p.k, z3.activations + z3.buffers)
+        row = p.offload[mode]
+        assert row["gpu_bytes"] == pytest.approx(bill["gpu"])
+        assert row["host_bytes"] == pytest.approx(bill["host"])
+        assert row["nvme_bytes"] == pytest.approx(bill["nvme"])
+        assert row["pcie_bytes"] == pytest.approx(bill["pcie"])
+        assert row["fits"] == (bill["gpu"] <= cluster.usable and bill["host"] * cluster.gpus_per_node <= cluster.host_mem)
+    # ZeRO-Offload and ZeRO-3's offload are the planner's own rows, under their names
+    assert p.offload["zero_offload"]["gpu_bytes"] == pytest.approx(p.strategies["zero2_offload"].total)
+    assert p.offload["zero3_offload"]["step_s"] == pytest.approx(p.strategies["zero3_offload"].step_s)
+
+
+def test_offload_costs_the_cpu_step_not_pcie():
+    """The source's "can be modest" is about PCIe; the planner's offload cost is the CPU's Adam."""
+    p = plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=1))
+    for row in p.offload.values():
+        assert row["cpu_step_s"] > row["pcie_s"]
+        # Adam reads and writes its K bytes, reads the gradient, writes the weight, for every GPU of the node
+        assert row["cpu_step_s"] == pytest.approx((2 * 12 + 4) * 70e9 / 8 * 8 / p.cluster.host_bw)
+    # a host with twice the memory bandwidth halves it; PCIe does not change
+    fast = plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=1, host_bw=200e9)).offload["zero3_offload"]
+    assert fast["cpu_step_s"] == pytest.approx(p.offload["zero3_offload"]["cpu_step_s"] / 2)
+    assert fast["pcie_s"] == p.offload["zero3_offload"]["pcie_s"]
+    assert p.offload["zero_infinity"]["nvme_s"] > 0 and p.offload["fsdp2_cpu_offload"]["nvme_s"] == 0
+
+
+def test_fsdp2_cpu_offload_keeps_what_the_planner_says_on_the_cpu(tmp_path, monkeypatch):
+    """A real FSDP2 step with CPUOffloadPolicy (one gloo rank): the host bytes per parameter and the
+    shard copies per all-gather, counted from torch's own objects, against the planner's row."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    copied = []
+    original = FSDPParam.all_gather_inputs
+
+    def counting(self):
+        if self.offload_to_cpu:  # the shard this gather copies host-to-device
+            copied.append(self._sharded_param_data.numel() * self._sharded_param_data.element_size())
+        return original.fget(self)
+
+    monkeypatch.setattr(FSDPParam, "all_gather_inputs", property(counting))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False),
+                        reshard_after_forward=True)
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        n = sum(p.numel() for p in model.parameters())
+        local = [p.to_local() for p in model.parameters()]
+        held = sum(t.numel() * t.element_size() for t in local)
+        held += sum(p.grad.to_local().numel() * p.grad.element_size() for p in model.parameters())
+        held += sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim() > 0)
+        assert all(t.device.type == "cpu" for t in local)
+    finally:
+        dist.destroy_process_group()
+    row = plan.offload_modes(plan.model_spec(7e9), plan.Cluster(gpus_per_node=1))["fsdp2_cpu_offload"]
+    per_param = 7e9  # one GPU, Nd = 1
+    assert held / n == pytest.approx(row["host_bytes"] / per_param)          # 16 bytes: fp32 shard, grad, 2 moments
+    # every block's fp32 shard crossed once per gather: forward and backward, 8 bytes per parameter of H2D
+    assert sum(copied) / n == pytest.approx(2 * 4)
+    assert row["pcie_bytes"] / per_param == pytest.approx(2 * 4 + 4)         # plus the fp32 gradient, D2H
+
+
+def test_cli_json_adds_the_offload_rows_and_keeps_its_keys(capsys):
+    assert main(["plan", "--params", "70B", "--json", "--nvme-bw", "10GB/s"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"model", "cluster", "k", "strategies", "recommendation", "limits"} <= set(out)
+    assert list(out["offload"]) == list(plan.OFFLOAD_MODES)
+    assert out["recommendation"]["strategy"] == "zero3_offload"  # the meaning of the existing keys is unchanged
+    for row in out["offload"].values():
+        assert {"gpu_bytes", "host_bytes", "nvme_bytes", "pcie_bytes", "optimizer_step", "step_s", "fits"} <= set(row)
+    assert out["cluster"]["nvme_bw"] == 10e9
+    assert "ZeRO-Infinity" in out["offload"]["zero_infinity"]["name"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The all-gather fit (issue 18 item 6)
+# ---------------------------------------------------------------------------------------------
+
+def _sweep(latency, bandwidth, sizes, spread=0.03, n=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"bytes": b, "world_size": n,
+             "readings": list((latency + b * (n - 1) / n / bandwidth) * (1 + spread * rng.uniform(-1, 1, 9)))}
+            for b in sizes]
+
+
+def test_the_gather_fit_recovers_latency_and_bandwidth_from_the_large_sizes():
+    sizes = [1 << s for s in (12, 16, 19, 21, 22, 23, 24)]
+    fit = plan.fit_latency_bandwidth(_sweep(100e-6, 2e9, sizes))
+    assert fit["bandwidth"] == pytest.approx(2e9, rel=0.05)
+    assert fit["latency_s"] == pytest.approx(100e-6, rel=0.5)
+    assert fit["explains"]
+    # the latency-bound sizes are not fitted: 4 KB and 64 KB take far less time on the wire than the latency
+    assert {1 << 12, 1 << 16}.isdisjoint(fit["fitted_bytes"]) and (1 << 24) in fit["fitted_bytes"]
+    point = fit["points"][0]
+    assert point["min_s"] <= point["median_s"] <= point["max_s"] and point["n"] == 9
+
+
+def test_the_gather_fit_says_when_it_does_not_explain_its_points():
+    sizes = [1 << s for s in (20, 21, 22, 23, 24)]
+    sweep = _sweep(0.0, 1e9, sizes, spread=0.01)
+    sweep[2]["readings"] = [3 * r for r in sweep[2]["readings"]]  # one size three times too slow: a load spike
+    fit = plan.fit_latency_bandwidth(sweep)
+    assert not fit["explains"]
+    with pytest.raises(CourseInputError):
+        plan.fit_latency_bandwidth(sweep[:1])
+
+
+def test_host_fit_uses_the_sweep_when_given():
+    rows = [{"width": 64, "tokens": 64, "fwd_s": 1e-3, "gather_bytes": 1 << 20, "gather_s": 1.0, "world_size": 2}]
+    assert plan.host_fit(rows)["gather_bw"] == pytest.approx((1 << 19) / 1.0)
+    h = plan.host_fit(rows, _sweep(50e-6, 1e9, [1 << s for s in (20, 22, 24)]))
+    assert h["gather_bw"] == pytest.approx(1e9, rel=0.05) and h["gather_fit"]["explains"]

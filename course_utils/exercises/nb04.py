@@ -23,20 +23,19 @@ WORLDS = (2, 3, 4)
 # Shown in the section before the exercises: the course's per-parameter sharding beside fully_shard.
 EXTRA_CELLS = [
     ("markdown", "### Per-parameter sharding: FSDP2's layout, built by hand\n\n"
-     "Notebook 03's stage 3 lays a unit's parameters end to end in one flat buffer and cuts it into N "
-     "slices: a slice can end in the middle of a weight matrix, and the optimizer sees flat fragments. "
-     "`fully_shard` (FSDP2) shards *each parameter* on dim 0 instead: rank r keeps rows "
-     "[r·c, (r+1)·c) with c = ceil(rows / N), padded with zero rows so every rank sends c rows. "
-     "`course_utils/per_param.py` builds that layout by hand (its tests check every rank's rows against "
-     "`fully_shard`'s local shards, and training against one process with SGD, Adam and AdamW). What it "
-     "changes:\n\n"
-     "- after the backward every parameter has its own gradient shard, so **any** `torch.optim` optimizer "
-     "over `model.parameters()` drives the sharded model unchanged;\n"
-     "- an optimizer that is not element-wise (Shampoo, Adafactor's row and column statistics, LAMB's "
-     "per-tensor trust ratio) sees a block of rows, not the whole tensor: it needs the tensor gathered or "
-     "its statistics reduced across ranks;\n"
-     "- gradient-norm clipping must add every rank's squares before the square root (exercise 04.3).",
+     "Notebook 03's stage 3 cuts one flat buffer per unit into N slices, so a slice can end inside a weight "
+     "matrix. `fully_shard` shards *each parameter* on dim 0, padded with zero rows; "
+     "`course_utils/per_param.py` builds that layout by hand. Rank r keeps\n\n"
+     "$$\\text{rows } [rc,\\ (r+1)c), \\qquad c = \\lceil \\text{rows}/N \\rceil$$",
      "slide"),
+    ("markdown", "Its tests check every rank's rows against `fully_shard`'s local shards, and training against one "
+     "process with SGD, Adam and AdamW. What per-parameter sharding changes: after the backward every parameter "
+     "has its own gradient shard, so any `torch.optim` optimizer over `model.parameters()` drives the sharded "
+     "model unchanged; an optimizer that is not element-wise (Shampoo, Adafactor's row and column statistics, "
+     "LAMB's per-tensor trust ratio) sees a block of rows, not the whole tensor, and needs the tensor gathered "
+     "or its statistics reduced across ranks; gradient-norm clipping must add every rank's squares before the "
+     "square root (exercise 04.3). Ask the class: why does a 10-row weight on 4 ranks leave rank 3 one real row?",
+     "notes"),
     ("code", "import inspect\n\nfrom course_utils import per_param\n\n"
      "print(inspect.getsource(per_param.ShardedParam))\n"
      "rows = [(r, per_param.shard_rows(10, 4, r)) for r in range(4)]\n"

@@ -45,12 +45,12 @@ def judge_model_states(fn) -> None:
 
 
 register(Exercise(
-    "05", "model_states_per_gpu", "Model-state bytes per GPU, strategy by strategy",
+    "05", "model_states_per_gpu", "Model-state bytes per GPU",
     "bytes on the GPU and on the host for every strategy, 6 model sizes and 5 clusters, against plan.memory_breakdown",
     task="Write `model_states_per_gpu(params, gpus_per_node, nodes, mp, strategy)` returning `{\"gpu\": bytes, "
          "\"host\": bytes}`: the weights, gradients and optimizer state (2 + 2 + 12 bytes per parameter, mixed "
          "precision) that one GPU holds, for every strategy of the planner (`plan.STRATEGIES`), each GPU seeing "
-         "Ψ/Nm parameters and Nd = GPUs/Nm replicas. Predict first: 70B, HSDP on 4 nodes of 8: how many GB?",
+         "$\\Psi/N_m$ parameters and $N_d$ = GPUs / $N_m$ replicas. Predict first: 70B, HSDP on 4 nodes of 8: how many GB?",
     stub='def model_states_per_gpu(params, gpus_per_node, nodes, mp, strategy):\n'
          '    """{"gpu": bytes, "host": bytes} of model states per GPU for one of plan.STRATEGIES."""\n'
          '    raise NotImplementedError("exercise 05.model_states_per_gpu: your code here")\n',
@@ -77,8 +77,9 @@ def judge_decide(fn) -> None:
 
 
 register(Exercise(
-    "05", "decide", "The decision rule, given the planner's numbers",
-    "the chosen strategy for 6 model sizes on 5 clusters against plan.plan(...).recommendation",
+    "05", "decide", "The decision rule",
+    "the chosen strategy for 6 model sizes on 5 clusters against plan.plan(...).recommendation, ties "
+    "within plan.TIE_MARGIN included",
     task="Write `decide(numbers)`: `numbers` maps each applicable strategy (in `plan.STRATEGIES` order: ddp, "
          "zero1, zero2, hsdp, zero3, zero2_offload, zero3_offload) to `{\"fits\", \"total\", \"step_s\"}` from "
          "the planner. Return the strategy the notebook's rule picks, or `\"none\"`. Predict first: 13B on 2 "
@@ -90,3 +91,10 @@ register(Exercise(
            "Find the fastest step time among them; every strategy within plan.TIE_MARGIN (5%) of it is a tie.",
            "Walk the strategies in the order given (less sharding first) and return the first one in the tie."),
     judge=judge_decide))
+
+
+#: The Exercises slide's speaker notes (notebook 05's deck).
+EXTRA_CELLS = (("markdown", "The first exercise rebuilds the memory table of section 1 strategy by strategy (stage 1, "
+                "2, 3, HSDP and the two optimizer offloads); the second the decision rule that picks among the rows "
+                "that fit. Ask the class to predict 70B with HSDP on 4 nodes of 8 before anyone writes code, and "
+                "which strategy the rule picks for 13B over 10 GbE.", "notes"),)

@@ -1,11 +1,16 @@
 """Notebook 05's measurement: a block's compute against an all-gather of its parameters, on this host.
 
-``course_utils.plan`` holds the arithmetic (``plan.host_fit`` and the overlap model);
-this worker is the run that feeds it, started by ``course_utils.launch``.
+``course_utils.plan`` holds the arithmetic (``plan.host_fit``, ``plan.fit_latency_bandwidth`` and
+the overlap model); this worker is the run that feeds it, started by ``course_utils.launch``.
 """
 from __future__ import annotations
 
 import time
+
+#: Sizes (bytes of the gathered fp32 tensor) of the all-gather sweep: from latency-bound to bandwidth-bound.
+#: They stop at 8 MB: a 16 MB gather over loopback ran slower per byte here (past the CPU's caches) and fell
+#: outside the range of its readings on the line fitted to 0.5-8 MB; one line describes one regime.
+GATHER_BYTES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 22, 1 << 23)
 
 
 def time_on_device(fn, sync) -> float:
@@ -24,15 +29,50 @@ def time_on_device(fn, sync) -> float:
     return time.perf_counter() - t0
 
 
-def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats: int = 3, seq: int = 64) -> list:
+def time_collectives(fns: dict, sync, barrier=None, *, warmup: int = 2, repeats: int = 5, inner: int = 2) -> dict:
+    """Seconds per call of each collective in ``fns`` (``{key: fn}``), one reading per repeat:
+    ``{key: [seconds, ...]}`` (notebook 05).
+
+    Each ``fn`` is called ``warmup`` times first (the first calls of a size allocate buffers and,
+    on gloo, set up the pairs' transport). Then ``repeats`` rounds; in each round every ``fn`` in
+    turn gets one reading of ``inner`` back-to-back calls. Interleaving the keys makes a burst of
+    load on a shared machine land on all of them, not on one size's readings. ``barrier``
+    (``dist.barrier``) lines the ranks up before each reading starts its clock, never inside the
+    timed region: a barrier inside it would time the barrier's own round trip and the slowest
+    rank's arrival as if they were the gather. The spread of the readings (``bench.spread``) is what
+    a comparison with a model has to beat.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    readings = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            if barrier is not None:
+                barrier()
+            readings[key].append(time_on_device(lambda fn=fn: [fn() for _ in range(inner)], sync) / inner)
+    return readings
+
+
+def time_collective(fn, sync, barrier=None, **kwargs) -> list:
+    """``time_collectives`` for one collective: its readings, seconds per call (notebook 05)."""
+    return time_collectives({0: fn}, sync, barrier, **kwargs)[0]
+
+
+def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats: int = 3, seq: int = 64,
+                         gather_bytes=GATHER_BYTES, gather_repeats: int = 7) -> dict:
     """Worker for ``course_utils.launch``: time one course-model block's forward and backward, and
     an all-gather of its parameters sharded over the ranks, for each width and tokens per
-    micro-batch (notebook 05).
+    micro-batch; then all-gathers of ``gather_bytes`` sizes for the latency and bandwidth fit
+    (notebook 05).
 
     Runs in fp32 with one thread per rank, on CPU (16-bit matmuls are slow there) or on this
-    rank's GPU; every timer waits for the device (``time_on_device``). Returns, on
-    every rank, rows ``{"width", "tokens", "params", "fwd_s", "fwd_bwd_s", "gather_s",
-    "gather_bytes", "world_size", "backend"}`` (medians over ``repeats``; times are rank 0's).
+    rank's GPU; every timer waits for the device (``time_on_device``), every gather is timed by
+    ``time_collective(s)`` (warmed up, no barrier inside the clock, the sweep's sizes interleaved). Returns, on every rank,
+    ``{"blocks": rows, "gathers": sweep}`` with rank 0's times: rows ``{"width", "tokens",
+    "params", "fwd_s", "fwd_bwd_s", "gather_s", "gather_bytes", "world_size", "backend"}``
+    (medians over ``repeats``), sweep ``{"bytes", "world_size", "readings"}`` (``gather_repeats``
+    readings per size).
     """
     import functools
     import statistics
@@ -45,6 +85,13 @@ def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats:
 
     info = cdist.init()
     sync = functools.partial(cdist.synchronize, info.device)  # CUDA work is asynchronous: wait before each clock read
+    n = info.world_size
+
+    def gather_of(numel):
+        shard = torch.zeros(-(-numel // n), device=info.device)
+        out = [torch.empty_like(shard) for _ in range(n)]
+        return shard, out, functools.partial(dist.all_gather, out, shard)
+
     try:
         torch.set_num_threads(1)
         rows = []
@@ -53,16 +100,10 @@ def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats:
             torch.manual_seed(0)
             block = Block(cfg).to(info.device)
             flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()])
-            n = info.world_size
-            shard_len = -(-flat.numel() // n)
-            shard = torch.zeros(shard_len, device=info.device)
-            part = flat[info.rank * shard_len:(info.rank + 1) * shard_len]
+            shard, _, gather = gather_of(flat.numel())
+            part = flat[info.rank * shard.numel():(info.rank + 1) * shard.numel()]
             shard[:part.numel()] = part
-            out = [torch.empty_like(shard) for _ in range(n)]
-            gathers = []
-            for _ in range(repeats + 1):
-                dist.barrier()
-                gathers.append(time_on_device(lambda out=out, shard=shard: dist.all_gather(out, shard), sync))
+            gather_s = statistics.median(time_collective(gather, sync, dist.barrier, repeats=repeats))
             for ntok in tokens:
                 b = max(1, ntok // seq)
                 x = torch.randn(b, min(seq, ntok), width, device=info.device, requires_grad=True)
@@ -72,10 +113,16 @@ def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats:
                     both.append(time_on_device(lambda block=block, x=x: block(x).sum().backward(), sync))
                 rows.append({"width": width, "tokens": b * min(seq, ntok), "params": flat.numel(),
                              "fwd_s": statistics.median(fwd[1:]), "fwd_bwd_s": statistics.median(both[1:]),
-                             "gather_s": statistics.median(gathers[1:]), "gather_bytes": 4 * shard_len * n,
+                             "gather_s": gather_s, "gather_bytes": 4 * shard.numel() * n,
                              "world_size": n, "backend": info.backend})
+        gathers = {}
+        for nbytes in gather_bytes:
+            shard, _, gather = gather_of(max(1, nbytes // 4))
+            gathers[4 * shard.numel() * n] = gather
+        readings = time_collectives(gathers, sync, dist.barrier, repeats=gather_repeats)
+        sweep = [{"bytes": size, "world_size": n, "readings": readings[size]} for size in gathers]
         # every rank reports rank 0's numbers, so the table does not depend on which rank is read
-        box = [rows]
+        box = [{"blocks": rows, "gathers": sweep}]
         dist.broadcast_object_list(box, src=0)
         return box[0]
     finally:
