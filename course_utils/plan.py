@@ -981,7 +981,7 @@ def fit_latency_bandwidth(sweep: list) -> dict:
     """Latency and bandwidth of a collective, t = latency + received bytes / bandwidth, fitted from
     ``labs.lab05.block_overlap_worker``'s sweep, and whether the fit explains its points (notebook 05).
 
-    Each size's readings give a median and a range (``bench.spread``). The fit is least squares in
+    Each size's readings give a median and a range (``instrument.spread``). The fit is least squares in
     relative terms (each point weighs by 1/median², so small sizes count as much as large ones)
     over the sizes where bandwidth dominates: received bytes / bandwidth at least
     ``BANDWIDTH_DOMINATES`` times the latency,
@@ -992,7 +992,7 @@ def fit_latency_bandwidth(sweep: list) -> dict:
     Returns ``{"latency_s", "bandwidth", "points": [{"bytes", "received_bytes", "median_s", "min_s",
     "max_s", "n", "predicted_s", "fitted", "within"}], "fitted_bytes", "explains"}``.
     """
-    from .bench import spread
+    from .instrument import spread
 
     _need(len(sweep) >= 2, "the fit needs at least two sizes of all-gather readings")
     pts = []

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 
 from course_utils import bench as bench_command
-from course_utils import cli, launch, models, predict
+from course_utils import cli, instrument, launch, models, predict
 from course_utils.errors import CourseInputError
 
 sys.path.insert(0, str(ROOT))
@@ -30,12 +30,12 @@ PSI = 1000  # a round Ψ for the formulas
 # ---------------------------------------------------------------------------------------------
 
 def test_spread_and_interleaved_ratios():
-    assert bench.spread([3, 1, 2]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
+    assert instrument.spread([3, 1, 2]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
     r = bench.pair_ratios([2.0, 3.0, 1.0], [1.0, 2.0, 1.0])  # round by round: 2, 1.5, 1
     assert r["ratios"] == [2.0, 1.5, 1.0]
     assert (r["min"], r["median"], r["max"], r["n"]) == (1.0, 1.5, 2.0, 3)
     with pytest.raises(CourseInputError):
-        bench.spread([])
+        instrument.spread([])
     with pytest.raises(CourseInputError):
         bench.pair_ratios([1.0, 2.0], [1.0])
     with pytest.raises(CourseInputError):

@@ -44,6 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from course_utils.errors import CourseInputError
+from course_utils.instrument import spread
 from course_utils.predict import expected_bytes
 from course_utils.strategies import STRATEGIES
 from course_utils.validate import writable_dir
@@ -143,14 +144,6 @@ def bench_train_worker(config: dict, model: dict | None = None, cuda_peak: bool 
 # ---------------------------------------------------------------------------------------------
 # Pure helpers: statistics, ratios, formulas, verdicts
 # ---------------------------------------------------------------------------------------------
-
-def spread(values) -> dict:
-    """``{"min", "median", "max", "n"}`` of a list of numbers (README, Benchmarks)."""
-    values = [float(v) for v in values]
-    if not values:
-        raise CourseInputError("no values to summarise: the runs it needs did not happen")
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
-
 
 def pair_ratios(a_times, b_times) -> dict:
     """Round-by-round ratios A_i / B_i of two interleaved series, and their spread (README, Benchmarks).
