@@ -259,10 +259,10 @@ def torn_by_reused_folder(folder, model: str = "tiny") -> dict:
     new = _named_state(net, opt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(old, storage_writer=FileSystemWriter(folder, single_file_per_rank=False))
+        dcp.save(old, storage_writer=FileSystemWriter(folder, single_file_per_rank=False, sync_files=False))
         index_before = (folder / ck.METADATA).read_bytes()
         try:
-            dcp.save(new, storage_writer=DiesAfterTheWeights(folder, single_file_per_rank=False))
+            dcp.save(new, storage_writer=DiesAfterTheWeights(folder, single_file_per_rank=False, sync_files=False))
             died = None
         except CheckpointException as exc:  # DCP gathers every rank's error into one (a BaseException)
             died = type(exc).__name__
