@@ -359,8 +359,7 @@ def torchrun_argv(cluster: Cluster, node: Node, endpoint: str, *, nproc_per_node
             # share); a dead node is declared dead after 2 missed 1 s heartbeats (the default waits 15 s)
             "--rdzv-conf", f"is_host={int(node.addr == endpoint.rpartition(':')[0])},join_timeout=60,"
                            "keep_alive_interval=1,keep_alive_max_attempt=2",
-            # CPU workers forked from the agent, which has imported torch: each starts ~2 CPU-s sooner than spawned
-            "--monitor-interval", "0.1", "--start-method", "fork", *module_argv]
+            "--monitor-interval", "0.1", *module_argv]
 
 
 def _node_env(timeout_s: float, progress_dir: str | None) -> dict:
