@@ -183,12 +183,6 @@ def run_agent(spec: dict, result_path: str) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if spec["max_restarts"]:
-        # torch shares the rendezvous TCPStore with the workers and keeps it across restarts, so a
-        # restarted group can read the previous attempt's gloo addresses and fail to connect or hang
-        # (reproduced here on torch 2.13 with gloo). The documented opt-out gives every attempt a
-        # fresh store.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.chdir(spec["cwd"])
     # The agent's INFO lines are noise in a notebook; its warnings and errors still show.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)

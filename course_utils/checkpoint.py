@@ -714,6 +714,8 @@ class Attempt:
     reached: int
     complete_seen: list
     incomplete_seen: list
+    resumed_at: float = 0.0   # wall clock (time.time()) once the checkpoint was loaded
+    done_at: list = None      # wall clock when start + 1, start + 2, ... steps were done
 
 
 class Checkpointer:
@@ -776,7 +778,7 @@ class Checkpointer:
             cdist.log(f"attempt {self.info.restart_count}: no complete checkpoint, starting at step 0")
         start = step or 0
         self.attempt = Attempt(self.info.restart_count, self.info.world_size, start, step, start,
-                               seen["complete"], seen["incomplete"])
+                               seen["complete"], seen["incomplete"], resumed_at=time.time(), done_at=[])
         self._record()
         return start
 
@@ -809,6 +811,7 @@ class Checkpointer:
         """Step ``done - 1`` finished (``done`` steps are in the weights): log, record, maybe save."""
         cdist.log(f"step {done - 1} done, loss {float(local_losses[-1]):.4f}")
         self.attempt.reached = done
+        self.attempt.done_at.append(time.time())
         self._record()
         k = self.cfg.checkpoint_every
         if k and done % k == 0:
@@ -847,6 +850,7 @@ class Checkpointer:
         return {"restarts": self.info.restart_count,  # a restart with no checkpoint yet resumes from 0
                 "resumed_from": [r["start"] for r in rows if r["attempt"] > 0 or r["resumed_from"] is not None],
                 "steps_redone": sum(redone), "redone_per_restart": redone, "attempts": rows,
+                "time_lost": time_lost_per_restart(rows),
                 "run_id": self.run_id, "checkpoints": scan(self.root)["complete"]}
 
 
@@ -857,6 +861,29 @@ def redone_per_restart(attempts: list[dict]) -> list[int]:
     was in flight when the rank died is lost too, half done on average.
     """
     return [max(0, prev["reached"] - cur["start"]) for prev, cur in zip(attempts, attempts[1:])]
+
+
+def time_lost_per_restart(attempts: list[dict]) -> list[dict]:
+    """Wall-clock time each failure cost, read from the attempts' records (rank 0's clock; notebook 06).
+
+    From the moment the failed attempt began the step it never finished (its last step done) to the
+    moment the next attempt had done as many steps again: ``restart_s`` (the dead rank noticed, the
+    survivors stopped, new processes, rendezvous, the checkpoint loaded) plus ``redo_s`` (the
+    completed steps done a second time). The step in flight is inside ``restart_s``. ``None`` where
+    the next attempt never caught up (it failed first).
+    """
+    rows = []
+    for prev, cur in zip(attempts, attempts[1:]):
+        stopped = prev["done_at"][-1] if prev.get("done_at") else prev.get("resumed_at")
+        behind = prev["reached"] - cur["start"]
+        caught = cur["resumed_at"] if behind <= 0 else (
+            cur["done_at"][behind - 1] if len(cur.get("done_at") or []) >= behind else None)
+        if stopped is None or caught is None:
+            rows.append(None)
+            continue
+        rows.append({"redone": max(0, behind), "restart_s": cur["resumed_at"] - stopped,
+                     "redo_s": caught - cur["resumed_at"], "lost_s": caught - stopped})
+    return rows
 
 
 def expected_resume(fail_step: int, every: int) -> tuple[int, int]:
@@ -878,6 +905,7 @@ def lost_work_row(report: dict, every: int, fail_steps: list) -> dict:
     """
     redone = report["redone_per_restart"]
     return {"every": every, "fail_at": list(fail_steps), "redone": redone, "resumed_from": report["resumed_from"],
+            "time_lost": report["time_lost"],
             "mean_redone": sum(redone) / len(redone), "expected_mean": (every - 1) / 2,
             "every_position": sorted(f % every for f in fail_steps) == list(range(every))}
 

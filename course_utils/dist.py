@@ -180,9 +180,9 @@ def attempt_store(timeout: timedelta):
     reads the dead attempt's gloo addresses under the same keys: "Gloo connectFullMesh failed
     ... Connection refused", or a hang (pytorch/pytorch#135712). Measured with the README's
     torchrun line on 4 gloo ranks: 0 of 3 tries finished. Prefixing every key with the attempt
-    number gives each attempt keys of its own, whatever torchrun's environment; setting
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment (as ``launch`` does)
-    avoids the shared store altogether, and then this returns None.
+    number gives each attempt keys of its own, whatever torchrun's environment, so ``launch`` no
+    longer sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (``tools/torchrun_store_check.py`` runs
+    both on a two-rank gloo job); with that variable set the store is not shared and this returns None.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None  # init_process_group's env:// store, as usual

@@ -61,6 +61,9 @@ def test_resume_after_a_lost_rank_is_bit_identical(tmp_path_factory, reference, 
     assert report["losses"] == ref["losses"]
     assert report["restarts"] == len(fail_at.split(","))
     assert report["resumed_from"] == resumed and report["steps_redone"] == redone
+    # every failure cost a restart; time spent redoing steps exactly where steps were redone
+    for lost, n in zip(report["time_lost"], report["redone_per_restart"]):
+        assert lost["redone"] == n and lost["restart_s"] > 0 and (lost["redo_s"] > 0) == (n > 0)
     rows = ck.attempt_logs(d, report["run_id"])
     first = [r for r in rows if r["attempt"] == 0]
     rank, step = ck.parse_failures(fail_at)[0]
@@ -412,3 +415,55 @@ def test_checksums_add_up_across_shards_and_see_a_moved_value(monkeypatch):
     swapped = x.clone()
     swapped[3, 4], swapped[5, 6] = x[5, 6], x[3, 4]  # the same values, two of them in each other's place
     assert int(checksums._positional_sum(swapped, [0, 0], x.shape)) != whole
+
+
+# ---------------------------------------------------------------- what a failure costs, what a checkpoint holds
+
+def test_time_lost_is_read_from_the_attempts_records():
+    """Restart from the failed step's start to the resume; redo until the new attempt is back where the old one was."""
+    attempts = [{"start": 0, "reached": 3, "resumed_at": 0.0, "done_at": [1.0, 2.0, 3.0]},   # dies during step 3
+                {"start": 2, "reached": 5, "resumed_at": 10.0, "done_at": [10.5, 11.0, 11.5]},  # redoes step 2
+                {"start": 4, "reached": 6, "resumed_at": 20.0, "done_at": [20.5, 21.0]},      # nothing to redo
+                {"start": 6, "reached": 6, "resumed_at": 30.0, "done_at": []}]
+    attempts[3]["start"], attempts[2]["reached"] = 4, 8   # the last attempt never caught up: it failed first
+    rows = ck.time_lost_per_restart(attempts)
+    assert rows[0] == {"redone": 1, "restart_s": 7.0, "redo_s": 0.5, "lost_s": 7.5}
+    assert rows[1] == {"redone": 1, "restart_s": 20.0 - 11.5, "redo_s": 0.5, "lost_s": 20.5 - 11.5}
+    assert rows[2] is None
+    assert ck.time_lost_per_restart(attempts[:1]) == []
+
+
+def test_young_interval_is_the_minimum_of_the_overhead_curve():
+    job = lab06.interval_tradeoff(psi=70e9, gpus=2048, write_gb_s=100, mtbf_s=86400, restart_s=600, step_s=2.0,
+                                  points=4000)
+    assert job["bytes"] == 12 * 70e9 and job["save_s"] == pytest.approx(8.4)
+    assert job["k_best"] == pytest.approx(job["k_young"], rel=2e-3)   # a grid search against the closed form
+    ks = job["k"]
+    assert (lab06.checkpoint_overhead(ks, step_s=2.0, save_s=8.4, mtbf_s=86400, restart_s=600)
+            >= lab06.checkpoint_overhead(job["k_young"], step_s=2.0, save_s=8.4, mtbf_s=86400, restart_s=600) - 1e-12).all()
+    assert lab06.checkpoint_bytes(1e9, with_16bit_copy=True) == 14e9
+
+
+def test_async_save_holds_the_state_at_the_call(tmp_path):
+    out = lab06.async_save_demo(tmp_path)
+    assert out["digest_loaded"] == out["digest_at_call"] != out["digest_after_next_step"]
+
+
+def test_a_resave_into_the_same_folder_that_dies_loads_a_mixture_silently(tmp_path):
+    out = lab06.torn_by_reused_folder(tmp_path / "reused")
+    assert out["died"] and out["index_unchanged"]
+    assert out["parts"] == {"model": {"old": False, "new": True}, "optim": {"old": True, "new": False},
+                            "step": {"old": True, "new": False}}
+
+
+def test_checkpoint_breakdown_counts_12_bytes_per_parameter_from_dcp_metadata(full_shard_ref):
+    from course_utils.models import get_config, param_count
+
+    _, d = full_shard_ref
+    held = lab06.checkpoint_breakdown(d, STEPS)
+    cfg = get_config(TrainConfig().model)
+    psi = param_count(cfg)
+    assert held["moments"] == 8 * psi                               # two fp32 moments, no gradients
+    assert held["weights"] == 4 * psi + 4 * cfg.vocab * cfg.width   # a state dict names the tied head twice
+    assert held["data"] == sum(p.stat().st_size for p in (Path(d) / f"step-{STEPS}").glob("*.distcp"))
+    assert held["data"] >= lab06.checkpoint_bytes(psi)

@@ -65,8 +65,17 @@ def judge_newest_complete(fn) -> None:
         raise Wrong(f"for a folder that does not exist you returned {missing!r}: return None (start from step 0)")
 
 
+#: Speaker notes for the Exercises slide (``tools/exercise_cells.py`` puts them right after it).
+EXTRA_CELLS = [
+    ("markdown", "**Point:** the two exercises rebuild the two halves of the script's side of the contract: find the "
+     "newest *complete* checkpoint, and resume from it bit for bit. **Ask:** a run killed while saving step 4 leaves "
+     "what on disk, and where must it resume? (A folder without a commit marker; step 2.) **Remember:** each check "
+     "compares with the course's own code on real ranks, and `show_hint` opens hints one at a time.", "notes"),
+]
+
+
 register(Exercise(
-    "06", "newest_complete", "Find the newest complete checkpoint",
+    "06", "newest_complete", "The newest complete checkpoint",
     "the step returned for 8 folders (uncommitted, half-written, copied, empty, missing...) against "
     "checkpoint.latest_complete",
     task="Write `newest_complete(root)`: the step N of the newest complete checkpoint folder `root/step-N`, or "
