@@ -5,6 +5,11 @@ self-attention and an MLP, a final norm, an output head tied to the token embedd
 GPT-2) so that what the course measures on it carries over to real models. Sizes are
 configurable; the defaults are tiny so that 4 CPU processes train it in seconds.
 
+``arch="llama"`` builds the same model with Llama's block instead (RMSNorm, rotary positions
+and no position table, grouped-query attention with ``kv_heads``, a SwiGLU MLP of ``mlp_hidden``,
+no biases, an untied head): notebook 05b builds the published Llama shapes with it, so that a
+"70B" has 70B parameters.
+
 ``build_model(cfg, seed)`` gives the same weights for the same seed in every process, which
 is what lets the notebooks compare strategies bit for bit.
 """
@@ -29,21 +34,50 @@ class GPTConfig:
     layers: int = 2       # transformer blocks (L)
     width: int = 64       # hidden size (h)
     heads: int = 4        # attention heads; must divide width
-    mlp_ratio: int = 4    # MLP hidden size = mlp_ratio * width
+    mlp_ratio: int = 4    # MLP hidden size = mlp_ratio * width (when mlp_hidden is 0)
     tie_weights: bool = True  # output head shares the token embedding (GPT-2 style)
+    # Llama's block (notebook 05b's published shapes); the defaults keep GPT-2's.
+    arch: str = "gpt2"    # "gpt2": LayerNorm, learned positions, GELU MLP, biases; "llama": see the module doc
+    kv_heads: int = 0     # key/value heads (grouped-query attention); 0 = heads (multi-head attention)
+    mlp_hidden: int = 0   # MLP hidden size (Llama's intermediate_size); 0 = mlp_ratio * width
+    rope_theta: float = 10000.0  # rotary base (arch "llama"; Llama 2 used 10^4, Llama 3 5·10^5)
 
     def __post_init__(self):
         for name in ("vocab", "seq", "layers", "width", "heads", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise CourseInputError(f"model {name} must be a positive integer, got {value!r}")
+        for name in ("kv_heads", "mlp_hidden"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CourseInputError(f"model {name} must be a whole number (0 for the default), got {value!r}")
+        if self.arch not in ARCHS:
+            raise CourseInputError(f"model arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
         if self.width % self.heads:
             raise CourseInputError(
                 f"model width {self.width} is not divisible by heads {self.heads}; pick heads that divide it")
+        if self.heads % self.n_kv_heads:
+            raise CourseInputError(f"model kv_heads {self.kv_heads} does not divide heads {self.heads}; "
+                                   "pick a divisor (8 for Llama's 70B), or 0 for multi-head attention")
+        if self.arch == "llama" and (self.width // self.heads) % 2:
+            raise CourseInputError(f"rotary positions need an even head size, not {self.width // self.heads}; "
+                                   "pick heads so that width / heads is even")
+
+    @property
+    def n_kv_heads(self) -> int:
+        """Key/value heads: ``kv_heads``, or ``heads`` when it is 0 (multi-head attention)."""
+        return self.kv_heads or self.heads
+
+    @property
+    def hidden(self) -> int:
+        """The MLP's hidden size: ``mlp_hidden``, or ``mlp_ratio * width`` when it is 0."""
+        return self.mlp_hidden or self.mlp_ratio * self.width
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+
+ARCHS = ("gpt2", "llama")
 
 #: Named sizes. "tiny" is what the notebooks' defaults train on a 2-core CPU.
 PRESETS: dict[str, GPTConfig] = {
@@ -65,28 +99,63 @@ def get_config(model: str | GPTConfig = "tiny", **overrides) -> GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal self-attention; with ``kv_heads`` < ``heads``, grouped-query attention (``arch="llama"``)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
-        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.heads, self.kv_heads, self.rope_theta = cfg.heads, cfg.n_kv_heads, cfg.rope_theta
+        self.rotary = cfg.arch == "llama"
+        kv = cfg.width // cfg.heads * cfg.n_kv_heads  # width of k (and of v)
+        self.qkv = nn.Linear(cfg.width, cfg.width + 2 * kv, bias=cfg.arch == "gpt2")  # q, k, v in one matrix
+        self.proj = nn.Linear(cfg.width, cfg.width, bias=cfg.arch == "gpt2")
 
     def forward(self, x):
         b, s, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=2)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        d = h // self.heads
+        q, k, v = self.qkv(x).split([h, d * self.kv_heads, d * self.kv_heads], dim=2)
+        q = q.view(b, s, self.heads, d).transpose(1, 2)
+        k, v = (t.view(b, s, self.kv_heads, d).transpose(1, 2) for t in (k, v))
+        if self.rotary:
+            cos, sin = rotary_angles(s, d, self.rope_theta, x.device, x.dtype)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
+def rotary_angles(s: int, d: int, theta: float, device, dtype):
+    """cos and sin of rotary position embedding (RoFormer, as in Llama) for ``s`` positions of a head of size ``d``."""
+    inv = theta ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    angle = torch.arange(s, device=device, dtype=torch.float32)[:, None] * inv  # (seq, d/2)
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def rotate(x, cos, sin):
+    """Rotary position embedding of ``x`` (batch, heads, seq, head size), in the half-split layout
+    of GPT-NeoX and Hugging Face's Llama: no parameters, so it adds nothing to Ψ."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 class MLP(nn.Module):
+    """GPT-2's MLP (GELU, ``mlp_ratio * width``) or, with ``arch="llama"``, SwiGLU: three matrices."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width)
+        self.swiglu = cfg.arch == "llama"
+        self.fc = nn.Linear(cfg.width, cfg.hidden, bias=not self.swiglu)
+        if self.swiglu:
+            self.gate = nn.Linear(cfg.width, cfg.hidden, bias=False)
+        self.proj = nn.Linear(cfg.hidden, cfg.width, bias=not self.swiglu)
 
     def forward(self, x):
+        if self.swiglu:
+            return self.proj(F.silu(self.gate(x)) * self.fc(x))
         return self.proj(F.gelu(self.fc(x)))
+
+
+def norm(cfg: GPTConfig) -> nn.Module:
+    """LayerNorm (GPT-2) or RMSNorm (Llama: a scale, no shift, no mean)."""
+    return nn.RMSNorm(cfg.width, eps=1e-5) if cfg.arch == "llama" else nn.LayerNorm(cfg.width)
 
 
 class Block(nn.Module):
@@ -94,9 +163,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.width)
+        self.ln1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.width)
+        self.ln2 = norm(cfg)
         self.mlp = MLP(cfg)
 
     def forward(self, x):
@@ -111,9 +180,10 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab, cfg.width)
-        self.pos_emb = nn.Embedding(cfg.seq, cfg.width)
+        if cfg.arch == "gpt2":  # Llama's positions are rotary, inside attention: no table
+            self.pos_emb = nn.Embedding(cfg.seq, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.width)
+        self.ln_f = norm(cfg)
         self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.tok_emb.weight
@@ -129,8 +199,9 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, idx, targets=None):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        x = self.tok_emb(idx)
+        if self.cfg.arch == "gpt2":
+            x = x + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))

@@ -441,3 +441,20 @@ def test_three_collectives_in_a_world_of_one(monkeypatch):
     assert out["broadcast"] == [1.0] * 8
     assert out["all_gather"] == [float(i) for i in range(8)]
     assert out["reduce_scatter"] == [1.0] * 8
+
+
+def test_background_returns_raises_and_stops_on_timeout():
+    """launch.Background (notebook 05b): the value comes back, an exception is raised here, and a run past
+    its timeout is ended, not left running."""
+    import math as _math
+    import time as _time
+
+    from course_utils.launch import Background, LaunchTimeout
+
+    assert Background(_math.factorial, 5).result(timeout_s=60) == 120
+    with pytest.raises(ValueError):
+        Background(_math.factorial, -1).result(timeout_s=60)
+    job = Background(_time.sleep, 60)
+    with pytest.raises(LaunchTimeout):
+        job.result(timeout_s=1)
+    assert job._proc.poll() is not None  # the process is gone

@@ -98,3 +98,79 @@ def test_sharded_meta_device_build_equals_the_eager_build():
 
     result = launch(lab04.meta_init_worker, nproc=4, args=("tiny", 5), echo=False)
     assert all(result[r] == {s: True for s in FSDP_STRATEGIES} for r in range(4)), dict(result)
+
+
+# --------------------------------------------------------------------------- Llama's block (notebook 05b)
+
+LLAMA = GPTConfig(vocab=64, seq=16, layers=2, width=32, heads=4, kv_heads=2, mlp_hidden=48, arch="llama",
+                  tie_weights=False)
+
+
+def test_llama_block_counts_by_hand():
+    """Ψ of the Llama-block model against a hand count: grouped-query q/k/v/o, SwiGLU's three matrices,
+    two RMSNorm scales per block, no biases, no position table, an untied head."""
+    h, v, L, f = LLAMA.width, LLAMA.vocab, LLAMA.layers, LLAMA.mlp_hidden
+    kv = h // LLAMA.heads * LLAMA.kv_heads
+    per_block = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+    assert param_count(LLAMA) == 2 * v * h + L * per_block + h
+    model = build_model(LLAMA, 0)
+    assert not hasattr(model, "pos_emb") and model.head.weight is not model.tok_emb.weight
+    assert all(not name.endswith("bias") for name, _ in model.named_parameters())
+
+
+def test_llama_model_learns_and_is_deterministic():
+    a, b = build_model(LLAMA, 3), build_model(LLAMA, 3)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    opt = torch.optim.Adam(a.parameters(), lr=3e-3)
+    losses = []
+    for step in range(20):
+        x, y = batch_for_rank(step, 0, 1, batch=8, seq=LLAMA.seq, vocab=LLAMA.vocab)
+        loss = a(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_rotary_scores_depend_only_on_the_distance():
+    """RoPE's defining property: q at position m against k at position n scores the same as at m+t, n+t."""
+    from course_utils.models import rotary_angles, rotate
+
+    torch.manual_seed(0)
+    d, s = 8, 12
+    q, k = torch.randn(d, dtype=torch.float64), torch.randn(d, dtype=torch.float64)
+    cos, sin = rotary_angles(s, d, 10000.0, "cpu", torch.float64)
+    qs, ks = rotate(q.expand(1, 1, s, d), cos, sin)[0, 0], rotate(k.expand(1, 1, s, d), cos, sin)[0, 0]
+    assert torch.allclose(qs.norm(dim=-1), q.norm().expand(s))  # a rotation keeps lengths
+    assert torch.allclose(qs[2] @ ks[5], qs[6] @ ks[9]) and torch.allclose(qs[0] @ ks[0], q @ k)
+    assert not torch.allclose(qs[2] @ ks[5], qs[2] @ ks[6])
+
+
+def test_grouped_query_attention_equals_repeated_heads():
+    """kv_heads < heads: the same as multi-head attention with each key/value head repeated."""
+    import torch.nn.functional as F
+
+    from course_utils.models import CausalSelfAttention
+
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(LLAMA)
+    x = torch.randn(2, LLAMA.seq, LLAMA.width)
+    b, s, h = x.shape
+    d, g = h // LLAMA.heads, LLAMA.heads // LLAMA.kv_heads
+    q, k, v = attn.qkv(x).split([h, d * LLAMA.kv_heads, d * LLAMA.kv_heads], dim=2)
+    q = q.view(b, s, LLAMA.heads, d).transpose(1, 2)
+    k, v = (t.view(b, s, LLAMA.kv_heads, d).transpose(1, 2).repeat_interleave(g, dim=1) for t in (k, v))
+    from course_utils.models import rotary_angles, rotate
+    cos, sin = rotary_angles(s, d, LLAMA.rope_theta, "cpu", x.dtype)
+    y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True)
+    assert torch.allclose(attn(x), attn.proj(y.transpose(1, 2).reshape(b, s, h)), atol=1e-5)
+
+
+def test_bad_llama_shapes_are_refused():
+    with pytest.raises(CourseInputError, match="kv_heads"):
+        GPTConfig(width=64, heads=4, kv_heads=3, arch="llama")
+    with pytest.raises(CourseInputError, match="arch"):
+        GPTConfig(arch="mamba")
+    with pytest.raises(CourseInputError, match="even head size"):
+        GPTConfig(width=12, heads=4, arch="llama")

@@ -44,23 +44,26 @@ def n_tensors(cfg) -> int:
 # --------------------------------------------------------------------------- presets
 
 @pytest.mark.parametrize("name", list(R.PRESETS))
-def test_preset_sizes_are_what_the_code_says(name):
+def test_every_preset_has_the_parameters_its_name_says(name):
+    """Ψ counted on a real meta-device model (not a formula) within 1% of the name, and equal to the
+    released checkpoint's count: "70B" in notebook 05b is notebook 05's 70e9."""
+    from course_utils.models import GPT
+
     p = R.PRESETS[name]
-    psi = R.param_count(p.cfg)
-    assert f"{psi:,}" in p.note  # the stated Ψ is the counted Ψ
-    assert p.cfg.width % p.cfg.heads == 0 and p.cfg.mlp_ratio == 4
-    # within the stated distance of the released checkpoint
-    if name == "1.5B":
-        assert psi == p.released
-    else:
-        stated = float(p.note.split("%")[0].split()[-1]) / 100
-        assert abs(abs(psi / p.released - 1) - stated) < 0.0005
+    with torch.device("meta"):
+        psi = sum(t.numel() for t in GPT(p.cfg).parameters())
+    assert abs(psi / (float(name.rstrip("B")) * 1e9) - 1) < 0.01, (name, psi)
+    assert psi == p.released == R.param_count(p.cfg)
+    assert p.name.split()[0] in p.shape and f"L = {p.cfg.layers}" in p.shape
 
 
 def test_presets_by_alias_and_unknown():
-    assert R.preset("llama-7b") is R.PRESETS["7B"] and R.preset("70b") is R.PRESETS["70B"]
+    assert R.preset("llama-2-7b") is R.PRESETS["6.7B"] and R.preset("70b") is R.PRESETS["70B"]
+    assert R.preset("llama-3-8b") is R.PRESETS["8B"]
+    with pytest.raises(CourseInputError, match="6.74B"):  # "7B" is not a size any preset has
+        R.preset("7B")
     with pytest.raises(CourseInputError, match="unknown preset"):
-        R.preset("8B")
+        R.preset("9B")
 
 
 # --------------------------------------------------------------------------- category totals vs formulas
@@ -172,16 +175,42 @@ def test_block_saves_16_numbers_per_token_per_width():
 
 
 def test_planner_on_a_preset_shape():
-    """A 2-block slice of the 7B (its real width, vocabulary, sequence) on 8 ranks: the model
+    """A 2-block slice of Llama 2 7B (its real width, vocabulary, sequence) on 8 ranks: the model
     states agree to the step counters. (The peak is checked at full depth in notebook 05b: in a
     2-block slice the working set of about two blocks is as large as all the model states.)"""
-    cfg = R.model_config("7B", layers=2)
+    cfg = R.model_config("6.7B", layers=2)
     r = R.rehearse(cfg, 8, "full_shard", act_ckpt=True)
     a = R.agreement(r)
     assert a["model_states"] == pytest.approx(1.0, abs=R.MODEL_STATE_TOL)
     assert a["optimizer"] == pytest.approx(1.0, abs=R.MODEL_STATE_TOL)
     assert r.peak_bytes > R.predict(r)["model_states"]
     assert not a["peak_claim_applies"]  # shallow: the notebook's peak tolerance does not claim it
+
+
+def test_peak_errors_add_up_to_the_planners_gap(small_runs):
+    """The planner's items minus the tracker's parts at the peak add up to planner − peak: every tracker
+    category is held against exactly one planner item, none left out or counted twice."""
+    members = [part for parts in R.PEAK_ITEMS.values() for part in parts]
+    assert sorted(members) == sorted(R.PARTS)
+    for r in small_runs.values():
+        e = R.peak_errors(r)
+        assert sum(e[k] for k in R.PEAK_ITEMS) == pytest.approx(e["total"], rel=1e-9, abs=1)
+        assert e["total"] == pytest.approx(R.predict(r)["total"] - r.peak_bytes)
+
+
+def test_a_llama_block_rehearses_and_holds_16_bytes_per_parameter():
+    cfg = GPTConfig(vocab=256, seq=32, layers=2, width=64, heads=4, kv_heads=2, mlp_hidden=96, arch="llama",
+                    tie_weights=False)
+    r = R.rehearse(cfg, 4, "full_shard")
+    assert r.after_step["Sharded Param"] + r.after_step["OptState"] + r.after_step["Sharded Grad"] \
+        == 16 * R.padded_shard_numel(cfg, 4) + 4 * n_tensors(cfg)
+
+
+def test_background_rehearsal_equals_the_foreground_one():
+    job = R.start_rehearsals(SMALL, 4, ["full_shard+ckpt"])
+    here = R.rehearse(SMALL, 4, "full_shard", act_ckpt=True)
+    (there,) = job.result(timeout_s=120)
+    assert there.peak == here.peak and there.after_step == here.after_step
 
 
 def test_refuses_inside_a_process_group():
@@ -227,7 +256,7 @@ def test_cli_text_and_json(capsys):
 @pytest.mark.parametrize("args, says", [
     (["--nproc", "0"], "nproc"),
     (["--nproc", "1025"], "1024"),
-    (["--params", "7B", "--width", "100", "--heads", "32"], "not divisible"),
+    (["--params", "6.7B", "--width", "100", "--heads", "32"], "not divisible"),
     (["--params", "9B"], "unknown preset"),
     (["--strategy", "hybrid_shard", "--nproc", "12", "--node-size", "8"], "node"),
     (["--micro-batch", "0"], "micro_batch"),
