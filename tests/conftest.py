@@ -32,3 +32,15 @@ RUN_FIRST = ("test_notebooks.py",)
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name not in RUN_FIRST)  # stable: the rest keep their order
+
+
+def sigint_as_in_a_terminal() -> None:
+    """``preexec_fn`` for a child the test will Ctrl-C: SIGINT back to its default action.
+
+    A shell starts background jobs (`make test &`, `nohup ... &`) with SIGINT ignored, and children
+    inherit that; Python then installs no KeyboardInterrupt handler, so a test's SIGINT would do
+    nothing and the test would time out for a reason that has nothing to do with the code.
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -12,7 +12,7 @@ import sys
 import threading
 import urllib.request
 
-from conftest import ROOT
+from conftest import ROOT, sigint_as_in_a_terminal
 
 URL = re.compile(r"http://127\.0\.0\.1:(\d+)/lab\?token=([0-9a-f]{48})\b")
 
@@ -26,7 +26,7 @@ def test_lab_prints_one_url_that_opens_and_stops_cleanly(tmp_path):
     state = tmp_path / "lab"
     proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "lab.py"), "--state", str(state)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
     lines, found = [], threading.Event()
 
     def read():

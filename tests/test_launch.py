@@ -10,7 +10,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import ROOT, pid_alive
+from conftest import ROOT, pid_alive, sigint_as_in_a_terminal
 
 from course_utils import examples
 from course_utils.errors import CourseInputError
@@ -95,7 +95,8 @@ def test_interrupt_stops_every_worker(tmp_path):
             print("INTERRUPTED:", exc, flush=True)
             sys.exit(3)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            preexec_fn=sigint_as_in_a_terminal)
     deadline = time.monotonic() + 60
     while len(_progress_pids(tmp_path)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
