@@ -94,10 +94,12 @@ UNIT_WORKERS     := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 NOTEBOOK_WORKERS := -n $(TEST_WORKERS) --dist loadscope
 endif
 
-# ruff (rules in pyproject.toml): the package, the tests and the tools.
+# ruff (rules and format in pyproject.toml): the package, the tests, the tools, the solutions and the notebooks,
+# linted by the same rules and formatted by the one formatter.
+LINTED := course_utils tests tools solutions notebooks
 lint: setup
-	@echo "==> lint (ruff check course_utils tests tools)"
-	@$(BIN)/ruff check course_utils tests tools
+	@echo "==> lint (ruff check and ruff format --check: $(LINTED))"
+	@$(BIN)/ruff check $(LINTED) && $(BIN)/ruff format --check $(LINTED)
 
 unit-tests: setup browser-setup
 	@echo "==> unit tests (pytest tests/, $(TEST_WORKERS) workers)"

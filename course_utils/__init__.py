@@ -4,6 +4,7 @@ Every number a notebook shows is computed here (memory, comm, plan) or measured 
 started here (launch, train). One concept per module; each public function names the
 notebook that introduces it. Import cost is kept low: submodules are loaded on first use.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -11,9 +12,32 @@ import importlib
 __version__ = "0.1.0"
 
 _SUBMODULES = {
-    "errors", "units", "strategies", "memory", "comm", "plan", "launch", "dist", "models", "data",
-    "instrument", "loop", "train", "ddp", "zero", "fsdp", "checkpoint", "stepper", "widgets", "plots", "predict",
-    "rehearse", "bench", "examples", "labs", "compat",
+    "errors",
+    "units",
+    "strategies",
+    "memory",
+    "comm",
+    "plan",
+    "launch",
+    "dist",
+    "models",
+    "data",
+    "instrument",
+    "loop",
+    "train",
+    "ddp",
+    "zero",
+    "fsdp",
+    "checkpoint",
+    "stepper",
+    "widgets",
+    "plots",
+    "predict",
+    "rehearse",
+    "bench",
+    "examples",
+    "labs",
+    "compat",
 }
 
 

@@ -16,6 +16,7 @@ Two ways to get such a process:
 Only torch is imported before the fork; the worker's own module is imported after it, so an
 edited course module is picked up by the next launch.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -107,8 +108,10 @@ def run_in_worker(payload: bytes, progress_dir: str) -> None:
     try:
         data = pickle.dumps((int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), value))
     except Exception as exc:
-        raise TypeError(f"rank {rank} returned a value that cannot be sent back to the caller ({exc}); "
-                        "return plain data (numbers, strings, lists, dicts, tensors)") from None
+        raise TypeError(
+            f"rank {rank} returned a value that cannot be sent back to the caller ({exc}); "
+            "return plain data (numbers, strings, lists, dicts, tensors)"
+        ) from None
     tmp = os.path.join(progress_dir, f".result-rank{rank}.tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)
@@ -169,12 +172,14 @@ def _stores_listen_on_loopback() -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
         sock.listen(128)
-        return tdist.TCPStore("127.0.0.1", sock.getsockname()[1], world_size, True,
-                              master_listen_fd=sock.detach(), **kwargs)
+        return tdist.TCPStore(
+            "127.0.0.1", sock.getsockname()[1], world_size, True, master_listen_fd=sock.detach(), **kwargs
+        )
 
     c10d_rendezvous_backend.TCPStore = loopback_store
-    dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = (
-        lambda self, addr, port: loopback_store(addr, port, is_master=True, multi_tenant=True))
+    dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = lambda self, addr, port: loopback_store(
+        addr, port, is_master=True, multi_tenant=True
+    )
 
 
 def run_agent(spec: dict, result_path: str) -> None:
@@ -192,11 +197,13 @@ def run_agent(spec: dict, result_path: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=spec["nproc"],
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=spec["nproc"],
         run_id=f"course-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",                # LaunchConfig's default is "etcd"; torchrun's is c10d
-        rdzv_endpoint="127.0.0.1:0",        # port 0: the OS picks a free port, every run
-        local_addr="127.0.0.1",             # what workers are told to connect to (MASTER_ADDR)
+        rdzv_backend="c10d",  # LaunchConfig's default is "etcd"; torchrun's is c10d
+        rdzv_endpoint="127.0.0.1:0",  # port 0: the OS picks a free port, every run
+        local_addr="127.0.0.1",  # what workers are told to connect to (MASTER_ADDR)
         max_restarts=spec["max_restarts"],  # LaunchConfig's default is 3, torchrun's 0: be explicit
         monitor_interval=0.1,
         start_method=spec["start_method"],
@@ -212,9 +219,10 @@ def run_agent(spec: dict, result_path: str) -> None:
         if os.path.isfile(first.error_file) or first.exitcode == -signal.SIGTERM:
             result.update(root_cause(spec["log_dir"]) or {})
         else:  # no traceback at all: it died on its own (os._exit, a kill, a crash), so it is the cause
-            result["message"] = (f"rank {rank} died without a Python error (exit code {first.exitcode}): no "
-                                 "traceback, like a lost GPU or os._exit; the agent stopped the other ranks.\n"
-                                 + exc.format_msg())
+            result["message"] = (
+                f"rank {rank} died without a Python error (exit code {first.exitcode}): no "
+                "traceback, like a lost GPU or os._exit; the agent stopped the other ranks.\n" + exc.format_msg()
+            )
         if result["rank"] in _exit_codes:  # the failing rank's own exit code, not the first one polled
             result["exitcode"] = _exit_codes[result["rank"]]
         result["exit_codes"] = dict(_exit_codes)
@@ -262,8 +270,10 @@ def root_cause(log_dir: str) -> dict | None:
     silent = sorted(in_attempt - {r for r, _, _ in ranks})
     if not causes and silent:
         stopped = ", ".join(str(r) for r, _, _ in ranks)
-        message = (f"rank {silent[0]} died without a Python error (attempt {last}): no traceback, like a lost "
-                   f"GPU or os._exit; rank(s) {stopped} then lost their peer or were stopped by the agent.")
+        message = (
+            f"rank {silent[0]} died without a Python error (attempt {last}): no traceback, like a lost "
+            f"GPU or os._exit; rank(s) {stopped} then lost their peer or were stopped by the agent."
+        )
         return {"rank": silent[0], "message": message, "attempt": last}
     ranks = causes + [r for r in ranks if r not in causes]
     rank, text, stack = ranks[0]
@@ -316,6 +326,7 @@ def serve() -> None:
     """Fork one agent per request line ``SPEC\\tRESULT\\tLOG``; exit (ending them) at stdin EOF."""
     import torch.distributed.launcher.api  # noqa: F401  (the expensive import, done once)
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs  # noqa: F401
+
     # What every course worker imports next: building any torch.optim optimizer pulls in
     # torch._dynamo (~3 CPU-s per process on a laptop); FSDP, DTensor and DCP are the
     # sharding notebooks'. Importing them here once, before the fork, spares every worker.
@@ -377,4 +388,5 @@ if __name__ == "__main__":
         serve()
     else:
         _child(sys.argv[1], sys.argv[2], sys.argv[3]) if len(sys.argv) == 4 else sys.exit(
-            "usage: python -m course_utils._agent (--serve | SPEC RESULT LOG)")
+            "usage: python -m course_utils._agent (--serve | SPEC RESULT LOG)"
+        )

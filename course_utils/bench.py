@@ -8,6 +8,7 @@ runs ``python -m tools.bench`` in the repository with the same arguments and ret
 status; from a package installed without the repository it exits 2 with one sentence saying where
 to run it. What the benchmarks compare against is the package's: ``predict.expected_bytes``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,10 @@ def bench_arguments(parser: argparse.ArgumentParser) -> None:
 def bench_command(args) -> int:
     root = repository_root()
     if root is None:
-        raise CourseInputError("the benchmarks execute the course's notebooks, which this installed package does "
-                               "not have: run `make bench` in a clone of the course's repository")
+        raise CourseInputError(
+            "the benchmarks execute the course's notebooks, which this installed package does "
+            "not have: run `make bench` in a clone of the course's repository"
+        )
     return subprocess.call([sys.executable, "-m", "tools.bench", *args.args], cwd=root)
 
 

@@ -42,6 +42,7 @@ modules, DDP, FSDP2's DTensors); the hand-built ZeRO optimizers of ``course_util
 (flat slices) save each slice as a DTensor of the global flat buffer; any strategy may supply
 its own ``Prepared.get_state``/``set_state`` pair.
 """
+
 from __future__ import annotations
 
 import glob
@@ -73,6 +74,7 @@ MUST_MATCH = ("model", "seed", "batch", "lr", "precision")
 
 # ---------------------------------------------------------------- failure injection
 
+
 def parse_failures(text: str | None, flag: str = "--fail-at") -> list[tuple[int, int]]:
     """``"1:5"`` -> ``[(1, 5)]``; ``"1:5,0:7"``: item i fires on attempt i (notebook 06).
 
@@ -90,7 +92,9 @@ def parse_failures(text: str | None, flag: str = "--fail-at") -> list[tuple[int,
                 raise ValueError
             out.append((int(rank), int(step)))
         except ValueError:
-            raise CourseInputError(f"{flag} takes RANK:STEP (e.g. 1:5), or one per attempt: 1:5,0:7; got {text!r}") from None
+            raise CourseInputError(
+                f"{flag} takes RANK:STEP (e.g. 1:5), or one per attempt: 1:5,0:7; got {text!r}"
+            ) from None
     return out
 
 
@@ -113,6 +117,7 @@ def die_hard(reason: str) -> None:
 
 
 # ---------------------------------------------------------------- what is on disk
+
 
 def step_dir(root, step: int) -> Path:
     """``root/step-N``: the checkpoint after N optimizer steps (notebook 06)."""
@@ -149,8 +154,15 @@ def scan(root) -> dict:
                 continue
             m = STEP_RE.match(entry.name) or PARTIAL_RE.match(entry.name)
             files = sorted(p.name for p in entry.iterdir())
-            incomplete.append({"name": entry.name, "step": int(m.group(1)) if m else None, "files": files,
-                               "has_metadata": METADATA in files, "has_commit": COMMIT in files})
+            incomplete.append(
+                {
+                    "name": entry.name,
+                    "step": int(m.group(1)) if m else None,
+                    "files": files,
+                    "has_metadata": METADATA in files,
+                    "has_commit": COMMIT in files,
+                }
+            )
     return {"complete": sorted(complete), "incomplete": incomplete}
 
 
@@ -176,8 +188,9 @@ def prune(root, keep: int) -> list[str]:
     root = Path(root)
     state = scan(root)
     doomed = [step_dir(root, s) for s in state["complete"][:-keep]]
-    doomed += [root / row["name"] for row in state["incomplete"]
-               if PARTIAL_RE.match(row["name"]) or STEP_RE.match(row["name"])]
+    doomed += [
+        root / row["name"] for row in state["incomplete"] if PARTIAL_RE.match(row["name"]) or STEP_RE.match(row["name"])
+    ]
     for path in doomed:
         gone = root / f".pruned-{path.name.lstrip('.')}-{uuid.uuid4().hex[:6]}"
         try:
@@ -218,6 +231,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 # ---------------------------------------------------------------- what a strategy saves
+
 
 def _inner(model):
     """The user's module inside a DDP-style wrapper (``.module``), or the module itself."""
@@ -296,8 +310,9 @@ class FlatState:
         from torch.distributed.tensor import DTensor, Shard
 
         real = max(0, min(flat.shard_numel, flat.numel - flat.rank * flat.shard_numel))
-        return DTensor.from_local(tensor.detach()[:real], self.mesh, [Shard(0)], run_check=False,
-                                  shape=torch.Size([flat.numel]), stride=(1,))
+        return DTensor.from_local(
+            tensor.detach()[:real], self.mesh, [Shard(0)], run_check=False, shape=torch.Size([flat.numel]), stride=(1,)
+        )
 
     def get(self) -> dict:
         inner = self.optimizer.optimizer
@@ -327,8 +342,9 @@ class FlatState:
         names: dict[int, list[str]] = {}
         for name, p in _inner(self.prepared.model).named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)
-        return {"flats": [[{"names": names[id(p)], "shape": list(p.shape)} for p in flat.params]
-                          for flat in self.flats]}
+        return {
+            "flats": [[{"names": names[id(p)], "shape": list(p.shape)} for p in flat.params] for flat in self.flats]
+        }
 
 
 class CustomState:
@@ -359,14 +375,17 @@ def rank_local_state(info, step: int, batch: int) -> dict:
     (``step·B + r·B/N``); the stream is keyed by step, so a resumed run draws the same batches.
     """
     r = info.rank
-    state = {f"rng.rank{r}": torch.get_rng_state(),
-             f"data.rank{r}": torch.tensor([step, step * batch + r * batch // info.world_size])}
+    state = {
+        f"rng.rank{r}": torch.get_rng_state(),
+        f"data.rank{r}": torch.tensor([step, step * batch + r * batch // info.world_size]),
+    }
     if info.device.type == "cuda":
         state[f"cuda_rng.rank{r}"] = torch.cuda.get_rng_state(info.device)
     return state
 
 
 # ---------------------------------------------------------------- save and load (collective)
+
 
 class _DieAfterWrite:
     """A DCP storage writer that writes this rank's pieces and then dies before the checkpoint is committed."""
@@ -382,8 +401,18 @@ class _DieAfterWrite:
         return Writer(path)
 
 
-def save(root, step: int, prepared, info, *, batch: int, strategy: str = "", extra: dict | None = None,
-         keep: int = 2, die: bool = False) -> Path:
+def save(
+    root,
+    step: int,
+    prepared,
+    info,
+    *,
+    batch: int,
+    strategy: str = "",
+    extra: dict | None = None,
+    keep: int = 2,
+    die: bool = False,
+) -> Path:
     """Write the checkpoint after ``step`` optimizer steps; every rank calls it (notebook 06).
 
     1. rank 0 creates a fresh ``.step-N-*.partial`` folder and tells the others its name;
@@ -410,8 +439,9 @@ def save(root, step: int, prepared, info, *, batch: int, strategy: str = "", ext
     partial = Path(holder[0])
     source = state_of(prepared, strategy)
     state = {**source.get(), **rank_local_state(info, step, batch), "step": torch.tensor(step)}
-    writer = _DieAfterWrite(partial, f"fail_during_save while writing step-{step}") if die else \
-        dcp.FileSystemWriter(partial)
+    writer = (
+        _DieAfterWrite(partial, f"fail_during_save while writing step-{step}") if die else dcp.FileSystemWriter(partial)
+    )
     dcp.save(state, storage_writer=writer)
     sums = state_checksums(state, info)
     everyone = [None] * info.world_size
@@ -424,9 +454,18 @@ def save(root, step: int, prepared, info, *, batch: int, strategy: str = "", ext
         for rank_sums in everyone:  # replicated entries from rank 0; rank-local ones from their rank
             checksums.update({k: v for k, v in rank_sums.items() if k not in checksums})
         files = {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
-        marker = {"step": step, "world_size": info.world_size, "strategy": strategy, "format": source.format,
-                  "weights_sha256": weights_sha256(full), "saved_at": time.time(), **source.layout(),
-                  **(extra or {}), "files": files, "checksums": checksums}
+        marker = {
+            "step": step,
+            "world_size": info.world_size,
+            "strategy": strategy,
+            "format": source.format,
+            "weights_sha256": weights_sha256(full),
+            "saved_at": time.time(),
+            **source.layout(),
+            **(extra or {}),
+            "files": files,
+            "checksums": checksums,
+        }
         _atomic_write_json(partial / COMMIT, marker)
         if final.exists():  # a redone step: the new complete save replaces the old one whole
             old = root / f".replaced-{final.name}-{os.getpid()}"
@@ -481,7 +520,7 @@ def _unflatten(saved: dict, layout: list) -> dict:
             for s in p["shape"]:
                 n *= s
             for name in p["names"]:
-                out[name] = saved[f"flat{i}"][offset:offset + n].view(p["shape"]).float().clone()
+                out[name] = saved[f"flat{i}"][offset : offset + n].view(p["shape"]).float().clone()
             offset += n
     return out
 
@@ -535,8 +574,10 @@ def load(root, step: int, prepared, info, *, strategy: str = "") -> dict:
     if marker["format"] != source.format:
         raise CourseInputError(format_mismatch(path, marker, strategy, source.format))
     if source.layout() and source.layout() != {k: marker.get(k) for k in source.layout()}:
-        raise CourseInputError(f"{path} holds flat buffers of another layout (bucket size?); use the same "
-                               "--bucket-cap-mb as the run that saved it, or a fresh --checkpoint-dir")
+        raise CourseInputError(
+            f"{path} holds flat buffers of another layout (bucket size?); use the same "
+            "--bucket-cap-mb as the run that saved it, or a fresh --checkpoint-dir"
+        )
     reason, saved = None, {}
     try:  # each rank reads the index on its own: agree on the outcome before any collective
         saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -568,7 +609,9 @@ def load(root, step: int, prepared, info, *, strategy: str = "") -> dict:
     live = {**source.get(), **{k: state[k] for k in local}, "step": state["step"]}
     mismatch = checksum_problems(state_checksums(live, info), marker.get("checksums", {}))
     if mismatch:
-        problems.append(f"checksum of {mismatch[0]}" + (f" (and {len(mismatch) - 1} more)" if len(mismatch) > 1 else ""))
+        problems.append(
+            f"checksum of {mismatch[0]}" + (f" (and {len(mismatch) - 1} more)" if len(mismatch) > 1 else "")
+        )
     everyone = [None] * info.world_size
     dist.all_gather_object(everyone, problems)
     ranks: dict[str, list[int]] = {}
@@ -601,9 +644,11 @@ def _first_line(exc: BaseException) -> str:
 
 def format_mismatch(path, marker: dict, strategy: str, fmt: str) -> str:
     """The one-line refusal for a checkpoint another strategy's state cannot be loaded from (notebook 06)."""
-    return (f"{path} was saved by strategy {marker.get('strategy')!r} ({marker.get('format')} state) and "
-            f"cannot be loaded by {strategy!r} ({fmt} state); resume with --strategy {marker.get('strategy')} "
-            f"(or any strategy saving {marker.get('format')} state) or use a fresh --checkpoint-dir")
+    return (
+        f"{path} was saved by strategy {marker.get('strategy')!r} ({marker.get('format')} state) and "
+        f"cannot be loaded by {strategy!r} ({fmt} state); resume with --strategy {marker.get('strategy')} "
+        f"(or any strategy saving {marker.get('format')} state) or use a fresh --checkpoint-dir"
+    )
 
 
 def state_format(strategy: str) -> str:
@@ -652,6 +697,7 @@ def load_weights(root, step: int | None = None) -> dict:
 
 # ---------------------------------------------------------------- the training loop's side
 
+
 def check_marker(root, step: int, cfg) -> dict:
     """Refuse a checkpoint another run wrote: other settings, or another strategy's state (notebook 06).
 
@@ -664,12 +710,15 @@ def check_marker(root, step: int, cfg) -> dict:
         raise CourseInputError(
             f"{step_dir(root, step)} belongs to another run "
             f"({', '.join(f'{k}: saved {a!r}, now {b!r}' for k, (a, b) in mismatched.items())}); "
-            "use the same settings or a fresh --checkpoint-dir")
+            "use the same settings or a fresh --checkpoint-dir"
+        )
     if marker.get("format") != state_format(cfg.strategy):
         raise CourseInputError(format_mismatch(step_dir(root, step), marker, cfg.strategy, state_format(cfg.strategy)))
     if marker.get("format") == "zero-flat" and marker.get("bucket_cap_mb", cfg.bucket_cap_mb) != cfg.bucket_cap_mb:
-        raise CourseInputError(f"{step_dir(root, step)} holds flat buffers of {marker['bucket_cap_mb']} MB buckets; use "
-                               f"--bucket-cap-mb {marker['bucket_cap_mb']} as the run that saved it, or a fresh --checkpoint-dir")
+        raise CourseInputError(
+            f"{step_dir(root, step)} holds flat buffers of {marker['bucket_cap_mb']} MB buckets; use "
+            f"--bucket-cap-mb {marker['bucket_cap_mb']} as the run that saved it, or a fresh --checkpoint-dir"
+        )
     return marker
 
 
@@ -695,7 +744,8 @@ def nothing_left_to_resume(root) -> None:
     if rejected.is_dir() and any(rejected.iterdir()):
         raise CourseInputError(
             f"no checkpoint in {root} can be resumed: every one was set aside in {rejected} (REJECTED.txt in each "
-            f"says why); start over with a fresh --checkpoint-dir, or delete {rejected} to train this folder from step 0")
+            f"says why); start over with a fresh --checkpoint-dir, or delete {rejected} to train this folder from step 0"
+        )
 
 
 def _run_id() -> str:
@@ -714,8 +764,8 @@ class Attempt:
     reached: int
     complete_seen: list
     incomplete_seen: list
-    resumed_at: float = 0.0   # wall clock (time.time()) once the checkpoint was loaded
-    done_at: list = None      # wall clock when start + 1, start + 2, ... steps were done
+    resumed_at: float = 0.0  # wall clock (time.time()) once the checkpoint was loaded
+    done_at: list = None  # wall clock when start + 1, start + 2, ... steps were done
 
 
 class Checkpointer:
@@ -731,7 +781,7 @@ class Checkpointer:
         self.root = Path(cfg.checkpoint_dir)
         self.run_id = _run_id()
         self.records = self.root / "_runs" / self.run_id
-        self.history: list[float] = []     # global mean loss of every step before this attempt
+        self.history: list[float] = []  # global mean loss of every step before this attempt
         self.attempt: Attempt | None = None
         self.die_in_save = planned_failure(cfg.fail_during_save, info.rank, info.restart_count)
 
@@ -767,18 +817,30 @@ class Checkpointer:
                 self._set_aside(candidate, str(exc))
                 continue
             step, self.history = candidate, list(marker["losses"])
-            cdist.log(f"attempt {self.info.restart_count}: resumed from step-{step} "
-                      f"(saved by {marker['world_size']} ranks, every checksum verified)")
+            cdist.log(
+                f"attempt {self.info.restart_count}: resumed from step-{step} "
+                f"(saved by {marker['world_size']} ranks, every checksum verified)"
+            )
             break
         if step is None and rejected:
             raise CourseInputError(
                 f"no checkpoint in {self.root} can be resumed ({'; '.join(f'step-{s}: {why}' for s, why in rejected)}); "
-                f"they were moved to {self.root / '_rejected'}; start over with a fresh --checkpoint-dir")
+                f"they were moved to {self.root / '_rejected'}; start over with a fresh --checkpoint-dir"
+            )
         if step is None:
             cdist.log(f"attempt {self.info.restart_count}: no complete checkpoint, starting at step 0")
         start = step or 0
-        self.attempt = Attempt(self.info.restart_count, self.info.world_size, start, step, start,
-                               seen["complete"], seen["incomplete"], resumed_at=time.time(), done_at=[])
+        self.attempt = Attempt(
+            self.info.restart_count,
+            self.info.world_size,
+            start,
+            step,
+            start,
+            seen["complete"],
+            seen["incomplete"],
+            resumed_at=time.time(),
+            done_at=[],
+        )
         self._record()
         return start
 
@@ -819,8 +881,17 @@ class Checkpointer:
 
             history = self.history + global_mean_losses(local_losses, self.info)
             extra = {**self._match(), "bucket_cap_mb": self.cfg.bucket_cap_mb, "losses": history}
-            save(self.root, done, self.prepared, self.info, batch=self.cfg.batch, strategy=self.cfg.strategy,
-                 extra=extra, keep=self.cfg.keep_checkpoints, die=self.die_in_save == done)
+            save(
+                self.root,
+                done,
+                self.prepared,
+                self.info,
+                batch=self.cfg.batch,
+                strategy=self.cfg.strategy,
+                extra=extra,
+                keep=self.cfg.keep_checkpoints,
+                die=self.die_in_save == done,
+            )
             cdist.log(f"saved step-{done}")
 
     def wait_until_recorded(self, done: int, timeout_s: float = 30.0) -> None:
@@ -847,11 +918,16 @@ class Checkpointer:
         """``restarts``, ``resumed_from`` (the step of each resume), ``steps_redone`` and the attempts."""
         rows = self.attempts() if self.info.rank == 0 else []
         redone = redone_per_restart(rows)
-        return {"restarts": self.info.restart_count,  # a restart with no checkpoint yet resumes from 0
-                "resumed_from": [r["start"] for r in rows if r["attempt"] > 0 or r["resumed_from"] is not None],
-                "steps_redone": sum(redone), "redone_per_restart": redone, "attempts": rows,
-                "time_lost": time_lost_per_restart(rows),
-                "run_id": self.run_id, "checkpoints": scan(self.root)["complete"]}
+        return {
+            "restarts": self.info.restart_count,  # a restart with no checkpoint yet resumes from 0
+            "resumed_from": [r["start"] for r in rows if r["attempt"] > 0 or r["resumed_from"] is not None],
+            "steps_redone": sum(redone),
+            "redone_per_restart": redone,
+            "attempts": rows,
+            "time_lost": time_lost_per_restart(rows),
+            "run_id": self.run_id,
+            "checkpoints": scan(self.root)["complete"],
+        }
 
 
 def redone_per_restart(attempts: list[dict]) -> list[int]:
@@ -876,13 +952,22 @@ def time_lost_per_restart(attempts: list[dict]) -> list[dict]:
     for prev, cur in zip(attempts, attempts[1:]):
         stopped = prev["done_at"][-1] if prev.get("done_at") else prev.get("resumed_at")
         behind = prev["reached"] - cur["start"]
-        caught = cur["resumed_at"] if behind <= 0 else (
-            cur["done_at"][behind - 1] if len(cur.get("done_at") or []) >= behind else None)
+        caught = (
+            cur["resumed_at"]
+            if behind <= 0
+            else (cur["done_at"][behind - 1] if len(cur.get("done_at") or []) >= behind else None)
+        )
         if stopped is None or caught is None:
             rows.append(None)
             continue
-        rows.append({"redone": max(0, behind), "restart_s": cur["resumed_at"] - stopped,
-                     "redo_s": caught - cur["resumed_at"], "lost_s": caught - stopped})
+        rows.append(
+            {
+                "redone": max(0, behind),
+                "restart_s": cur["resumed_at"] - stopped,
+                "redo_s": caught - cur["resumed_at"],
+                "lost_s": caught - stopped,
+            }
+        )
     return rows
 
 
@@ -904,18 +989,29 @@ def lost_work_row(report: dict, every: int, fail_steps: list) -> dict:
     then is the mean the average over a uniformly placed failure, (K − 1)/2.
     """
     redone = report["redone_per_restart"]
-    return {"every": every, "fail_at": list(fail_steps), "redone": redone, "resumed_from": report["resumed_from"],
-            "time_lost": report["time_lost"],
-            "mean_redone": sum(redone) / len(redone), "expected_mean": (every - 1) / 2,
-            "every_position": sorted(f % every for f in fail_steps) == list(range(every))}
+    return {
+        "every": every,
+        "fail_at": list(fail_steps),
+        "redone": redone,
+        "resumed_from": report["resumed_from"],
+        "time_lost": report["time_lost"],
+        "mean_redone": sum(redone) / len(redone),
+        "expected_mean": (every - 1) / 2,
+        "every_position": sorted(f % every for f in fail_steps) == list(range(every)),
+    }
 
 
 # ---------------------------------------------------------------- reading a run's logs (notebook 06)
 
 #: How a rank's process ended, read from its error file (torch's ``@record``) and its output.
-ENDINGS = {"stopped": "stopped by the agent (SIGTERM)", "lost_peer": "its collective lost a peer, then it raised",
-           "died": "died hard (no Python error)", "raised": "raised an error", "finished": "finished",
-           "killed": "killed before Python could say why (no error file, never finished)"}
+ENDINGS = {
+    "stopped": "stopped by the agent (SIGTERM)",
+    "lost_peer": "its collective lost a peer, then it raised",
+    "died": "died hard (no Python error)",
+    "raised": "raised an error",
+    "finished": "finished",
+    "killed": "killed before Python could say why (no error file, never finished)",
+}
 #: The line ``train_worker`` logs once its last step is done; only a rank that wrote it finished.
 FINISHED_LINE = "finished training"
 
@@ -949,8 +1045,16 @@ def attempt_logs(checkpoint_dir, run_id: str) -> list[dict]:
             ending = ENDINGS["finished"]
         else:  # e.g. stuck in a collective when the agent's SIGTERM grace ran out, then SIGKILLed
             ending = ENDINGS["killed"]
-        rows.append({"attempt": attempt, "rank": rank, "last_step_done": max(done) if done else None,
-                     "ending": ending, "first_line": lines[0] if lines else "", "last_line": lines[-1] if lines else ""})
+        rows.append(
+            {
+                "attempt": attempt,
+                "rank": rank,
+                "last_step_done": max(done) if done else None,
+                "ending": ending,
+                "first_line": lines[0] if lines else "",
+                "last_line": lines[-1] if lines else "",
+            }
+        )
     return sorted(rows, key=lambda r: (r["attempt"], r["rank"]))
 
 
@@ -960,9 +1064,14 @@ def dcp_chunks(root, step: int, key: str) -> list[dict]:
 
     meta = dcp.FileSystemReader(str(step_dir(root, step))).read_metadata()
     item = meta.state_dict_metadata[key]
-    return [{"offsets": list(c.offsets), "sizes": list(c.sizes),
-             "file": meta.storage_data[_index(meta, key, c.offsets)].relative_path}
-            for c in item.chunks]
+    return [
+        {
+            "offsets": list(c.offsets),
+            "sizes": list(c.sizes),
+            "file": meta.storage_data[_index(meta, key, c.offsets)].relative_path,
+        }
+        for c in item.chunks
+    ]
 
 
 def _index(meta, key, offsets):

@@ -8,6 +8,7 @@ pieces of a sharded tensor (DTensor) add up to the same number however it is lai
 another without gathering anything, and a value moved to another position counts as a change.
 Course-built; ``instrument.weights_sha256`` does the same job for a full state dict.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,7 +48,7 @@ def _positional_sum(local: torch.Tensor, offsets, global_shape) -> torch.Tensor:
         rows = max(1, _CHUNK // max(1, local[0].numel()))
         total = torch.zeros((), dtype=torch.int64, device=local.device)
         for start in range(0, local.shape[0], rows):
-            total += _positional_sum(local[start:start + rows], [int(offsets[0]) + start, *offsets[1:]], global_shape)
+            total += _positional_sum(local[start : start + rows], [int(offsets[0]) + start, *offsets[1:]], global_shape)
         return total
     t = local.detach()
     if t.dtype == torch.bool:
@@ -97,8 +98,11 @@ def state_checksums(state: dict, info) -> dict[str, str]:
         parts = []
         for key in sharded:
             piece = _dtensor_piece(items[key])
-            parts.append(_positional_sum(*piece).to(info.device) if piece else
-                         torch.zeros((), dtype=torch.int64, device=info.device))
+            parts.append(
+                _positional_sum(*piece).to(info.device)
+                if piece
+                else torch.zeros((), dtype=torch.int64, device=info.device)
+            )
         total = torch.stack(parts)
         dist.all_reduce(total)  # sums of int64 wrap around: modulo 2^64, as the pieces were summed
         out.update({k: f"{int(s) & (2**64 - 1):016x}" for k, s in zip(sharded, total.cpu().tolist())})
@@ -114,8 +118,9 @@ def state_checksums(state: dict, info) -> dict[str, str]:
 
 def checksum_problems(now: dict, saved: dict) -> list[str]:
     """Entries whose checksum after loading differs from the one written at save time (notebook 06)."""
-    return [f"{k} differs" if k in saved else f"{k} has no recorded checksum" for k in sorted(now)
-            if now[k] != saved.get(k)]
+    return [
+        f"{k} differs" if k in saved else f"{k} has no recorded checksum" for k in sorted(now) if now[k] != saved.get(k)
+    ]
 
 
 __all__ = ["state_checksums", "checksum_problems"]

@@ -6,6 +6,7 @@ it is imported only when that subcommand runs, so ``--help`` stays fast.
 
 Bad arguments exit with status 2 and one line on stderr, never a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,17 +20,26 @@ from .validate import check_numbers
 COMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("course_utils.memory", "model-state bytes per GPU for DDP and ZeRO stages 1-3 (notebook 01)"),
     "table": ("course_utils.memory", "the ZeRO paper's Table 1 grid in GB, with what fits a GPU (notebook 01)"),
-    "train": ("course_utils.train", "train the course model with one strategy and report losses, bytes, traffic (notebook 02)"),
-    "cluster": ("course_utils.cluster",
-                "train across 2+ network namespaces joined by a rate-limited link (root, Linux; notebook 05)"),
+    "train": (
+        "course_utils.train",
+        "train the course model with one strategy and report losses, bytes, traffic (notebook 02)",
+    ),
+    "cluster": (
+        "course_utils.cluster",
+        "train across 2+ network namespaces joined by a rate-limited link (root, Linux; notebook 05)",
+    ),
     "plan": ("course_utils.plan", "choose a data-parallel strategy for a model and cluster (notebook 05)"),
     "rehearse": ("course_utils.rehearse", "a real-size FSDP2 run on fake tensors: peak memory per GPU (notebook 05b)"),
-    "exercises": ("course_utils.exercises.core",
-                  "list the exercises, run their checks on the solutions or stubs, grade a student's notebook "
-                  "(notebooks 01-06)"),
+    "exercises": (
+        "course_utils.exercises.core",
+        "list the exercises, run their checks on the solutions or stubs, grade a student's notebook (notebooks 01-06)",
+    ),
     "ft": ("course_utils.ft", "TorchFT: lose a replica group, keep training, heal it from a live peer (notebook 06)"),
-    "bench": ("course_utils.bench", "benchmarks: course run time, launch overhead, hand-built vs torch; runs "
-                                    "tools/bench.py in a clone of the repository (README)"),
+    "bench": (
+        "course_utils.bench",
+        "benchmarks: course run time, launch overhead, hand-built vs torch; runs "
+        "tools/bench.py in a clone of the repository (README)",
+    ),
 }
 
 
@@ -41,8 +51,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m course_utils",
-                     description="The course's calculators and runs, from the command line.")
+    parser = _Parser(
+        prog="python -m course_utils", description="The course's calculators and runs, from the command line."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

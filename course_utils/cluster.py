@@ -23,6 +23,7 @@ once never collide and the leftovers of a killed run are recognised and removed 
 Linux and root only (network namespaces and ``tc`` need them); ``missing()`` says in one
 sentence what this machine lacks.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,7 +72,7 @@ class Link:
         return float(number) * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[unit] / 8
 
     def describe(self) -> str:
-        """"100mbit", "unlimited" or "100mbit, 5ms delay": the link in words."""
+        """ "100mbit", "unlimited" or "100mbit, 5ms delay": the link in words."""
         return (self.rate or "unlimited") + (f", {self.delay} delay" if self.delay else "")
 
 
@@ -82,14 +83,16 @@ def parse_link(text: str | Link | None) -> Link:
     text = (text or "unlimited").strip().lower().replace(" ", "")
     rate, _, delay = text.partition(",")
     if rate not in ("unlimited", "none", "") and not re.fullmatch(r"[0-9]+(\.[0-9]+)?(kbit|mbit|gbit)", rate):
-        raise CourseInputError(f"--link {text!r}: give a rate like 100mbit or 1gbit (or unlimited), "
-                               "optionally a delay: 100mbit,5ms")
+        raise CourseInputError(
+            f"--link {text!r}: give a rate like 100mbit or 1gbit (or unlimited), optionally a delay: 100mbit,5ms"
+        )
     if delay and not re.fullmatch(r"[0-9]+(\.[0-9]+)?(us|ms|s)", delay):
         raise CourseInputError(f"--link {text!r}: the delay after the comma must look like 5ms")
     return Link(None if rate in ("unlimited", "none", "") else rate, delay or None)
 
 
 # ------------------------------------------------------------------ what the machine must offer
+
 
 def _is_root() -> bool:
     return os.geteuid() == 0
@@ -118,8 +121,9 @@ def missing() -> str | None:
     probe = f"{PREFIX}{os.getpid()}-probe-{secrets.token_hex(3)}"
     made = _run("ip", "netns", "add", probe, check=False)
     if made.returncode:
-        return ("this machine forbids new network namespaces (a container without CAP_SYS_ADMIN?): "
-                + made.stderr.strip())
+        return (
+            "this machine forbids new network namespaces (a container without CAP_SYS_ADMIN?): " + made.stderr.strip()
+        )
     _run("ip", "netns", "delete", probe, check=False)
     return None
 
@@ -132,6 +136,7 @@ def require() -> None:
 
 
 # ------------------------------------------------------------------ namespaces and their processes
+
 
 def course_namespaces() -> list[str]:
     """Names of every network namespace the course created and did not remove yet (notebook 05)."""
@@ -232,7 +237,8 @@ class Cluster:
                 if not self.netem:
                     raise ClusterUnavailable(
                         f"this kernel has no netem qdisc, so a delay ({self.link.delay}) cannot be set; "
-                        "give the link a rate only (e.g. --link 100mbit)")
+                        "give the link a rate only (e.g. --link 100mbit)"
+                    )
             for _ in range(self.size):
                 self.add_node()
         except BaseException:
@@ -250,8 +256,25 @@ class Cluster:
 
     def _has_netem(self) -> bool:
         """Whether this kernel has netem: try it on the switch namespace's loopback."""
-        ok = _run("ip", "netns", "exec", self.switch, "tc", "qdisc", "add", "dev", "lo", "root",
-                  "netem", "delay", "1ms", check=False).returncode == 0
+        ok = (
+            _run(
+                "ip",
+                "netns",
+                "exec",
+                self.switch,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "netem",
+                "delay",
+                "1ms",
+                check=False,
+            ).returncode
+            == 0
+        )
         _run("ip", "netns", "exec", self.switch, "tc", "qdisc", "del", "dev", "lo", "root", check=False)
         return ok
 
@@ -265,8 +288,22 @@ class Cluster:
         self._make_namespace(node.ns)
         # The cable is created with both ends already inside their namespaces: nothing of it ever
         # exists in the host's own namespace, so two clusters at once cannot collide on a name.
-        _run("ip", "link", "add", "name", IFACE, "netns", node.ns, "type", "veth",
-             "peer", "name", node.port, "netns", self.switch)
+        _run(
+            "ip",
+            "link",
+            "add",
+            "name",
+            IFACE,
+            "netns",
+            node.ns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            node.port,
+            "netns",
+            self.switch,
+        )
         _run("ip", "-n", self.switch, "link", "set", node.port, "master", "br0", "up")
         _run("ip", "-n", node.ns, "addr", "add", f"{node.addr}/24", "dev", IFACE)
         _run("ip", "-n", node.ns, "link", "set", IFACE, "up")
@@ -278,8 +315,9 @@ class Cluster:
         """Reshape every cable (rate, delay) without restarting anything (notebook 05)."""
         link = parse_link(link)
         if link.delay and not self._has_netem():
-            raise ClusterUnavailable(f"this kernel has no netem qdisc, so a delay ({link.delay}) cannot be set; "
-                                     "give the link a rate only")
+            raise ClusterUnavailable(
+                f"this kernel has no netem qdisc, so a delay ({link.delay}) cannot be set; give the link a rate only"
+            )
         self.link, self.netem = link, bool(link.delay)
         for node in self.nodes:
             self._shape(node)
@@ -299,8 +337,15 @@ class Cluster:
 
     def free_port(self, node: Node) -> int:
         """A port nothing listens on in ``node`` (the OS picks it: bind to port 0 there)."""
-        out = _run("ip", "netns", "exec", node.ns, sys.executable, "-c",
-                   "import socket; s = socket.socket(); s.bind(('" + node.addr + "', 0)); print(s.getsockname()[1])")
+        out = _run(
+            "ip",
+            "netns",
+            "exec",
+            node.ns,
+            sys.executable,
+            "-c",
+            "import socket; s = socket.socket(); s.bind(('" + node.addr + "', 0)); print(s.getsockname()[1])",
+        )
         return int(out.stdout)
 
     def cores(self, node: Node) -> set[int]:
@@ -315,9 +360,14 @@ class Cluster:
         log = open(self.log_dir / f"{name or node.ns}.log", "ab")
         full_env = {**os.environ, **(env or {})}
         cores = ",".join(map(str, sorted(self.cores(node))))
-        proc = subprocess.Popen(["ip", "netns", "exec", node.ns, "taskset", "-c", cores, *argv], env=full_env,
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", node.ns, "taskset", "-c", cores, *argv],
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         self.procs.append(proc)
         return proc
@@ -349,25 +399,56 @@ class Cluster:
 
 # ------------------------------------------------------------------ torchrun across the nodes
 
-def torchrun_argv(cluster: Cluster, node: Node, endpoint: str, *, nproc_per_node: int, module_argv: list[str],
-                  max_restarts: int = 0, rdzv_id: str) -> list[str]:
+
+def torchrun_argv(
+    cluster: Cluster,
+    node: Node,
+    endpoint: str,
+    *,
+    nproc_per_node: int,
+    module_argv: list[str],
+    max_restarts: int = 0,
+    rdzv_id: str,
+) -> list[str]:
     """The torchrun line of one node, as one would type it on that machine (notebook 05)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cluster.size),
-            "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", rdzv_id, "--local-addr", node.addr, "--max-restarts", str(max_restarts),
-            # node 0 hosts the rendezvous store (torch's guess compares host names, which all namespaces
-            # share); a dead node is declared dead after 2 missed 1 s heartbeats (the default waits 15 s)
-            "--rdzv-conf", f"is_host={int(node.addr == endpoint.rpartition(':')[0])},join_timeout=60,"
-                           "keep_alive_interval=1,keep_alive_max_attempt=2",
-            "--monitor-interval", "0.1", *module_argv]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(cluster.size),
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--local-addr",
+        node.addr,
+        "--max-restarts",
+        str(max_restarts),
+        # node 0 hosts the rendezvous store (torch's guess compares host names, which all namespaces
+        # share); a dead node is declared dead after 2 missed 1 s heartbeats (the default waits 15 s)
+        "--rdzv-conf",
+        f"is_host={int(node.addr == endpoint.rpartition(':')[0])},join_timeout=60,"
+        "keep_alive_interval=1,keep_alive_max_attempt=2",
+        "--monitor-interval",
+        "0.1",
+        *module_argv,
+    ]
 
 
 def _node_env(timeout_s: float, progress_dir: str | None) -> dict:
     pkg_root = str(Path(__file__).resolve().parent.parent)
-    env = {"GLOO_SOCKET_IFNAME": IFACE,                  # gloo talks over the node's card, not loopback
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",    # a fresh store per restart (pytorch/pytorch#135712)
-           "COURSE_TIMEOUT_S": str(timeout_s), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        "GLOO_SOCKET_IFNAME": IFACE,  # gloo talks over the node's card, not loopback
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # a fresh store per restart (pytorch/pytorch#135712)
+        "COURSE_TIMEOUT_S": str(timeout_s),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p),
+    }
     if progress_dir:
         env["COURSE_PROGRESS_DIR"] = progress_dir
     return env
@@ -397,26 +478,37 @@ def _tail(cluster: Cluster, lines: int = 15) -> str:
 def _wait(procs: list[subprocess.Popen], deadline: float, cluster: Cluster, on_tick=None) -> None:
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline:
-            raise TimeoutError("the cluster run did not finish in time; every process was stopped. Last output:\n"
-                               + _tail(cluster))
+            raise TimeoutError(
+                "the cluster run did not finish in time; every process was stopped. Last output:\n" + _tail(cluster)
+            )
         if on_tick:
             on_tick()
         time.sleep(0.02)
     bad = [p.returncode for p in procs if p.returncode]
     if bad:
-        raise RuntimeError(f"torchrun exited with status {bad[0]} on a node; every process was stopped. "
-                           "Last output:\n" + _tail(cluster))
+        raise RuntimeError(
+            f"torchrun exited with status {bad[0]} on a node; every process was stopped. "
+            "Last output:\n" + _tail(cluster)
+        )
 
 
-def _start_job(cluster: Cluster, module_argv: list[str], *, nproc_per_node: int, max_restarts: int,
-               env: dict) -> tuple[list[subprocess.Popen], callable]:
+def _start_job(
+    cluster: Cluster, module_argv: list[str], *, nproc_per_node: int, max_restarts: int, env: dict
+) -> tuple[list[subprocess.Popen], callable]:
     """Start torchrun on every node; return the processes and ``argv_of(node)`` (for replacements)."""
     head = cluster.nodes[0]
     endpoint = f"{head.addr}:{cluster.free_port(head)}"
 
     def argv_of(node):
-        return torchrun_argv(cluster, node, endpoint, nproc_per_node=nproc_per_node, module_argv=module_argv,
-                             max_restarts=max_restarts, rdzv_id=cluster.run)
+        return torchrun_argv(
+            cluster,
+            node,
+            endpoint,
+            nproc_per_node=nproc_per_node,
+            module_argv=module_argv,
+            max_restarts=max_restarts,
+            rdzv_id=cluster.run,
+        )
 
     return [cluster.start(node, argv_of(node), env) for node in cluster.nodes], argv_of
 
@@ -431,8 +523,16 @@ def _steps_done(progress: str) -> int | None:
     return max(done) if done else None
 
 
-def train_on_cluster(cfg=None, *, nodes: int = 2, nproc_per_node: int = 2, link="unlimited",
-                     timeout_s: float = 120.0, lose_node_after: int | None = None, **overrides) -> dict:
+def train_on_cluster(
+    cfg=None,
+    *,
+    nodes: int = 2,
+    nproc_per_node: int = 2,
+    link="unlimited",
+    timeout_s: float = 120.0,
+    lose_node_after: int | None = None,
+    **overrides,
+) -> dict:
     """Train with ``course_utils.train`` under torchrun on ``nodes`` namespaces; return its report (notebook 05).
 
     The report is ``train``'s (losses, ``weights_sha256``, bytes held, traffic, ``step_time_s``,
@@ -452,15 +552,21 @@ def train_on_cluster(cfg=None, *, nodes: int = 2, nproc_per_node: int = 2, link=
     cfg.nproc, cfg.node_size = nodes * nproc_per_node, nproc_per_node
     cfg.validate()
     if lose_node_after is not None and not (cfg.checkpoint_dir and cfg.max_restarts >= 1):
-        raise CourseInputError("losing a node needs checkpoint_dir and max_restarts >= 1 (the survivors restart "
-                               "from the newest complete checkpoint)")
+        raise CourseInputError(
+            "losing a node needs checkpoint_dir and max_restarts >= 1 (the survivors restart "
+            "from the newest complete checkpoint)"
+        )
     start = time.monotonic()
     progress = tempfile.mkdtemp(prefix="course-cluster-progress-")
     try:
         with Cluster(nodes, link) as cluster:
-            procs, argv_of = _start_job(cluster, ["-m", "course_utils.train", *train_flags(cfg), "--json"],
-                                        nproc_per_node=nproc_per_node, max_restarts=cfg.max_restarts,
-                                        env=_node_env(cfg.timeout_s, progress))
+            procs, argv_of = _start_job(
+                cluster,
+                ["-m", "course_utils.train", *train_flags(cfg), "--json"],
+                nproc_per_node=nproc_per_node,
+                max_restarts=cfg.max_restarts,
+                env=_node_env(cfg.timeout_s, progress),
+            )
             lost = []
 
             def lose_when_due():
@@ -476,9 +582,13 @@ def train_on_cluster(cfg=None, *, nodes: int = 2, nproc_per_node: int = 2, link=
             report = _report_from_logs(cluster)
             if report is None:
                 raise RuntimeError("the run finished without rank 0's report. Last output:\n" + _tail(cluster))
-            report.update(link=cluster.describe_link(), nodes=nodes, nproc_per_node=nproc_per_node,
-                          wall_s=time.monotonic() - start,
-                          commands=[" ".join(["torchrun", *argv_of(n)[3:]]) for n in cluster.nodes])
+            report.update(
+                link=cluster.describe_link(),
+                nodes=nodes,
+                nproc_per_node=nproc_per_node,
+                wall_s=time.monotonic() - start,
+                commands=[" ".join(["torchrun", *argv_of(n)[3:]]) for n in cluster.nodes],
+            )
             if lose_node_after is not None:
                 report["lost_after_step"] = lost[0] if lost else None
     finally:
@@ -487,8 +597,15 @@ def train_on_cluster(cfg=None, *, nodes: int = 2, nproc_per_node: int = 2, link=
 
 
 #: What ``sweep_worker`` keeps of each run's report.
-SWEEP_FIELDS = ("strategy", "world_size", "step_time_s", "cross_node_bytes_per_step", "comm_per_step",
-                "weights_sha256", "losses")
+SWEEP_FIELDS = (
+    "strategy",
+    "world_size",
+    "step_time_s",
+    "cross_node_bytes_per_step",
+    "comm_per_step",
+    "weights_sha256",
+    "losses",
+)
 
 
 def sweep_worker(config: dict, strategies: list, links: list, phase_dir: str | None = None) -> list | None:
@@ -527,8 +644,9 @@ def sweep_worker(config: dict, strategies: list, links: list, phase_dir: str | N
     return rows if info.rank == 0 else None
 
 
-def sweep_on_cluster(strategies, links, *, nodes: int = 2, nproc_per_node: int = 2, timeout_s: float = 120.0,
-                     **config) -> dict:
+def sweep_on_cluster(
+    strategies, links, *, nodes: int = 2, nproc_per_node: int = 2, timeout_s: float = 120.0, **config
+) -> dict:
     """Every strategy on every link, one torchrun job across ``nodes`` namespaces (notebook 05).
 
     The controller reshapes the cables between links (``Cluster.set_link``) while the job waits.
@@ -548,9 +666,13 @@ def sweep_on_cluster(strategies, links, *, nodes: int = 2, nproc_per_node: int =
     try:
         with Cluster(nodes, parsed[0]) as cluster:
             args = json.dumps([asdict(cfg), list(strategies), links, phases])
-            procs, argv_of = _start_job(cluster, ["-m", "course_utils.worker", "course_utils.cluster:sweep_worker",
-                                                  "--args", args], nproc_per_node=nproc_per_node, max_restarts=0,
-                                        env=_node_env(cfg.timeout_s, None))
+            procs, argv_of = _start_job(
+                cluster,
+                ["-m", "course_utils.worker", "course_utils.cluster:sweep_worker", "--args", args],
+                nproc_per_node=nproc_per_node,
+                max_restarts=0,
+                env=_node_env(cfg.timeout_s, None),
+            )
             shaped = {}
 
             def serve_links():
@@ -564,15 +686,26 @@ def sweep_on_cluster(strategies, links, *, nodes: int = 2, nproc_per_node: int =
             result = Path(phases) / "result.json"
             if not result.exists():
                 raise RuntimeError("the sweep finished without rank 0's rows. Last output:\n" + _tail(cluster))
-            out = {"rows": json.loads(result.read_text()), "links": shaped, "wall_s": time.monotonic() - start,
-                   "commands": [" ".join(["torchrun", *argv_of(n)[3:]]) for n in cluster.nodes]}
+            out = {
+                "rows": json.loads(result.read_text()),
+                "links": shaped,
+                "wall_s": time.monotonic() - start,
+                "commands": [" ".join(["torchrun", *argv_of(n)[3:]]) for n in cluster.nodes],
+            }
     finally:
         shutil.rmtree(phases, ignore_errors=True)
     return out
 
 
-def links_vs_planner(strategies=("ddp", "full_shard", "hybrid_shard"), links=("unlimited", "1gbit", "100mbit"), *,
-                     nodes: int = 2, nproc_per_node: int = 2, timeout_s: float = 120.0, **config) -> dict:
+def links_vs_planner(
+    strategies=("ddp", "full_shard", "hybrid_shard"),
+    links=("unlimited", "1gbit", "100mbit"),
+    *,
+    nodes: int = 2,
+    nproc_per_node: int = 2,
+    timeout_s: float = 120.0,
+    **config,
+) -> dict:
     """Each strategy on each link, measured, beside the planner's prediction for that link (notebook 05).
 
     Where the cluster can be built, ``sweep_on_cluster``. Where it cannot (``missing()`` says why),
@@ -595,13 +728,20 @@ def links_vs_planner(strategies=("ddp", "full_shard", "hybrid_shard"), links=("u
         raise CourseInputError("links_vs_planner compares fp32 runs with the planner; use precision='fp32'")
     why_not = missing()
     if why_not is None:
-        out = sweep_on_cluster(strategies, links, nodes=nodes, nproc_per_node=nproc_per_node, timeout_s=timeout_s,
-                               **config)
+        out = sweep_on_cluster(
+            strategies, links, nodes=nodes, nproc_per_node=nproc_per_node, timeout_s=timeout_s, **config
+        )
     else:
         from .launch import launch
 
-        rows = launch(sweep_worker, nproc=cfg.nproc, args=(asdict(cfg), list(strategies), ["loopback"]),
-                      timeout_s=timeout_s, echo=False, progress=False)[0]
+        rows = launch(
+            sweep_worker,
+            nproc=cfg.nproc,
+            args=(asdict(cfg), list(strategies), ["loopback"]),
+            timeout_s=timeout_s,
+            echo=False,
+            progress=False,
+        )[0]
         out = {"rows": rows, "links": {}, "commands": []}
     psi = param_count(build_model(cfg.model))
     base = {r["strategy"]: r["step_time_s"] for r in out["rows"] if r["link"] == "unlimited"}
@@ -611,8 +751,9 @@ def links_vs_planner(strategies=("ddp", "full_shard", "hybrid_shard"), links=("u
         net = plan.network_step(strategy(r["strategy"]).plan_row, psi, machines, bytes_per_value=4)
         r["planned_cross_node_bytes"] = net["cross_node_bytes"]
         r["link_bytes"] = net["network_s"] * machines.inter_bw  # what the busiest cable carries per step
-        r["planned_step_time_s"] = None if r["strategy"] not in base else base[r["strategy"]] + (
-            net["network_s"] if rate else 0.0)
+        r["planned_step_time_s"] = (
+            None if r["strategy"] not in base else base[r["strategy"]] + (net["network_s"] if rate else 0.0)
+        )
     crossover = {}
     if "hybrid_shard" in base:
         link_bytes = {r["strategy"]: r["link_bytes"] for r in out["rows"]}
@@ -626,13 +767,17 @@ def links_vs_planner(strategies=("ddp", "full_shard", "hybrid_shard"), links=("u
             else:
                 wins = "always" if h[0] <= o[0] and h[1] <= o[1] else "never"
             where = {"below": "below", "above": "above"}.get(wins)
-            text = (f"HSDP is faster than {other} {where} {bandwidth * 8 / 1e6:,.0f} Mbit/s" if where else
-                    f"HSDP is {'faster than' if wins == 'always' else 'never faster than'} {other} on every link")
+            text = (
+                f"HSDP is faster than {other} {where} {bandwidth * 8 / 1e6:,.0f} Mbit/s"
+                if where
+                else f"HSDP is {'faster than' if wins == 'always' else 'never faster than'} {other} on every link"
+            )
             crossover[other] = {"bandwidth": bandwidth, "hsdp_faster": wins, "text": text}
     return {**out, "why_not": why_not, "psi": psi, "crossover": crossover}
 
 
 # ------------------------------------------------------------------ command line
+
 
 def cluster_arguments(parser) -> None:
     """``train``'s flags, less ``--nproc`` and ``--node-size`` (the cluster's shape sets them), plus its own (notebook 05)."""
@@ -640,10 +785,13 @@ def cluster_arguments(parser) -> None:
 
     train_arguments(parser, one_machine=False)
     parser.set_defaults(strategy="hybrid_shard")  # the strategy a slow link between nodes is for
-    parser.add_argument("--nodes", type=int, default=2, help="namespaces (\"machines\") on the switch")
+    parser.add_argument("--nodes", type=int, default=2, help='namespaces ("machines") on the switch')
     parser.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node")
-    parser.add_argument("--link", default="unlimited",
-                        help="each node's link: unlimited, 100mbit, 1gbit, or RATE,DELAY (delay needs netem)")
+    parser.add_argument(
+        "--link",
+        default="unlimited",
+        help="each node's link: unlimited, 100mbit, 1gbit, or RATE,DELAY (delay needs netem)",
+    )
     parser.add_argument("--wall-timeout-s", type=float, default=300.0, help="the whole run, then everything is stopped")
 
 
@@ -655,13 +803,16 @@ def cluster_command(args) -> int:
     args.nproc, args.node_size = args.nodes * args.nproc_per_node, args.nproc_per_node
     cfg = _config_from_args(args)
     try:
-        report = train_on_cluster(cfg, nodes=args.nodes, nproc_per_node=args.nproc_per_node, link=args.link,
-                                  timeout_s=args.wall_timeout_s)
+        report = train_on_cluster(
+            cfg, nodes=args.nodes, nproc_per_node=args.nproc_per_node, link=args.link, timeout_s=args.wall_timeout_s
+        )
     except (RuntimeError, TimeoutError) as exc:  # a failed run, already torn down: say why, no traceback
         print(f"python -m course_utils cluster: {exc}", file=sys.stderr)
         return 1
     print_report(report, args.json)
     if not args.json:
-        print(f"link {report['link']['rate'] or 'unlimited'}, delay {report['link']['delay'] or 'none'}; "
-              f"{report['cross_node_bytes_per_step']:.0f} B per step from one rank to other nodes")
+        print(
+            f"link {report['link']['rate'] or 'unlimited'}, delay {report['link']['delay'] or 'none'}; "
+            f"{report['cross_node_bytes_per_step']:.0f} B per step from one rank to other nodes"
+        )
     return 0

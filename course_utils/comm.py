@@ -12,6 +12,7 @@ and per training step, for Ψ parameters over Nd data-parallel ranks: DDP and Ze
 2 send 2(Nd−1)/Nd · Ψ, stage 3 sends 3(Nd−1)/Nd · Ψ (one more all-gather of the weights).
 ``course_utils.instrument`` counts real runs with the same factors.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ def ring_all_reduce(inputs) -> RingTrace:
     if n < 1 or len({b.size for b in bufs}) != 1:
         raise CourseInputError("ring_all_reduce needs one array per rank, all of the same length")
     bounds = np.cumsum([0] + [len(c) for c in np.array_split(np.arange(bufs[0].size), n)])
-    chunk = lambda b, c: b[bounds[c]:bounds[c + 1]]  # noqa: E731  (a view: writes go into b)
+    chunk = lambda b, c: b[bounds[c] : bounds[c + 1]]  # noqa: E731  (a view: writes go into b)
     sent = {"reduce_scatter": [0] * n, "all_gather": [0] * n}
     messages = []
     for phase in ("reduce_scatter", "all_gather"):
@@ -117,8 +118,14 @@ def ring_all_reduce(inputs) -> RingTrace:
                 else:
                     target[:] = data
                 sent[phase][src] += data.size
-                messages.append({"phase": phase, "step": step, "src": src, "dst": dst, "chunk": c,
-                                 "elements": int(data.size)})
+                messages.append(
+                    {"phase": phase, "step": step, "src": src, "dst": dst, "chunk": c, "elements": int(data.size)}
+                )
     total = [a + b for a, b in zip(sent["reduce_scatter"], sent["all_gather"])]
-    return RingTrace(result=bufs, sent=total, sent_reduce_scatter=sent["reduce_scatter"],
-                     sent_all_gather=sent["all_gather"], messages=messages)
+    return RingTrace(
+        result=bufs,
+        sent=total,
+        sent_reduce_scatter=sent["reduce_scatter"],
+        sent_all_gather=sent["all_gather"],
+        messages=messages,
+    )

@@ -8,6 +8,7 @@ may rename or drop in any release: notebook 04 counts the bytes of FSDP2's gathe
 another torch (Colab keeps its own) reads one plain sentence first instead of an AttributeError deep
 in a cell.
 """
+
 from __future__ import annotations
 
 #: The torch the course is tested with: constraints.txt pins this version (tests/test_compat.py keeps them equal).
@@ -30,10 +31,12 @@ def torch_mismatch(uses: str, *, tested: str = TESTED_TORCH, version: str | None
         version = torch.__version__
     if _minor(version) == _minor(tested):
         return None
-    return (f"This notebook was tested with torch {tested} and this is torch {version}: {uses} are private "
-            f"torch internals that may have moved, so the cells that use them may fail; everything else uses "
-            f"public APIs. For the tested torch: `make setup` here, or `pip install torch=={tested}` and "
-            f"restart the kernel.")
+    return (
+        f"This notebook was tested with torch {tested} and this is torch {version}: {uses} are private "
+        f"torch internals that may have moved, so the cells that use them may fail; everything else uses "
+        f"public APIs. For the tested torch: `make setup` here, or `pip install torch=={tested}` and "
+        f"restart the kernel."
+    )
 
 
 def check_torch(uses: str, *, tested: str = TESTED_TORCH) -> bool:

@@ -7,6 +7,7 @@ samples per step, and a restarted run that redoes step k sees the same samples a
 The sequences are learnable, so losses fall visibly in a few steps: each row counts through
 the vocabulary from a random start with a random stride (token t+1 = token t + stride mod V).
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,9 @@ def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int = 0) -> 
     return (start + stride * torch.arange(seq + 1)) % vocab
 
 
-def batch_for_rank(step: int, rank: int, world_size: int, *, batch: int, seq: int, vocab: int,
-                   seed: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def batch_for_rank(
+    step: int, rank: int, world_size: int, *, batch: int, seq: int, vocab: int, seed: int = 0, device="cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's inputs and next-token targets for ``step`` (notebook 00).
 
     Args:
@@ -35,8 +37,9 @@ def batch_for_rank(step: int, rank: int, world_size: int, *, batch: int, seq: in
     """
     if batch % world_size:
         raise CourseInputError(
-            f"global batch {batch} does not divide by {world_size} ranks; pick a batch that is a multiple of {world_size}")
+            f"global batch {batch} does not divide by {world_size} ranks; pick a batch that is a multiple of {world_size}"
+        )
     per = batch // world_size
-    tokens = global_batch(step, batch, seq, vocab, seed)[rank * per:(rank + 1) * per]
+    tokens = global_batch(step, batch, seq, vocab, seed)[rank * per : (rank + 1) * per]
     tokens = tokens.to(device)
     return tokens[:, :-1], tokens[:, 1:]

@@ -14,6 +14,7 @@
 Every rank holds the full model, its gradients and its optimizer state: 16Ψ bytes (fp32 Adam:
 4 + 4 + 8; mixed-precision Adam: 2 + 2 + 12). Only the gradients are communicated.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,6 +30,7 @@ from .units import MiB  # torch's bucket_cap_mb counts MiB (2^20 bytes); so does
 
 # ---------------------------------------------------------------- torch DDP
 
+
 def apply_ddp(model, cfg: TrainConfig, info) -> Prepared:
     """Wrap ``model`` in torch DDP (notebook 02).
 
@@ -39,16 +41,21 @@ def apply_ddp(model, cfg: TrainConfig, info) -> Prepared:
 
     Every rank keeps the full model, gradients and Adam state: 16Ψ bytes.
     """
-    ddp = DistributedDataParallel(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-                                  bucket_cap_mb=cfg.bucket_cap_mb)
+    ddp = DistributedDataParallel(
+        model, device_ids=[info.device.index] if info.device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_cap_mb
+    )
     optimizer = make_optimizer(ddp.parameters(), cfg)
-    return Prepared(model=ddp, optimizer=optimizer,
-                    full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
-                    held=lambda: module_held(model, optimizer),
-                    info={"bucket_cap_mb": cfg.bucket_cap_mb})
+    return Prepared(
+        model=ddp,
+        optimizer=optimizer,
+        full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
+        held=lambda: module_held(model, optimizer),
+        info={"bucket_cap_mb": cfg.bucket_cap_mb},
+    )
 
 
 # ---------------------------------------------------------------- DDP by hand
+
 
 class Bucket:
     """Gradients all-reduced together as one flat tensor (notebook 02)."""
@@ -57,11 +64,12 @@ class Bucket:
         self.index = index
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
-        self.buffer = torch.zeros(sum(p.numel() for p in self.params),
-                                  dtype=self.params[0].dtype, device=self.params[0].device)
+        self.buffer = torch.zeros(
+            sum(p.numel() for p in self.params), dtype=self.params[0].dtype, device=self.params[0].device
+        )
         self.views = list(self.buffer.split([p.numel() for p in self.params]))  # one slice per gradient
         self.ready: set[int] = set()  # positions whose gradient arrived in this backward
-        self.work = None              # the async all-reduce, once issued
+        self.work = None  # the async all-reduce, once issued
 
     @property
     def nbytes(self) -> int:
@@ -84,7 +92,9 @@ def make_buckets(module: nn.Module, cap_bytes: int) -> list[Bucket]:
         if not p.requires_grad:
             continue
         nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > cap_bytes or (p.dtype, p.device) != (current[0][1].dtype, current[0][1].device)):
+        if current and (
+            size + nbytes > cap_bytes or (p.dtype, p.device) != (current[0][1].dtype, current[0][1].device)
+        ):
             groups.append(current)
             current, size = [], 0
         current.append((name, p))
@@ -165,7 +175,8 @@ class BucketedDDP(nn.Module):
                     f"bucket {bucket.index} never filled: {', '.join(missing)} got no gradient in this "
                     f"backward, so bucket {bucket.index} and every later bucket (issued in index order) "
                     "were never all-reduced. Make the loss use every parameter, or freeze the unused ones "
-                    "(requires_grad=False) before wrapping.")
+                    "(requires_grad=False) before wrapping."
+                )
             bucket.work.wait()
             for p, view in zip(bucket.params, bucket.views):
                 p.grad.copy_(view.view_as(p))
@@ -180,8 +191,11 @@ class BucketedDDP(nn.Module):
 
     def describe(self) -> dict:
         """Bucket layout for reports: cap, count, bytes and parameter names per bucket."""
-        return {"buckets": len(self.buckets), "bucket_bytes": [b.nbytes for b in self.buckets],
-                "bucket_params": [b.names for b in self.buckets]}
+        return {
+            "buckets": len(self.buckets),
+            "bucket_bytes": [b.nbytes for b in self.buckets],
+            "bucket_params": [b.names for b in self.buckets],
+        }
 
 
 def apply_ddp_scratch(model, cfg: TrainConfig, info) -> Prepared:
@@ -197,8 +211,11 @@ def apply_ddp_scratch(model, cfg: TrainConfig, info) -> Prepared:
     """
     ddp = BucketedDDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
     optimizer = make_optimizer(ddp.parameters(), cfg)
-    return Prepared(model=ddp, optimizer=optimizer,
-                    full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
-                    held=lambda: module_held(model, optimizer),
-                    before_step=ddp.finish_gradient_synchronization,
-                    info={"bucket_cap_mb": cfg.bucket_cap_mb, **ddp.describe()})
+    return Prepared(
+        model=ddp,
+        optimizer=optimizer,
+        full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
+        held=lambda: module_held(model, optimizer),
+        before_step=ddp.finish_gradient_synchronization,
+        info={"bucket_cap_mb": cfg.bucket_cap_mb, **ddp.describe()},
+    )

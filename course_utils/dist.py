@@ -9,6 +9,7 @@ A worker function calls ``init()`` first and gets a ``DistInfo``. The same call 
 so worker code is identical at world size 1 and N. The rule for the backend, in one place:
 NCCL with one GPU per local rank when there are at least that many GPUs, gloo on CPU otherwise.
 """
+
 from __future__ import annotations
 
 import io
@@ -44,7 +45,8 @@ def pick_backend(nproc_per_node: int, requested: str = "auto") -> tuple[str, str
         if gpus < nproc_per_node:
             raise CourseInputError(
                 f"backend='nccl' needs one GPU per rank: {nproc_per_node} ranks but {gpus} GPU(s) here; "
-                "use backend='auto' (gloo on CPU) or fewer ranks")
+                "use backend='auto' (gloo on CPU) or fewer ranks"
+            )
         return "nccl", "cuda"
     return ("nccl", "cuda") if gpus >= nproc_per_node and gpus > 0 else ("gloo", "cpu")
 
@@ -111,9 +113,13 @@ def make_deterministic(device: torch.device) -> dict:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
-    return {"deterministic": True, "use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"],
-            "cudnn.deterministic": torch.backends.cudnn.deterministic, "cudnn.benchmark": torch.backends.cudnn.benchmark}
+    return {
+        "deterministic": True,
+        "use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"],
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+    }
 
 
 def synchronize(device: torch.device) -> None:
@@ -161,14 +167,25 @@ def init(backend: str | None = None, timeout_s: float | None = None, *, determin
     if not dist.is_initialized():
         timeout = timedelta(seconds=float(timeout_s or os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
         if "MASTER_ADDR" in os.environ:  # torchrun / elastic agent: rendezvous through env://
-            dist.init_process_group(backend_name, store=attempt_store(timeout), rank=rank, world_size=world,
-                                    timeout=timeout, device_id=device if device_type == "cuda" else None)
+            dist.init_process_group(
+                backend_name,
+                store=attempt_store(timeout),
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+                device_id=device if device_type == "cuda" else None,
+            )
         else:  # a plain process: a world of one, so the same collectives still run
-            dist.init_process_group(backend_name, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
-    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                    local_world_size=local_world, backend=backend_name, device=device,
-                    restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+            dist.init_process_group(backend_name, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        local_world_size=local_world,
+        backend=backend_name,
+        device=device,
+        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+    )
 
 
 def attempt_store(timeout: timedelta):
@@ -186,8 +203,7 @@ def attempt_store(timeout: timedelta):
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None  # init_process_group's env:// store, as usual
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"course_utils/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 
@@ -221,7 +237,8 @@ def check_mesh_shape(world_size: int, mesh_shape) -> tuple[int, ...]:
     if prod != world_size:
         raise CourseInputError(
             f"mesh shape {shape} holds {prod} ranks but the world has {world_size}; "
-            f"choose sizes whose product is {world_size} (e.g. ({max(world_size // 2, 1)}, {min(2, world_size)}))")
+            f"choose sizes whose product is {world_size} (e.g. ({max(world_size // 2, 1)}, {min(2, world_size)}))"
+        )
     return shape
 
 
@@ -253,7 +270,7 @@ def print_line(text: str) -> None:
     stream.flush()
     data = (text + "\n").encode(stream.encoding or "utf-8", "replace")
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def log(*parts) -> None:

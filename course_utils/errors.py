@@ -3,6 +3,7 @@
 A `CourseInputError` always says what was wrong and what to do instead. The command line
 turns it into one line on stderr and exit status 2, never a traceback.
 """
+
 from __future__ import annotations
 
 

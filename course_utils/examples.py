@@ -3,6 +3,7 @@
 They live in a module, not in a notebook cell, because worker processes must be able to
 import the function they run.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,14 @@ def all_reduce_demo(n: int = 4) -> dict:
     with cdist.session() as info:
         x = torch.full((n,), float(info.rank + 1), device=info.device)
         dist.all_reduce(x)  # default op: SUM
-        return {"rank": info.rank, "world_size": info.world_size, "backend": info.backend,
-                "device": str(info.device), "pid": os.getpid(), "result": x.cpu().tolist()}
+        return {
+            "rank": info.rank,
+            "world_size": info.world_size,
+            "backend": info.backend,
+            "device": str(info.device),
+            "pid": os.getpid(),
+            "result": x.cpu().tolist(),
+        }
 
 
 def fail_on_rank(bad_rank: int = 1) -> int:
@@ -107,5 +114,9 @@ def three_collectives(psi: int = 8) -> dict:
         all_gather_single(whole, torch.arange(r * s, (r + 1) * s, dtype=torch.float32, device=info.device))
         slice_sum = torch.empty(s, device=info.device)
         reduce_scatter_single(slice_sum, torch.full((psi,), float(r + 1), device=info.device))
-        return {"rank": r, "broadcast": mine.cpu().tolist(), "all_gather": whole.cpu().tolist(),
-                "reduce_scatter": slice_sum.cpu().tolist()}
+        return {
+            "rank": r,
+            "broadcast": mine.cpu().tolist(),
+            "all_gather": whole.cpu().tolist(),
+            "reduce_scatter": slice_sum.cpu().tolist(),
+        }

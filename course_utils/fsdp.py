@@ -50,6 +50,7 @@ formulas predict for a run (bytes held, collectives, the peak of gathered bytes)
 launch, the state-dict demo) are ``course_utils.labs.lab04``; its tables are views in
 ``course_utils.plots``.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -67,8 +68,12 @@ from .predict import unit_table
 from .strategies import get_fsdp, mesh_shape
 
 #: Accepted values of the strategy knobs in ``TrainConfig.options``; the first is the default.
-OPTIONS = {"api": ("fsdp2", "fsdp1"), "wrap": UNIT_GRANULARITIES,
-           "prefetch": ("default", "explicit", "none"), "offload": (False, True)}
+OPTIONS = {
+    "api": ("fsdp2", "fsdp1"),
+    "wrap": UNIT_GRANULARITIES,
+    "prefetch": ("default", "explicit", "none"),
+    "offload": (False, True),
+}
 
 
 def fsdp_options(cfg: TrainConfig) -> dict:
@@ -85,13 +90,17 @@ def fsdp_options(cfg: TrainConfig) -> dict:
             raise CourseInputError(f"option {key}={value!r} is not one of {', '.join(map(str, choices))}")
         out[key] = value
     if out["api"] == "fsdp1" and (out["wrap"] == "linear" or out["prefetch"] != "default" or out["offload"]):
-        raise CourseInputError("api=fsdp1 is the mapping to older code: use it with wrap=block or wrap=model and "
-                               "the default prefetch, without offload")
+        raise CourseInputError(
+            "api=fsdp1 is the mapping to older code: use it with wrap=block or wrap=model and "
+            "the default prefetch, without offload"
+        )
     if out["api"] == "fsdp1" and cfg.strategy == "hybrid_shard" and cfg.node_size == 1:
         # Measured on torch 2.13: FSDP1 then all-reduces over the one-rank shard group only, so the
         # replicas never average their gradients and silently drift apart.
-        raise CourseInputError("FSDP1's HYBRID_SHARD with node_size 1 does not average gradients across nodes; "
-                               "use node_size >= 2, or api=fsdp2 (or no_shard)")
+        raise CourseInputError(
+            "FSDP1's HYBRID_SHARD with node_size 1 does not average gradients across nodes; "
+            "use node_size >= 2, or api=fsdp2 (or no_shard)"
+        )
     return out
 
 
@@ -143,8 +152,8 @@ def set_prefetch(units: list, mode: str = "default", depth: int = 1) -> None:
         root.set_modules_to_forward_prefetch(layers[:depth])
         root.set_modules_to_backward_prefetch(layers[-depth:][::-1])
     for i, unit in enumerate(layers):
-        unit.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + depth])
-        unit.set_modules_to_backward_prefetch(layers[max(0, i - depth):i][::-1])
+        unit.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + depth])
+        unit.set_modules_to_backward_prefetch(layers[max(0, i - depth) : i][::-1])
 
 
 def mixed_precision_policy(cfg: TrainConfig):
@@ -173,8 +182,17 @@ def offload_policy(enabled: bool, device: torch.device):
     return CPUOffloadPolicy(pin_memory=device.type == "cuda") if enabled else None
 
 
-def shard_model(model: nn.Module, mesh, *, reshard_after_forward: bool, granularity: str = "block",
-                mp_policy=None, offload=None, prefetch: str = "default", act_ckpt: bool = False) -> list:
+def shard_model(
+    model: nn.Module,
+    mesh,
+    *,
+    reshard_after_forward: bool,
+    granularity: str = "block",
+    mp_policy=None,
+    offload=None,
+    prefetch: str = "default",
+    act_ckpt: bool = False,
+) -> list:
     """Apply ``fully_shard`` bottom-up: each unit module, then the root; return the units, root last (notebook 04).
 
     The one wrapping function of the course: real runs (``apply_full_shard`` and the other
@@ -193,8 +211,12 @@ def shard_model(model: nn.Module, mesh, *, reshard_after_forward: bool, granular
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,
-                  mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload or OffloadPolicy())
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy or MixedPrecisionPolicy(),
+        offload_policy=offload or OffloadPolicy(),
+    )
     modules = unit_modules(model, granularity)
     if act_ckpt:
         from torch.distributed._composable import checkpoint
@@ -210,6 +232,7 @@ def shard_model(model: nn.Module, mesh, *, reshard_after_forward: bool, granular
 # ---------------------------------------------------------------------------------------------
 # Peak bytes of gathered parameters
 # ---------------------------------------------------------------------------------------------
+
 
 def _param_groups(unit) -> list:
     """FSDP2's parameter group(s) of one unit: where it records whether the unit is gathered."""
@@ -260,8 +283,9 @@ class UnshardedTracker(Observer):
 
     def _group_bytes(self, group) -> int:
         if id(group) not in self._bytes:  # the working dtype is settled at FSDP's lazy init
-            self._bytes[id(group)] = sum(fp._orig_size.numel() * (fp.param_dtype or fp.orig_dtype).itemsize
-                                         for fp in group.fsdp_params)
+            self._bytes[id(group)] = sum(
+                fp._orig_size.numel() * (fp.param_dtype or fp.orig_dtype).itemsize for fp in group.fsdp_params
+            )
         return self._bytes[id(group)]
 
     def live_bytes(self) -> int:
@@ -295,6 +319,7 @@ class UnshardedTracker(Observer):
 # The strategies (python -m course_utils train --strategy no_shard|shard_grad_op|full_shard|hybrid_shard)
 # ---------------------------------------------------------------------------------------------
 
+
 def full_state_dict(model: nn.Module) -> dict:
     """Every rank gets the full, unsharded weights keyed like ``build_model().state_dict()`` (notebook 04).
 
@@ -310,8 +335,9 @@ def full_state_dict(model: nn.Module) -> dict:
 
 def full_state_dict_via_dtensor(model: nn.Module) -> dict:
     """The same full state dict assembled by hand: ``DTensor.full_tensor()`` on each sharded value (notebook 04)."""
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
+    }
 
 
 def _apply_fsdp(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
@@ -324,21 +350,38 @@ def _apply_fsdp(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
     mesh = fsdp_mesh(info, strategy, cfg.node_size)
     mp = mixed_precision_policy(cfg)
     spec = get_fsdp(strategy)
-    shard_model(model, mesh, reshard_after_forward=spec.reshard_after_forward,
-                        granularity=opts["wrap"], mp_policy=mp, offload=offload_policy(opts["offload"], info.device),
-                        prefetch=opts["prefetch"])
+    shard_model(
+        model,
+        mesh,
+        reshard_after_forward=spec.reshard_after_forward,
+        granularity=opts["wrap"],
+        mp_policy=mp,
+        offload=offload_policy(opts["offload"], info.device),
+        prefetch=opts["prefetch"],
+    )
     if meta:  # built on the meta device (loop.prepare): each rank materialises only its shards
         init_weights(model, cfg.seed, "cpu" if opts["offload"] else info.device)
     optimizer = make_optimizer(model.parameters(), cfg)  # after sharding: over this rank's DTensor shards
-    report = {"library": "FSDP2 fully_shard", "fsdp1_name": spec.fsdp1_name,
-              "mesh": {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names)},
-              "reshard_after_forward": spec.reshard_after_forward, **opts,
-              "compute_bytes_per_element": 2 if mp else 4,
-              "units": unit_table(model, mesh.shape[-1], unit_modules(model, opts["wrap"])), "peak_unsharded_bytes": 0}
+    report = {
+        "library": "FSDP2 fully_shard",
+        "fsdp1_name": spec.fsdp1_name,
+        "mesh": {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names)},
+        "reshard_after_forward": spec.reshard_after_forward,
+        **opts,
+        "compute_bytes_per_element": 2 if mp else 4,
+        "units": unit_table(model, mesh.shape[-1], unit_modules(model, opts["wrap"])),
+        "peak_unsharded_bytes": 0,
+    }
     tracker = UnshardedTracker(model, report)
     report["tracker_units"] = len(tracker.units)
-    return Prepared(model=model, optimizer=optimizer, full_state_dict=lambda: full_state_dict(model),
-                    held=lambda: module_held(model, optimizer), info=report, observers=[tracker])
+    return Prepared(
+        model=model,
+        optimizer=optimizer,
+        full_state_dict=lambda: full_state_dict(model),
+        held=lambda: module_held(model, optimizer),
+        info=report,
+        observers=[tracker],
+    )
 
 
 def apply_full_shard(model, cfg: TrainConfig, info) -> Prepared:
@@ -423,13 +466,27 @@ def apply_fsdp1(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
     policy = ModuleWrapPolicy({Block}) if opts["wrap"] == "block" else None
     with warnings.catch_warnings():  # FSDP1 announces its own deprecation; the notebook says so in words
         warnings.simplefilter("ignore", FutureWarning)
-        wrapped = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy[get_fsdp(strategy).fsdp1_name],
-                                           device_id=info.device, auto_wrap_policy=policy, **kwargs)
+        wrapped = FullyShardedDataParallel(
+            model,
+            sharding_strategy=ShardingStrategy[get_fsdp(strategy).fsdp1_name],
+            device_id=info.device,
+            auto_wrap_policy=policy,
+            **kwargs,
+        )
     optimizer = make_optimizer(wrapped.parameters(), cfg)
-    report = {"library": "FSDP1 FullyShardedDataParallel", "fsdp1_name": get_fsdp(strategy).fsdp1_name, **opts,
-              "flat_shard_numel": [p.numel() for p in wrapped.parameters()]}
-    return Prepared(model=wrapped, optimizer=optimizer, full_state_dict=lambda: full_state_dict(wrapped),
-                    held=lambda: module_held(wrapped, optimizer), info=report)
+    report = {
+        "library": "FSDP1 FullyShardedDataParallel",
+        "fsdp1_name": get_fsdp(strategy).fsdp1_name,
+        **opts,
+        "flat_shard_numel": [p.numel() for p in wrapped.parameters()],
+    }
+    return Prepared(
+        model=wrapped,
+        optimizer=optimizer,
+        full_state_dict=lambda: full_state_dict(wrapped),
+        held=lambda: module_held(wrapped, optimizer),
+        info=report,
+    )
 
 
 def _b(n) -> str:
@@ -442,10 +499,21 @@ def calls_text(comm: dict) -> str:
     return " + ".join(f"{v['calls']:g} {short.get(k, k)}" for k, v in comm.items()) or "none"
 
 
-
-
 __all__ = [
-    "OPTIONS", "fsdp_options", "fsdp_mesh", "set_prefetch", "mixed_precision_policy", "offload_policy",
-    "shard_model", "UnshardedTracker", "full_state_dict", "full_state_dict_via_dtensor", "apply_full_shard",
-    "apply_shard_grad_op", "apply_no_shard", "apply_hybrid_shard", "apply_fsdp1", "calls_text",
+    "OPTIONS",
+    "fsdp_options",
+    "fsdp_mesh",
+    "set_prefetch",
+    "mixed_precision_policy",
+    "offload_policy",
+    "shard_model",
+    "UnshardedTracker",
+    "full_state_dict",
+    "full_state_dict_via_dtensor",
+    "apply_full_shard",
+    "apply_shard_grad_op",
+    "apply_no_shard",
+    "apply_hybrid_shard",
+    "apply_fsdp1",
+    "calls_text",
 ]

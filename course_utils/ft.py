@@ -32,6 +32,7 @@ Everything it starts (lighthouse, job manager, replicas) is stopped when it retu
 out or is interrupted. torchft's own servers (each group's manager, its store) listen on every
 interface of this machine: torchft 2026.10.26 takes no bind address for them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,48 +58,54 @@ INSTALL_HINT = "torchft is not installed; `make setup` (or `pip install course-u
 class FTConfig:
     """One TorchFT run: R replica groups of one process each, K steps, one planned failure (notebook 06)."""
 
-    replicas: int = 2               # replica groups (R); each holds the whole model
-    steps: int = 16                 # committed steps every group ends at (K)
-    kill: str | None = None         # "REPLICA:STEP": that group dies at that step (first attempt only)
+    replicas: int = 2  # replica groups (R); each holds the whole model
+    steps: int = 16  # committed steps every group ends at (K)
+    kill: str | None = None  # "REPLICA:STEP": that group dies at that step (first attempt only)
     during_allreduce: bool = False  # die inside the step's gradient all-reduce, not between steps
     # The job manager restarts the dead group once the survivors have committed this many steps
     # without it, so the run shows both phases on any machine. A real job manager restarts as soon as
     # it can, and a restart (new process, imports, joining) takes seconds to minutes.
     restart_after: int = 2
     model: str = "tiny"
-    batch: int = 8                  # global batch per step, split across the R groups
+    batch: int = 8  # global batch per step, split across the R groups
     lr: float = 3e-3
     seed: int = 0
     # How long the lighthouse waits for a silent group's heartbeat before it forms a quorum without
     # it (torchft's default is 5000 ms). 1000 ms keeps a notebook run short and is still 10 of the
     # managers' 100 ms heartbeats: a busy CPU does not miss that many.
     heartbeat_timeout_ms: int = 1000
-    timeout_s: float = 60.0         # the whole run; everything is stopped after it
+    timeout_s: float = 60.0  # the whole run; everything is stopped after it
 
     def validate(self) -> FTConfig:
         from .checkpoint import parse_failures
 
         if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 2:
-            raise CourseInputError(f"--replicas must be a whole number >= 2 (one group to lose, one to survive), "
-                                   f"got {self.replicas!r}")
+            raise CourseInputError(
+                f"--replicas must be a whole number >= 2 (one group to lose, one to survive), got {self.replicas!r}"
+            )
         if isinstance(self.batch, int) and self.batch >= 1 and self.batch % self.replicas:
-            raise CourseInputError(f"--batch {self.batch} does not split across {self.replicas} replica groups; "
-                                   f"pick a multiple of {self.replicas}")
+            raise CourseInputError(
+                f"--batch {self.batch} does not split across {self.replicas} replica groups; "
+                f"pick a multiple of {self.replicas}"
+            )
         self.train_config()  # steps, lr, model: the checks train.py makes
         kills = parse_failures(self.kill, "--kill")
         if len(kills) > 1:
             raise CourseInputError(f"--kill takes one REPLICA:STEP, got {self.kill!r}")
         for replica, step in kills:
             if not 0 <= replica < self.replicas or not 0 <= step < self.steps:
-                raise CourseInputError(f"--kill {self.kill}: REPLICA must be in 0..{self.replicas - 1} and STEP in "
-                                       f"0..{self.steps - 1} (a step the run reaches)")
+                raise CourseInputError(
+                    f"--kill {self.kill}: REPLICA must be in 0..{self.replicas - 1} and STEP in "
+                    f"0..{self.steps - 1} (a step the run reaches)"
+                )
         if self.during_allreduce and not kills:
             raise CourseInputError("--during-allreduce needs --kill REPLICA:STEP (which group dies, and when)")
         if not isinstance(self.restart_after, int) or isinstance(self.restart_after, bool) or self.restart_after < 0:
             raise CourseInputError(f"--restart-after must be a whole number of steps >= 0, got {self.restart_after!r}")
         if not isinstance(self.heartbeat_timeout_ms, int) or self.heartbeat_timeout_ms < 200:
             raise CourseInputError(
-                f"heartbeat_timeout_ms must be a whole number >= 200, got {self.heartbeat_timeout_ms!r}")
+                f"heartbeat_timeout_ms must be a whole number >= 200, got {self.heartbeat_timeout_ms!r}"
+            )
         if not self.timeout_s or self.timeout_s <= 0:
             raise CourseInputError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         return self
@@ -106,17 +113,27 @@ class FTConfig:
     def train_config(self):
         """The same run as ``train.TrainConfig`` sees it: R ranks of plain DDP (notebook 06)."""
         from .train import TrainConfig
-        return TrainConfig(strategy="ddp", nproc=self.replicas, steps=self.steps, model=self.model,
-                           batch=self.batch, lr=self.lr, seed=self.seed).validate()
+
+        return TrainConfig(
+            strategy="ddp",
+            nproc=self.replicas,
+            steps=self.steps,
+            model=self.model,
+            batch=self.batch,
+            lr=self.lr,
+            seed=self.seed,
+        ).validate()
 
     def kill_at(self) -> tuple[int, int] | None:
         """``(replica, step)`` of the planned failure, or None (notebook 06)."""
         from .checkpoint import parse_failures
+
         kills = parse_failures(self.kill, "--kill")
         return kills[0] if kills else None
 
 
 # ---------------------------------------------------------------- one replica group (a forked process)
+
 
 def replica_main(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, run_dir: Path) -> None:
     """One replica group's training with torchft, through the course's one loop (notebook 06).
@@ -159,16 +176,26 @@ def replica_main(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, run
 
     transport.recv_checkpoint = timed_recv
     manager = torchft.Manager(
-        pg=pg, min_replica_size=1,
+        pg=pg,
+        min_replica_size=1,
         state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["optim"])),
-        replica_id=f"replica{replica}", lighthouse_addr=lighthouse, hostname="127.0.0.1",
-        store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+        replica_id=f"replica{replica}",
+        lighthouse_addr=lighthouse,
+        hostname="127.0.0.1",
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
         # Synchronous quorum: a group that heals loads the peer's state before its forward pass and
         # takes a full part in that same step (torchft's default overlaps the quorum with forward).
-        use_async_quorum=False, init_sync=False, checkpoint_transport=transport,
-        timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=cfg.timeout_s),
-        connect_timeout=timedelta(seconds=10))
+        use_async_quorum=False,
+        init_sync=False,
+        checkpoint_transport=transport,
+        timeout=timedelta(seconds=10),
+        quorum_timeout=timedelta(seconds=cfg.timeout_s),
+        connect_timeout=timedelta(seconds=10),
+    )
     ddp = torchft.DistributedDataParallel(manager, model)
     optimizer = torchft.Optimizer(manager, inner)
 
@@ -228,15 +255,23 @@ def replica_main(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, run
             self.loss = loss
 
         def after_update(self, step):
-            record(step=step, committed=manager.current_step() > step, participants=manager.num_participants(),
-                   t0=clock["t0"], quorum_s=clock["quorum"] - clock["t0"], commit_s=votes.pop(), t1=time.time(),
-                   loss=float(self.loss))
+            record(
+                step=step,
+                committed=manager.current_step() > step,
+                participants=manager.num_participants(),
+                t0=clock["t0"],
+                quorum_s=clock["quorum"] - clock["t0"],
+                commit_s=votes.pop(),
+                t1=time.time(),
+                loss=float(self.loss),
+            )
 
     # The loop's optimizer: torchft's step (applied only if should_commit() says every group's all-reduce
     # worked); its zero_grad only clears gradients, the quorum being quorum_steps' first act of a step.
     update = SimpleNamespace(step=optimizer.step, zero_grad=inner.zero_grad)
-    prepared = Prepared(model=ddp, optimizer=update, full_state_dict=model.state_dict,
-                        held=lambda: module_held(model, inner))
+    prepared = Prepared(
+        model=ddp, optimizer=update, full_state_dict=model.state_dict, held=lambda: module_held(model, inner)
+    )
     info = SimpleNamespace(rank=replica, world_size=cfg.replicas, device=torch.device("cpu"))
     run_steps(prepared, cfg.train_config(), info, quorum_steps(), [Committed()])
 
@@ -245,13 +280,19 @@ def replica_main(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, run
     (run_dir / f"done-{replica}").touch()
     while time.sleep(0.05) or not all((run_dir / f"done-{r}").exists() for r in range(cfg.replicas)):
         optimizer.zero_grad()
-    record(final=True, step=manager.current_step(), weights_sha256=weights_sha256(model.state_dict()),
-           t=time.time(), pid=os.getpid())
+    record(
+        final=True,
+        step=manager.current_step(),
+        weights_sha256=weights_sha256(model.state_dict()),
+        t=time.time(),
+        pid=os.getpid(),
+    )
     events.close()
     manager.shutdown(wait=False)
 
 
 # ---------------------------------------------------------------- the job manager (a child process)
+
 
 def _fork_replica(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, run_dir: Path) -> int:
     """Fork one replica group's process; its output goes to its own log file."""
@@ -316,8 +357,10 @@ def job_manager(config: dict, lighthouse: str, run_dir: str) -> dict:
             code = os.waitstatus_to_exitcode(status)
             jobs["exits"].append({"replica": replica, "attempt": attempt, "code": code, "pid": pid, "t": time.time()})
             if code != 0 and attempt > 0:
-                raise RuntimeError(f"replica {replica} failed again after its restart (exit code {code}); "
-                                   f"its log: {run_dir / f'replica-{replica}-{attempt}.log'}")
+                raise RuntimeError(
+                    f"replica {replica} failed again after its restart (exit code {code}); "
+                    f"its log: {run_dir / f'replica-{replica}-{attempt}.log'}"
+                )
             if code != 0:  # the job manager's answer to a dead group: start it again
                 dead.append(replica)
         for replica in list(dead):
@@ -331,6 +374,7 @@ def job_manager(config: dict, lighthouse: str, run_dir: str) -> dict:
 
 
 # ---------------------------------------------------------------- the caller's side
+
 
 def _events(run_dir: Path) -> list[dict]:
     rows = []
@@ -349,34 +393,58 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
     for step in range(cfg.steps):
         mine = [r for r in tries if r["step"] == step]
         done = [r for r in mine if r["committed"]]
-        per_step.append({"step": step, "committed": bool(done), "replicas": sorted(r["replica"] for r in done),
-                         "participants": max((r["participants"] for r in done), default=0),
-                         "discarded": sum(not r["committed"] for r in mine)})
+        per_step.append(
+            {
+                "step": step,
+                "committed": bool(done),
+                "replicas": sorted(r["replica"] for r in done),
+                "participants": max((r["participants"] for r in done), default=0),
+                "discarded": sum(not r["committed"] for r in mine),
+            }
+        )
     # An ordinary step: every group took part, none healed, no kill inside it; step 0 warms up.
     heal_steps = {r["healed_to_step"] for r in rows if "healed_to_step" in r}
-    ordinary = [r for r in tries if r["committed"] and r["participants"] == cfg.replicas
-                and 0 < r["step"] and r["step"] not in heal_steps and not (kill and r["t0"] <= kill["t"] <= r["t1"])]
+    ordinary = [
+        r
+        for r in tries
+        if r["committed"]
+        and r["participants"] == cfg.replicas
+        and 0 < r["step"]
+        and r["step"] not in heal_steps
+        and not (kill and r["t0"] <= kill["t"] <= r["t1"])
+    ]
     step_time = statistics.median(r["t1"] - r["t0"] for r in ordinary) if ordinary else None
     # TorchFT's own cost per step: the quorum and the commit vote. The rest of a step (forward,
     # backward, the gradient all-reduce, Adam) is what plain DDP does too.
     overhead = statistics.median(r["quorum_s"] + r["commit_s"] for r in ordinary) if ordinary else None
     heals = [r for r in rows if "healed_to_step" in r]
     report = {
-        "replicas": cfg.replicas, "steps": cfg.steps, "kill": cfg.kill, "during_allreduce": cfg.during_allreduce,
-        "heartbeat_timeout_ms": cfg.heartbeat_timeout_ms, "per_step": per_step,
+        "replicas": cfg.replicas,
+        "steps": cfg.steps,
+        "kill": cfg.kill,
+        "during_allreduce": cfg.during_allreduce,
+        "heartbeat_timeout_ms": cfg.heartbeat_timeout_ms,
+        "per_step": per_step,
         "steps_discarded": sum(not r["committed"] for r in tries),
         "discarded_steps": sorted({r["step"] for r in tries if not r["committed"]}),
-        "step_time_s": step_time, "overhead_s": overhead, "stall_s": None, "lost_s": None,
-        "heal_s": heals[0]["heal_s"] if heals else None, "healed_to_step": heals[0]["healed_to_step"] if heals else None,
+        "step_time_s": step_time,
+        "overhead_s": overhead,
+        "stall_s": None,
+        "lost_s": None,
+        "heal_s": heals[0]["heal_s"] if heals else None,
+        "healed_to_step": heals[0]["healed_to_step"] if heals else None,
         "steps_while_away": sum(0 < row["participants"] < cfg.replicas for row in per_step),
         "weights_sha256": {str(r): finals[r]["weights_sha256"] for r in sorted(finals)},
         "final_steps": {str(r): finals[r]["step"] for r in sorted(finals)},
-        "wall_s": wall_s, "run_dir": str(run_dir), **started,
+        "wall_s": wall_s,
+        "run_dir": str(run_dir),
+        **started,
     }
     report["weights_equal"] = len(finals) == cfg.replicas and len(set(report["weights_sha256"].values())) == 1
     if kill:
-        after = sorted((r for r in tries if r["replica"] != kill["replica"] and r["t1"] > kill["t"]),
-                       key=lambda r: r["t1"])
+        after = sorted(
+            (r for r in tries if r["replica"] != kill["replica"] and r["t1"] > kill["t"]), key=lambda r: r["t1"]
+        )
         alone = next((r for r in after if r["committed"] and r["participants"] < cfg.replicas), None)
         window = [r for r in after if alone and r["t1"] <= alone["t1"]]
         # time the survivors waited for a quorum without the dead group (about the heartbeat timeout)
@@ -423,16 +491,29 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
     finally:
         if rust_log is None:
             del os.environ["RUST_LOG"]
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=5000, quorum_tick_ms=20,
-                                  heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=1,
+        join_timeout_ms=5000,
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=cfg.heartbeat_timeout_ms,
+    )
     try:
         # it advertises the machine's host name; it is bound to 127.0.0.1
         address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
         env = {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}
         if os.path.exists("/sys/class/net/lo"):  # gloo's sockets on the loopback interface
             env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-        jobs = launch(job_manager, nproc=1, args=(asdict(cfg), address, str(run_dir)), timeout_s=cfg.timeout_s,
-                      run_dir=run_dir, env=env, progress=False, echo=False)[0]
+        jobs = launch(
+            job_manager,
+            nproc=1,
+            args=(asdict(cfg), address, str(run_dir)),
+            timeout_s=cfg.timeout_s,
+            run_dir=run_dir,
+            env=env,
+            progress=False,
+            echo=False,
+        )[0]
     finally:  # launch has stopped every process it started (job manager and groups) by now
         lighthouse.shutdown()
     pids = [int(line) for line in (run_dir / "pids.txt").read_text().split()]
@@ -441,19 +522,28 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
 
 # ---------------------------------------------------------------- command line
 
+
 def ft_arguments(parser: argparse.ArgumentParser) -> None:
     d = FTConfig()
     parser.add_argument("--replicas", type=int, default=d.replicas, help="replica groups (one process each)")
     parser.add_argument("--steps", type=int, default=d.steps)
     parser.add_argument("--kill", default=None, metavar="REPLICA:STEP", help="that group dies at that step, once")
-    parser.add_argument("--during-allreduce", action="store_true",
-                        help="die inside the step's gradient all-reduce instead of between steps")
+    parser.add_argument(
+        "--during-allreduce",
+        action="store_true",
+        help="die inside the step's gradient all-reduce instead of between steps",
+    )
     parser.add_argument("--model", default=d.model)
     parser.add_argument("--batch", type=int, default=d.batch, help="global batch (all groups together)")
     parser.add_argument("--lr", type=float, default=d.lr)
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--restart-after", type=int, default=d.restart_after, metavar="N",
-                        help="restart the dead group once the survivors have committed N steps without it")
+    parser.add_argument(
+        "--restart-after",
+        type=int,
+        default=d.restart_after,
+        metavar="N",
+        help="restart the dead group once the survivors have committed N steps without it",
+    )
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=d.heartbeat_timeout_ms)
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON line")
@@ -465,12 +555,14 @@ def ft_command(args) -> int:
         print(json.dumps(report, sort_keys=True))
         return 0
     for row in report["per_step"]:
-        print(f"step {row['step']:3d}: committed by {row['replicas']} ({row['participants']} in the quorum)"
-              + (f", {row['discarded']} try discarded" if row["discarded"] else ""))
+        print(
+            f"step {row['step']:3d}: committed by {row['replicas']} ({row['participants']} in the quorum)"
+            + (f", {row['discarded']} try discarded" if row["discarded"] else "")
+        )
     ms = lambda s: "-" if s is None else f"{s * 1e3:.0f} ms"  # noqa: E731
-    print(f"steps discarded {report['steps_discarded']}, survivors waited {ms(report['stall_s'])}, heal "
-          f"{ms(report['heal_s'])}; a step {ms(report['step_time_s'])}, of which quorum + commit vote "
-          f"{ms(report['overhead_s'])} (CPU/gloo timings); final weights equal: {report['weights_equal']}")
+    print(
+        f"steps discarded {report['steps_discarded']}, survivors waited {ms(report['stall_s'])}, heal "
+        f"{ms(report['heal_s'])}; a step {ms(report['step_time_s'])}, of which quorum + commit vote "
+        f"{ms(report['overhead_s'])} (CPU/gloo timings); final weights equal: {report['weights_equal']}"
+    )
     return 0
-
-

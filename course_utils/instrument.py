@@ -26,6 +26,7 @@ the process-group view: in a ring over a group that spans nodes, the busiest nod
 carries, in each direction, what one rank sends; a group that stays inside a node sends nothing
 across.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -56,11 +57,17 @@ _C10D = {
 }
 # functional collectives (torch.ops._c10d_functional): (kind, payload from input × factor)
 _FUNCTIONAL = {
-    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
     "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "broadcast": "broadcast", "broadcast_": "broadcast", "all_to_all_single": "all_to_all",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+    "all_to_all_single": "all_to_all",
 }
 
 RING_FACTOR = {
@@ -229,6 +236,7 @@ def weights_sha256(state_dict: dict) -> str:
 # Observers: what a run watches, plugged into the one training loop (``loop.run_steps``)
 # ---------------------------------------------------------------------------------------------
 
+
 class Observer:
     """Something the training loop tells what happens, step by step (notebook 02).
 
@@ -328,8 +336,10 @@ class HeldAtRest(Observer):
             params, grads, optim = self.held()
             self._start = held_bytes(params, grads, optim)["total"]
             self._tracker = MemTracker()
-            self._tracker.track_external(*[t for t in (*params, *grads, *optim) if t is not None],
-                                         *([self.optimizer] if self.optimizer is not None else []))
+            self._tracker.track_external(
+                *[t for t in (*params, *grads, *optim) if t is not None],
+                *([self.optimizer] if self.optimizer is not None else []),
+            )
             self._tracker.__enter__()
             self._base = _tracked_total(self._tracker, "current")
 
@@ -402,8 +412,9 @@ def global_mean_losses(local_losses: list, info) -> list[float]:
     """
     import torch.distributed as dist
 
-    local = torch.stack([loss.detach().float().to(info.device) for loss in local_losses]
-                        + [torch.zeros((), device=info.device)])
+    local = torch.stack(
+        [loss.detach().float().to(info.device) for loss in local_losses] + [torch.zeros((), device=info.device)]
+    )
     parts = [torch.empty_like(local) for _ in range(info.world_size)]
     dist.all_gather(parts, local)
     total = parts[0].clone()
@@ -421,8 +432,10 @@ def weight_diff(a: dict, b: dict) -> dict:
         raise CourseInputError(f"state dicts differ in keys: {sorted(set(a) ^ set(b))[:4]}")
     num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
     den = sum(float(b[k].double().pow(2).sum()) for k in b)
-    return {"max_abs": max(float((a[k].float() - b[k].float()).abs().max()) for k in a),
-            "relative": (num / den) ** 0.5 if den else 0.0}
+    return {
+        "max_abs": max(float((a[k].float() - b[k].float()).abs().max()) for k in a),
+        "relative": (num / den) ** 0.5 if den else 0.0,
+    }
 
 
 def spread(values) -> dict:

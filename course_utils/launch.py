@@ -19,6 +19,7 @@ The same worker runs outside the notebook with plain torchrun; ``result.command`
 
     torchrun --nproc-per-node 4 -m course_utils.worker course_utils.examples:all_reduce_demo
 """
+
 from __future__ import annotations
 
 import atexit
@@ -119,12 +120,21 @@ def _payload(fn, args, kwargs) -> tuple[str, bytes, bool]:
         raise CourseInputError(
             f"launch cannot send {name!r} or its arguments to the worker processes ({exc}): something it "
             "uses cannot be copied to another process (an open file, a lock, a socket, a generator); "
-            "create that inside the function instead") from None
+            "create that inside the function instead"
+        ) from None
     return name, pickle.dumps((list(sys.path), blob)), target is None
 
 
-def torchrun_command(target: str, nproc: int, args=(), kwargs=None, *, max_restarts: int = 0,
-                     nnodes: int | None = None, rdzv_endpoint: str | None = None) -> str:
+def torchrun_command(
+    target: str,
+    nproc: int,
+    args=(),
+    kwargs=None,
+    *,
+    max_restarts: int = 0,
+    nnodes: int | None = None,
+    rdzv_endpoint: str | None = None,
+) -> str:
     """The torchrun line that runs the same worker outside the notebook (notebook 00).
 
     With ``nnodes`` and ``rdzv_endpoint`` it is the line to type on every node of a
@@ -132,8 +142,7 @@ def torchrun_command(target: str, nproc: int, args=(), kwargs=None, *, max_resta
     """
     parts = ["torchrun"]
     if nnodes:
-        parts += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", rdzv_endpoint or "HOST:PORT"]
+        parts += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint or "HOST:PORT"]
     else:
         parts += ["--standalone"]
     parts += ["--nproc-per-node", str(nproc)]
@@ -166,8 +175,11 @@ class _Progress:
         for r in range(self.nproc):
             try:
                 p = json.loads((self.folder / f"rank{r}.json").read_text())
-                extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                 for k, v in p.items() if k not in ("rank", "step", "total", "pid"))
+                extra = " ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in p.items()
+                    if k not in ("rank", "step", "total", "pid")
+                )
                 state = f"{p['step']}/{p['total']}" + (f" {extra}" if extra else "")
             except (OSError, ValueError, KeyError):
                 state = "starting"
@@ -182,8 +194,11 @@ class _Progress:
         return max(0.0, time.time() - max(times)) if times else None
 
     def update(self, elapsed: float, final: dict[int, str] | None = None) -> None:
-        if not self.enabled or (elapsed < 2.0 and final is None) or (final is not None and self.handle is None
-                                                                       and "ipykernel" in sys.modules):
+        if (
+            not self.enabled
+            or (elapsed < 2.0 and final is None)
+            or (final is not None and self.handle is None and "ipykernel" in sys.modules)
+        ):
             return  # a run too short to have drawn a line gets no final line either
         text = self.line(elapsed, final)
         if text == self.last:
@@ -191,6 +206,7 @@ class _Progress:
         self.last = text
         if "ipykernel" in sys.modules:
             from IPython.display import display
+
             if self.handle is None:
                 self.handle = display({"text/plain": text}, raw=True, display_id=True)
             else:
@@ -234,9 +250,13 @@ class _AgentServer:
         """Start the server if it is not running; True if this call started it (a cold launch)."""
         if cls.proc is not None and cls.proc.poll() is None:
             return False
-        cls.proc = subprocess.Popen([sys.executable, "-m", "course_utils._agent", "--serve"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env or _server_env(),
-                                    start_new_session=True)
+        cls.proc = subprocess.Popen(
+            [sys.executable, "-m", "course_utils._agent", "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env or _server_env(),
+            start_new_session=True,
+        )
         atexit.register(cls.stop)
         return True
 
@@ -316,8 +336,11 @@ def _start_agent(spec_path: Path, result_path: Path, log_path: Path, env: dict, 
     if use_server:
         pid = _AgentServer.start_agent(spec_path, result_path, log_path, env)
     else:
-        proc = subprocess.Popen([sys.executable, "-m", "course_utils._agent", str(spec_path),
-                                 str(result_path), str(log_path)], env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "course_utils._agent", str(spec_path), str(result_path), str(log_path)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
         _popen_agents.append(proc)
         pid = proc.pid
     # The agent calls setsid() first thing; wait until it leads its own process group.
@@ -353,8 +376,13 @@ def _cancel_unknown_agent(folder: Path) -> None:
 
 # ---------------------------------------------------------------- where each rank was
 
-_LIBRARY_DIRS = tuple({os.path.dirname(os.__file__), os.path.dirname(importlib.__file__),
-                       str(Path(importlib.import_module("torch").__file__).parent)})
+_LIBRARY_DIRS = tuple(
+    {
+        os.path.dirname(os.__file__),
+        os.path.dirname(importlib.__file__),
+        str(Path(importlib.import_module("torch").__file__).parent),
+    }
+)
 
 
 def _stack_sizes(folder: Path) -> dict[str, int]:
@@ -382,7 +410,7 @@ def _last_dump(text: str) -> list[list[tuple[str, int, str]]]:
             current = []
             threads.append(current)
         elif line.strip().startswith('File "') and current is not None:
-            rest = line.strip()[len('File "'):]
+            rest = line.strip()[len('File "') :]
             path, _, tail = rest.partition('", line ')
             number, _, func = tail.partition(" in ")
             try:
@@ -397,8 +425,11 @@ def _where(frames: list[tuple[str, int, str]]) -> str:
     import linecache
 
     for i, (path, number, func) in enumerate(frames):
-        if path.startswith("<") or path.startswith(_LIBRARY_DIRS) or ("site-packages" in path
-                                                                       and "course_utils" not in path):
+        if (
+            path.startswith("<")
+            or path.startswith(_LIBRARY_DIRS)
+            or ("site-packages" in path and "course_utils" not in path)
+        ):
             continue
         if func == "_ask_peers_where_they_are":
             return "raised: its collective timed out (its traceback is above)"
@@ -435,14 +466,16 @@ def where_ranks_were(folder: Path, nproc: int, since: dict[str, int] | None = No
         if name != "agent" and _result_files(folder).get(int(name[4:])) is not None:
             out[name] = "returned its result"
             continue
-        main = next((t for t in threads if any(p.endswith("_agent.py") and f in ("run_in_worker", "_child")
-                                               for p, _, f in t)), threads[-1])
+        main = next(
+            (t for t in threads if any(p.endswith("_agent.py") and f in ("run_in_worker", "_child") for p, _, f in t)),
+            threads[-1],
+        )
         out[name] = _innermost(main, 4) if name == "agent" else _where(main)
     return out
 
 
 def _result_files(folder: Path) -> dict[int, Path]:
-    return {int(f.name[len("result-rank"):-len(".pkl")]): f for f in folder.glob("result-rank*.pkl")}
+    return {int(f.name[len("result-rank") : -len(".pkl")]): f for f in folder.glob("result-rank*.pkl")}
 
 
 def _log_launch(target: str, nproc: int, wall_s: float, cold: bool, finished: bool, backend: str) -> None:
@@ -452,8 +485,19 @@ def _log_launch(target: str, nproc: int, wall_s: float, cold: bool, finished: bo
     path = os.environ.get("COURSE_LAUNCH_LOG")
     if path:
         with open(path, "a") as fh:
-            fh.write(json.dumps({"target": target, "nproc": nproc, "wall_s": wall_s, "cold": cold,
-                                 "finished": finished, "backend": backend}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "target": target,
+                        "nproc": nproc,
+                        "wall_s": wall_s,
+                        "cold": cold,
+                        "finished": finished,
+                        "backend": backend,
+                    }
+                )
+                + "\n"
+            )
 
 
 #: Seconds the launcher waits for the agent once every rank has left its result, before it takes the
@@ -475,9 +519,21 @@ def _read_results(folder: Path, nproc: int) -> dict[int, object] | None:
     return {rank: value for rank, (_, value) in found.items()}
 
 
-def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeout_s: float = 120.0,
-           max_restarts: int = 0, mesh_shape=None, run_dir=None, env=None,
-           progress: bool = True, echo: bool = True) -> RunResult:
+def launch(
+    fn,
+    *,
+    nproc: int,
+    args=(),
+    kwargs=None,
+    backend: str = "auto",
+    timeout_s: float = 120.0,
+    max_restarts: int = 0,
+    mesh_shape=None,
+    run_dir=None,
+    env=None,
+    progress: bool = True,
+    echo: bool = True,
+) -> RunResult:
     """Run ``fn(*args, **kwargs)`` on ``nproc`` local worker processes; return ``{rank: value}`` (notebook 00).
 
     Args:
@@ -515,8 +571,12 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
         raise CourseInputError(f"nproc must be a whole number of processes >= 1, got {nproc!r}")
     if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
         raise CourseInputError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
-    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s)
-            or timeout_s <= 0):
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
+    ):
         raise CourseInputError(f"timeout_s must be a finite number of seconds above 0 (e.g. 120), got {timeout_s!r}")
     backend_name, device_type = pick_backend(nproc, backend)
     if mesh_shape is not None:
@@ -534,16 +594,31 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
     # started), plus what the run needs. Workers must import the same course_utils as the caller.
     environ = _server_env()
     environ.update({k: str(v) for k, v in (env or {}).items()})
-    environ.update(COURSE_BACKEND=backend_name, COURSE_TIMEOUT_S=str(timeout_s),
-                   COURSE_PROGRESS_DIR=str(progress_dir), PYTHONUNBUFFERED="1")
+    environ.update(
+        COURSE_BACKEND=backend_name,
+        COURSE_TIMEOUT_S=str(timeout_s),
+        COURSE_PROGRESS_DIR=str(progress_dir),
+        PYTHONUNBUFFERED="1",
+    )
     if mesh_shape is not None:
         environ["COURSE_MESH_SHAPE"] = ",".join(map(str, mesh_shape))
     # fork is milliseconds and safe on CPU; CUDA must not be forked, so GPU runs spawn.
     start_method = "spawn" if device_type == "cuda" or not sys.platform.startswith("linux") else "fork"
     with open(spec_path, "wb") as fh:
-        pickle.dump({"payload": payload, "label": label, "nproc": nproc, "max_restarts": max_restarts,
-                     "log_dir": str(log_dir), "environ": environ, "cwd": os.getcwd(),
-                     "start_method": start_method, "progress_dir": str(progress_dir)}, fh)
+        pickle.dump(
+            {
+                "payload": payload,
+                "label": label,
+                "nproc": nproc,
+                "max_restarts": max_restarts,
+                "log_dir": str(log_dir),
+                "environ": environ,
+                "cwd": os.getcwd(),
+                "start_method": start_method,
+                "progress_dir": str(progress_dir),
+            },
+            fh,
+        )
     agent_log.touch()
 
     start = time.monotonic()
@@ -594,8 +669,9 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
     except KeyboardInterrupt:
         if pgid is not None:
             _kill_group(pgid)
-        raise KeyboardInterrupt(f"launch interrupted: every process of the run ({nproc} workers and their "
-                                "agent) was stopped") from None
+        raise KeyboardInterrupt(
+            f"launch interrupted: every process of the run ({nproc} workers and their agent) was stopped"
+        ) from None
     finally:
         if pgid is not None:  # nothing of this run may outlive it
             deadline = time.monotonic() + 2.0
@@ -604,15 +680,18 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
                 time.sleep(0.02)
             _kill_group(pgid, grace_s=1.0)
         _reap()
-        _log_launch(label, nproc, time.monotonic() - start, cold, result_path.exists() or values is not None,
-                    backend_name)
+        _log_launch(
+            label, nproc, time.monotonic() - start, cold, result_path.exists() or values is not None, backend_name
+        )
 
     outcome = None
     if values is None:
         if not result_path.exists():
             status.update(time.monotonic() - start, final={})
-            raise LaunchError(f"the launcher's agent ended without a result (logs: {log_dir}); its last output:\n"
-                              + "\n".join(tail[-30:]))
+            raise LaunchError(
+                f"the launcher's agent ended without a result (logs: {log_dir}); its last output:\n"
+                + "\n".join(tail[-30:])
+            )
         with open(result_path, "rb") as fh:
             outcome = pickle.load(fh)
         if outcome["ok"]:
@@ -620,9 +699,13 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
     if values is None:
         outcome = outcome or {}
         rank = outcome.get("rank")
-        status.update(time.monotonic() - start, final={r: ("failed" if r == rank else "done" if r in
-                                                           _result_files(progress_dir) else "killed")
-                                                       for r in range(nproc)})
+        status.update(
+            time.monotonic() - start,
+            final={
+                r: ("failed" if r == rank else "done" if r in _result_files(progress_dir) else "killed")
+                for r in range(nproc)
+            },
+        )
         head = f"rank {rank} failed" if rank is not None else "the launch failed"
         if outcome.get("exitcode") is not None:
             head += f" (exit code {outcome['exitcode']})"
@@ -634,30 +717,39 @@ def launch(fn, *, nproc: int, args=(), kwargs=None, backend: str = "auto", timeo
         if seen:  # a collective timed out and its rank asked everyone where they were
             absent = [r for r, w in seen.items() if not w.startswith(("raised", "returned"))]
             note = "\nWhere each rank was when the collective timed out:\n" + "\n".join(
-                f"  rank {r}: {w}" for r, w in seen.items())
+                f"  rank {r}: {w}" for r, w in seen.items()
+            )
             if absent:
-                head = (f"rank {rank} timed out in a collective that rank(s) {', '.join(map(str, absent))} never "
-                        f"reached")
-        raise WorkerFailed(f"{head}; logs: {log_dir}\n{outcome.get('message', 'no result from any rank')}{note}",
-                           rank=rank, exitcode=outcome.get("exitcode"))
+                head = f"rank {rank} timed out in a collective that rank(s) {', '.join(map(str, absent))} never reached"
+        raise WorkerFailed(
+            f"{head}; logs: {log_dir}\n{outcome.get('message', 'no result from any rank')}{note}",
+            rank=rank,
+            exitcode=outcome.get("exitcode"),
+        )
     status.update(time.monotonic() - start, final={r: "done" for r in range(nproc)})
     if collected_by_hand is not None:
-        warn(f"every rank had returned, but torch's elastic agent had not collected the results "
-             f"{COLLECT_GRACE_S:g} s later (it was {collected_by_hand}); the launcher read them from the ranks' "
-             f"files and stopped the agent. Logs: {log_dir}")
+        warn(
+            f"every rank had returned, but torch's elastic agent had not collected the results "
+            f"{COLLECT_GRACE_S:g} s later (it was {collected_by_hand}); the launcher read them from the ranks' "
+            f"files and stopped the agent. Logs: {log_dir}"
+        )
     result = RunResult(sorted(values.items()))
     result.backend, result.device_type, result.nproc = backend_name, device_type, nproc
     result.wall_s, result.log_dir = time.monotonic() - start, str(log_dir)
-    result.command = (torchrun_command(label, nproc, args, kwargs, max_restarts=max_restarts) if not by_value else
-                      f"# {label} was defined in the notebook: put it in a .py module to run it under torchrun")
+    result.command = (
+        torchrun_command(label, nproc, args, kwargs, max_restarts=max_restarts)
+        if not by_value
+        else f"# {label} was defined in the notebook: put it in a .py module to run it under torchrun"
+    )
     if own_dir and collected_by_hand is None:
         shutil.rmtree(run_dir, ignore_errors=True)
         result.log_dir = None
     return result
 
 
-def _timed_out(pgid: int, folder: Path, nproc: int, timeout_s: float, status: _Progress, elapsed: float,
-               log_dir: Path) -> LaunchTimeout:
+def _timed_out(
+    pgid: int, folder: Path, nproc: int, timeout_s: float, status: _Progress, elapsed: float, log_dir: Path
+) -> LaunchTimeout:
     """Ask every process where it is, stop them all, and say what happened, rank by rank."""
     last, quiet = status.line(elapsed), status.quiet_s()
     since = _ask_for_stacks(pgid, folder)
@@ -667,19 +759,25 @@ def _timed_out(pgid: int, folder: Path, nproc: int, timeout_s: float, status: _P
     status.update(elapsed, final={r: "done" if w == "returned its result" else "killed" for r, w in ranks.items()})
     lines = "\n".join(f"  rank {r}: {w}" for r, w in ranks.items()) + f"\n  agent: {where['agent']}"
     if all(w == "returned its result" for w in ranks.values()):
-        why = ("Every rank had returned its result, but torch's elastic agent did not collect the results: "
-               "this is the launcher's fault, not your code's; run the cell again")
+        why = (
+            "Every rank had returned its result, but torch's elastic agent did not collect the results: "
+            "this is the launcher's fault, not your code's; run the cell again"
+        )
     elif quiet is not None and quiet < timeout_s:
-        why = (f"The workers were still making progress ({quiet:.0f} s before the end): the run is not hung, only "
-               "longer than timeout_s, which also bounds the whole run; pass a larger timeout_s (or fewer steps)")
+        why = (
+            f"The workers were still making progress ({quiet:.0f} s before the end): the run is not hung, only "
+            "longer than timeout_s, which also bounds the whole run; pass a larger timeout_s (or fewer steps)"
+        )
     else:
         waiting = [r for r, w in ranks.items() if w != "returned its result"]
-        why = (f"Rank(s) {', '.join(map(str, waiting))} did not finish: look above for the rank that never reached "
-               "the collective the others wait in")
+        why = (
+            f"Rank(s) {', '.join(map(str, waiting))} did not finish: look above for the rank that never reached "
+            "the collective the others wait in"
+        )
     return LaunchTimeout(
         f"the run did not finish within {timeout_s:g} s (+{_grace(timeout_s):g} s grace) and every process was "
-        f"stopped. {why}.\nWhere each process was:\n{lines}\nLast progress: {last}; logs: {log_dir}")
-
+        f"stopped. {why}.\nWhere each process was:\n{lines}\nLast progress: {last}; logs: {log_dir}"
+    )
 
 
 #: What the background process runs: import the function by name, call it, pickle what came of it.
@@ -715,12 +813,18 @@ class Background:
     def __init__(self, fn, *args, **kwargs):
         target = _target_of(fn)
         if target is None:
-            raise CourseInputError("Background runs a module-level function of an importable module (it is "
-                                   "imported by name in the new process); move the function into a module")
+            raise CourseInputError(
+                "Background runs a module-level function of an importable module (it is "
+                "imported by name in the new process); move the function into a module"
+            )
         self._folder = Path(tempfile.mkdtemp(prefix="course-background-"))
         self._result = self._folder / "result.pkl"
-        self._proc = subprocess.Popen([sys.executable, "-c", _BACKGROUND_MAIN, target, str(self._result)],
-                                      stdin=subprocess.PIPE, env=_server_env(), start_new_session=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _BACKGROUND_MAIN, target, str(self._result)],
+            stdin=subprocess.PIPE,
+            env=_server_env(),
+            start_new_session=True,
+        )
         atexit.register(self.cancel)
         self._proc.stdin.write(pickle.dumps((args, kwargs)))
         self._proc.stdin.close()
@@ -731,11 +835,15 @@ class Background:
             try:
                 self._proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                raise LaunchTimeout(f"the background run did not finish in {timeout_s:g} s and was stopped; give "
-                                    "it a longer timeout_s, or run it in the foreground to see where it is") from None
+                raise LaunchTimeout(
+                    f"the background run did not finish in {timeout_s:g} s and was stopped; give "
+                    "it a longer timeout_s, or run it in the foreground to see where it is"
+                ) from None
             if not self._result.exists():
-                raise LaunchError(f"the background process ended (exit code {self._proc.returncode}) without a "
-                                  "result; run the same call in the foreground to see why")
+                raise LaunchError(
+                    f"the background process ended (exit code {self._proc.returncode}) without a "
+                    "result; run the same call in the foreground to see why"
+                )
             ok, value = pickle.loads(self._result.read_bytes())
             if not ok:
                 raise value

@@ -8,6 +8,7 @@ each notebook's experiments (``course_utils.labs`` and the strategy modules' exp
 runners). It knows strategies only through the record (``course_utils.strategies``), so the
 strategy modules can import it and it imports none of them.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -30,16 +31,16 @@ class TrainConfig:
     """Everything that defines a run; two runs with equal configs see identical data (notebook 02)."""
 
     strategy: str = "single"
-    nproc: int = 1                 # ranks (N); "single" is always 1
+    nproc: int = 1  # ranks (N); "single" is always 1
     steps: int = 4
-    model: str = "tiny"            # a models.PRESETS name
-    batch: int = 8                 # global batch B (sequences per step, all ranks together)
+    model: str = "tiny"  # a models.PRESETS name
+    batch: int = 8  # global batch B (sequences per step, all ranks together)
     lr: float = 3e-3
     seed: int = 0
-    precision: str = "fp32"        # "fp32" (exact comparisons) or "mixed" (16-bit working copy, where supported)
-    bucket_cap_mb: float = 25.0    # DDP bucket size cap (ddp, ddp_scratch)
-    node_size: int = 2             # ranks per "node": hybrid_shard shards inside one, replicates across;
-                                   # cross-node bytes count groups spanning more than one (notebook 05)
+    precision: str = "fp32"  # "fp32" (exact comparisons) or "mixed" (16-bit working copy, where supported)
+    bucket_cap_mb: float = 25.0  # DDP bucket size cap (ddp, ddp_scratch)
+    node_size: int = 2  # ranks per "node": hybrid_shard shards inside one, replicates across;
+    # cross-node bytes count groups spanning more than one (notebook 05)
     options: dict = field(default_factory=dict)  # strategy-specific knobs, e.g. {"prefetch": True}
     backend: str = "auto"
     timeout_s: float = 120.0
@@ -48,10 +49,10 @@ class TrainConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     max_restarts: int = 0
-    fail_at: str | None = None           # "RANK:STEP": that rank dies hard at that step (first attempt only;
-                                         # "1:3,0:5" = one failure per attempt)
+    fail_at: str | None = None  # "RANK:STEP": that rank dies hard at that step (first attempt only;
+    # "1:3,0:5" = one failure per attempt)
     fail_during_save: str | None = None  # "RANK:STEP": dies while writing that step's checkpoint
-    save_weights: str | None = None      # rank 0 writes the final full fp32 state dict here (torch.save)
+    save_weights: str | None = None  # rank 0 writes the final full fp32 state dict here (torch.save)
 
     def validate(self) -> TrainConfig:
         get(self.strategy)
@@ -60,10 +61,14 @@ class TrainConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise CourseInputError(f"{name} must be a whole number >= 1, got {value!r}")
         if self.strategy == "single" and self.nproc != 1:
-            raise CourseInputError("strategy 'single' is the one-process reference; use --nproc 1 (or another strategy)")
+            raise CourseInputError(
+                "strategy 'single' is the one-process reference; use --nproc 1 (or another strategy)"
+            )
         if self.batch % self.nproc:
-            raise CourseInputError(f"global batch {self.batch} does not divide by {self.nproc} ranks; "
-                                   f"pick a batch that is a multiple of {self.nproc}")
+            raise CourseInputError(
+                f"global batch {self.batch} does not divide by {self.nproc} ranks; "
+                f"pick a batch that is a multiple of {self.nproc}"
+            )
         if self.precision not in ("fp32", "mixed"):
             raise CourseInputError(f"precision must be 'fp32' or 'mixed', got {self.precision!r}")
         mesh_shape(self.strategy, self.nproc, self.node_size)  # hybrid_shard: nproc must divide by node_size
@@ -79,8 +84,11 @@ class TrainConfig:
         from . import validate
         from .dist import BACKENDS
 
-        for name, what in (("lr", "a learning rate, e.g. 3e-3"), ("bucket_cap_mb", "a bucket size in MB, e.g. 25"),
-                           ("timeout_s", "seconds, e.g. 120")):
+        for name, what in (
+            ("lr", "a learning rate, e.g. 3e-3"),
+            ("bucket_cap_mb", "a bucket size in MB, e.g. 25"),
+            ("timeout_s", "seconds, e.g. 120"),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise CourseInputError(f"{name} must be a finite number > 0 ({what}), got {value!r}")
@@ -96,8 +104,10 @@ class TrainConfig:
         if self.options and module == "course_utils.fsdp":  # the strategy module checks its own knobs
             importlib.import_module(module).fsdp_options(self)
         elif self.options:
-            raise CourseInputError(f"strategy {self.strategy!r} takes no --option (got {', '.join(self.options)}); "
-                                   "the knobs are for no_shard, shard_grad_op, full_shard and hybrid_shard")
+            raise CourseInputError(
+                f"strategy {self.strategy!r} takes no --option (got {', '.join(self.options)}); "
+                "the knobs are for no_shard, shard_grad_op, full_shard and hybrid_shard"
+            )
         if self.checkpoint_dir is not None:
             validate.writable_dir("--checkpoint-dir", self.checkpoint_dir)
         if self.save_weights is not None:
@@ -111,22 +121,30 @@ class TrainConfig:
                 raise CourseInputError(f"{name} must be a whole number >= 0, got {value!r}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise CourseInputError("--checkpoint-every needs --checkpoint-dir (where the step-N/ folders go)")
-        if isinstance(self.keep_checkpoints, bool) or not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 2:
+        if (
+            isinstance(self.keep_checkpoints, bool)
+            or not isinstance(self.keep_checkpoints, int)
+            or self.keep_checkpoints < 2
+        ):
             raise CourseInputError(
                 f"keep_checkpoints must be >= 2, got {self.keep_checkpoints}: if the newest checkpoint turns out "
-                "unusable, the one before it is what a restart falls back to")
+                "unusable, the one before it is what a restart falls back to"
+            )
         for flag, text in (("--fail-at", self.fail_at), ("--fail-during-save", self.fail_during_save)):
             for rank, step in parse_failures(text, flag):
                 # --fail-at names the step that dies (0..steps-1); --fail-during-save the save after N steps
                 last = self.steps - 1 if flag == "--fail-at" else self.steps
                 first = 0 if flag == "--fail-at" else 1
                 if not 0 <= rank < self.nproc or not first <= step <= last:
-                    raise CourseInputError(f"{flag} {text}: rank must be in 0..{self.nproc - 1} and step in "
-                                           f"{first}..{last} (a failure after the last step never fires)")
+                    raise CourseInputError(
+                        f"{flag} {text}: rank must be in 0..{self.nproc - 1} and step in "
+                        f"{first}..{last} (a failure after the last step never fires)"
+                    )
                 if flag == "--fail-during-save" and not (self.checkpoint_every and step % self.checkpoint_every == 0):
                     raise CourseInputError(
                         f"--fail-during-save {text}: step {step} is not a checkpoint step; use a multiple of "
-                        f"--checkpoint-every ({self.checkpoint_every or 'not set'})")
+                        f"--checkpoint-every ({self.checkpoint_every or 'not set'})"
+                    )
 
 
 @dataclass
@@ -180,9 +198,12 @@ def module_held(model, optimizer) -> tuple:
 def apply_single(model, cfg: TrainConfig, info) -> Prepared:
     """The reference: one process, the whole global batch, a local Adam (notebook 02)."""
     optimizer = make_optimizer(model.parameters(), cfg)
-    return Prepared(model=model, optimizer=optimizer,
-                    full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
-                    held=lambda: module_held(model, optimizer))
+    return Prepared(
+        model=model,
+        optimizer=optimizer,
+        full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
+        held=lambda: module_held(model, optimizer),
+    )
 
 
 def resolve_strategy(name: str) -> Callable:
@@ -207,8 +228,16 @@ def prepare(cfg: TrainConfig, info) -> Prepared:
     return resolve_strategy(cfg.strategy)(model, cfg, info)
 
 
-def run_steps(prepared: Prepared, cfg: TrainConfig, info, steps, observers=(), *, rank: int | None = None,
-              world: int | None = None) -> list[torch.Tensor]:
+def run_steps(
+    prepared: Prepared,
+    cfg: TrainConfig,
+    info,
+    steps,
+    observers=(),
+    *,
+    rank: int | None = None,
+    world: int | None = None,
+) -> list[torch.Tensor]:
     """The training loop: every run of the course steps through here (notebook 02).
 
     Args:
@@ -243,8 +272,9 @@ def run_steps(prepared: Prepared, cfg: TrainConfig, info, steps, observers=(), *
         observer.start()
     try:
         for step in steps:
-            x, y = batch_for_rank(step, rank, world, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab,
-                                  seed=cfg.seed, device=info.device)
+            x, y = batch_for_rank(
+                step, rank, world, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed, device=info.device
+            )
             tell("before_forward", step)
             loss = prepared.model(x, y)
             tell("after_forward", step, loss)

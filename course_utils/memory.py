@@ -33,6 +33,7 @@ The module has three parts:
 Units: everything is bytes inside; GB (10^9, the paper's unit) and GiB (2^30) only appear
 when formatting, always labelled (see ``course_utils.units``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,6 +70,7 @@ ADAM_MIXED_K = 12
 # 1. Model states: the formulas
 # ---------------------------------------------------------------------------------------------
 
+
 def _check(psi, nd, k, nm):
     if np.any(np.asarray(psi, dtype=float) <= 0):
         raise CourseInputError("params (Ψ) must be positive; pass a count like 7.5e9 or '7.5B'")
@@ -85,8 +87,16 @@ def _check_stage(stage: str) -> None:
         raise CourseInputError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}")
 
 
-def model_state_bytes(psi, nd=1, stage: str = "ddp", *, k: float = ADAM_MIXED_K, nm=1,
-                      weight_bytes: float = WEIGHT_BYTES, grad_bytes: float = GRAD_BYTES):
+def model_state_bytes(
+    psi,
+    nd=1,
+    stage: str = "ddp",
+    *,
+    k: float = ADAM_MIXED_K,
+    nm=1,
+    weight_bytes: float = WEIGHT_BYTES,
+    grad_bytes: float = GRAD_BYTES,
+):
     """Model-state bytes per GPU for one row of the ZeRO table (notebook 01).
 
     Args:
@@ -130,15 +140,13 @@ def floor_bytes(psi, stage: str, *, nm=1, k: float = ADAM_MIXED_K) -> float:
     stage 3 nothing: 70B has floors of 280 GB and 140 GB for stages 1 and 2. Plain DP keeps
     all (2 + 2 + K)Ψ.
     """
-    per = {"ddp": WEIGHT_BYTES + GRAD_BYTES + k, "zero1": WEIGHT_BYTES + GRAD_BYTES,
-           "zero2": WEIGHT_BYTES, "zero3": 0}
+    per = {"ddp": WEIGHT_BYTES + GRAD_BYTES + k, "zero1": WEIGHT_BYTES + GRAD_BYTES, "zero2": WEIGHT_BYTES, "zero3": 0}
     _check_stage(stage)
     _check(psi, 1, k, nm)
     return float(per[stage] * psi / nm)
 
 
-def smallest_nd_that_fits(psi, stage: str, gpu_mem: float, *, k: float = ADAM_MIXED_K, nm=1,
-                          other_bytes: float = 0.0):
+def smallest_nd_that_fits(psi, stage: str, gpu_mem: float, *, k: float = ADAM_MIXED_K, nm=1, other_bytes: float = 0.0):
     """The smallest whole Nd at which a stage's model states (plus ``other_bytes``) fit in
     ``gpu_mem`` bytes, or None if no Nd is enough (the stage's floor is too high) (notebook 01).
     """
@@ -176,25 +184,45 @@ class OptimizerBill:
 #: K of common optimizers, each with the tensors its bytes come from (notebook 01).
 OPTIMIZERS: dict[str, OptimizerBill] = {
     "adam_mixed": OptimizerBill(
-        "mixed-precision Adam (the paper's case)", 2, 2, 12,
+        "mixed-precision Adam (the paper's case)",
+        2,
+        2,
+        12,
         (("fp32 master weights", 4), ("fp32 momentum", 4), ("fp32 variance", 4)),
-        "ZeRO paper §3.1; bf16 in place of fp16 changes nothing in the count"),
+        "ZeRO paper §3.1; bf16 in place of fp16 changes nothing in the count",
+    ),
     "adam_fp32": OptimizerBill(
-        "plain fp32 Adam", 4, 4, 8,
+        "plain fp32 Adam",
+        4,
+        4,
+        8,
         (("fp32 momentum", 4), ("fp32 variance", 4)),
-        "no master copy needed: the working weights are already fp32; also 16 bytes, split 4 + 4 + 8"),
+        "no master copy needed: the working weights are already fp32; also 16 bytes, split 4 + 4 + 8",
+    ),
     "sgd_momentum_mixed": OptimizerBill(
-        "mixed-precision SGD with momentum", 2, 2, 8,
+        "mixed-precision SGD with momentum",
+        2,
+        2,
+        8,
         (("fp32 master weights", 4), ("fp32 momentum", 4)),
-        "one running average instead of Adam's two"),
+        "one running average instead of Adam's two",
+    ),
     "sgd_mixed": OptimizerBill(
-        "mixed-precision plain SGD", 2, 2, 4,
+        "mixed-precision plain SGD",
+        2,
+        2,
+        4,
         (("fp32 master weights", 4),),
-        "the master copy is the whole optimizer state"),
+        "the master copy is the whole optimizer state",
+    ),
     "adam_8bit_mixed": OptimizerBill(
-        "mixed-precision 8-bit Adam", 2, 2, 6,
+        "mixed-precision 8-bit Adam",
+        2,
+        2,
+        6,
         (("fp32 master weights", 4), ("8-bit momentum", 1), ("8-bit variance", 1)),
-        "block-wise quantised moments (Dettmers et al., 2022); the per-block scales add a little"),
+        "block-wise quantised moments (Dettmers et al., 2022); the per-block scales add a little",
+    ),
 }
 
 
@@ -237,8 +265,9 @@ def activation_numbers(h, b, s, layers, *, checkpointing: bool = False):
     return float(out) if np.ndim(out) == 0 else out
 
 
-def activation_bytes(h, b, s, layers, *, checkpointing: bool = False,
-                     bytes_per_number: float = ACTIVATION_BYTES_PER_NUMBER):
+def activation_bytes(
+    h, b, s, layers, *, checkpointing: bool = False, bytes_per_number: float = ACTIVATION_BYTES_PER_NUMBER
+):
     """Activation bytes per GPU by the paper's rule, in 16-bit unless told (notebook 01).
 
     GPT-2 1.5B (h = 1600, L = 48) at b = 32, s = 1024: 12·h·b·s·L = 30.2 billion numbers,
@@ -264,14 +293,19 @@ def fused_gradient_buffer_bytes(psi, bytes_per_number: float = 4):
 TABLE1_PARAMS = (7.5e9, 128e9, 1e12)
 TABLE1_ND = (1, 4, 16, 64, 256, 1024)
 #: GPUs the chart offers, in bytes (GB = 10^9): V100 32 GB, A100 40 GB, A100/H100 80 GB, H200 141 GB.
-GPU_CHOICES = {"32 GB (V100)": 32 * GB, "40 GB (A100)": 40 * GB, "80 GB (A100/H100)": 80 * GB,
-               "141 GB (H200)": 141 * GB}
+GPU_CHOICES = {
+    "32 GB (V100)": 32 * GB,
+    "40 GB (A100)": 40 * GB,
+    "80 GB (A100/H100)": 80 * GB,
+    "141 GB (H200)": 141 * GB,
+}
 #: Model-size presets of the chart: the paper's Table 1 models.
 MODEL_PRESETS = {"7.5B": 7.5e9, "128B": 128e9, "1T": 1e12}
 
 
-def table1(params=TABLE1_PARAMS, nds=TABLE1_ND, *, gpu_mem: float = 32 * GB, k: float = ADAM_MIXED_K,
-           nm=1) -> list[dict]:
+def table1(
+    params=TABLE1_PARAMS, nds=TABLE1_ND, *, gpu_mem: float = 32 * GB, k: float = ADAM_MIXED_K, nm=1
+) -> list[dict]:
     """The paper's Table 1: model-state bytes per GPU for each (Ψ, Nd) and each row (notebook 01).
 
     Returns one dict per (Ψ, Nd): ``{"params", "nd", "bytes_per_gpu": {stage: bytes},
@@ -281,8 +315,14 @@ def table1(params=TABLE1_PARAMS, nds=TABLE1_ND, *, gpu_mem: float = 32 * GB, k: 
     for psi in params:
         for nd in nds:
             b = bytes_per_gpu(psi, nd, k=k, nm=nm)
-            rows.append({"params": float(psi), "nd": int(nd), "bytes_per_gpu": b,
-                         "fits": {s: bool(v <= gpu_mem) for s, v in b.items()}})
+            rows.append(
+                {
+                    "params": float(psi),
+                    "nd": int(nd),
+                    "bytes_per_gpu": b,
+                    "fits": {s: bool(v <= gpu_mem) for s, v in b.items()},
+                }
+            )
     return rows
 
 
@@ -293,8 +333,9 @@ def chart_nds(nd_max: int = 1024) -> np.ndarray:
     return 2 ** np.arange(0, int(math.log2(nd_max)) + 1)
 
 
-def memory_chart_view(psi, *, nd: int = 64, k: float = ADAM_MIXED_K, nm=1, gpu_mem: float = 32 * GB,
-                      nd_max: int = 1024) -> dict:
+def memory_chart_view(
+    psi, *, nd: int = 64, k: float = ADAM_MIXED_K, nm=1, gpu_mem: float = 32 * GB, nd_max: int = 1024
+) -> dict:
     """Everything the notebook-01 memory chart shows, as plain numbers (notebook 01).
 
     The chart itself (``plots.memory_chart_figure``) and its widget only draw this.
@@ -314,9 +355,19 @@ def memory_chart_view(psi, *, nd: int = 64, k: float = ADAM_MIXED_K, nm=1, gpu_m
     # the smallest whole Nd that fits, not the first point of the doubling axis: one definition everywhere
     first_fit = {s: smallest_nd_that_fits(psi, s, gpu_mem, k=k, nm=nm) for s in STAGES}
     floors = {s: floor_bytes(psi, s, nm=nm, k=k) for s in STAGES}
-    view = {"psi": float(psi), "k": float(k), "nm": nm, "nd": int(nd), "gpu_mem": float(gpu_mem),
-            "nds": nds, "curves": curves, "readout": readout, "fits": fits, "floors": floors,
-            "first_fit": first_fit}
+    view = {
+        "psi": float(psi),
+        "k": float(k),
+        "nm": nm,
+        "nd": int(nd),
+        "gpu_mem": float(gpu_mem),
+        "nds": nds,
+        "curves": curves,
+        "readout": readout,
+        "fits": fits,
+        "floors": floors,
+        "first_fit": first_fit,
+    }
     view["title"] = _chart_title(view)
     view["readout_text"] = readout_text(view)
     return view
@@ -328,17 +379,24 @@ def _chart_title(view: dict) -> str:
     parts = []
     for s in reversed(STAGES):
         nd = view["first_fit"][s]
-        parts.append(f"{short[s]} never" if nd is None else
-                     f"{short[s]} from Nd = {nd}" if not parts else f"{short[s]} from {nd}")
+        parts.append(
+            f"{short[s]} never"
+            if nd is None
+            else f"{short[s]} from Nd = {nd}"
+            if not parts
+            else f"{short[s]} from {nd}"
+        )
     return f"{fmt_count(view['psi'])} on one {gpu} GPU: " + ", ".join(parts)
 
 
 def readout_text(view: dict) -> str:
     """One line of exact values at the chosen Nd, the text the chart's widget shows (notebook 01)."""
-    parts = [f"{STAGE_NAMES[s]}: {fmt_size(view['readout'][s])}{' ✓' if view['fits'][s] else ''}"
-             for s in STAGES]
-    return (f"Ψ = {fmt_count(view['psi'])}, K = {view['k']:g}, Nd = {view['nd']}: " + " · ".join(parts)
-            + f"  (✓ fits {view['gpu_mem'] / GB:g} GB)")
+    parts = [f"{STAGE_NAMES[s]}: {fmt_size(view['readout'][s])}{' ✓' if view['fits'][s] else ''}" for s in STAGES]
+    return (
+        f"Ψ = {fmt_count(view['psi'])}, K = {view['k']:g}, Nd = {view['nd']}: "
+        + " · ".join(parts)
+        + f"  (✓ fits {view['gpu_mem'] / GB:g} GB)"
+    )
 
 
 #: The parts of the bill, bottom to top in the stacked bars.
@@ -354,20 +412,31 @@ def bill_bars(psi, nd: int = 4, *, k: float = ADAM_MIXED_K, nm=1, activations: f
     """
     _check(psi, nd, k, nm)
     p = float(psi) / nm
-    full = {"weights": WEIGHT_BYTES * p, "gradients": GRAD_BYTES * p, "optimizer": k * p,
-            "activations": float(activations)}
-    sharded = {"ddp": (), "zero1": ("optimizer",), "zero2": ("optimizer", "gradients"),
-               "zero3": ("optimizer", "gradients", "weights")}
+    full = {
+        "weights": WEIGHT_BYTES * p,
+        "gradients": GRAD_BYTES * p,
+        "optimizer": k * p,
+        "activations": float(activations),
+    }
+    sharded = {
+        "ddp": (),
+        "zero1": ("optimizer",),
+        "zero2": ("optimizer", "gradients"),
+        "zero3": ("optimizer", "gradients", "weights"),
+    }
     out = {}
     for stage in STAGES:
-        out[stage] = {part: {"held": full[part] / nd if part in sharded[stage] else full[part],
-                             "full": full[part]} for part in BILL_PARTS}
+        out[stage] = {
+            part: {"held": full[part] / nd if part in sharded[stage] else full[part], "full": full[part]}
+            for part in BILL_PARTS
+        }
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # 2. Command line: `python -m course_utils memory` and `python -m course_utils table`
 # ---------------------------------------------------------------------------------------------
+
 
 def _positive_int(name: str, value: int) -> int:
     if value < 1:
@@ -380,8 +449,12 @@ def memory_arguments(parser) -> None:
     parser.add_argument("--params", required=True, help="Ψ: parameter count, e.g. 7.5e9, 7.5B, 350M, 1T")
     parser.add_argument("--dp", type=int, default=1, help="Nd: data-parallel degree (default 1)")
     parser.add_argument("--mp", type=int, default=1, help="Nm: model-parallel degree (default 1)")
-    parser.add_argument("--k", type=float, default=ADAM_MIXED_K,
-                        help="K: optimizer bytes per parameter (default 12, mixed-precision Adam)")
+    parser.add_argument(
+        "--k",
+        type=float,
+        default=ADAM_MIXED_K,
+        help="K: optimizer bytes per parameter (default 12, mixed-precision Adam)",
+    )
     parser.add_argument("--stage", default=None, help="print only this row: ddp, zero1, zero2 or zero3")
     parser.add_argument("--json", action="store_true", help="print one JSON object (values in bytes)")
 
@@ -421,12 +494,17 @@ def gb_cell(n_bytes: float) -> str:
 
 def table_arguments(parser) -> None:
     """Arguments of ``python -m course_utils table`` (notebook 01)."""
-    parser.add_argument("--params", default="7.5B,128B,1T",
-                        help="comma-separated model sizes (default: the paper's 7.5B,128B,1T)")
-    parser.add_argument("--dp", default="1,4,16,64,256,1024",
-                        help="comma-separated Nd values (default: the paper's 1,4,16,64,256,1024)")
-    parser.add_argument("--gpu-mem", default="32GB",
-                        help="GPU memory to mark what fits, e.g. 32GB, 80GB, 24GiB (default 32GB, the paper's V100)")
+    parser.add_argument(
+        "--params", default="7.5B,128B,1T", help="comma-separated model sizes (default: the paper's 7.5B,128B,1T)"
+    )
+    parser.add_argument(
+        "--dp", default="1,4,16,64,256,1024", help="comma-separated Nd values (default: the paper's 1,4,16,64,256,1024)"
+    )
+    parser.add_argument(
+        "--gpu-mem",
+        default="32GB",
+        help="GPU memory to mark what fits, e.g. 32GB, 80GB, 24GiB (default 32GB, the paper's V100)",
+    )
     parser.add_argument("--k", type=float, default=ADAM_MIXED_K, help="K: optimizer bytes per parameter (default 12)")
     parser.add_argument("--mp", type=int, default=1, help="Nm: model-parallel degree (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (values in bytes)")
@@ -453,8 +531,9 @@ def table_command(args) -> int:
     if args.json:
         print(json.dumps({"gpu_mem": gpu_mem, "k": args.k, "mp": nm, "rows": rows}))
         return 0
-    print(f"Model-state memory per GPU in GB (10^9 bytes), K = {args.k:g}, Nm = {nm}; "
-          f"* = fits a {gpu_mem / GB:g} GB GPU")
+    print(
+        f"Model-state memory per GPU in GB (10^9 bytes), K = {args.k:g}, Nm = {nm}; * = fits a {gpu_mem / GB:g} GB GPU"
+    )
     print(f"{'Ψ':>6} {'Nd':>6} " + " ".join(f"{STAGE_NAMES[s].split(' (')[0]:>10}" for s in STAGES))
     for row in rows:
         cells = [f"{gb_cell(row['bytes_per_gpu'][s]):>9}{'*' if row['fits'][s] else ' '}" for s in STAGES]
@@ -465,6 +544,7 @@ def table_command(args) -> int:
 # ---------------------------------------------------------------------------------------------
 # 3. Measured on real tensors (notebook 01): the bill counted from what torch actually holds
 # ---------------------------------------------------------------------------------------------
+
 
 class MixedPrecisionAdam:
     """Adam as the ZeRO paper counts it: 16-bit working weights and gradients on the model,
@@ -489,8 +569,10 @@ class MixedPrecisionAdam:
         masters = [p.detach().to(torch.float32).clone() for p in self.params]
         for p in self.params:
             p.data = p.data.to(dtype)
-        self.state = {p: {"master": m, "exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
-                      for p, m in zip(self.params, masters)}
+        self.state = {
+            p: {"master": m, "exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
+            for p, m in zip(self.params, masters)
+        }
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -501,7 +583,7 @@ class MixedPrecisionAdam:
 
         self.steps += 1
         b1, b2 = self.betas
-        bc1, bc2_sqrt = 1 - b1 ** self.steps, math.sqrt(1 - b2 ** self.steps)
+        bc1, bc2_sqrt = 1 - b1**self.steps, math.sqrt(1 - b2**self.steps)
         with torch.no_grad():
             for p in self.params:
                 if p.grad is None:
@@ -552,8 +634,9 @@ def held_bytes(model, optimizer=None) -> dict:
     return out
 
 
-def measure_model_state_bytes(model="tiny", optimizer: str = "adam_mixed", *, seed: int = 0,
-                              batch: int = 4, dtype=None) -> dict:
+def measure_model_state_bytes(
+    model="tiny", optimizer: str = "adam_mixed", *, seed: int = 0, batch: int = 4, dtype=None
+) -> dict:
     """Build the course model, run one real training step, and count the bytes it holds (notebook 01).
 
     ``optimizer``: "adam_mixed" (``MixedPrecisionAdam``: bf16 weights and grads, fp32 master,
@@ -672,10 +755,22 @@ def compare_activations(cases, *, model="tiny", dtype=None, seed: int = 0) -> li
         ckpt = measure_activation_bytes(net, x, y, checkpointing=True)
         rule = activation_bytes(cfg.width, batch, cfg.seq, cfg.layers)
         rule_ckpt = activation_bytes(cfg.width, batch, cfg.seq, cfg.layers, checkpointing=True)
-        rows.append({"batch": batch, "seq": cfg.seq, "width": cfg.width, "layers": cfg.layers, "heads": cfg.heads,
-                     "measured_blocks": full["blocks"], "measured_total": full["total"],
-                     "measured_blocks_ckpt": ckpt["blocks"], "measured_total_ckpt": ckpt["total"],
-                     "rule": rule, "rule_ckpt": rule_ckpt, "ratio": full["blocks"] / rule})
+        rows.append(
+            {
+                "batch": batch,
+                "seq": cfg.seq,
+                "width": cfg.width,
+                "layers": cfg.layers,
+                "heads": cfg.heads,
+                "measured_blocks": full["blocks"],
+                "measured_total": full["total"],
+                "measured_blocks_ckpt": ckpt["blocks"],
+                "measured_total_ckpt": ckpt["total"],
+                "rule": rule,
+                "rule_ckpt": rule_ckpt,
+                "ratio": full["blocks"] / rule,
+            }
+        )
     return rows
 
 
@@ -709,12 +804,16 @@ def zero_r_and_headlines(gpu_mem: float = 32 * GB) -> list[dict]:
     """
     h, b, s, L = 8192, 32, 1024, 125
     inputs = activation_numbers(h, b, s, L, checkpointing=True) - activation_numbers(h, b, s, 1)  # L layer inputs
-    message = h * b * s                                  # one block input: the message of every MP collective
-    megatron = 6 * 2 * message                           # 6 all-reduces per block (fwd, recompute, bwd), 2× each
+    message = h * b * s  # one block input: the message of every MP collective
+    megatron = 6 * 2 * message  # 6 all-reduces per block (fwd, recompute, bwd), 2× each
     rows = [
         ("plain DP: 1.4B parameters' model states on one GPU", 22.4, model_state_bytes(1.4e9) / GB, "GB"),
-        ("plain DP: the most parameters whose model states alone fit", 2.0, gpu_mem / model_state_bytes(1) / 1e9,
-         "billion"),
+        (
+            "plain DP: the most parameters whose model states alone fit",
+            2.0,
+            gpu_mem / model_state_bytes(1) / 1e9,
+            "billion",
+        ),
         ("7.5B on Nd = 64, stage 1", 31.4, model_state_bytes(7.5e9, 64, "zero1") / GB, "GB"),
         ("13B with no model parallelism, stage 2 on 128 GPUs", 27.4, model_state_bytes(13e9, 128, "zero2") / GB, "GB"),
         ("60B, Nm = 16, stage 2 on 64 GPUs (Nd = 4)", 20.6, model_state_bytes(60e9, 4, "zero2", nm=16) / GB, "GB"),

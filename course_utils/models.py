@@ -13,6 +13,7 @@ no biases, an untied head): notebook 05b builds the published Llama shapes with 
 ``build_model(cfg, seed)`` gives the same weights for the same seed in every process, which
 is what lets the notebooks compare strategies bit for bit.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,17 +30,17 @@ from .errors import CourseInputError
 class GPTConfig:
     """Shape of the course model (notebook 00). Ψ is ``param_count(cfg)``."""
 
-    vocab: int = 256      # tokens in the vocabulary
-    seq: int = 32         # context length (tokens per sample)
-    layers: int = 2       # transformer blocks (L)
-    width: int = 64       # hidden size (h)
-    heads: int = 4        # attention heads; must divide width
-    mlp_ratio: int = 4    # MLP hidden size = mlp_ratio * width (when mlp_hidden is 0)
+    vocab: int = 256  # tokens in the vocabulary
+    seq: int = 32  # context length (tokens per sample)
+    layers: int = 2  # transformer blocks (L)
+    width: int = 64  # hidden size (h)
+    heads: int = 4  # attention heads; must divide width
+    mlp_ratio: int = 4  # MLP hidden size = mlp_ratio * width (when mlp_hidden is 0)
     tie_weights: bool = True  # output head shares the token embedding (GPT-2 style)
     # Llama's block (notebook 05b's published shapes); the defaults keep GPT-2's.
-    arch: str = "gpt2"    # "gpt2": LayerNorm, learned positions, GELU MLP, biases; "llama": see the module doc
-    kv_heads: int = 0     # key/value heads (grouped-query attention); 0 = heads (multi-head attention)
-    mlp_hidden: int = 0   # MLP hidden size (Llama's intermediate_size); 0 = mlp_ratio * width
+    arch: str = "gpt2"  # "gpt2": LayerNorm, learned positions, GELU MLP, biases; "llama": see the module doc
+    kv_heads: int = 0  # key/value heads (grouped-query attention); 0 = heads (multi-head attention)
+    mlp_hidden: int = 0  # MLP hidden size (Llama's intermediate_size); 0 = mlp_ratio * width
     rope_theta: float = 10000.0  # rotary base (arch "llama"; Llama 2 used 10^4, Llama 3 5·10^5)
 
     def __post_init__(self):
@@ -55,13 +56,18 @@ class GPTConfig:
             raise CourseInputError(f"model arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
         if self.width % self.heads:
             raise CourseInputError(
-                f"model width {self.width} is not divisible by heads {self.heads}; pick heads that divide it")
+                f"model width {self.width} is not divisible by heads {self.heads}; pick heads that divide it"
+            )
         if self.heads % self.n_kv_heads:
-            raise CourseInputError(f"model kv_heads {self.kv_heads} does not divide heads {self.heads}; "
-                                   "pick a divisor (8 for Llama's 70B), or 0 for multi-head attention")
+            raise CourseInputError(
+                f"model kv_heads {self.kv_heads} does not divide heads {self.heads}; "
+                "pick a divisor (8 for Llama's 70B), or 0 for multi-head attention"
+            )
         if self.arch == "llama" and (self.width // self.heads) % 2:
-            raise CourseInputError(f"rotary positions need an even head size, not {self.width // self.heads}; "
-                                   "pick heads so that width / heads is even")
+            raise CourseInputError(
+                f"rotary positions need an even head size, not {self.width // self.heads}; "
+                "pick heads so that width / heads is even"
+            )
 
     @property
     def n_kv_heads(self) -> int:
@@ -193,7 +199,9 @@ class GPT(nn.Module):
         """GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
         for name, p in self.named_parameters():
             if p.dim() == 1:
-                nn.init.zeros_(p) if not name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")) else nn.init.ones_(p)
+                nn.init.zeros_(p) if not name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")) else nn.init.ones_(
+                    p
+                )
             else:
                 std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith("proj.weight") else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)

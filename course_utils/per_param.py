@@ -30,6 +30,7 @@ short and sends the same bytes. ``tests/test_per_param.py`` checks it against on
 SGD, Adam and AdamW, tied and frozen weights, fp32 and bf16, on 2 and 4 ranks, and against
 ``fully_shard``'s own local shards.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,6 +48,7 @@ from .zero import GatheredBytes, assign_units
 # ---------------------------------------------------------------------------------------------
 # The layout: rows of dim 0, padded as torch.chunk pads
 # ---------------------------------------------------------------------------------------------
+
 
 def chunk_rows(dim0: int, nd: int) -> int:
     """c = ceil(dim0 / Nd): the rows of every (padded) shard, FSDP2's ``chunks[0].size(0)`` (notebook 04)."""
@@ -68,7 +70,7 @@ def padded_shard(full: torch.Tensor, rank: int, nd: int) -> torch.Tensor:
     c = chunk_rows(full.shape[0], nd)
     start, stop = shard_rows(full.shape[0], nd, rank)
     out = full.new_zeros((c, *full.shape[1:]))
-    out[:stop - start] = full[start:stop]
+    out[: stop - start] = full[start:stop]
     return out
 
 
@@ -80,6 +82,7 @@ def unshard_rows(gathered: torch.Tensor, dim0: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # One sharded parameter
 # ---------------------------------------------------------------------------------------------
+
 
 class ShardedParam:
     """A parameter kept as rank r's rows (fp32 master, what the optimizer updates), gathered on demand.
@@ -95,7 +98,7 @@ class ShardedParam:
         self.c = chunk_rows(self.shape[0], self.nd)
         start, stop = shard_rows(self.shape[0], self.nd, self.rank)
         self.padded = padded_shard(param.detach(), self.rank, self.nd)
-        self.local = nn.Parameter(self.padded[:stop - start], requires_grad=param.requires_grad)
+        self.local = nn.Parameter(self.padded[: stop - start], requires_grad=param.requires_grad)
         self.compute_dtype = compute_dtype or param.dtype
         self.on_reduced = lambda: None  # set by the unit: counts the gradients reduced in a backward
 
@@ -115,11 +118,11 @@ class ShardedParam:
     def reduce_scatter(self, grad_full: torch.Tensor) -> torch.Tensor:
         """The mean over ranks of this rank's rows of ``grad_full``, shaped like ``local``."""
         padded = grad_full.new_zeros((self.nd * self.c, *self.shape[1:]))
-        padded[:self.shape[0]] = grad_full
+        padded[: self.shape[0]] = grad_full
         out = grad_full.new_empty((self.c, *self.shape[1:]))
         dist.reduce_scatter_single(out, padded.contiguous(), group=self.group)
         out.div_(self.nd)
-        return out[:self.local.shape[0]].to(self.local.dtype)
+        return out[: self.local.shape[0]].to(self.local.dtype)
 
 
 class _Unshard(torch.autograd.Function):
@@ -144,17 +147,18 @@ class _Unshard(torch.autograd.Function):
 # Units and the module
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclass
 class PerParamUnit:
     """The parameters gathered together, and where the modules look for each of them."""
 
     name: str
     module: nn.Module
-    params: list = field(default_factory=list)      # ShardedParam
-    slots: list = field(default_factory=list)       # [(module, attribute name)] per ShardedParam
-    buffers: list = field(default_factory=list)     # gathered storages while gathered, else []
+    params: list = field(default_factory=list)  # ShardedParam
+    slots: list = field(default_factory=list)  # [(module, attribute name)] per ShardedParam
+    buffers: list = field(default_factory=list)  # gathered storages while gathered, else []
     reshard_after_forward: bool = True
-    pending: int = 0                                # gradients still to reduce in this backward
+    pending: int = 0  # gradients still to reduce in this backward
 
 
 class PerParamSharded(nn.Module):
@@ -179,8 +183,9 @@ class PerParamSharded(nn.Module):
     ``tracker`` (``zero.GatheredBytes``) records the live and peak bytes of gathered parameters.
     """
 
-    def __init__(self, module: nn.Module, *, units=(), reshard_after_forward: bool = True,
-                 compute_dtype=None, group=None):
+    def __init__(
+        self, module: nn.Module, *, units=(), reshard_after_forward: bool = True, compute_dtype=None, group=None
+    ):
         super().__init__()
         self.module = module
         self.tracker = GatheredBytes()
@@ -236,7 +241,11 @@ class PerParamSharded(nn.Module):
         if torch.is_grad_enabled():
             unit.pending = sum(sp.local.requires_grad for sp in unit.params)
         for sp, buf, slots in zip(unit.params, unit.buffers, unit.slots):
-            full = _Unshard.apply(sp, sp.local, buf.detach()) if torch.is_grad_enabled() else unshard_rows(buf, sp.shape[0])
+            full = (
+                _Unshard.apply(sp, sp.local, buf.detach())
+                if torch.is_grad_enabled()
+                else unshard_rows(buf, sp.shape[0])
+            )
             for owner, attr in slots:
                 owner._parameters[attr] = full  # what the module's forward reads as its weight
 
@@ -296,6 +305,7 @@ class PerParamSharded(nn.Module):
 # What per-parameter sharding changes: clipping, and the formulas
 # ---------------------------------------------------------------------------------------------
 
+
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
     """Clip the gradient norm of a sharded model: the norm of the *whole* gradient (notebook 04).
@@ -330,8 +340,9 @@ def expected_shard_bytes(model: nn.Module, nd: int, bytes_per_element: int = 4) 
     return total * bytes_per_element
 
 
-def expected_traffic(model: nn.Module, units, nd: int, *, reshard_after_forward: bool = True,
-                     bytes_per_element: int = 4) -> dict:
+def expected_traffic(
+    model: nn.Module, units, nd: int, *, reshard_after_forward: bool = True, bytes_per_element: int = 4
+) -> dict:
     """Bytes one rank sends per step by kind, in the ring model (notebook 04).
 
     all-gather: every parameter's Nd·c rows once for the forward, and again for the backward for
@@ -356,13 +367,17 @@ def held(model: PerParamSharded, optimizer) -> dict:
 
     params = [sp.padded for sp in model.sharded_params()]
     grads = [sp.local.grad for sp in model.sharded_params()]
-    return {"params": tensor_bytes(params), "grads": tensor_bytes(grads),
-            "optim": tensor_bytes(optimizer_tensors(optimizer)) if optimizer is not None else 0}
+    return {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes(grads),
+        "optim": tensor_bytes(optimizer_tensors(optimizer)) if optimizer is not None else 0,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Against one process, and against fully_shard (one launch runs several cases)
 # ---------------------------------------------------------------------------------------------
+
 
 def _freeze(model: nn.Module, names) -> None:
     for name, p in model.named_parameters():
@@ -388,25 +403,32 @@ def compare_worker(cases: list[dict]) -> list[dict]:
     with cdist.session() as info:
         kw = dict(batch=8, seq=cfg.seq, vocab=cfg.vocab, device=info.device)
         for case in cases:
-            opt_kw = {"SGD": {"lr": 0.05, "momentum": 0.9}, "Adam": {"lr": 3e-3},
-                      "AdamW": {"lr": 3e-3, "weight_decay": 0.1}}[case["optimizer"]]
+            opt_kw = {
+                "SGD": {"lr": 0.05, "momentum": 0.9},
+                "Adam": {"lr": 3e-3},
+                "AdamW": {"lr": 3e-3, "weight_decay": 0.1},
+            }[case["optimizer"]]
             cls = getattr(torch.optim, case["optimizer"])
             dtype = getattr(torch, case["compute_dtype"]) if case.get("compute_dtype") else None
             reshard = case.get("reshard_after_forward", True)
             ref, model = build_model(cfg, seed=0, device=info.device), build_model(cfg, seed=0, device=info.device)
             for m in (ref, model):
                 _freeze(m, case.get("frozen", ()))
-            sharded = PerParamSharded(model, units=list(model.blocks), reshard_after_forward=reshard,
-                                      compute_dtype=dtype)
+            sharded = PerParamSharded(
+                model, units=list(model.blocks), reshard_after_forward=reshard, compute_dtype=dtype
+            )
             ref_opt = cls([p for p in ref.parameters() if p.requires_grad], **opt_kw)
             opt = cls([p for p in sharded.parameters() if p.requires_grad], **opt_kw)  # unchanged torch.optim
             steps = case.get("steps", 3)
             with CommCounter() as comm:
                 for step in range(steps):
                     sharded(*batch_for_rank(step, info.rank, info.world_size, **kw)).backward()
-                    grads_are_shards = all((sp.local.grad is not None and sp.local.grad.shape == sp.local.shape)
-                                           if sp.local.requires_grad else sp.local.grad is None
-                                           for sp in sharded.sharded_params())
+                    grads_are_shards = all(
+                        (sp.local.grad is not None and sp.local.grad.shape == sp.local.shape)
+                        if sp.local.requires_grad
+                        else sp.local.grad is None
+                        for sp in sharded.sharded_params()
+                    )
                     opt.step()
                     opt.zero_grad()
             for step in range(steps):
@@ -416,21 +438,30 @@ def compare_worker(cases: list[dict]) -> list[dict]:
             bpe = 2 if dtype is not None else 4
             fresh = build_model(cfg, seed=0)
             _freeze(fresh, case.get("frozen", ()))
-            units = [{"name": n, "numel": sum(p.numel() for p in ps)}
-                     for n, _, ps in assign_units(fresh, list(fresh.blocks))]
+            units = [
+                {"name": n, "numel": sum(p.numel() for p in ps)} for n, _, ps in assign_units(fresh, list(fresh.blocks))
+            ]
             sent = {k: v["sent_bytes"] for k, v in comm.summary(steps).items()}
-            out.append({**case, "rel_weight_diff": weight_diff(sharded.full_state_dict(), ref.state_dict())["relative"],
-                        "held_bytes": sharded.held_bytes(),
-                        "expected_held_bytes": expected_shard_bytes(build_model(cfg, seed=0), info.world_size),
-                        "real_elements": sum(sp.local.numel() for sp in sharded.sharded_params()),
-                        "sent": sent,
-                        "expected_sent": expected_traffic(fresh, list(fresh.blocks), info.world_size,
-                                                          reshard_after_forward=reshard, bytes_per_element=bpe),
-                        "peak_gathered": sharded.tracker.peak,
-                        "expected_peak": peak_gathered_bytes(
-                            units, bpe, "full_shard" if reshard else "shard_grad_op",
-                            prefetch="none") if info.world_size > 1 else None,
-                        "grads_are_shards": grads_are_shards})
+            out.append(
+                {
+                    **case,
+                    "rel_weight_diff": weight_diff(sharded.full_state_dict(), ref.state_dict())["relative"],
+                    "held_bytes": sharded.held_bytes(),
+                    "expected_held_bytes": expected_shard_bytes(build_model(cfg, seed=0), info.world_size),
+                    "real_elements": sum(sp.local.numel() for sp in sharded.sharded_params()),
+                    "sent": sent,
+                    "expected_sent": expected_traffic(
+                        fresh, list(fresh.blocks), info.world_size, reshard_after_forward=reshard, bytes_per_element=bpe
+                    ),
+                    "peak_gathered": sharded.tracker.peak,
+                    "expected_peak": peak_gathered_bytes(
+                        units, bpe, "full_shard" if reshard else "shard_grad_op", prefetch="none"
+                    )
+                    if info.world_size > 1
+                    else None,
+                    "grads_are_shards": grads_are_shards,
+                }
+            )
         out.append({"fully_shard_rows_match": _rows_match_fully_shard(info)})
     return out
 

@@ -26,6 +26,7 @@ A time model is a model: per-GPU FLOP/s you can actually reach, ring collectives
 is that of the slowest link they cross, overlap as "hidden if shorter than the compute beside
 it". Good enough to see which side of a crossover a run sits on, not to predict seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,9 +52,11 @@ STRATEGY_NAMES = {
     "zero3_offload": "stage 3 + optimizer offload (DeepSpeed ZeRO-3)",
 }
 #: The recommendation when nothing fits.
-NOTHING_FITS = ("no data-parallel strategy fits: activations / a single FSDP unit are the limit; use activation "
-                "checkpointing, a smaller micro-batch, context (sequence) parallelism for long sequences, smaller "
-                "FSDP units, tensor or pipeline parallelism")
+NOTHING_FITS = (
+    "no data-parallel strategy fits: activations / a single FSDP unit are the limit; use activation "
+    "checkpointing, a smaller micro-batch, context (sequence) parallelism for long sequences, smaller "
+    "FSDP units, tensor or pipeline parallelism"
+)
 
 #: PyTorch DDP's default gradient bucket (bucket_cap_mb = 25); two are alive while one is reduced.
 BUCKET_BYTES = 25 * 10**6
@@ -67,14 +70,17 @@ WIDTH_STEP = 2 * HEAD_DIM
 # Inputs: the model and the cluster
 # ---------------------------------------------------------------------------------------------
 
+
 def _need(cond: bool, message: str) -> None:
     if not cond:
         raise CourseInputError(message)
 
 
 def _whole(name: str, value, minimum: int = 1) -> int:
-    _need(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-          f"{name} must be a whole number >= {minimum}, got {value!r}")
+    _need(
+        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        f"{name} must be a whole number >= {minimum}, got {value!r}",
+    )
     return value
 
 
@@ -127,8 +133,17 @@ def shape_params(layers: int, width: int, vocab: int) -> float:
     return layers * shape_block_params(width) + vocab * width + 2.0 * width
 
 
-def model_spec(params=None, *, layers: int | None = None, width: int | None = None, heads: int | None = None,
-               vocab: int = 32000, seq: int = 2048, micro_batch: int = 1, checkpointing: bool = True) -> ModelSpec:
+def model_spec(
+    params=None,
+    *,
+    layers: int | None = None,
+    width: int | None = None,
+    heads: int | None = None,
+    vocab: int = 32000,
+    seq: int = 2048,
+    micro_batch: int = 1,
+    checkpointing: bool = True,
+) -> ModelSpec:
     """A ``ModelSpec`` from Ψ alone, from a shape, or from both (they must agree within 25%) (notebook 05).
 
     From Ψ alone the shape is GPT-like: width h ≈ (128Ψ/12)^(1/3) (so that L ≈ h/128, the aspect
@@ -150,16 +165,20 @@ def model_spec(params=None, *, layers: int | None = None, width: int | None = No
         if params is None:
             params = implied
         else:
-            _need(0.75 <= params / implied <= 1.25,
-                  f"a model that cannot exist: {layers} layers of width {width} with a {vocab}-token vocabulary "
-                  f"have {fmt_count(implied)} parameters, not {fmt_count(params)}; drop --params or fix the shape")
+            _need(
+                0.75 <= params / implied <= 1.25,
+                f"a model that cannot exist: {layers} layers of width {width} with a {vocab}-token vocabulary "
+                f"have {fmt_count(implied)} parameters, not {fmt_count(params)}; drop --params or fix the shape",
+            )
     else:
         _need(params is not None, "give the model: params (Ψ), or layers and width")
         width = max(HEAD_DIM, int(round((HEAD_DIM * params / 12.0) ** (1 / 3) / WIDTH_STEP)) * WIDTH_STEP)
         body = params - vocab * width
-        _need(body >= 0.5 * shape_block_params(width),
-              f"a model that cannot exist: {fmt_count(params)} parameters is less than a {vocab}-token vocabulary "
-              f"of width {width} needs ({fmt_count(vocab * width)}); give a larger --params or a smaller --vocab")
+        _need(
+            body >= 0.5 * shape_block_params(width),
+            f"a model that cannot exist: {fmt_count(params)} parameters is less than a {vocab}-token vocabulary "
+            f"of width {width} needs ({fmt_count(vocab * width)}); give a larger --params or a smaller --vocab",
+        )
         layers = max(1, int(round(body / shape_block_params(width))))
     if heads is None:
         heads = max(1, width // HEAD_DIM) if width % HEAD_DIM == 0 else 1
@@ -202,11 +221,15 @@ class Cluster:
         _whole("mp (Nm)", self.mp)
         for name in ("gpu_mem", "intra_bw", "inter_bw", "flops", "pcie_bw", "hbm_bw", "host_mem", "host_bw", "nvme_bw"):
             value = getattr(self, name)
-            _need(isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
-                  f"{name.replace('_', '-')} must be a positive number, got {value!r}")
+            _need(
+                isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
+                f"{name.replace('_', '-')} must be a positive number, got {value!r}",
+            )
         _need(0 <= self.reserve < 1, f"reserve must be a fraction in [0, 1), got {self.reserve!r}")
-        _need(self.gpus % self.mp == 0,
-              f"mp (Nm) = {self.mp} must divide the {self.gpus} GPUs into whole data-parallel replicas")
+        _need(
+            self.gpus % self.mp == 0,
+            f"mp (Nm) = {self.mp} must divide the {self.gpus} GPUs into whole data-parallel replicas",
+        )
 
     @property
     def gpus(self) -> int:
@@ -226,6 +249,7 @@ class Cluster:
 # ---------------------------------------------------------------------------------------------
 # Collectives and compute, as time
 # ---------------------------------------------------------------------------------------------
+
 
 def ring_time(nbytes: float, n: int, cluster: Cluster, *, spans_nodes: bool, kind: str = "all_gather") -> float:
     """Seconds for a ring collective over ``n`` ranks of a tensor of ``nbytes`` (notebook 05).
@@ -262,14 +286,20 @@ def network_step(strategy: str, params: float, cluster: Cluster, *, bytes_per_va
     if nodes == 1:
         return {"cross_node_bytes": 0.0, "network_s": 0.0}
     if strategy == "hsdp":
-        return {"cross_node_bytes": 2 * (p / n) * (nodes - 1) / nodes,
-                "network_s": ring_time(p, nd // n, cluster, spans_nodes=True, kind="all_reduce")}
+        return {
+            "cross_node_bytes": 2 * (p / n) * (nodes - 1) / nodes,
+            "network_s": ring_time(p, nd // n, cluster, spans_nodes=True, kind="all_reduce"),
+        }
     if strategy in ("zero3", "zero3_offload"):
-        return {"cross_node_bytes": 3 * p * (nd - 1) / nd,
-                "network_s": 2 * ring_time(p, nd, cluster, spans_nodes=True)
-                + ring_time(p, nd, cluster, spans_nodes=True, kind="reduce_scatter")}
-    return {"cross_node_bytes": 2 * p * (nd - 1) / nd,
-            "network_s": ring_time(p, nd, cluster, spans_nodes=True, kind="all_reduce")}
+        return {
+            "cross_node_bytes": 3 * p * (nd - 1) / nd,
+            "network_s": 2 * ring_time(p, nd, cluster, spans_nodes=True)
+            + ring_time(p, nd, cluster, spans_nodes=True, kind="reduce_scatter"),
+        }
+    return {
+        "cross_node_bytes": 2 * p * (nd - 1) / nd,
+        "network_s": ring_time(p, nd, cluster, spans_nodes=True, kind="all_reduce"),
+    }
 
 
 def crossover_bandwidth(base_a: float, link_bytes_a: float, base_b: float, link_bytes_b: float) -> float | None:
@@ -310,6 +340,7 @@ def training_days(reference_minutes: float, work_ratio: float) -> float:
 # The plan
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclass
 class StrategyPlan:
     """One strategy's numbers per GPU (notebook 05). Bytes, seconds; ``block`` is None for
@@ -321,13 +352,13 @@ class StrategyPlan:
     optimizer: float
     activations: float
     buffers: float
-    host_bytes: float          # bytes this GPU parks in host memory (offload)
+    host_bytes: float  # bytes this GPU parks in host memory (offload)
     fits: bool
-    headroom: float            # usable GPU bytes left (negative: over by that much)
-    why_not: str               # empty when it fits
-    link: str                  # the slowest link its collectives cross
-    step_comm_bytes: float     # bytes each GPU receives over the network/NVLink per step
-    pcie_bytes: float          # bytes each GPU moves to/from host per step (offload)
+    headroom: float  # usable GPU bytes left (negative: over by that much)
+    why_not: str  # empty when it fits
+    link: str  # the slowest link its collectives cross
+    step_comm_bytes: float  # bytes each GPU receives over the network/NVLink per step
+    pcie_bytes: float  # bytes each GPU moves to/from host per step (offload)
     compute_s: float
     exposed_comm_s: float
     step_s: float
@@ -362,11 +393,15 @@ class Plan:
     offload: dict = field(default_factory=dict)  # offload_modes(): each library's offload, under its own name
 
     def to_dict(self) -> dict:
-        return {"model": asdict(self.model), "cluster": {**asdict(self.cluster),
-                                                          "network": network_class(self.cluster.inter_bw)}, "k": self.k,
-                "strategies": {s: p.to_dict() for s, p in self.strategies.items()},
-                "recommendation": dict(self.recommendation), "limits": dict(self.limits),
-                "offload": {name: dict(row) for name, row in self.offload.items()}}
+        return {
+            "model": asdict(self.model),
+            "cluster": {**asdict(self.cluster), "network": network_class(self.cluster.inter_bw)},
+            "k": self.k,
+            "strategies": {s: p.to_dict() for s, p in self.strategies.items()},
+            "recommendation": dict(self.recommendation),
+            "limits": dict(self.limits),
+            "offload": {name: dict(row) for name, row in self.offload.items()},
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -374,7 +409,9 @@ class Plan:
 
 def _applicable(strategy: str, cluster: Cluster) -> bool:
     if strategy == "hsdp":  # needs several nodes, and at least 2 data-parallel GPUs per node to shard over
-        return cluster.nodes > 1 and cluster.gpus_per_node % cluster.mp == 0 and cluster.gpus_per_node // cluster.mp >= 2
+        return (
+            cluster.nodes > 1 and cluster.gpus_per_node % cluster.mp == 0 and cluster.gpus_per_node // cluster.mp >= 2
+        )
     return True
 
 
@@ -390,8 +427,9 @@ def _hsdp_shard(cluster: Cluster, shard_size: int | None) -> int:
     return shard_size or cluster.gpus_per_node // cluster.mp
 
 
-def memory_breakdown(model: ModelSpec, cluster: Cluster, strategy: str, *, k: float = memory.ADAM_MIXED_K,
-                     shard_size: int | None = None) -> dict:
+def memory_breakdown(
+    model: ModelSpec, cluster: Cluster, strategy: str, *, k: float = memory.ADAM_MIXED_K, shard_size: int | None = None
+) -> dict:
     """Bytes per GPU a strategy needs, split into weights, gradients, optimizer (the model states),
     activations and buffers, plus what it parks in host memory (notebook 05; notebook 05b compares
     its measured peaks with this).
@@ -406,23 +444,38 @@ def memory_breakdown(model: ModelSpec, cluster: Cluster, strategy: str, *, k: fl
     p = model.params / cluster.mp
     nd = cluster.nd
     shard = _hsdp_shard(cluster, shard_size) if strategy == "hsdp" else nd
-    sharded = {"ddp": (), "zero1": ("optimizer",), "zero2": ("optimizer", "gradients"),
-               "zero3": ("optimizer", "gradients", "weights"), "hsdp": ("optimizer", "gradients", "weights"),
-               "zero2_offload": ("optimizer", "gradients"),
-               "zero3_offload": ("optimizer", "gradients", "weights")}[strategy]
+    sharded = {
+        "ddp": (),
+        "zero1": ("optimizer",),
+        "zero2": ("optimizer", "gradients"),
+        "zero3": ("optimizer", "gradients", "weights"),
+        "hsdp": ("optimizer", "gradients", "weights"),
+        "zero2_offload": ("optimizer", "gradients"),
+        "zero3_offload": ("optimizer", "gradients", "weights"),
+    }[strategy]
     full = {"weights": memory.WEIGHT_BYTES * p, "gradients": memory.GRAD_BYTES * p, "optimizer": k * p}
     held = {part: full[part] / shard if part in sharded else full[part] for part in full}
     host = 0.0
     if strategy.endswith("_offload"):
         host, held["optimizer"] = held["optimizer"], 0.0
-    activations = memory.activation_bytes(model.width, model.micro_batch, model.seq, model.layers,
-                                          checkpointing=model.checkpointing) / cluster.mp
+    activations = (
+        memory.activation_bytes(
+            model.width, model.micro_batch, model.seq, model.layers, checkpointing=model.checkpointing
+        )
+        / cluster.mp
+    )
     if "weights" in sharded:
         buffers = 3 * memory.WEIGHT_BYTES * model.largest_unit_params / cluster.mp
     else:
         buffers = 2.0 * BUCKET_BYTES
-    return {**held, "activations": activations, "buffers": buffers, "host_bytes": host,
-            "model_states": sum(held.values()), "total": sum(held.values()) + activations + buffers}
+    return {
+        **held,
+        "activations": activations,
+        "buffers": buffers,
+        "host_bytes": host,
+        "model_states": sum(held.values()),
+        "total": sum(held.values()) + activations + buffers,
+    }
 
 
 def _block_overlap(model: ModelSpec, cluster: Cluster, strategy: str, shard_size: int | None = None) -> dict | None:
@@ -435,13 +488,22 @@ def _block_overlap(model: ModelSpec, cluster: Cluster, strategy: str, shard_size
     nbytes = memory.WEIGHT_BYTES * model.block_params / cluster.mp
     gather = ring_time(nbytes, n, cluster, spans_nodes=spans)
     rs = ring_time(nbytes, n, cluster, spans_nodes=spans, kind="reduce_scatter")
-    return {"params": model.block_params, "gather_bytes": nbytes, "fwd_compute_s": fwd, "bwd_compute_s": bwd,
-            "gather_s": gather, "reduce_scatter_s": rs, "hides_fwd": gather <= fwd, "hides_bwd": gather + rs <= bwd,
-            "link": "network" if spans else "NVLink (intra-node)"}
+    return {
+        "params": model.block_params,
+        "gather_bytes": nbytes,
+        "fwd_compute_s": fwd,
+        "bwd_compute_s": bwd,
+        "gather_s": gather,
+        "reduce_scatter_s": rs,
+        "hides_fwd": gather <= fwd,
+        "hides_bwd": gather + rs <= bwd,
+        "link": "network" if spans else "NVLink (intra-node)",
+    }
 
 
-def _time(model: ModelSpec, cluster: Cluster, strategy: str, k: float, block: dict | None,
-          shard_size: int | None = None):
+def _time(
+    model: ModelSpec, cluster: Cluster, strategy: str, k: float, block: dict | None, shard_size: int | None = None
+):
     """(link, network bytes per GPU, PCIe bytes per GPU, compute s, exposed communication s)."""
     p = model.params / cluster.mp
     grad_bytes = memory.GRAD_BYTES * p
@@ -465,8 +527,11 @@ def _time(model: ModelSpec, cluster: Cluster, strategy: str, k: float, block: di
         exposed, volume = max(0.0, rs - bwd_all) + max(0.0, ag - fwd_all), 2 * grad_bytes * (nd - 1) / nd
     else:  # zero3, hsdp, zero3_offload: gathers block by block
         L = model.layers
-        exposed = block["gather_s"] + L * max(0.0, block["gather_s"] - block["fwd_compute_s"]) \
+        exposed = (
+            block["gather_s"]
+            + L * max(0.0, block["gather_s"] - block["fwd_compute_s"])
             + L * max(0.0, block["gather_s"] + block["reduce_scatter_s"] - block["bwd_compute_s"])
+        )
         n = _hsdp_shard(cluster, shard_size) if strategy == "hsdp" else nd
         volume = 3 * grad_bytes * (n - 1) / n
         link = block["link"]
@@ -487,8 +552,9 @@ def _time(model: ModelSpec, cluster: Cluster, strategy: str, k: float, block: di
     return link, volume, pcie, compute, exposed
 
 
-def plan(model: ModelSpec | None = None, cluster: Cluster | None = None, *, k: float = memory.ADAM_MIXED_K,
-         **model_kwargs) -> Plan:
+def plan(
+    model: ModelSpec | None = None, cluster: Cluster | None = None, *, k: float = memory.ADAM_MIXED_K, **model_kwargs
+) -> Plan:
     """Weigh every strategy for a model on a cluster and recommend one (notebook 05).
 
     ``plan(model_spec(7e9), Cluster())`` or ``plan(params=7e9)``. Returns a ``Plan`` whose
@@ -509,8 +575,10 @@ def plan(model: ModelSpec | None = None, cluster: Cluster | None = None, *, k: f
         shard_size = None
         if s == "hsdp":  # the smallest shard group that fits: the fewest gathers over the network
             sizes = hsdp_shard_sizes(cluster)
-            shard_size = next((n for n in sizes if memory_breakdown(model, cluster, s, k=k, shard_size=n)["total"]
-                               <= cluster.usable), sizes[0])
+            shard_size = next(
+                (n for n in sizes if memory_breakdown(model, cluster, s, k=k, shard_size=n)["total"] <= cluster.usable),
+                sizes[0],
+            )
         mem = memory_breakdown(model, cluster, s, k=k, shard_size=shard_size)
         block = _block_overlap(model, cluster, s, shard_size)
         link, volume, pcie, compute, exposed = _time(model, cluster, s, k, block, shard_size)
@@ -521,38 +589,73 @@ def plan(model: ModelSpec | None = None, cluster: Cluster | None = None, *, k: f
         if s.endswith("_offload") and mem["host_bytes"] * cluster.gpus_per_node > cluster.host_mem:
             why = (why + "; " if why else "") + (
                 f"host memory: needs {mem['host_bytes'] * cluster.gpus_per_node / GB:.0f} GB per node "
-                f"of {cluster.host_mem / GB:.0f} GB")
+                f"of {cluster.host_mem / GB:.0f} GB"
+            )
         strategies[s] = StrategyPlan(
-            s, mem["weights"], mem["gradients"], mem["optimizer"], mem["activations"], mem["buffers"],
-            mem["host_bytes"], not why, headroom, why, link, volume, pcie, compute, exposed, compute + exposed, block,
-            shard_size)
+            s,
+            mem["weights"],
+            mem["gradients"],
+            mem["optimizer"],
+            mem["activations"],
+            mem["buffers"],
+            mem["host_bytes"],
+            not why,
+            headroom,
+            why,
+            link,
+            volume,
+            pcie,
+            compute,
+            exposed,
+            compute + exposed,
+            block,
+            shard_size,
+        )
     limits = _limits(model, cluster, k)
-    return Plan(model, cluster, k, strategies, _recommend(model, cluster, k, strategies, limits), limits,
-                offload_modes(model, cluster, k=k, plans=strategies))
+    return Plan(
+        model,
+        cluster,
+        k,
+        strategies,
+        _recommend(model, cluster, k, strategies, limits),
+        limits,
+        offload_modes(model, cluster, k=k, plans=strategies),
+    )
 
 
 def _limits(model: ModelSpec, cluster: Cluster, k: float) -> dict:
     """The two things no sharding removes, and the GPUs stage 3 would need (notebook 05)."""
-    acts = memory.activation_bytes(model.width, model.micro_batch, model.seq, model.layers,
-                                   checkpointing=model.checkpointing) / cluster.mp
-    acts_ckpt = memory.activation_bytes(model.width, model.micro_batch, model.seq, model.layers,
-                                        checkpointing=True) / cluster.mp
+    acts = (
+        memory.activation_bytes(
+            model.width, model.micro_batch, model.seq, model.layers, checkpointing=model.checkpointing
+        )
+        / cluster.mp
+    )
+    acts_ckpt = (
+        memory.activation_bytes(model.width, model.micro_batch, model.seq, model.layers, checkpointing=True)
+        / cluster.mp
+    )
     unit = memory_breakdown(model, cluster, "zero3", k=k)["buffers"]
     layer_acts = memory.activation_bytes(model.width, model.micro_batch, model.seq, 1) / cluster.mp
     # one layer at its moment of execution: its gathered weights and gradient, and its activations
     single_layer = 2 * memory.WEIGHT_BYTES * model.largest_unit_params / cluster.mp + layer_acts
     # wrapped per linear layer, FSDP's largest unit is one matrix: the MLP's h x 4h
-    single_matrix = 2 * memory.WEIGHT_BYTES * 4.0 * model.width ** 2 / cluster.mp + layer_acts
+    single_matrix = 2 * memory.WEIGHT_BYTES * 4.0 * model.width**2 / cluster.mp + layer_acts
     room = cluster.usable - acts - unit
     per_replica = (memory.WEIGHT_BYTES + memory.GRAD_BYTES + k) * model.params / cluster.mp
     min_nd = math.ceil(per_replica / room) if room > 0 else None
     min_gpus = None if min_nd is None else min_nd * cluster.mp
-    return {"activations": acts, "activations_if_checkpointed": acts_ckpt, "single_layer": single_layer,
-            "activations_limit": acts + 2.0 * BUCKET_BYTES > cluster.usable,
-            "single_layer_limit": single_layer > cluster.usable,
-            "single_matrix": single_matrix, "single_matrix_limit": single_matrix > cluster.usable,
-            "zero3_min_gpus": min_gpus,
-            "zero3_min_nodes": None if min_gpus is None else math.ceil(min_gpus / cluster.gpus_per_node)}
+    return {
+        "activations": acts,
+        "activations_if_checkpointed": acts_ckpt,
+        "single_layer": single_layer,
+        "activations_limit": acts + 2.0 * BUCKET_BYTES > cluster.usable,
+        "single_layer_limit": single_layer > cluster.usable,
+        "single_matrix": single_matrix,
+        "single_matrix_limit": single_matrix > cluster.usable,
+        "zero3_min_gpus": min_gpus,
+        "zero3_min_nodes": None if min_gpus is None else math.ceil(min_gpus / cluster.gpus_per_node),
+    }
 
 
 #: Step times within this fraction of the fastest count as a tie, and a tie goes to the lower stage
@@ -562,26 +665,38 @@ TIE_MARGIN = 0.05
 #: What to run in PyTorch for each strategy (checked against torch 2.13's FSDP2 and ZeRO sources).
 PYTORCH = {
     "ddp": "torch.nn.parallel.DistributedDataParallel (FSDP1's NO_SHARD is the same layout)",
-    "zero1": ("FSDP has no stage 1: DDP + torch.distributed.optim.ZeroRedundancyOptimizer (notebook 03; it "
-              "all-reduces full gradients, then broadcasts each owner's updated parameters), or DeepSpeed's "
-              "ZeRO stage 1"),
-    "zero2": ("fully_shard(block, reshard_after_forward=False) on every block and the root (FSDP1: SHARD_GRAD_OP); "
-              "FSDP2 keeps the parameters unsharded from forward to backward, stage 2's traffic"),
+    "zero1": (
+        "FSDP has no stage 1: DDP + torch.distributed.optim.ZeroRedundancyOptimizer (notebook 03; it "
+        "all-reduces full gradients, then broadcasts each owner's updated parameters), or DeepSpeed's "
+        "ZeRO stage 1"
+    ),
+    "zero2": (
+        "fully_shard(block, reshard_after_forward=False) on every block and the root (FSDP1: SHARD_GRAD_OP); "
+        "FSDP2 keeps the parameters unsharded from forward to backward, stage 2's traffic"
+    ),
     "zero3": "fully_shard(block) on every block, then fully_shard(model) (FSDP1: FULL_SHARD)",
-    "hsdp": ("fully_shard(..., mesh=init_device_mesh('cuda', (replicas, shard_size), "
-             "mesh_dim_names=('replicate', 'shard'))) (FSDP1: HYBRID_SHARD)"),
-    "zero2_offload": ("DeepSpeed's ZeRO-Offload (stage 2, optimizer state and Adam on the CPU); FSDP2 has no "
-                      "optimizer-only offload"),
-    "zero3_offload": ("DeepSpeed's ZeRO-3 with offload_optimizer (optimizer state and Adam on the CPU). FSDP2's "
-                      "CPUOffloadPolicy is not this: it keeps parameters and gradients on the CPU too and copies "
-                      "each unit's shard to the GPU for every gather (notebook 04)"),
+    "hsdp": (
+        "fully_shard(..., mesh=init_device_mesh('cuda', (replicas, shard_size), "
+        "mesh_dim_names=('replicate', 'shard'))) (FSDP1: HYBRID_SHARD)"
+    ),
+    "zero2_offload": (
+        "DeepSpeed's ZeRO-Offload (stage 2, optimizer state and Adam on the CPU); FSDP2 has no optimizer-only offload"
+    ),
+    "zero3_offload": (
+        "DeepSpeed's ZeRO-3 with offload_optimizer (optimizer state and Adam on the CPU). FSDP2's "
+        "CPUOffloadPolicy is not this: it keeps parameters and gradients on the CPU too and copies "
+        "each unit's shard to the GPU for every gather (notebook 04)"
+    ),
 }
 
 #: How the planner labels an inter-node bandwidth (bytes/s per node), slowest first.
-NETWORK_CLASSES = ((1.25e9, "10 GbE-class (a slow link)"), (12.5e9, "100 Gb/s-class Ethernet or InfiniBand"),
-                   (50e9, "a modest training cluster (4 x 100 Gb/s or 1 x 400 Gb/s per node)"),
-                   (200e9, "a current training cluster (4 x 400 Gb/s per node)"),
-                   (float("inf"), "a current training cluster (8 x 400 Gb/s per node or more)"))
+NETWORK_CLASSES = (
+    (1.25e9, "10 GbE-class (a slow link)"),
+    (12.5e9, "100 Gb/s-class Ethernet or InfiniBand"),
+    (50e9, "a modest training cluster (4 x 100 Gb/s or 1 x 400 Gb/s per node)"),
+    (200e9, "a current training cluster (4 x 400 Gb/s per node)"),
+    (float("inf"), "a current training cluster (8 x 400 Gb/s per node or more)"),
+)
 
 
 def network_class(inter_bw: float) -> str:
@@ -592,6 +707,7 @@ def network_class(inter_bw: float) -> str:
 def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits: dict) -> dict:
     """Among the strategies that fit, the fastest by estimated step time; a tie within TIE_MARGIN
     goes to the lower stage (the order of STRATEGIES). The reason says what it beat and by how much."""
+
     def gb(x):
         return f"{x / GB:.1f} GB"
 
@@ -614,58 +730,96 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
         else:
             t2 = times[runner_up]
             if t2 <= times[s] * (1 + TIE_MARGIN):
-                beat = (f"{name(runner_up)} is as fast ({t2:.3g} s, within {TIE_MARGIN:.0%}), and a tie goes to the "
-                        f"lower stage")
+                beat = (
+                    f"{name(runner_up)} is as fast ({t2:.3g} s, within {TIE_MARGIN:.0%}), and a tie goes to the "
+                    f"lower stage"
+                )
             else:
-                beat = (f"it beats the runner-up, {name(runner_up)} ({t2:.3g} s), by {t2 - times[s]:.3g} s a step "
-                        f"({t2 / times[s] - 1:.0%})")
+                beat = (
+                    f"it beats the runner-up, {name(runner_up)} ({t2:.3g} s), by {t2 - times[s]:.3g} s a step "
+                    f"({t2 / times[s] - 1:.0%})"
+                )
         reason = f"{name(s)} fits ({head}) at an estimated {times[s]:.3g} s a step; {beat}."
         if p.block:
             b = p.block
             hidden = b["hides_fwd"] and b["hides_bwd"]
-            reason += (f" Each block's all-gather ({b['gather_s'] * 1e3:.3g} ms over {b['link']}) "
-                       + ("hides behind its compute." if hidden else
-                          f"does not hide behind its compute ({b['fwd_compute_s'] * 1e3:.3g} ms forward)."))
+            reason += f" Each block's all-gather ({b['gather_s'] * 1e3:.3g} ms over {b['link']}) " + (
+                "hides behind its compute."
+                if hidden
+                else f"does not hide behind its compute ({b['fwd_compute_s'] * 1e3:.3g} ms forward)."
+            )
         if s.endswith("_offload"):
             more = limits["zero3_min_nodes"]
-            reason += (" Offload turns an impossible run into a slow one"
-                       + (f"; with {more} nodes ({more * cluster.gpus_per_node} GPUs) stage 3 would fit without "
-                          "it, the better answer." if more else "."))
+            reason += " Offload turns an impossible run into a slow one" + (
+                f"; with {more} nodes ({more * cluster.gpus_per_node} GPUs) stage 3 would fit without "
+                "it, the better answer."
+                if more
+                else "."
+            )
         practice = ""
         z3 = plans.get("zero3")
-        if s in ("ddp", "zero1", "zero2") and z3 is not None and z3.fits and z3.block and z3.block["hides_fwd"] \
-                and z3.block["hides_bwd"]:
-            practice = (f"Common practice often runs FULL_SHARD here anyway: its gathers hide, and the "
-                        f"{gb(z3.headroom - p.headroom)} per GPU it frees buys a larger micro-batch.")
+        if (
+            s in ("ddp", "zero1", "zero2")
+            and z3 is not None
+            and z3.fits
+            and z3.block
+            and z3.block["hides_fwd"]
+            and z3.block["hides_bwd"]
+        ):
+            practice = (
+                f"Common practice often runs FULL_SHARD here anyway: its gathers hide, and the "
+                f"{gb(z3.headroom - p.headroom)} per GPU it frees buys a larger micro-batch."
+            )
         pytorch = PYTORCH[s]
         if s == "hsdp":
             groups = p.shard_size // (cluster.gpus_per_node // cluster.mp)
-            reason += (f" Its shard groups are {p.shard_size} GPUs ({groups} node{'s' if groups > 1 else ''}), the "
-                       "smallest that fits: gathers cross the network only if a group spans nodes.")
+            reason += (
+                f" Its shard groups are {p.shard_size} GPUs ({groups} node{'s' if groups > 1 else ''}), the "
+                "smallest that fits: gathers cross the network only if a group spans nodes."
+            )
             pytorch = pytorch.replace("(replicas, shard_size)", f"({cluster.nd // p.shard_size}, {p.shard_size})")
-        return {"strategy": s, "reason": reason, "pytorch": pytorch, "runner_up": runner_up,
-                "step_s": dict(times), "tie_margin": TIE_MARGIN, "practice": practice}
+        return {
+            "strategy": s,
+            "reason": reason,
+            "pytorch": pytorch,
+            "runner_up": runner_up,
+            "step_s": dict(times),
+            "tie_margin": TIE_MARGIN,
+            "practice": practice,
+        }
     causes = []
     if limits["activations_limit"]:
         causes.append(f"activations alone need {gb(limits['activations'])} per GPU")
     if limits["single_layer_limit"]:
-        causes.append(f"one gathered unit (a block) needs {gb(limits['single_layer'])}" + (
-            f", and even one weight matrix gathered needs {gb(limits['single_matrix'])}: tensor parallelism splits it"
-            if limits["single_matrix_limit"] else
-            f"; wrapped per linear layer the largest unit is one h x 4h matrix, {gb(limits['single_matrix'])}, "
-            "which fits"))
+        causes.append(
+            f"one gathered unit (a block) needs {gb(limits['single_layer'])}"
+            + (
+                f", and even one weight matrix gathered needs {gb(limits['single_matrix'])}: tensor parallelism splits it"
+                if limits["single_matrix_limit"]
+                else f"; wrapped per linear layer the largest unit is one h x 4h matrix, {gb(limits['single_matrix'])}, "
+                "which fits"
+            )
+        )
     if limits["activations_limit"] and model.seq >= 32768:
         causes.append(f"at sequence length {model.seq:,} context (sequence) parallelism is the standard remedy")
     if not causes:
         more = limits["zero3_min_nodes"]
-        causes.append(f"on {cluster.gpus} GPUs the model states do not fit even with offload"
-                      + (f"; stage 3 needs {more} nodes ({more * cluster.gpus_per_node} GPUs)" if more else ""))
+        causes.append(
+            f"on {cluster.gpus} GPUs the model states do not fit even with offload"
+            + (f"; stage 3 needs {more} nodes ({more * cluster.gpus_per_node} GPUs)" if more else "")
+        )
     hint = ""
     if not model.checkpointing and limits["activations_if_checkpointed"] < limits["activations"]:
         hint = f"; with checkpointing activations would be {gb(limits['activations_if_checkpointed'])}"
-    return {"strategy": "none", "reason": f"{NOTHING_FITS} ({'; '.join(causes)}{hint}).",
-            "pytorch": "none of the data-parallel wrappers: add tensor, pipeline or context (sequence) parallelism",
-            "runner_up": None, "step_s": {}, "tie_margin": TIE_MARGIN, "practice": ""}
+    return {
+        "strategy": "none",
+        "reason": f"{NOTHING_FITS} ({'; '.join(causes)}{hint}).",
+        "pytorch": "none of the data-parallel wrappers: add tensor, pipeline or context (sequence) parallelism",
+        "runner_up": None,
+        "step_s": {},
+        "tie_margin": TIE_MARGIN,
+        "practice": "",
+    }
 
 
 def offload_arithmetic(psi: float, nd: int, cluster: Cluster | None = None) -> dict:
@@ -696,8 +850,9 @@ OFFLOAD_NAMES = {
 }
 
 
-def offload_modes(model: ModelSpec, cluster: Cluster, *, k: float = memory.ADAM_MIXED_K,
-                  plans: dict | None = None) -> dict:
+def offload_modes(
+    model: ModelSpec, cluster: Cluster, *, k: float = memory.ADAM_MIXED_K, plans: dict | None = None
+) -> dict:
     """Each library's offload, per GPU: what stays on the GPU, what the host (and NVMe) hold, what
     crosses PCIe (and the NVMe link) per step, and where the optimizer step runs (notebook 05).
 
@@ -741,14 +896,27 @@ def offload_modes(model: ModelSpec, cluster: Cluster, *, k: float = memory.ADAM_
     def row_of(strategy):
         if strategy in plans:
             sp = plans[strategy]
-            return {"total": sp.total, "step_s": sp.step_s, "compute_s": sp.compute_s,
-                    "exposed_comm_s": sp.exposed_comm_s, "host_bytes": sp.host_bytes, "buffers": sp.buffers,
-                    "activations": sp.activations}
+            return {
+                "total": sp.total,
+                "step_s": sp.step_s,
+                "compute_s": sp.compute_s,
+                "exposed_comm_s": sp.exposed_comm_s,
+                "host_bytes": sp.host_bytes,
+                "buffers": sp.buffers,
+                "activations": sp.activations,
+            }
         mem = memory_breakdown(model, cluster, strategy, k=k)
         block = _block_overlap(model, cluster, strategy)
         _, _, _, compute, exposed = _time(model, cluster, strategy, k, block)
-        return {"total": mem["total"], "step_s": compute + exposed, "compute_s": compute, "exposed_comm_s": exposed,
-                "host_bytes": mem["host_bytes"], "buffers": mem["buffers"], "activations": mem["activations"]}
+        return {
+            "total": mem["total"],
+            "step_s": compute + exposed,
+            "compute_s": compute,
+            "exposed_comm_s": exposed,
+            "host_bytes": mem["host_bytes"],
+            "buffers": mem["buffers"],
+            "activations": mem["activations"],
+        }
 
     cpu_s = (2 * k + 4) * p / nd * g / cluster.host_bw
     z3 = row_of("zero3")
@@ -757,34 +925,58 @@ def offload_modes(model: ModelSpec, cluster: Cluster, *, k: float = memory.ADAM_
     for name in ("zero_offload", "zero3_offload"):
         base = row_of("zero2_offload" if name == "zero_offload" else "zero3_offload")
         pcie = (memory.GRAD_BYTES + memory.WEIGHT_BYTES) * p / nd
-        rows[name] = {"gpu_bytes": base["total"], "host_bytes": base["host_bytes"], "nvme_bytes": 0.0,
-                      "pcie_bytes": pcie, "nvme_step_bytes": 0.0, "pcie_s": pcie / cluster.pcie_bw,
-                      "cpu_step_s": cpu_s, "nvme_s": 0.0, "step_s": base["step_s"],
-                      "optimizer_step": "CPU: DeepSpeed's vectorised CPU Adam over the host's optimizer shard",
-                      "base": "zero2" if name == "zero_offload" else "zero3"}
+        rows[name] = {
+            "gpu_bytes": base["total"],
+            "host_bytes": base["host_bytes"],
+            "nvme_bytes": 0.0,
+            "pcie_bytes": pcie,
+            "nvme_step_bytes": 0.0,
+            "pcie_s": pcie / cluster.pcie_bw,
+            "cpu_step_s": cpu_s,
+            "nvme_s": 0.0,
+            "step_s": base["step_s"],
+            "optimizer_step": "CPU: DeepSpeed's vectorised CPU Adam over the host's optimizer shard",
+            "base": "zero2" if name == "zero_offload" else "zero3",
+        }
     on_gpu = z3["activations"] + z3["buffers"]  # nothing resident: the gathered units and the activations
     pcie = (2 * 4.0 + 4.0) * p / nd
     rows["fsdp2_cpu_offload"] = {
-        "gpu_bytes": on_gpu, "host_bytes": (4.0 + 4.0 + (k - 4.0)) * p / nd, "nvme_bytes": 0.0,
-        "pcie_bytes": pcie, "nvme_step_bytes": 0.0, "pcie_s": pcie / cluster.pcie_bw, "cpu_step_s": cpu_s,
-        "nvme_s": 0.0, "step_s": z3_no_cpu + pcie / cluster.pcie_bw + cpu_s,
+        "gpu_bytes": on_gpu,
+        "host_bytes": (4.0 + 4.0 + (k - 4.0)) * p / nd,
+        "nvme_bytes": 0.0,
+        "pcie_bytes": pcie,
+        "nvme_step_bytes": 0.0,
+        "pcie_s": pcie / cluster.pcie_bw,
+        "cpu_step_s": cpu_s,
+        "nvme_s": 0.0,
+        "step_s": z3_no_cpu + pcie / cluster.pcie_bw + cpu_s,
         "optimizer_step": "CPU: torch.optim on the CPU parameter shards (FSDP2 only moves the tensors)",
-        "base": "zero3"}
+        "base": "zero3",
+    }
     pcie = (2 * memory.WEIGHT_BYTES + memory.GRAD_BYTES) * p / nd
     nvme_step = (2 * memory.WEIGHT_BYTES + 2 * k + memory.WEIGHT_BYTES) * p / nd
     nvme_s = nvme_step * g / cluster.nvme_bw
     rows["zero_infinity"] = {
-        "gpu_bytes": on_gpu, "host_bytes": 0.0, "nvme_bytes": (memory.WEIGHT_BYTES + k) * p / nd,
-        "pcie_bytes": pcie, "nvme_step_bytes": nvme_step, "pcie_s": pcie / cluster.pcie_bw, "cpu_step_s": cpu_s,
-        "nvme_s": nvme_s, "step_s": z3_no_cpu + pcie / cluster.pcie_bw + cpu_s + nvme_s,
+        "gpu_bytes": on_gpu,
+        "host_bytes": 0.0,
+        "nvme_bytes": (memory.WEIGHT_BYTES + k) * p / nd,
+        "pcie_bytes": pcie,
+        "nvme_step_bytes": nvme_step,
+        "pcie_s": pcie / cluster.pcie_bw,
+        "cpu_step_s": cpu_s,
+        "nvme_s": nvme_s,
+        "step_s": z3_no_cpu + pcie / cluster.pcie_bw + cpu_s + nvme_s,
         "optimizer_step": "CPU: DeepSpeed's CPU Adam, its state streamed from NVMe and back",
-        "base": "zero3"}
+        "base": "zero3",
+    }
     for name, r in rows.items():
         why = []
         if r["gpu_bytes"] > cluster.usable:
             why.append(f"needs {r['gpu_bytes'] / GB:.1f} GB of {cluster.usable / GB:.1f} GB usable on the GPU")
         if r["host_bytes"] * g > cluster.host_mem:
-            why.append(f"host memory: needs {r['host_bytes'] * g / GB:.0f} GB per node of {cluster.host_mem / GB:.0f} GB")
+            why.append(
+                f"host memory: needs {r['host_bytes'] * g / GB:.0f} GB per node of {cluster.host_mem / GB:.0f} GB"
+            )
         r.update(name=OFFLOAD_NAMES[name], fits=not why, why_not="; ".join(why))
     return {name: rows[name] for name in OFFLOAD_MODES}
 
@@ -805,13 +997,19 @@ def overlap_curve(model: ModelSpec, cluster: Cluster, tokens) -> dict:
     nbytes = memory.WEIGHT_BYTES * model.block_params / cluster.mp
     intra = ring_time(nbytes, max(2, cluster.gpus_per_node // cluster.mp), cluster, spans_nodes=False)
     network = ring_time(nbytes, max(2, cluster.nd), cluster, spans_nodes=True)
-    return {"tokens": tokens, "compute_s": tokens * per_token, "gather_intra_s": intra,
-            "gather_network_s": network, "crossover_intra": intra / per_token,
-            "crossover_network": network / per_token}
+    return {
+        "tokens": tokens,
+        "compute_s": tokens * per_token,
+        "gather_intra_s": intra,
+        "gather_network_s": network,
+        "crossover_intra": intra / per_token,
+        "crossover_network": network / per_token,
+    }
 
 
-def overlap_ratio(tokens, width: int, *, flops: float, bandwidth: float, n: int, bytes_per_param: float = 2,
-                  seq: int = 0):
+def overlap_ratio(
+    tokens, width: int, *, flops: float, bandwidth: float, n: int, bytes_per_param: float = 2, seq: int = 0
+):
     """A block's forward compute time divided by the all-gather time of its parameters, for
     ``tokens`` = b·s per micro-batch (notebook 05). Above 1 the gather hides.
 
@@ -832,8 +1030,18 @@ def overlap_ratio(tokens, width: int, *, flops: float, bandwidth: float, n: int,
 # Command line: `python -m course_utils plan`
 # ---------------------------------------------------------------------------------------------
 
-_BW_UNITS = {"": 1e9, "GB/s": 1e9, "GBps": 1e9, "MB/s": 1e6, "TB/s": 1e12,
-             "Gb/s": 1e9 / 8, "Gbps": 1e9 / 8, "Gbit/s": 1e9 / 8, "Tb/s": 1e12 / 8, "Mb/s": 1e6 / 8}
+_BW_UNITS = {
+    "": 1e9,
+    "GB/s": 1e9,
+    "GBps": 1e9,
+    "MB/s": 1e6,
+    "TB/s": 1e12,
+    "Gb/s": 1e9 / 8,
+    "Gbps": 1e9 / 8,
+    "Gbit/s": 1e9 / 8,
+    "Tb/s": 1e12 / 8,
+    "Mb/s": 1e6 / 8,
+}
 
 
 def parse_bandwidth(text, *, name: str = "bandwidth") -> float:
@@ -861,8 +1069,12 @@ def plan_arguments(parser) -> None:
     m.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
     m.add_argument("--seq", type=int, default=2048, help="s: sequence length (default 2048)")
     m.add_argument("--micro-batch", type=int, default=1, help="b: sequences per GPU per micro-batch (default 1)")
-    m.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="activation checkpointing on (default) or off (--no-checkpointing)")
+    m.add_argument(
+        "--checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="activation checkpointing on (default) or off (--no-checkpointing)",
+    )
     m.add_argument("--k", type=float, default=memory.ADAM_MIXED_K, help="K: optimizer bytes per parameter (default 12)")
     c = parser.add_argument_group("cluster")
     d = Cluster()
@@ -875,7 +1087,9 @@ def plan_arguments(parser) -> None:
     c.add_argument("--pcie-bw", default="25GB/s", help="per-GPU host link (default 25GB/s, PCIe 4.0 x16)")
     c.add_argument("--hbm-bw", default="2TB/s", help="GPU memory bandwidth (default 2TB/s)")
     c.add_argument("--host-mem", default="1000GB", help="CPU memory per node (default 1000GB)")
-    c.add_argument("--nvme-bw", default="25GB/s", help="a node's NVMe drives together, for ZeRO-Infinity (default 25GB/s)")
+    c.add_argument(
+        "--nvme-bw", default="25GB/s", help="a node's NVMe drives together, for ZeRO-Infinity (default 25GB/s)"
+    )
     c.add_argument("--mp", type=int, default=1, help="Nm: model-parallel degree (default 1)")
     c.add_argument("--reserve", type=float, default=d.reserve, help="fraction of GPU memory kept free (default 0.1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -887,14 +1101,20 @@ def _cluster_from_args(args) -> Cluster:
         _need(value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
     _need(math.isfinite(args.tflops) and args.tflops > 0, f"--tflops must be positive, got {args.tflops:g}")
     _need(0 <= args.reserve < 1, f"--reserve must be a fraction in [0, 1), got {args.reserve:g}")
-    return Cluster(gpus_per_node=args.gpus_per_node, nodes=args.nodes,
-                   gpu_mem=parse_bytes(args.gpu_mem, name="--gpu-mem"),
-                   intra_bw=parse_bandwidth(args.intra_bw, name="--intra-bw"),
-                   inter_bw=parse_bandwidth(args.inter_bw, name="--inter-bw"),
-                   flops=args.tflops * 1e12, pcie_bw=parse_bandwidth(args.pcie_bw, name="--pcie-bw"),
-                   hbm_bw=parse_bandwidth(args.hbm_bw, name="--hbm-bw"),
-                   host_mem=parse_bytes(args.host_mem, name="--host-mem"), mp=args.mp, reserve=args.reserve,
-                   nvme_bw=parse_bandwidth(getattr(args, "nvme_bw", "25GB/s"), name="--nvme-bw"))
+    return Cluster(
+        gpus_per_node=args.gpus_per_node,
+        nodes=args.nodes,
+        gpu_mem=parse_bytes(args.gpu_mem, name="--gpu-mem"),
+        intra_bw=parse_bandwidth(args.intra_bw, name="--intra-bw"),
+        inter_bw=parse_bandwidth(args.inter_bw, name="--inter-bw"),
+        flops=args.tflops * 1e12,
+        pcie_bw=parse_bandwidth(args.pcie_bw, name="--pcie-bw"),
+        hbm_bw=parse_bandwidth(args.hbm_bw, name="--hbm-bw"),
+        host_mem=parse_bytes(args.host_mem, name="--host-mem"),
+        mp=args.mp,
+        reserve=args.reserve,
+        nvme_bw=parse_bandwidth(getattr(args, "nvme_bw", "25GB/s"), name="--nvme-bw"),
+    )
 
 
 def _model_from_args(args) -> ModelSpec:
@@ -904,8 +1124,16 @@ def _model_from_args(args) -> ModelSpec:
     _need(math.isfinite(args.k) and args.k >= 0, f"--k must be a number of bytes >= 0, got {args.k:g}")
     params = parse_count(args.params, name="--params") if args.params is not None else None
     _need(params is not None or (args.layers and args.width), "give --params (e.g. 7B), or --layers and --width")
-    return model_spec(params, layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab,
-                      seq=args.seq, micro_batch=args.micro_batch, checkpointing=args.checkpointing)
+    return model_spec(
+        params,
+        layers=args.layers,
+        width=args.width,
+        heads=args.heads,
+        vocab=args.vocab,
+        seq=args.seq,
+        micro_batch=args.micro_batch,
+        checkpointing=args.checkpointing,
+    )
 
 
 def _label(sp: StrategyPlan) -> str:
@@ -917,40 +1145,58 @@ def _label(sp: StrategyPlan) -> str:
 def format_plan(p: Plan) -> str:
     """The plan as a text table (notebook 05)."""
     m, c = p.model, p.cluster
-    lines = [f"Model: Ψ = {fmt_count(m.params)} ({m.layers} layers, width {m.width}, {m.heads} heads, vocab {m.vocab}); "
-             f"b = {m.micro_batch}, s = {m.seq}, checkpointing {'on' if m.checkpointing else 'off'}; K = {p.k:g}",
-             f"Cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs x {c.gpu_mem / GB:g} GB (usable {c.usable / GB:.1f} GB), "
-             f"Nm = {c.mp}, Nd = {c.nd}; NVLink {c.intra_bw / 1e9:g} GB/s per GPU, network {c.inter_bw / 1e9:g} GB/s "
-             f"per node ({network_class(c.inter_bw)}), {c.flops / 1e12:g} TFLOP/s per GPU",
-             "",
-             "Memory per GPU, GB (10^9 bytes)",
-             f"{'strategy':<46} {'states':>8} {'activ.':>8} {'buffers':>8} {'total':>8} {'headroom':>9}  fits",
-             ]
+    lines = [
+        f"Model: Ψ = {fmt_count(m.params)} ({m.layers} layers, width {m.width}, {m.heads} heads, vocab {m.vocab}); "
+        f"b = {m.micro_batch}, s = {m.seq}, checkpointing {'on' if m.checkpointing else 'off'}; K = {p.k:g}",
+        f"Cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs x {c.gpu_mem / GB:g} GB (usable {c.usable / GB:.1f} GB), "
+        f"Nm = {c.mp}, Nd = {c.nd}; NVLink {c.intra_bw / 1e9:g} GB/s per GPU, network {c.inter_bw / 1e9:g} GB/s "
+        f"per node ({network_class(c.inter_bw)}), {c.flops / 1e12:g} TFLOP/s per GPU",
+        "",
+        "Memory per GPU, GB (10^9 bytes)",
+        f"{'strategy':<46} {'states':>8} {'activ.':>8} {'buffers':>8} {'total':>8} {'headroom':>9}  fits",
+    ]
     for sp in p.strategies.values():
-        lines.append(f"{_label(sp):<46} {sp.model_states / GB:>8.1f} {sp.activations / GB:>8.1f} "
-                     f"{sp.buffers / GB:>8.2f} {sp.total / GB:>8.1f} {sp.headroom / GB:>9.1f}  "
-                     f"{'yes' if sp.fits else 'no: ' + sp.why_not}")
-    lines += ["", "Per transformer block (stage 3 family): compute against the all-gather of its parameters",
-              f"{'strategy':<46} {'fwd ms':>8} {'gather ms':>10} {'bwd ms':>8} {'gath+RS ms':>11}  hides?  link"]
+        lines.append(
+            f"{_label(sp):<46} {sp.model_states / GB:>8.1f} {sp.activations / GB:>8.1f} "
+            f"{sp.buffers / GB:>8.2f} {sp.total / GB:>8.1f} {sp.headroom / GB:>9.1f}  "
+            f"{'yes' if sp.fits else 'no: ' + sp.why_not}"
+        )
+    lines += [
+        "",
+        "Per transformer block (stage 3 family): compute against the all-gather of its parameters",
+        f"{'strategy':<46} {'fwd ms':>8} {'gather ms':>10} {'bwd ms':>8} {'gath+RS ms':>11}  hides?  link",
+    ]
     for sp in p.strategies.values():
         b = sp.block
         if b:
-            lines.append(f"{_label(sp):<46} {b['fwd_compute_s'] * 1e3:>8.3g} {b['gather_s'] * 1e3:>10.3g} "
-                         f"{b['bwd_compute_s'] * 1e3:>8.3g} {(b['gather_s'] + b['reduce_scatter_s']) * 1e3:>11.3g}  "
-                         f"{'yes' if b['hides_fwd'] and b['hides_bwd'] else 'no':<6}  {b['link']}")
-    lines += ["", "Step: communication per GPU and estimated time",
-              f"{'strategy':<46} {'comm GB':>8} {'PCIe GB':>8} {'compute s':>10} {'exposed s':>10} {'step s':>8}"]
+            lines.append(
+                f"{_label(sp):<46} {b['fwd_compute_s'] * 1e3:>8.3g} {b['gather_s'] * 1e3:>10.3g} "
+                f"{b['bwd_compute_s'] * 1e3:>8.3g} {(b['gather_s'] + b['reduce_scatter_s']) * 1e3:>11.3g}  "
+                f"{'yes' if b['hides_fwd'] and b['hides_bwd'] else 'no':<6}  {b['link']}"
+            )
+    lines += [
+        "",
+        "Step: communication per GPU and estimated time",
+        f"{'strategy':<46} {'comm GB':>8} {'PCIe GB':>8} {'compute s':>10} {'exposed s':>10} {'step s':>8}",
+    ]
     for sp in p.strategies.values():
-        lines.append(f"{_label(sp):<46} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
-                     f"{sp.compute_s:>10.3g} {sp.exposed_comm_s:>10.3g} {sp.step_s:>8.3g}")
-    lines += ["", "Offload, each library's under its own name: per GPU, and per step",
-              f"{'offload':<67} {'GPU GB':>7} {'host GB':>8} {'NVMe GB':>8} {'PCIe GB':>8} {'PCIe s':>7} "
-              f"{'CPU Adam s':>10} {'NVMe s':>7} {'step s':>7}  fits"]
+        lines.append(
+            f"{_label(sp):<46} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
+            f"{sp.compute_s:>10.3g} {sp.exposed_comm_s:>10.3g} {sp.step_s:>8.3g}"
+        )
+    lines += [
+        "",
+        "Offload, each library's under its own name: per GPU, and per step",
+        f"{'offload':<67} {'GPU GB':>7} {'host GB':>8} {'NVMe GB':>8} {'PCIe GB':>8} {'PCIe s':>7} "
+        f"{'CPU Adam s':>10} {'NVMe s':>7} {'step s':>7}  fits",
+    ]
     for o in p.offload.values():
-        lines.append(f"{o['name']:<67} {o['gpu_bytes'] / GB:>7.1f} {o['host_bytes'] / GB:>8.1f} "
-                     f"{o['nvme_bytes'] / GB:>8.1f} {o['pcie_bytes'] / GB:>8.2f} {o['pcie_s']:>7.3g} "
-                     f"{o['cpu_step_s']:>10.3g} {o['nvme_s']:>7.3g} {o['step_s']:>7.3g}  "
-                     f"{'yes' if o['fits'] else 'no: ' + o['why_not']}")
+        lines.append(
+            f"{o['name']:<67} {o['gpu_bytes'] / GB:>7.1f} {o['host_bytes'] / GB:>8.1f} "
+            f"{o['nvme_bytes'] / GB:>8.1f} {o['pcie_bytes'] / GB:>8.2f} {o['pcie_s']:>7.3g} "
+            f"{o['cpu_step_s']:>10.3g} {o['nvme_s']:>7.3g} {o['step_s']:>7.3g}  "
+            f"{'yes' if o['fits'] else 'no: ' + o['why_not']}"
+        )
     r = p.recommendation
     lines += ["", f"Recommendation: {r['strategy']}", f"Reason: {r['reason']}", f"In PyTorch: {r['pytorch']}"]
     if r.get("practice"):
@@ -999,13 +1245,18 @@ def fit_latency_bandwidth(sweep: list) -> dict:
     for r in sorted(sweep, key=lambda r: r["bytes"]):
         n = r["world_size"]
         _need(n >= 2, "a collective over one rank moves nothing: measure with two or more ranks")
-        pts.append({"bytes": r["bytes"], "received_bytes": r["bytes"] * (n - 1) / n, **{
-            f"{k}_s" if k != "n" else k: v for k, v in spread(r["readings"]).items()}})
+        pts.append(
+            {
+                "bytes": r["bytes"],
+                "received_bytes": r["bytes"] * (n - 1) / n,
+                **{f"{k}_s" if k != "n" else k: v for k, v in spread(r["readings"]).items()},
+            }
+        )
 
     def fit(chosen):
         xs = [p["received_bytes"] for p in chosen]
         ts = [p["median_s"] for p in chosen]
-        ws = [1.0 / t ** 2 for t in ts]
+        ws = [1.0 / t**2 for t in ts]
         sw, sx, sxx = sum(ws), sum(w * x for w, x in zip(ws, xs)), sum(w * x * x for w, x in zip(ws, xs))
         st, sxt = sum(w * t for w, t in zip(ws, ts)), sum(w * x * t for w, x, t in zip(ws, xs, ts))
         det = sw * sxx - sx * sx
@@ -1027,8 +1278,13 @@ def fit_latency_bandwidth(sweep: list) -> dict:
         p["predicted_s"] = a + c * p["received_bytes"]
         p["fitted"] = p in chosen
         p["within"] = p["min_s"] <= p["predicted_s"] <= p["max_s"]
-    return {"latency_s": a, "bandwidth": 1.0 / c, "points": pts, "fitted_bytes": [p["bytes"] for p in chosen],
-            "explains": all(p["within"] for p in chosen)}
+    return {
+        "latency_s": a,
+        "bandwidth": 1.0 / c,
+        "points": pts,
+        "fitted_bytes": [p["bytes"] for p in chosen],
+        "explains": all(p["within"] for p in chosen),
+    }
 
 
 def host_fit(rows, gathers: list | None = None) -> dict:
@@ -1042,7 +1298,13 @@ def host_fit(rows, gathers: list | None = None) -> dict:
     flops = [(24.0 * r["width"] ** 2 * r["tokens"]) / r["fwd_s"] for r in rows]
     if gathers:
         f = fit_latency_bandwidth(gathers)
-        return {"flops": statistics.median(flops), "gather_bw": f["bandwidth"], "gather_latency_s": f["latency_s"],
-                "gather_fit": f}
-    bws = [r["gather_bytes"] * (r["world_size"] - 1) / r["world_size"] / r["gather_s"] for r in rows if r["gather_s"] > 0]
+        return {
+            "flops": statistics.median(flops),
+            "gather_bw": f["bandwidth"],
+            "gather_latency_s": f["latency_s"],
+            "gather_fit": f,
+        }
+    bws = [
+        r["gather_bytes"] * (r["world_size"] - 1) / r["world_size"] / r["gather_s"] for r in rows if r["gather_s"] > 0
+    ]
     return {"flops": statistics.median(flops), "gather_bw": statistics.median(bws) if bws else float("nan")}

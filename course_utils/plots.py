@@ -12,6 +12,7 @@ on the notebook's plotting backend or leaves global state behind.
 Sections: shared helpers; notebook 01 (memory chart, bill bars, activations); notebook 05
 (planner memory bars, overlap chart). Other notebooks append their own sections below.
 """
+
 from __future__ import annotations
 
 import io
@@ -21,15 +22,28 @@ import numpy as np
 from .units import GB
 
 #: One colour per part of the bill and per row of the ZeRO table, used by every chart.
-PART_COLORS = {"weights": "#7b5ea7", "gradients": "#e8883a", "optimizer": "#3a7dc9",
-               "activations": "#5aa469", "buffers": "#9a9a9a"}
-STAGE_COLORS = {"ddp": "#444444", "zero1": "#3a7dc9", "zero2": "#e8883a", "zero3": "#7b5ea7",
-                "hsdp": "#2a9d8f", "zero2_offload": "#f4a261", "zero3_offload": "#b392d6"}
+PART_COLORS = {
+    "weights": "#7b5ea7",
+    "gradients": "#e8883a",
+    "optimizer": "#3a7dc9",
+    "activations": "#5aa469",
+    "buffers": "#9a9a9a",
+}
+STAGE_COLORS = {
+    "ddp": "#444444",
+    "zero1": "#3a7dc9",
+    "zero2": "#e8883a",
+    "zero3": "#7b5ea7",
+    "hsdp": "#2a9d8f",
+    "zero2_offload": "#f4a261",
+    "zero3_offload": "#b392d6",
+}
 
 
 # ---------------------------------------------------------------------------------------------
 # Shared helpers
 # ---------------------------------------------------------------------------------------------
+
 
 def new_figure(width: float = 7.5, height: float = 4.5):
     """A fresh Figure on the Agg canvas (no pyplot state) (notebook 01)."""
@@ -94,6 +108,7 @@ def _scale(unit: str) -> float:
 # Notebook 01: the memory chart, the bill as stacked bars, activations measured vs the rule
 # ---------------------------------------------------------------------------------------------
 
+
 def memory_chart_figure(view: dict, *, width: float = 7.5, height: float = 4.5):
     """The paper's memory chart: bytes per GPU against Nd for each row, a line for the GPU (notebook 01).
 
@@ -105,10 +120,8 @@ def memory_chart_figure(view: dict, *, width: float = 7.5, height: float = 4.5):
     ax = fig.add_subplot()
     nds = view["nds"]
     for stage in STAGES:
-        ax.plot(nds, view["curves"][stage] / GB, marker="o", ms=3, color=STAGE_COLORS[stage],
-                label=STAGE_NAMES[stage])
-        ax.plot([view["nd"]], [view["readout"][stage] / GB], marker="o", ms=8, mfc="none",
-                color=STAGE_COLORS[stage])
+        ax.plot(nds, view["curves"][stage] / GB, marker="o", ms=3, color=STAGE_COLORS[stage], label=STAGE_NAMES[stage])
+        ax.plot([view["nd"]], [view["readout"][stage] / GB], marker="o", ms=8, mfc="none", color=STAGE_COLORS[stage])
     ax.axhline(view["gpu_mem"] / GB, color="#c0392b", ls="--", lw=1.5)
     ax.text(nds[0], view["gpu_mem"] / GB * 1.12, f"one {view['gpu_mem'] / GB:g} GB GPU", color="#c0392b")
     ax.axvline(view["nd"], color="#999999", lw=0.8, ls=":")
@@ -123,8 +136,15 @@ def memory_chart_figure(view: dict, *, width: float = 7.5, height: float = 4.5):
     return fig
 
 
-def bill_bars_figure(bars: dict, *, unit: str = "bytes", title: str = "", gpu_mem: float | None = None,
-                     width: float = 7.5, height: float = 4.5):
+def bill_bars_figure(
+    bars: dict,
+    *,
+    unit: str = "bytes",
+    title: str = "",
+    gpu_mem: float | None = None,
+    width: float = 7.5,
+    height: float = 4.5,
+):
     """One GPU's bill per row as stacked bars; the part a stage no longer holds is dashed (notebook 01).
 
     ``bars`` is ``memory.bill_bars(...)``. What the GPU holds is stacked from zero (filled), so a
@@ -158,12 +178,12 @@ def bill_bars_figure(bars: dict, *, unit: str = "bytes", title: str = "", gpu_me
         ax.text(i, total, f"{total:.3g}", ha="center", va="bottom", fontsize=9, fontweight="bold")
     if gpu_mem is not None:
         ax.axhline(gpu_mem / scale, color="#c0392b", ls="--", lw=1.5)
-        ax.text(len(stages) - 0.5, gpu_mem / scale, f" {gpu_mem / GB:g} GB GPU", color="#c0392b",
-                va="bottom", ha="right")
+        ax.text(
+            len(stages) - 0.5, gpu_mem / scale, f" {gpu_mem / GB:g} GB GPU", color="#c0392b", va="bottom", ha="right"
+        )
     ax.set_xticks(range(len(stages)), [STAGE_NAMES.get(s, s).replace(" (", "\n(") for s in stages], fontsize=9)
     _bytes_axis(ax, unit=unit)
-    handles = [Patch(color=PART_COLORS[p], label=p) for p in BILL_PARTS
-               if any(bars[s][p]["full"] > 0 for s in stages)]
+    handles = [Patch(color=PART_COLORS[p], label=p) for p in BILL_PARTS if any(bars[s][p]["full"] > 0 for s in stages)]
     handles.append(Patch(fill=False, ls="--", edgecolor="#555555", label="no longer held (sharded away)"))
     fig.legend(handles=handles, fontsize=8, loc="outside right upper")
     ax.set_title(title or "Each stage drops one more part of the bill", fontsize=10)
@@ -199,10 +219,21 @@ def activations_figure(rows: list, *, width: float = 7.5, height: float = 4.0):
     fig = new_figure(width, height)
     ax = fig.add_subplot()
     rule = np.array([r["rule"] for r in rows])
-    ax.scatter(rule, [r["measured_blocks"] for r in rows], color=PART_COLORS["activations"],
-               label="measured, every activation kept", zorder=3)
-    ax.scatter(rule, [r["measured_blocks_ckpt"] for r in rows], color="#555555", marker="s",
-               label="measured, activation checkpointing", zorder=3)
+    ax.scatter(
+        rule,
+        [r["measured_blocks"] for r in rows],
+        color=PART_COLORS["activations"],
+        label="measured, every activation kept",
+        zorder=3,
+    )
+    ax.scatter(
+        rule,
+        [r["measured_blocks_ckpt"] for r in rows],
+        color="#555555",
+        marker="s",
+        label="measured, activation checkpointing",
+        zorder=3,
+    )
     lo, hi = min(rule.min(), min(r["measured_blocks_ckpt"] for r in rows)) / 2, rule.max() * 3
     xs = np.array([lo, hi])
     ax.plot(xs, xs, color="#c0392b", ls="--", lw=1, label="the rule: 12·h·b·s·L numbers × 2 bytes")
@@ -211,8 +242,10 @@ def activations_figure(rows: list, *, width: float = 7.5, height: float = 4.0):
     ax.set_xlabel("the paper's rule, bytes")
     ax.set_ylabel("saved for backward, bytes (measured)")
     mean = float(np.mean([r["ratio"] for r in rows]))
-    ax.set_title(f"The rule is right to within a constant ({mean:.2f}×) here; checkpointing keeps one input per block",
-                 fontsize=10)
+    ax.set_title(
+        f"The rule is right to within a constant ({mean:.2f}×) here; checkpointing keeps one input per block",
+        fontsize=10,
+    )
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     return fig
@@ -221,6 +254,7 @@ def activations_figure(rows: list, *, width: float = 7.5, height: float = 4.0):
 # ---------------------------------------------------------------------------------------------
 # Notebook 05: the planner's memory bars and overlap chart
 # ---------------------------------------------------------------------------------------------
+
 
 def _plan_memory_axes(ax, p) -> None:
     from matplotlib.patches import Patch
@@ -233,14 +267,22 @@ def _plan_memory_axes(ax, p) -> None:
     for i, s in enumerate(names):
         sp = p.strategies[s]
         bottom = 0.0
-        for _part, value, color in (("model states", sp.model_states, PART_COLORS["optimizer"]),
-                                   ("activations", sp.activations, PART_COLORS["activations"]),
-                                   ("buffers", sp.buffers, PART_COLORS["buffers"])):
+        for _part, value, color in (
+            ("model states", sp.model_states, PART_COLORS["optimizer"]),
+            ("activations", sp.activations, PART_COLORS["activations"]),
+            ("buffers", sp.buffers, PART_COLORS["buffers"]),
+        ):
             v = value / GB
             shown = max(0.0, min(v, cap - bottom))
-            ax.bar(i, shown, bottom=bottom, color=color, alpha=1.0 if sp.fits else 0.35,
-                   edgecolor="black" if s == p.recommendation["strategy"] else "white",
-                   lw=1.5 if s == p.recommendation["strategy"] else 0.5)
+            ax.bar(
+                i,
+                shown,
+                bottom=bottom,
+                color=color,
+                alpha=1.0 if sp.fits else 0.35,
+                edgecolor="black" if s == p.recommendation["strategy"] else "white",
+                lw=1.5 if s == p.recommendation["strategy"] else 0.5,
+            )
             bottom += shown
         label = f"{sp.total / GB:.0f}" if sp.total / GB >= 10 else f"{sp.total / GB:.1f}"
         clipped = sp.total / GB > cap
@@ -248,15 +290,22 @@ def _plan_memory_axes(ax, p) -> None:
     ax.axhline(c.gpu_mem / GB, color="#c0392b", ls="--", lw=1.2)
     ax.axhline(c.usable / GB, color="#c0392b", ls=":", lw=1)
     ax.set_ylim(0, cap * 1.08)
-    short = [STRATEGY_NAMES[s].split(" (")[0].replace(" + optimizer offload", "\n+ offload").replace("stage ", "stage\u00a0")
-             for s in names]
+    short = [
+        STRATEGY_NAMES[s].split(" (")[0].replace(" + optimizer offload", "\n+ offload").replace("stage ", "stage\u00a0")
+        for s in names
+    ]
     ax.set_xticks(range(len(names)), short, fontsize=8, rotation=0)
     ax.set_ylabel("memory per GPU, GB (10^9 bytes)")
-    ax.legend(handles=[Patch(color=PART_COLORS["optimizer"], label="model states"),
-                       Patch(color=PART_COLORS["activations"], label="activations"),
-                       Patch(color=PART_COLORS["buffers"], label="buffers"),
-                       Patch(fill=False, edgecolor="#c0392b", ls="--", label=f"{c.gpu_mem / GB:g} GB GPU (dotted: usable)")],
-              fontsize=7, loc="upper right")
+    ax.legend(
+        handles=[
+            Patch(color=PART_COLORS["optimizer"], label="model states"),
+            Patch(color=PART_COLORS["activations"], label="activations"),
+            Patch(color=PART_COLORS["buffers"], label="buffers"),
+            Patch(fill=False, edgecolor="#c0392b", ls="--", label=f"{c.gpu_mem / GB:g} GB GPU (dotted: usable)"),
+        ],
+        fontsize=7,
+        loc="upper right",
+    )
     ax.set_title("Memory per GPU (faded: does not fit; outlined: chosen)", fontsize=9)
 
 
@@ -267,15 +316,24 @@ def _plan_overlap_axes(ax, p, tokens=None) -> None:
     tokens = np.geomspace(64, 1 << 20, 60) if tokens is None else tokens
     curve = overlap_curve(m, c, tokens)
     ax.plot(curve["tokens"], curve["compute_s"] * 1e3, color=PART_COLORS["activations"], label="block forward compute")
-    ax.axhline(curve["gather_intra_s"] * 1e3, color=STAGE_COLORS["hsdp"], ls="--",
-               label=f"all-gather over NVLink ({c.intra_bw / 1e9:g} GB/s)")
+    ax.axhline(
+        curve["gather_intra_s"] * 1e3,
+        color=STAGE_COLORS["hsdp"],
+        ls="--",
+        label=f"all-gather over NVLink ({c.intra_bw / 1e9:g} GB/s)",
+    )
     if c.nodes > 1:
-        ax.axhline(curve["gather_network_s"] * 1e3, color="#c0392b", ls="--",
-                   label=f"all-gather over the network ({c.inter_bw / 1e9:g} GB/s per node)")
+        ax.axhline(
+            curve["gather_network_s"] * 1e3,
+            color="#c0392b",
+            ls="--",
+            label=f"all-gather over the network ({c.inter_bw / 1e9:g} GB/s per node)",
+        )
     now = m.tokens
     ax.axvline(now, color="#777777", ls=":", lw=1)
-    ax.text(now, 0.02, f" now: b·s = {now:,}", fontsize=8, va="bottom", color="#555555",
-            transform=ax.get_xaxis_transform())
+    ax.text(
+        now, 0.02, f" now: b·s = {now:,}", fontsize=8, va="bottom", color="#555555", transform=ax.get_xaxis_transform()
+    )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("tokens per micro-batch per GPU (b·s), log scale")
@@ -328,6 +386,7 @@ def crossover_figure(lines: dict, points: dict | None = None, *, width: float = 
 # Notebook 02: DDP's overlap timeline, the bucket-cap sweep, tables
 # ---------------------------------------------------------------------------------------------
 
+
 def table_markdown(header: list, rows: list) -> str:
     """A Markdown table from a header and rows of already formatted cells (notebook 02)."""
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
@@ -377,23 +436,39 @@ def _draw_ddp_timeline(ax, timeline: dict, *, legend: bool = True, xlabel: bool 
     top = len(buckets)
     ax.barh(top, -timeline["forward_ms"], left=timeline["forward_ms"], color="#bbbbbb", height=0.6, label="forward")
     ax.barh(top, timeline["backward_end_ms"], left=0, color=PART_COLORS["gradients"], height=0.6, label="backward")
-    ax.barh(top, timeline["synced_ms"] - timeline["backward_end_ms"], left=timeline["backward_end_ms"],
-            color="#dddddd", hatch="//", edgecolor="#888888", height=0.6, label="waiting for all-reduces")
+    ax.barh(
+        top,
+        timeline["synced_ms"] - timeline["backward_end_ms"],
+        left=timeline["backward_end_ms"],
+        color="#dddddd",
+        hatch="//",
+        edgecolor="#888888",
+        height=0.6,
+        label="waiting for all-reduces",
+    )
     for i, row in enumerate(timeline["all_reduce"]):
         end = row["end_ms"] if row["end_ms"] is not None else timeline["synced_ms"]
-        ax.barh(row["bucket"], end - row["start_ms"], left=row["start_ms"], color=PART_COLORS["optimizer"],
-                height=0.5, label="all-reduce in flight" if i == 0 else None)
+        ax.barh(
+            row["bucket"],
+            end - row["start_ms"],
+            left=row["start_ms"],
+            color=PART_COLORS["optimizer"],
+            height=0.5,
+            label="all-reduce in flight" if i == 0 else None,
+        )
     ready = timeline["ready"]
-    ax.scatter([r["t_ms"] for r in ready], [r["bucket"] for r in ready], color="black", s=12, zorder=3,
-               label="gradient ready")
+    ax.scatter(
+        [r["t_ms"] for r in ready], [r["bucket"] for r in ready], color="black", s=12, zorder=3, label="gradient ready"
+    )
     ax.axvline(timeline["backward_end_ms"], color="#444444", lw=0.8, ls=":")
     ax.set_yticks(list(buckets) + [top], [f"bucket {b}" for b in buckets] + ["compute"])
     ax.invert_yaxis()
     if xlabel:
         ax.set_xlabel("time since backward began (ms)")
     if legend:
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3 if xlabel else -0.14), ncol=5, fontsize=8,
-                  frameon=False)
+        ax.legend(
+            loc="upper center", bbox_to_anchor=(0.5, -0.3 if xlabel else -0.14), ncol=5, fontsize=8, frameon=False
+        )
 
 
 def bucket_sweep_figure(rows: list, *, title: str = "", width: float = 10.0, height: float = 3.8):
@@ -406,8 +481,14 @@ def bucket_sweep_figure(rows: list, *, title: str = "", width: float = 10.0, hei
     fig = new_figure(width, height)
     left, right = fig.subplots(1, 2)
     left.plot(caps, [r["buckets"] for r in rows], "o-", color="#444444", label="buckets")
-    left.plot(caps, [r["calls_per_step"] for r in rows], "x", color=PART_COLORS["optimizer"], ms=9,
-              label="all-reduce calls per step (counted)")
+    left.plot(
+        caps,
+        [r["calls_per_step"] for r in rows],
+        "x",
+        color=PART_COLORS["optimizer"],
+        ms=9,
+        label="all-reduce calls per step (counted)",
+    )
     left.set_xscale("log")
     left.set_xlabel("bucket cap (MiB)")
     left.set_ylabel("count per step")
@@ -428,6 +509,7 @@ def bucket_sweep_figure(rows: list, *, title: str = "", width: float = 10.0, hei
 # Notebook 03: ZeRO stages measured against the paper; the stage-3 schedule step by step
 # ---------------------------------------------------------------------------------------------
 
+
 def measured_memory_figure(view: dict, measured: dict, *, title: str = "", width: float = 7.5, height: float = 4.5):
     """The notebook-01 memory chart for a real run's Ψ, in bytes, with measured bytes per rank as points (notebook 03).
 
@@ -444,10 +526,26 @@ def measured_memory_figure(view: dict, measured: dict, *, title: str = "", width
         ax.plot(nds, view["curves"][stage], color=STAGE_COLORS[stage], lw=1.5, label=f"{STAGE_NAMES[stage]}, formula")
         points = measured.get(stage, [])
         if points:
-            ax.scatter([p[0] for p in points], [p[1] for p in points], s=90, marker="o", facecolor="none",
-                       edgecolor=STAGE_COLORS[stage], linewidth=2, zorder=3)
-    ax.scatter([], [], s=90, marker="o", facecolor="none", edgecolor="#555555", linewidth=2,
-               label="measured on a real run (real tensors)")
+            ax.scatter(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                s=90,
+                marker="o",
+                facecolor="none",
+                edgecolor=STAGE_COLORS[stage],
+                linewidth=2,
+                zorder=3,
+            )
+    ax.scatter(
+        [],
+        [],
+        s=90,
+        marker="o",
+        facecolor="none",
+        edgecolor="#555555",
+        linewidth=2,
+        label="measured on a real run (real tensors)",
+    )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(nds, [str(int(n)) for n in nds])
@@ -515,10 +613,14 @@ def _draw_stage3(grid, bars, state, *, legend: bool = True) -> None:
     grid.tick_params(length=0)
     for spine in grid.spines.values():
         spine.set_visible(False)
-    grid.set_title(f"step {state.step}: {state.phase}" + (f", layer {state.layer}" if state.layer is not None else ""),
-                   fontsize=10)
-    colors = {"forward all-gather": PART_COLORS["weights"], "backward all-gather": "#b392d6",
-              "reduce-scatter": PART_COLORS["gradients"]}
+    grid.set_title(
+        f"step {state.step}: {state.phase}" + (f", layer {state.layer}" if state.layer is not None else ""), fontsize=10
+    )
+    colors = {
+        "forward all-gather": PART_COLORS["weights"],
+        "backward all-gather": "#b392d6",
+        "reduce-scatter": PART_COLORS["gradients"],
+    }
     left = np.zeros(nd)
     for kind in TRAFFIC_KINDS:
         values = np.array([state.sent[g][kind] for g in range(nd)])
@@ -572,16 +674,25 @@ def fsdp_side_by_side_figure(rows: list, *, title: str = "", width: float = 12.0
         peak = (row.get("peak_unsharded_bytes") or [None])[0]
         if peak:
             mem.bar(i + 0.2, peak / mb, width=0.4, color="white", edgecolor=PART_COLORS["weights"], hatch="//")
-            mem.text(i + 0.2, peak / mb, f"{peak / mb:.2f}", ha="center", va="bottom", fontsize=7,
-                     color=PART_COLORS["weights"])
+            mem.text(
+                i + 0.2,
+                peak / mb,
+                f"{peak / mb:.2f}",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color=PART_COLORS["weights"],
+            )
     mem.set_xticks(xs, labels, fontsize=8)
     mem.set_ylabel("MB (10^6 bytes) per rank")
     mem.set_title("Held at rest (solid) and gathered at the peak of a step (hatched)", fontsize=9)
-    mem.set_ylim(0, max(max(r["per_rank"][0]["total"], (r.get("peak_unsharded_bytes") or [0])[0] or 0)
-                        for r in rows) / mb * 1.1)
+    mem.set_ylim(
+        0, max(max(r["per_rank"][0]["total"], (r.get("peak_unsharded_bytes") or [0])[0] or 0) for r in rows) / mb * 1.1
+    )
     handles = [Patch(color=PART_COLORS[p], label=p) for _, p in parts]
-    handles.append(Patch(facecolor="white", edgecolor=PART_COLORS["weights"], hatch="//",
-                         label="gathered weights, peak"))
+    handles.append(
+        Patch(facecolor="white", edgecolor=PART_COLORS["weights"], hatch="//", label="gathered weights, peak")
+    )
     mem.legend(handles=handles, fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
     kinds = [k for k in COMM_COLORS if any(k in r["comm_per_step"] for r in rows)]
     bottom = np.zeros(len(rows))
@@ -640,7 +751,9 @@ FSDP_COLUMNS = {
     "held per rank, B": lambda r: _bytes_cell(r["per_rank"][0]["total"]),
     "held where": lambda r: ", ".join(f"{k}: {v:,}" for k, v in r["held_by_device"].items()),
     "all-gather payload, B": lambda r: _bytes_cell(r["comm_per_step"].get("all_gather", {}).get("payload_bytes")),
-    "reduce-scatter payload, B": lambda r: _bytes_cell(r["comm_per_step"].get("reduce_scatter", {}).get("payload_bytes")),
+    "reduce-scatter payload, B": lambda r: _bytes_cell(
+        r["comm_per_step"].get("reduce_scatter", {}).get("payload_bytes")
+    ),
     "sent / step, B": lambda r: _bytes_cell(sum(v["sent_bytes"] for v in r["comm_per_step"].values())),
     ".item() every step": lambda r: "yes" if r["sync_every_step"] else "no",
     "step time, ms": step_time_cell,
@@ -664,15 +777,35 @@ def fsdp_side_by_side_table(rows: list, predictions: dict) -> tuple[list, list]:
     reduce-scatter, AR all-reduce), bytes one rank sends per step, the final loss and the
     distance to single. No step time: these are counting runs (``step_time_cell`` says why).
     """
-    header = ["run", "FSDP1 name", "held / rank, B", "ZeRO row, B", "peak gathered, B", "predicted, B",
-              "collectives / step", "sent / step, B", "final loss", "‖Δw‖/‖w‖ vs single"]
+    header = [
+        "run",
+        "FSDP1 name",
+        "held / rank, B",
+        "ZeRO row, B",
+        "peak gathered, B",
+        "predicted, B",
+        "collectives / step",
+        "sent / step, B",
+        "final loss",
+        "‖Δw‖/‖w‖ vs single",
+    ]
     out = []
     for r in rows:
         p = predictions[r["strategy"]]
-        out.append([r["label"], r["strategy_info"].get("fsdp1_name", "–"), _bytes_cell(r["per_rank"][0]["total"]),
-                    _bytes_cell(p["held"]["total"]), _bytes_cell(r["peak_unsharded_bytes"][0]), _bytes_cell(p["peak"]),
-                    *(FSDP_COLUMNS[c](r) for c in ("collectives / step", "sent / step, B", "final loss",
-                                                   "‖Δw‖/‖w‖ vs single"))])
+        out.append(
+            [
+                r["label"],
+                r["strategy_info"].get("fsdp1_name", "–"),
+                _bytes_cell(r["per_rank"][0]["total"]),
+                _bytes_cell(p["held"]["total"]),
+                _bytes_cell(r["peak_unsharded_bytes"][0]),
+                _bytes_cell(p["peak"]),
+                *(
+                    FSDP_COLUMNS[c](r)
+                    for c in ("collectives / step", "sent / step, B", "final loss", "‖Δw‖/‖w‖ vs single")
+                ),
+            ]
+        )
     return header, out
 
 
@@ -681,13 +814,16 @@ def bit_identity_table(groups: list[list[str]], *, reference: str = "single") ->
 
     ``groups``: ``labs.lab04.bit_identical_groups``. One row per group, lettered in run order.
     """
-    return (["weights", "runs that end bit for bit the same"],
-            [[f"{chr(65 + i)}{' (reference)' if reference in g else ''}", ", ".join(g)] for i, g in enumerate(groups)])
+    return (
+        ["weights", "runs that end bit for bit the same"],
+        [[f"{chr(65 + i)}{' (reference)' if reference in g else ''}", ", ".join(g)] for i, g in enumerate(groups)],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Notebook 06: work lost to a failure against the checkpoint interval
 # ---------------------------------------------------------------------------------------------
+
 
 def lost_work_figure(rows: list, lost: list | None = None, *, width: float = 10.0, height: float = 4.0):
     """Steps redone after each failure against the checkpoint interval K, and the time it cost (notebook 06).
@@ -702,10 +838,15 @@ def lost_work_figure(rows: list, lost: list | None = None, *, width: float = 10.
     ax = axes[0]
     ks = np.array([r["every"] for r in rows], dtype=float)
     for i, r in enumerate(rows):
-        ax.scatter([r["every"]] * len(r["redone"]), r["redone"], color="#9a9a9a", s=18, zorder=2,
-                   label="one restart" if i == 0 else None)
-    ax.scatter(ks, [r["mean_redone"] for r in rows], marker="D", color="#3a7dc9", s=50, zorder=3,
-               label="measured mean")
+        ax.scatter(
+            [r["every"]] * len(r["redone"]),
+            r["redone"],
+            color="#9a9a9a",
+            s=18,
+            zorder=2,
+            label="one restart" if i == 0 else None,
+        )
+    ax.scatter(ks, [r["mean_redone"] for r in rows], marker="D", color="#3a7dc9", s=50, zorder=3, label="measured mean")
     grid = np.linspace(ks.min(), ks.max(), 50)
     ax.plot(grid, (grid - 1) / 2, color="#3a7dc9", lw=1, label="(K − 1)/2 completed steps")
     ax.plot(grid, grid / 2, color="#e8883a", lw=1.5, ls="--", label="K/2: with the step in flight")
@@ -744,8 +885,14 @@ def checkpoint_interval_figure(jobs: dict, *, width: float = 7.5, height: float 
         ax.plot(job["k"], share, color=color, lw=1.8, label=label)
         best = job["k_young"]
         ax.scatter([best], [job["overhead_at_best"] * 100], color=color, zorder=3)
-        ax.annotate(f"K = {best:,.0f}: {job['overhead_at_best']:.1%}", (best, job["overhead_at_best"] * 100),
-                    textcoords="offset points", xytext=(6, 8), fontsize=8, color=color)
+        ax.annotate(
+            f"K = {best:,.0f}: {job['overhead_at_best']:.1%}",
+            (best, job["overhead_at_best"] * 100),
+            textcoords="offset points",
+            xytext=(6, 8),
+            fontsize=8,
+            color=color,
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("checkpoint interval K (optimizer steps, log scale)")

@@ -23,6 +23,7 @@ Pure arithmetic: no ``torch.distributed``, no processes (``tests/test_layers.py`
 strategy modules (``zero``, ``fsdp``) hold the mechanism; they report what they built
 (``strategy_info``) and these functions say what that should cost.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,12 +40,13 @@ from .strategies import FSDP_STRATEGIES, STRATEGIES, get, shard_group_size
 #: ``memory.OPTIMIZERS``: mixed = the paper's bf16/fp16 weights and gradients + fp32 master,
 #: momentum, variance (2, 2, 12); fp32 = fp32 weights and gradients + Adam's fp32 momentum and
 #: variance, no master copy needed (4, 4, 8).
-PRECISION_BYTES = {p: (OPTIMIZERS[name].weight_bytes, OPTIMIZERS[name].grad_bytes, OPTIMIZERS[name].k)
-                   for p, name in (("mixed", "adam_mixed"), ("fp32", "adam_fp32"))}
+PRECISION_BYTES = {
+    p: (OPTIMIZERS[name].weight_bytes, OPTIMIZERS[name].grad_bytes, OPTIMIZERS[name].k)
+    for p, name in (("mixed", "adam_mixed"), ("fp32", "adam_fp32"))
+}
 
 #: Which parts each row of the ZeRO table shards (the rest every rank keeps whole).
-SHARDED_PARTS = {"ddp": (), "zero1": ("optim",), "zero2": ("optim", "grads"),
-                 "zero3": ("optim", "grads", "params")}
+SHARDED_PARTS = {"ddp": (), "zero1": ("optim",), "zero2": ("optim", "grads"), "zero3": ("optim", "grads", "params")}
 
 
 def _check_precision(precision: str) -> tuple:
@@ -56,6 +58,7 @@ def _check_precision(precision: str) -> tuple:
 # ---------------------------------------------------------------------------------------------
 # Bytes held per rank
 # ---------------------------------------------------------------------------------------------
+
 
 def held_bytes(stage: str, psi: int, nd: int, *, precision: str = "mixed", shard_numel: int | None = None) -> dict:
     """Bytes of params, grads and optimizer state one rank holds, by the paper's formulas (notebook 03).
@@ -106,6 +109,7 @@ def strategy_held_bytes(strategy: str, psi: int, nproc: int, node_size: int = 2,
 # ---------------------------------------------------------------------------------------------
 # Bytes sent per step
 # ---------------------------------------------------------------------------------------------
+
 
 def paper_sent_bytes(strategy: str, psi: float, nproc: int, node_size: int = 2, bytes_per_element: int = 4) -> float:
     """Bytes one rank sends per step by the paper's ring formulas, no padding (README, Benchmarks).
@@ -159,13 +163,15 @@ def zero_traffic(stage: str, nd: int, units: list[dict], *, precision: str = "mi
         rows = {"all_gather": (2 * len(units), 2 * everything * w), "reduce_scatter": (n_train, trainable * g)}
     else:
         raise CourseInputError(f"unknown stage {stage!r}; choose ddp, zero1, zero2 or zero3")
-    return {kind: {"calls": calls, "payload_bytes": float(payload),
-                   "sent_bytes": ring_bytes_sent(kind, payload, nd)}
-            for kind, (calls, payload) in sorted(rows.items())}
+    return {
+        kind: {"calls": calls, "payload_bytes": float(payload), "sent_bytes": ring_bytes_sent(kind, payload, nd)}
+        for kind, (calls, payload) in sorted(rows.items())
+    }
 
 
-def fsdp_collectives(strategy: str, units: list[dict], nproc: int, node_size: int = 2, *,
-                     param_bytes: int = 4, grad_bytes: int = 4) -> dict:
+def fsdp_collectives(
+    strategy: str, units: list[dict], nproc: int, node_size: int = 2, *, param_bytes: int = 4, grad_bytes: int = 4
+) -> dict:
     """Collectives one rank issues per step, predicted from the units: ``{kind: {calls, payload_bytes,
     sent_bytes, group}}``, the shape of ``CommCounter.summary`` plus the group size (notebook 04).
 
@@ -198,9 +204,15 @@ def fsdp_collectives(strategy: str, units: list[dict], nproc: int, node_size: in
     if n == 1:  # nothing to gather or scatter in a group of one
         rows.pop("all_gather", None)
         rows.pop("reduce_scatter", None)
-    return {kind: {"calls": float(calls), "payload_bytes": float(payload),
-                   "sent_bytes": ring_bytes_sent(kind, payload, group), "group": group}
-            for kind, (calls, payload, group) in sorted(rows.items())}
+    return {
+        kind: {
+            "calls": float(calls),
+            "payload_bytes": float(payload),
+            "sent_bytes": ring_bytes_sent(kind, payload, group),
+            "group": group,
+        }
+        for kind, (calls, payload, group) in sorted(rows.items())
+    }
 
 
 def traffic_in_psi(comm_rows: dict, psi: int, bytes_per_element: int) -> float:
@@ -212,8 +224,10 @@ def traffic_in_psi(comm_rows: dict, psi: int, bytes_per_element: int) -> float:
 # Peaks during a step
 # ---------------------------------------------------------------------------------------------
 
-def peak_gathered_bytes(units: list[dict], bytes_per_element: int, strategy: str = "zero3",
-                        prefetch: str = "none") -> int:
+
+def peak_gathered_bytes(
+    units: list[dict], bytes_per_element: int, strategy: str = "zero3", prefetch: str = "none"
+) -> int:
     """The peak of gathered (full-size) parameter bytes a schedule predicts, from the unit sizes (notebooks 03, 04).
 
     The root unit (embeddings, final norm, the head tied to the token embedding) is gathered
@@ -231,7 +245,9 @@ def peak_gathered_bytes(units: list[dict], bytes_per_element: int, strategy: str
     """
     record = get(strategy)
     if not record.is_fsdp and strategy != "zero3":
-        raise CourseInputError(f"{strategy!r} gathers no parameters; choose zero3 or one of {', '.join(FSDP_STRATEGIES)}")
+        raise CourseInputError(
+            f"{strategy!r} gathers no parameters; choose zero3 or one of {', '.join(FSDP_STRATEGIES)}"
+        )
     size = "numel" if record.is_fsdp else "padded"
     root = sum(u[size] for u in units if u["name"] == "(root)")
     others = [u[size] for u in units if u["name"] != "(root)"]
@@ -244,8 +260,9 @@ def peak_gathered_bytes(units: list[dict], bytes_per_element: int, strategy: str
     return (root + working) * bytes_per_element
 
 
-def samples_that_fit(psi, nd, stage: str, gpu_mem: float, activation_bytes_per_sample: float, *,
-                     k: float = 12, nm: int = 1) -> int:
+def samples_that_fit(
+    psi, nd, stage: str, gpu_mem: float, activation_bytes_per_sample: float, *, k: float = 12, nm: int = 1
+) -> int:
     """Samples per GPU whose activations fit beside the model states: why freed memory buys batch (notebook 03).
 
     ``floor((gpu_mem - model_state_bytes(Ψ, Nd, stage)) / activation bytes per sample)``, 0 when
@@ -261,6 +278,7 @@ def samples_that_fit(psi, nd, stage: str, gpu_mem: float, activation_bytes_per_s
 # ---------------------------------------------------------------------------------------------
 # Units: what a run will gather, counted before any process starts
 # ---------------------------------------------------------------------------------------------
+
 
 def unit_table(model: nn.Module, shard_size: int, units: list[nn.Module]) -> list[dict]:
     """Each unit's parameters: ``[{"name", "numel", "padded"}]`` in forward order, the root last (notebook 04).
@@ -304,8 +322,17 @@ def planned_units(model: str = "tiny", granularity: str = "block", shard_size: i
 # One run of one strategy
 # ---------------------------------------------------------------------------------------------
 
-def fsdp_run(strategy: str, *, model: str = "tiny", nproc: int, node_size: int = 2, wrap: str = "block",
-             prefetch: str = "default", precision: str = "fp32") -> dict:
+
+def fsdp_run(
+    strategy: str,
+    *,
+    model: str = "tiny",
+    nproc: int,
+    node_size: int = 2,
+    wrap: str = "block",
+    prefetch: str = "default",
+    precision: str = "fp32",
+) -> dict:
     """Everything the formulas say about one FSDP run before it starts (notebook 04).
 
     Returns ``{"units", "held", "comm", "peak"}``: the units (``planned_units``, padded for this
@@ -318,13 +345,23 @@ def fsdp_run(strategy: str, *, model: str = "tiny", nproc: int, node_size: int =
         return {"units": [], "held": held, "comm": {}, "peak": None}
     units = planned_units(model, wrap, shard_group_size(strategy, nproc, node_size))
     w = 2 if precision == "mixed" else 4
-    return {"units": units, "held": held,
-            "comm": fsdp_collectives(strategy, units, nproc, node_size, param_bytes=w, grad_bytes=4),
-            "peak": peak_gathered_bytes(units, w, strategy, prefetch)}
+    return {
+        "units": units,
+        "held": held,
+        "comm": fsdp_collectives(strategy, units, nproc, node_size, param_bytes=w, grad_bytes=4),
+        "peak": peak_gathered_bytes(units, w, strategy, prefetch),
+    }
 
 
-def expected_bytes(strategy: str, psi: int, nproc: int, *, node_size: int = 2, precision: str = "fp32",
-                   strategy_info: dict | None = None) -> dict:
+def expected_bytes(
+    strategy: str,
+    psi: int,
+    nproc: int,
+    *,
+    node_size: int = 2,
+    precision: str = "fp32",
+    strategy_info: dict | None = None,
+) -> dict:
     """What a run of ``strategy`` should hold per rank and send per step, by the course's formulas (README).
 
     Returns ``{"held_paper", "held_exact", "sent_paper", "sent_exact", "source"}`` in bytes:
@@ -340,8 +377,13 @@ def expected_bytes(strategy: str, psi: int, nproc: int, *, node_size: int = 2, p
         held = strategy_held_bytes(strategy, psi, nproc, node_size)["total"]
         if strategy != "single":  # DDP all-reduces fp32 gradients whatever the compute precision
             sent_paper = paper_sent_bytes(strategy, psi, nproc, node_size, 4)
-        return {"held_paper": held, "held_exact": held, "sent_paper": sent_paper, "sent_exact": sent_paper,
-                "source": "strategy_held_bytes (fp32 Adam bill), paper_sent_bytes"}
+        return {
+            "held_paper": held,
+            "held_exact": held,
+            "sent_paper": sent_paper,
+            "sent_exact": sent_paper,
+            "source": "strategy_held_bytes (fp32 Adam bill), paper_sent_bytes",
+        }
     if strategy in ("zero1", "zero2", "zero3"):
         paper = strategy_held_bytes(strategy, psi, nproc, node_size, precision=precision)["total"]
         exact = paper
@@ -349,20 +391,35 @@ def expected_bytes(strategy: str, psi: int, nproc: int, *, node_size: int = 2, p
             exact = held_bytes(strategy, psi, nproc, precision=precision, shard_numel=info["shard_numel"])["total"]
         sent_exact = sent_paper
         if info.get("units"):
-            sent_exact = sum(r["sent_bytes"] for r in zero_traffic(strategy, nproc, info["units"],
-                                                                    precision=precision).values())
-        return {"held_paper": paper, "held_exact": exact, "sent_paper": sent_paper, "sent_exact": sent_exact,
-                "source": "held_bytes, zero_traffic"}
+            sent_exact = sum(
+                r["sent_bytes"] for r in zero_traffic(strategy, nproc, info["units"], precision=precision).values()
+            )
+        return {
+            "held_paper": paper,
+            "held_exact": exact,
+            "sent_paper": sent_paper,
+            "sent_exact": sent_exact,
+            "source": "held_bytes, zero_traffic",
+        }
     if strategy not in FSDP_STRATEGIES:
         raise CourseInputError(f"no formula for strategy {strategy!r}")
     held = strategy_held_bytes(strategy, psi, nproc, node_size)["total"]
     sent_exact = sent_paper
     if info.get("units"):
         param_bytes = info.get("compute_bytes_per_element", 4)
-        sent_exact = sum(r["sent_bytes"] for r in fsdp_collectives(
-            strategy, info["units"], nproc, node_size, param_bytes=param_bytes, grad_bytes=4).values())
-    return {"held_paper": held, "held_exact": held, "sent_paper": sent_paper, "sent_exact": sent_exact,
-            "source": "strategy_held_bytes, fsdp_collectives"}
+        sent_exact = sum(
+            r["sent_bytes"]
+            for r in fsdp_collectives(
+                strategy, info["units"], nproc, node_size, param_bytes=param_bytes, grad_bytes=4
+            ).values()
+        )
+    return {
+        "held_paper": held,
+        "held_exact": held,
+        "sent_paper": sent_paper,
+        "sent_exact": sent_exact,
+        "source": "strategy_held_bytes, fsdp_collectives",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,8 +469,12 @@ def update_extra_bytes(stage: str, units: list[dict], *, precision: str = "mixed
         update = done
         lingering = g * max(u["padded"] for u in flats)
     update += c * sum(slices) + ADAM_SCRATCH_FP32_COPIES * 4 * max(slices)
-    return {"reduce_scatter": reduce_scatter, "update": update, "extra": max(reduce_scatter, update),
-            "gloo_may_hold": lingering}
+    return {
+        "reduce_scatter": reduce_scatter,
+        "update": update,
+        "extra": max(reduce_scatter, update),
+        "gloo_may_hold": lingering,
+    }
 
 
 def peak_check(report: dict) -> dict:
@@ -429,12 +490,22 @@ def peak_check(report: dict) -> dict:
     precision = info.get("precision", "fp32")
     at_rest = held_bytes(stage, info["psi"], nd, precision=precision, shard_numel=info["shard_numel"])
     predicted = update_extra_bytes(stage, info["units"], precision=precision)
-    within = all(predicted["extra"] <= r["update_extra"] <= predicted["extra"] + predicted["gloo_may_hold"]
-                 and r["update_peak"] == r["total"] + r["update_extra"] for r in report["per_rank"])
-    return {"stage": stage, "precision": precision, "nd": nd, "at_rest": at_rest["total"], "predicted": predicted,
-            "predicted_peak": at_rest["total"] + predicted["extra"],
-            "measured_peak": report["per_rank"][0]["update_peak"],
-            "measured_extra": report["per_rank"][0]["update_extra"], "within": within}
+    within = all(
+        predicted["extra"] <= r["update_extra"] <= predicted["extra"] + predicted["gloo_may_hold"]
+        and r["update_peak"] == r["total"] + r["update_extra"]
+        for r in report["per_rank"]
+    )
+    return {
+        "stage": stage,
+        "precision": precision,
+        "nd": nd,
+        "at_rest": at_rest["total"],
+        "predicted": predicted,
+        "predicted_peak": at_rest["total"] + predicted["extra"],
+        "measured_peak": report["per_rank"][0]["update_peak"],
+        "measured_extra": report["per_rank"][0]["update_extra"],
+        "within": within,
+    }
 
 
 def memory_check(report: dict, psi: int | None = None) -> dict:
@@ -450,13 +521,27 @@ def memory_check(report: dict, psi: int | None = None) -> dict:
     info = report.get("strategy_info", {})
     psi = info.get("psi", psi)
     precision = info.get("precision", "fp32")
-    expected = held_bytes(stage, psi, nd, precision=precision,
-                          shard_numel=info.get("shard_numel", -(-psi // nd) if stage != "ddp" else None))
+    expected = held_bytes(
+        stage,
+        psi,
+        nd,
+        precision=precision,
+        shard_numel=info.get("shard_numel", -(-psi // nd) if stage != "ddp" else None),
+    )
     paper = held_bytes(stage, psi, nd, precision=precision)
     measured = [{k: row[k] for k in expected} for row in report["per_rank"]]
-    return {"stage": stage, "precision": precision, "nd": nd, "psi": psi, "padding": info.get("padding", 0),
-            "measured": measured, "expected": expected, "paper": paper,
-            "padding_bytes": expected["total"] - paper["total"], "equal": all(m == expected for m in measured)}
+    return {
+        "stage": stage,
+        "precision": precision,
+        "nd": nd,
+        "psi": psi,
+        "padding": info.get("padding", 0),
+        "measured": measured,
+        "expected": expected,
+        "paper": paper,
+        "padding_bytes": expected["total"] - paper["total"],
+        "equal": all(m == expected for m in measured),
+    }
 
 
 def traffic_check(report: dict, psi: int | None = None) -> dict:
@@ -491,9 +576,15 @@ def traffic_check(report: dict, psi: int | None = None) -> dict:
     measured = report["comm_per_step"]
     sent = {k: v for k, v in measured.items() if k in expected}
     padded = sum(u["padded"] for u in units)
-    return {"stage": stage, "nd": nd, "measured": measured, "expected": expected,
-            "psi_units": traffic_in_psi(sent, psi, b), "formula_psi": comm.step_sent(stage, padded, nd) / psi,
-            "equal": all(same(rows) for rows in report["comm_per_step_by_rank"])}
+    return {
+        "stage": stage,
+        "nd": nd,
+        "measured": measured,
+        "expected": expected,
+        "psi_units": traffic_in_psi(sent, psi, b),
+        "formula_psi": comm.step_sent(stage, padded, nd) / psi,
+        "equal": all(same(rows) for rows in report["comm_per_step_by_rank"]),
+    }
 
 
 def comm_matches(row: dict, expected: dict) -> bool:
@@ -514,8 +605,24 @@ def comm_matches(row: dict, expected: dict) -> bool:
 
 
 __all__ = [
-    "update_extra_bytes", "peak_check", "ADAM_SCRATCH_FP32_COPIES",
-    "PRECISION_BYTES", "SHARDED_PARTS", "held_bytes", "strategy_held_bytes", "paper_sent_bytes", "zero_traffic",
-    "fsdp_collectives", "traffic_in_psi", "peak_gathered_bytes", "samples_that_fit", "unit_table",
-    "planned_units", "fsdp_run", "expected_bytes", "memory_check", "traffic_check", "comm_matches",
+    "update_extra_bytes",
+    "peak_check",
+    "ADAM_SCRATCH_FP32_COPIES",
+    "PRECISION_BYTES",
+    "SHARDED_PARTS",
+    "held_bytes",
+    "strategy_held_bytes",
+    "paper_sent_bytes",
+    "zero_traffic",
+    "fsdp_collectives",
+    "traffic_in_psi",
+    "peak_gathered_bytes",
+    "samples_that_fit",
+    "unit_table",
+    "planned_units",
+    "fsdp_run",
+    "expected_bytes",
+    "memory_check",
+    "traffic_check",
+    "comm_matches",
 ]

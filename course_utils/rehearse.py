@@ -45,6 +45,7 @@ missing. The course pins torch (constraints.txt, ``PINNED_TORCH``) to the versio
 ``labs.lab05b.bridge`` holds the rehearsal against a real run: the same wrapping on 2 or 4 gloo ranks of
 the tiny course model, bytes counted on the real shards with ``instrument.tensor_bytes``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,19 @@ PRECISIONS = ("bf16", "fp32")
 MAX_NPROC = 1024
 
 #: The tracker's categories (``_FSDPRefType`` values), in the order they are drawn.
-CATEGORIES = ("Sharded Param", "OptState", "Sharded Grad", "Unsharded Param", "Unsharded Grad",
-              "All Gather", "Reduce Scatter", "Activation", "Temp", "Inputs", "Buffer")
+CATEGORIES = (
+    "Sharded Param",
+    "OptState",
+    "Sharded Grad",
+    "Unsharded Param",
+    "Unsharded Grad",
+    "All Gather",
+    "Reduce Scatter",
+    "Activation",
+    "Temp",
+    "Inputs",
+    "Buffer",
+)
 
 #: The tracker's categories gathered into the parts of the course's bill (notebook 05b).
 PARTS = {
@@ -82,14 +94,20 @@ PARTS = {
     "communication buffers": ("All Gather", "Reduce Scatter"),
     "activations and temporaries": ("Activation", "Temp", "Inputs", "Buffer"),
 }
-PART_COLORS = {"fp32 parameter shards": "#7b5ea7", "optimizer state": "#3a7dc9", "gradients": "#e8883a",
-               "16-bit weights being computed": "#c9b3e6", "communication buffers": "#9a9a9a",
-               "activations and temporaries": "#5aa469"}
+PART_COLORS = {
+    "fp32 parameter shards": "#7b5ea7",
+    "optimizer state": "#3a7dc9",
+    "gradients": "#e8883a",
+    "16-bit weights being computed": "#c9b3e6",
+    "communication buffers": "#9a9a9a",
+    "activations and temporaries": "#5aa469",
+}
 
 
 # ---------------------------------------------------------------------------------------------
 # Presets: published shapes, built as the course model
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -104,18 +122,21 @@ class Preset:
 
     name: str
     cfg: GPTConfig
-    released: int      # parameters of the released checkpoint
+    released: int  # parameters of the released checkpoint
     source: str
 
     @property
     def shape(self) -> str:
         """The shape in one line: what notebook 05b prints before rehearsing it."""
         c = self.cfg
-        attn = (f"{c.heads} heads" + (f", {c.n_kv_heads} KV heads (grouped-query)" if c.n_kv_heads != c.heads
-                                       else " (multi-head)"))
+        attn = f"{c.heads} heads" + (
+            f", {c.n_kv_heads} KV heads (grouped-query)" if c.n_kv_heads != c.heads else " (multi-head)"
+        )
         mlp = f"SwiGLU {c.hidden}" if c.arch == "llama" else f"GELU {c.hidden}"
-        return (f"{self.name}: L = {c.layers}, h = {c.width}, {attn}, MLP {mlp}, vocabulary {c.vocab:,}, "
-                f"sequence {c.seq:,}, {'tied' if c.tie_weights else 'untied'} head")
+        return (
+            f"{self.name}: L = {c.layers}, h = {c.width}, {attn}, MLP {mlp}, vocabulary {c.vocab:,}, "
+            f"sequence {c.seq:,}, {'tied' if c.tie_weights else 'untied'} head"
+        )
 
 
 _LLAMA = dict(arch="llama", tie_weights=False)
@@ -128,47 +149,85 @@ PRESETS: dict[str, Preset] = {
         1_557_611_200,
         "Radford et al. 2019, 'Language Models are Unsupervised Multitask Learners', Table 2 (48 layers, "
         "d_model 1600; the table calls it 1542M) and the released gpt2-xl config (25 heads, vocabulary 50,257, "
-        "context 1024, tied head); the course model's own GPT-2 block"),
+        "context 1024, tied head); the course model's own GPT-2 block",
+    ),
     "6.7B": Preset(
         "Llama 2 7B",
         GPTConfig(vocab=32000, seq=4096, layers=32, width=4096, heads=32, mlp_hidden=11008, **_LLAMA),
         6_738_415_616,
         "Touvron et al. 2023, 'Llama 2' (arXiv:2307.09288), Table 1 (context 4096) and the released config "
         "(hidden 4096, 32 layers, 32 heads and 32 KV heads, intermediate 11008, vocabulary 32000); "
-        "the LLaMA paper (arXiv:2302.13971, Table 2) lists this shape as 6.7B"),
+        "the LLaMA paper (arXiv:2302.13971, Table 2) lists this shape as 6.7B",
+    ),
     "8B": Preset(
         "Llama 3 8B",
-        GPTConfig(vocab=128256, seq=8192, layers=32, width=4096, heads=32, kv_heads=8, mlp_hidden=14336,
-                  rope_theta=500000.0, **_LLAMA),
+        GPTConfig(
+            vocab=128256,
+            seq=8192,
+            layers=32,
+            width=4096,
+            heads=32,
+            kv_heads=8,
+            mlp_hidden=14336,
+            rope_theta=500000.0,
+            **_LLAMA,
+        ),
         8_030_261_248,
         "Llama Team 2024, 'The Llama 3 Herd of Models' (arXiv:2407.21783), Table 3, and the released "
         "Meta-Llama-3-8B config (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336, "
-        "vocabulary 128,256, pre-trained at 8192 tokens)"),
+        "vocabulary 128,256, pre-trained at 8192 tokens)",
+    ),
     "13B": Preset(
         "Llama 2 13B",
         GPTConfig(vocab=32000, seq=4096, layers=40, width=5120, heads=40, mlp_hidden=13824, **_LLAMA),
         13_015_864_320,
         "Touvron et al. 2023, 'Llama 2' (arXiv:2307.09288), Table 1 and the released config (hidden 5120, "
-        "40 layers, 40 heads and 40 KV heads, intermediate 13824, vocabulary 32000, context 4096)"),
+        "40 layers, 40 heads and 40 KV heads, intermediate 13824, vocabulary 32000, context 4096)",
+    ),
     "70B": Preset(
         "Llama 3 70B",
-        GPTConfig(vocab=128256, seq=8192, layers=80, width=8192, heads=64, kv_heads=8, mlp_hidden=28672,
-                  rope_theta=500000.0, **_LLAMA),
+        GPTConfig(
+            vocab=128256,
+            seq=8192,
+            layers=80,
+            width=8192,
+            heads=64,
+            kv_heads=8,
+            mlp_hidden=28672,
+            rope_theta=500000.0,
+            **_LLAMA,
+        ),
         70_553_706_496,
         "Llama Team 2024, 'The Llama 3 Herd of Models' (arXiv:2407.21783), Table 3, and the released "
         "Meta-Llama-3-70B config (hidden 8192, 80 layers, 64 heads, 8 KV heads, intermediate 28672, "
         "vocabulary 128,256, pre-trained at 8192 tokens). Llama 2 70B has the same block but a 32,000-token "
-        "vocabulary: 68,976,648,192 parameters, 1.5% short of its name"),
+        "vocabulary: 68,976,648,192 parameters, 1.5% short of its name",
+    ),
 }
 
 #: Other spellings accepted for the presets (each names the same model, never a rounder size).
-ALIASES = {"gpt2-xl": "1.56B", "1.56b": "1.56B", "6.7b": "6.7B", "llama-2-7b": "6.7B", "llama2-7b": "6.7B",
-           "8b": "8B", "llama-3-8b": "8B", "llama3-8b": "8B", "13b": "13B", "llama-2-13b": "13B",
-           "llama2-13b": "13B", "70b": "70B", "llama-3-70b": "70B", "llama3-70b": "70B"}
+ALIASES = {
+    "gpt2-xl": "1.56B",
+    "1.56b": "1.56B",
+    "6.7b": "6.7B",
+    "llama-2-7b": "6.7B",
+    "llama2-7b": "6.7B",
+    "8b": "8B",
+    "llama-3-8b": "8B",
+    "llama3-8b": "8B",
+    "13b": "13B",
+    "llama-2-13b": "13B",
+    "llama2-13b": "13B",
+    "70b": "70B",
+    "llama-3-70b": "70B",
+    "llama3-70b": "70B",
+}
 
 #: Names people use for a model whose count is not within 1% of them: said in the error, not guessed.
-NOT_THEIR_SIZE = {"7b": "Llama 2 7B has 6.74B parameters: ask for '6.7B' (or '8B', Llama 3 8B)",
-                  "1.5b": "GPT-2 XL has 1.56B parameters: ask for '1.56B'"}
+NOT_THEIR_SIZE = {
+    "7b": "Llama 2 7B has 6.74B parameters: ask for '6.7B' (or '8B', Llama 3 8B)",
+    "1.5b": "GPT-2 XL has 1.56B parameters: ask for '1.56B'",
+}
 
 
 def preset(name: str) -> Preset:
@@ -176,9 +235,12 @@ def preset(name: str) -> Preset:
     key = name if name in PRESETS else ALIASES.get(str(name).strip().lower())
     if key is None:
         why = NOT_THEIR_SIZE.get(str(name).strip().lower())
-        raise CourseInputError(f"unknown preset {name!r}" + (f" ({why})" if why else "")
-                               + f"; choose one of {', '.join(PRESETS)} (a preset's name is its parameter count) "
-                               "or give --layers --width --heads --vocab --seq")
+        raise CourseInputError(
+            f"unknown preset {name!r}"
+            + (f" ({why})" if why else "")
+            + f"; choose one of {', '.join(PRESETS)} (a preset's name is its parameter count) "
+            "or give --layers --width --heads --vocab --seq"
+        )
     return PRESETS[key]
 
 
@@ -224,6 +286,7 @@ def param_tensor_count(cfg: GPTConfig) -> int:
 # Feature detection: the tracker is a private API
 # ---------------------------------------------------------------------------------------------
 
+
 def tracker_problem() -> str | None:
     """None when this torch can rehearse; else one sentence saying what is missing (notebook 05b)."""
     try:
@@ -242,9 +305,11 @@ def tracker_problem() -> str | None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
         from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
     except Exception as exc:  # ImportError, AttributeError, or a registration error
-        return (f"torch {torch.__version__} lacks the FSDP2 memory tracker or the fake process group "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the course "
-                f"pins torch {PINNED_TORCH} (run `make setup`)")
+        return (
+            f"torch {torch.__version__} lacks the FSDP2 memory tracker or the fake process group "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the course "
+            f"pins torch {PINNED_TORCH} (run `make setup`)"
+        )
     return None
 
 
@@ -259,6 +324,7 @@ def require_tracker() -> None:
 # The wrapping, shared by the rehearsal (fake) and the real run (gloo)
 # ---------------------------------------------------------------------------------------------
 
+
 def check_setting(nproc: int, strategy: str, node_size: int, micro_batch: int, mixed_precision: str) -> None:
     """Raise ``CourseInputError`` for a setting no run could have (notebook 05b)."""
     for name, value in (("nproc", nproc), ("node_size", node_size), ("micro_batch", micro_batch)):
@@ -270,8 +336,10 @@ def check_setting(nproc: int, strategy: str, node_size: int, micro_batch: int, m
     if mixed_precision not in PRECISIONS:
         raise CourseInputError(f"mixed precision must be one of {', '.join(PRECISIONS)}, got {mixed_precision!r}")
     if strategy == "hybrid_shard" and (node_size > nproc or nproc % node_size):
-        raise CourseInputError(f"hybrid_shard needs --node-size dividing --nproc: {nproc} ranks do not split into "
-                               f"nodes of {node_size}; pick a node size such as {math.gcd(nproc, 8)}")
+        raise CourseInputError(
+            f"hybrid_shard needs --node-size dividing --nproc: {nproc} ranks do not split into "
+            f"nodes of {node_size}; pick a node size such as {math.gcd(nproc, 8)}"
+        )
 
 
 def make_mesh(strategy: str, nproc: int, node_size: int = 8, device_type: str = "cpu"):
@@ -318,6 +386,7 @@ def make_optimizer(model):
 # ---------------------------------------------------------------------------------------------
 # The rehearsal
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Rehearsal:
@@ -427,9 +496,18 @@ def _category_peaks(tracker, peak: dict) -> dict:
     return out
 
 
-def rehearse(model: str | GPTConfig = "6.7B", nproc: int = 8, strategy: str = "full_shard", *,
-             node_size: int = 8, micro_batch: int = 1, act_ckpt: bool = False,
-             mixed_precision: str = "bf16", label: str = "", stock_tracker: bool = False) -> Rehearsal:
+def rehearse(
+    model: str | GPTConfig = "6.7B",
+    nproc: int = 8,
+    strategy: str = "full_shard",
+    *,
+    node_size: int = 8,
+    micro_batch: int = 1,
+    act_ckpt: bool = False,
+    mixed_precision: str = "bf16",
+    label: str = "",
+    stock_tracker: bool = False,
+) -> Rehearsal:
     """One optimizer step of ``model`` under FSDP2 on ``nproc`` fake ranks, tracked (notebook 05b).
 
     Args:
@@ -459,8 +537,10 @@ def rehearse(model: str | GPTConfig = "6.7B", nproc: int = 8, strategy: str = "f
     from .models import GPT
 
     if dist.is_initialized():
-        raise CourseInputError("this process already belongs to a process group; rehearse in a fresh process "
-                               "(a notebook kernel, or python -m course_utils rehearse), not inside a worker")
+        raise CourseInputError(
+            "this process already belongs to a process group; rehearse in a fresh process "
+            "(a notebook kernel, or python -m course_utils rehearse), not inside a worker"
+        )
     start = time.perf_counter()
     dist.init_process_group("fake", rank=0, world_size=nproc, store=FakeStore())
     try:
@@ -468,13 +548,18 @@ def rehearse(model: str | GPTConfig = "6.7B", nproc: int = 8, strategy: str = "f
         with torch.device("meta"):
             net = GPT(cfg)
         psi = sum(p.numel() for p in net.parameters())
-        shard_model(net, mesh, reshard_after_forward=get_fsdp(strategy).reshard_after_forward,
-                    mp_policy=mixed_precision_policy(mixed_precision), act_ckpt=act_ckpt)
+        shard_model(
+            net,
+            mesh,
+            reshard_after_forward=get_fsdp(strategy).reshard_after_forward,
+            mp_policy=mixed_precision_policy(mixed_precision),
+            act_ckpt=act_ckpt,
+        )
         with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
             warnings.simplefilter("ignore")  # FakeTensor's data_ptr and checkpoint notices
-            net.to_empty(device="cpu")       # meta -> fake: shapes, no storage
+            net.to_empty(device="cpu")  # meta -> fake: shapes, no storage
             opt = make_optimizer(net)
-            for p in net.parameters():       # give Adam its state, as a real run has from step 2 on
+            for p in net.parameters():  # give Adam its state, as a real run has from step 2 on
                 p.grad = torch.zeros_like(p)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -493,12 +578,24 @@ def rehearse(model: str | GPTConfig = "6.7B", nproc: int = 8, strategy: str = "f
             category_peaks = _category_peaks(tracker, peak)
     finally:
         dist.destroy_process_group()
-    return Rehearsal(cfg=cfg, nproc=nproc, strategy=strategy, node_size=node_size, micro_batch=micro_batch,
-                     act_ckpt=act_ckpt, mixed_precision=mixed_precision, psi=int(psi),
-                     peak_bytes=int(sum(peak.values())), peak=peak, category_peaks=category_peaks,
-                     after_backward=after_backward, after_step=after_step,
-                     wall_s=time.perf_counter() - start, torch_version=torch.__version__,
-                     label=label or _default_label(strategy, act_ckpt))
+    return Rehearsal(
+        cfg=cfg,
+        nproc=nproc,
+        strategy=strategy,
+        node_size=node_size,
+        micro_batch=micro_batch,
+        act_ckpt=act_ckpt,
+        mixed_precision=mixed_precision,
+        psi=int(psi),
+        peak_bytes=int(sum(peak.values())),
+        peak=peak,
+        category_peaks=category_peaks,
+        after_backward=after_backward,
+        after_step=after_step,
+        wall_s=time.perf_counter() - start,
+        torch_version=torch.__version__,
+        label=label or _default_label(strategy, act_ckpt),
+    )
 
 
 def _default_label(strategy: str, act_ckpt: bool) -> str:
@@ -506,16 +603,25 @@ def _default_label(strategy: str, act_ckpt: bool) -> str:
 
 
 def parse_setting(text: str) -> dict:
-    """"full_shard", "shard_grad_op+ckpt"...: a strategy, "+ckpt" for activation checkpointing (notebook 05b)."""
+    """ "full_shard", "shard_grad_op+ckpt"...: a strategy, "+ckpt" for activation checkpointing (notebook 05b)."""
     name, _, extra = str(text).strip().partition("+")
     if name not in FSDP_STRATEGIES or extra not in ("", "ckpt"):
-        raise CourseInputError(f"cannot read setting {text!r}; write a strategy ({', '.join(FSDP_STRATEGIES)}), "
-                               "optionally followed by +ckpt, e.g. 'full_shard+ckpt'")
+        raise CourseInputError(
+            f"cannot read setting {text!r}; write a strategy ({', '.join(FSDP_STRATEGIES)}), "
+            "optionally followed by +ckpt, e.g. 'full_shard+ckpt'"
+        )
     return {"strategy": name, "act_ckpt": extra == "ckpt"}
 
 
-def rehearse_settings(model: str | GPTConfig, nproc: int, settings, *, node_size: int = 8, micro_batch: int = 1,
-                      mixed_precision: str = "bf16") -> list[Rehearsal]:
+def rehearse_settings(
+    model: str | GPTConfig,
+    nproc: int,
+    settings,
+    *,
+    node_size: int = 8,
+    micro_batch: int = 1,
+    mixed_precision: str = "bf16",
+) -> list[Rehearsal]:
     """One rehearsal per setting ("full_shard", "full_shard+ckpt", ...), in order (notebook 05b).
 
     Every setting is read and checked before the first rehearsal starts.
@@ -523,12 +629,29 @@ def rehearse_settings(model: str | GPTConfig, nproc: int, settings, *, node_size
     parsed = [parse_setting(t) for t in settings]
     for s in parsed:
         check_setting(nproc, s["strategy"], node_size, micro_batch, mixed_precision)
-    return [rehearse(model, nproc, s["strategy"], node_size=node_size, micro_batch=micro_batch,
-                     act_ckpt=s["act_ckpt"], mixed_precision=mixed_precision) for s in parsed]
+    return [
+        rehearse(
+            model,
+            nproc,
+            s["strategy"],
+            node_size=node_size,
+            micro_batch=micro_batch,
+            act_ckpt=s["act_ckpt"],
+            mixed_precision=mixed_precision,
+        )
+        for s in parsed
+    ]
 
 
-def start_rehearsals(model: str | GPTConfig, nproc: int, settings, *, node_size: int = 8, micro_batch: int = 1,
-                     mixed_precision: str = "bf16"):
+def start_rehearsals(
+    model: str | GPTConfig,
+    nproc: int,
+    settings,
+    *,
+    node_size: int = 8,
+    micro_batch: int = 1,
+    mixed_precision: str = "bf16",
+):
     """``rehearse_settings`` in a second process, started now; ``.result()`` gives its list (notebook 05b).
 
     A rehearsal is one busy CPU core; a long one (the 70B: 80 blocks) runs on the machine's other
@@ -540,8 +663,15 @@ def start_rehearsals(model: str | GPTConfig, nproc: int, settings, *, node_size:
     model_config(model)
     for s in (parse_setting(t) for t in settings):
         check_setting(nproc, s["strategy"], node_size, micro_batch, mixed_precision)
-    return Background(rehearse_settings, model, nproc, list(settings), node_size=node_size,
-                      micro_batch=micro_batch, mixed_precision=mixed_precision)
+    return Background(
+        rehearse_settings,
+        model,
+        nproc,
+        list(settings),
+        node_size=node_size,
+        micro_batch=micro_batch,
+        mixed_precision=mixed_precision,
+    )
 
 
 def padded_shard_numel(cfg: GPTConfig, nd: int) -> int:
@@ -557,6 +687,7 @@ def padded_shard_numel(cfg: GPTConfig, nd: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # The formulas' side: what memory.py predicts for the same setting, item by item
 # ---------------------------------------------------------------------------------------------
+
 
 def optimizer_bill_for(mixed_precision: str) -> memory.OptimizerBill:
     """bf16 -> mixed-precision Adam (2 + 2 + 12); fp32 -> plain fp32 Adam (4 + 4 + 8) (notebook 05b)."""
@@ -576,9 +707,16 @@ def predict(r: Rehearsal) -> dict:
     return _predict(r.cfg, r.psi, r.nproc, r.strategy, r.node_size, r.micro_batch, r.act_ckpt, r.mixed_precision)
 
 
-def predict_setting(model: str | GPTConfig = "6.7B", nproc: int = 8, strategy: str = "full_shard", *,
-                    node_size: int = 8, micro_batch: int = 1, act_ckpt: bool = False,
-                    mixed_precision: str = "bf16") -> dict:
+def predict_setting(
+    model: str | GPTConfig = "6.7B",
+    nproc: int = 8,
+    strategy: str = "full_shard",
+    *,
+    node_size: int = 8,
+    micro_batch: int = 1,
+    act_ckpt: bool = False,
+    mixed_precision: str = "bf16",
+) -> dict:
     """The planner's bytes per rank before any rehearsal: the "predict" of predict-then-run (notebook 05b).
 
     ``plan.memory_breakdown`` for the same model, GPUs, strategy, micro-batch and checkpointing:
@@ -599,8 +737,16 @@ def _predict(cfg, psi, nproc, strategy, node_size, micro_batch, act_ckpt, mixed_
 
     bill = optimizer_bill_for(mixed_precision)
     stage, nd = get_fsdp(strategy).zero_row_at_peak, shard_group_size(strategy, nproc, node_size)
-    spec = plan.ModelSpec(params=float(psi), layers=cfg.layers, width=cfg.width, heads=cfg.heads, vocab=cfg.vocab,
-                          seq=cfg.seq, micro_batch=micro_batch, checkpointing=act_ckpt)
+    spec = plan.ModelSpec(
+        params=float(psi),
+        layers=cfg.layers,
+        width=cfg.width,
+        heads=cfg.heads,
+        vocab=cfg.vocab,
+        seq=cfg.seq,
+        micro_batch=micro_batch,
+        checkpointing=act_ckpt,
+    )
     if strategy == "hybrid_shard":
         cluster = plan.Cluster(gpus_per_node=node_size, nodes=nproc // node_size)
     else:
@@ -614,8 +760,9 @@ def _predict(cfg, psi, nproc, strategy, node_size, micro_batch, act_ckpt, mixed_
         if stage == "zero3":
             out["buffers"] *= scale
     out["model_states"] = out["weights"] + out["gradients"] + out["optimizer"]
-    check = memory.model_state_bytes(psi, nd, stage, k=bill.k, weight_bytes=bill.weight_bytes,
-                                     grad_bytes=bill.grad_bytes)
+    check = memory.model_state_bytes(
+        psi, nd, stage, k=bill.k, weight_bytes=bill.weight_bytes, grad_bytes=bill.grad_bytes
+    )
     assert math.isclose(out["model_states"], check, rel_tol=1e-9), (out["model_states"], check)
     out["total"] = out["model_states"] + out["activations"] + out["buffers"]
     out["stage"], out["nd"], out["psi"] = stage, nd, int(psi)
@@ -688,7 +835,8 @@ def agreement(r: Rehearsal) -> dict:
     p = predict(r)
     out = {
         "optimizer": ((a["Sharded Param"] if mixed else 0) + a["OptState"]) / (bill.k * shard),
-        "gradients": (b["Sharded Grad"] + b["Unsharded Grad"]) / ((memory.GRAD_BYTES if mixed else bill.grad_bytes) * shard),
+        "gradients": (b["Sharded Grad"] + b["Unsharded Grad"])
+        / ((memory.GRAD_BYTES if mixed else bill.grad_bytes) * shard),
         "model_states": (a["Sharded Param"] + a["OptState"] + a["Sharded Grad"]) / (bill.total * shard),
         "planner_model_states": (a["Sharded Param"] + a["OptState"] + a["Sharded Grad"]) / p["model_states"],
         "padding": shard * r.nd / r.psi - 1,
@@ -714,62 +862,121 @@ def compare(r: Rehearsal) -> list[dict]:
     rows = []
 
     def row(item, formula, rehearsal, when, why):
-        rows.append({"item": item, "formula": float(formula), "rehearsal": float(rehearsal),
-                     "ratio": (rehearsal / formula) if formula else float("nan"), "when": when, "why": why})
+        rows.append(
+            {
+                "item": item,
+                "formula": float(formula),
+                "rehearsal": float(rehearsal),
+                "ratio": (rehearsal / formula) if formula else float("nan"),
+                "when": when,
+                "why": why,
+            }
+        )
 
     if mixed:
-        row(f"optimizer state, K = {bill.k:g}", p["optimizer"], a["Sharded Param"] + a["OptState"], "after the step",
+        row(
+            f"optimizer state, K = {bill.k:g}",
+            p["optimizer"],
+            a["Sharded Param"] + a["OptState"],
+            "after the step",
             f"the paper's 12 bytes are an fp32 master copy, momentum and variance. FSDP2's fp32 parameter shard IS "
             f"the master copy (Sharded Param, 4Ψ{nd}); AdamW's exp_avg and exp_avg_sq are OptState (8Ψ{nd}). Only "
-            "extra: padding of each tensor to a multiple of Nd rows, and Adam's 4-byte step counter per tensor")
-        row("gradients", p["gradients"], b["Sharded Grad"] + b["Unsharded Grad"], "end of backward",
+            "extra: padding of each tensor to a multiple of Nd rows, and Adam's 4-byte step counter per tensor",
+        )
+        row(
+            "gradients",
+            p["gradients"],
+            b["Sharded Grad"] + b["Unsharded Grad"],
+            "end of backward",
             "the paper counts 16-bit gradients (2 bytes). FSDP2 reduce-scatters in fp32 (reduce_dtype) and keeps "
             "each gradient shard in the parameter's dtype, fp32: 4 bytes, twice the formula"
-            + ("; no_shard keeps all of them on every rank" if r.strategy == "no_shard" else ""))
+            + ("; no_shard keeps all of them on every rank" if r.strategy == "no_shard" else ""),
+        )
         if r.stage == "zero3":
-            why = ("the paper keeps a sharded 16-bit copy (2Ψ/Nd). FSDP2 keeps none at rest: it casts a block's "
-                   "fp32 shards to bf16 as it gathers them, computes, and frees the block; the largest it holds is "
-                   "about two blocks (computing and prefetched) and the root's embeddings")
+            why = (
+                "the paper keeps a sharded 16-bit copy (2Ψ/Nd). FSDP2 keeps none at rest: it casts a block's "
+                "fp32 shards to bf16 as it gathers them, computes, and frees the block; the largest it holds is "
+                "about two blocks (computing and prefetched) and the root's embeddings"
+            )
         elif r.strategy == "shard_grad_op":
-            why = ("stage 2 keeps the 16-bit weights whole (2Ψ). FSDP2's SHARD_GRAD_OP keeps each block's bf16 copy "
-                   "gathered from its forward until its backward: at the start of backward that is all of them")
+            why = (
+                "stage 2 keeps the 16-bit weights whole (2Ψ). FSDP2's SHARD_GRAD_OP keeps each block's bf16 copy "
+                "gathered from its forward until its backward: at the start of backward that is all of them"
+            )
         else:
             why = "every rank computes with the whole bf16 working copy"
         row("16-bit working weights", p["weights"], top["Unsharded Param"], "largest in the step", why)
     else:
-        row("fp32 weights", p["weights"], a["Sharded Param"], "after the step",
-            "plain fp32 training: the parameter shard is both the working weights and what Adam updates")
-        row("gradients (fp32)", p["gradients"], b["Sharded Grad"] + b["Unsharded Grad"], "end of backward",
-            "fp32 gradient shards, as the formula counts them")
-        row(f"optimizer state, K = {bill.k:g}", p["optimizer"], a["OptState"], "after the step",
-            "AdamW's exp_avg and exp_avg_sq, plus a 4-byte step counter per tensor")
+        row(
+            "fp32 weights",
+            p["weights"],
+            a["Sharded Param"],
+            "after the step",
+            "plain fp32 training: the parameter shard is both the working weights and what Adam updates",
+        )
+        row(
+            "gradients (fp32)",
+            p["gradients"],
+            b["Sharded Grad"] + b["Unsharded Grad"],
+            "end of backward",
+            "fp32 gradient shards, as the formula counts them",
+        )
+        row(
+            f"optimizer state, K = {bill.k:g}",
+            p["optimizer"],
+            a["OptState"],
+            "after the step",
+            "AdamW's exp_avg and exp_avg_sq, plus a 4-byte step counter per tensor",
+        )
     at_rest = a["Sharded Param"] + a["OptState"] + a["Sharded Grad"]
     if mixed and r.stage == "zero3":
-        why = ("2 + 2 + 12 bytes per parameter in the paper, 4 + 4 + 8 in FSDP2 (fp32 shard, fp32 gradient, "
-               "momentum and variance): the same 16 bytes when everything is sharded")
+        why = (
+            "2 + 2 + 12 bytes per parameter in the paper, 4 + 4 + 8 in FSDP2 (fp32 shard, fp32 gradient, "
+            "momentum and variance): the same 16 bytes when everything is sharded"
+        )
     elif r.strategy == "shard_grad_op":
-        why = ("the formula's 2Ψ of 16-bit weights is held only between forward and backward (row above); at rest "
-               "FSDP2 holds 16 bytes per parameter, all sharded")
+        why = (
+            "the formula's 2Ψ of 16-bit weights is held only between forward and backward (row above); at rest "
+            "FSDP2 holds 16 bytes per parameter, all sharded"
+        )
     else:
         why = "16 bytes per parameter, as the formula counts them, held whole on every rank"
     row("model states at rest", p["model_states"], at_rest, "after the step", why)
-    row("buffers", p["buffers"], top["All Gather"] + top["Reduce Scatter"] + top["Unsharded Grad"],
+    row(
+        "buffers",
+        p["buffers"],
+        top["All Gather"] + top["Reduce Scatter"] + top["Unsharded Grad"],
         "largest in the step",
         "not in the 16-byte bill (ZeRO-R's constant buffers). The planner allows "
         + ("a gathered block twice and its 16-bit gradient" if r.stage == "zero3" else "two 25 MB gradient buckets")
-        + "; FSDP2 holds an all-gather output, a reduce-scatter input (fp32) and a block's unsharded gradient")
+        + "; FSDP2 holds an all-gather output, a reduce-scatter input (fp32) and a block's unsharded gradient",
+    )
     if r.cfg.arch == "gpt2":
-        kept = (f"this GPT-2 block keeps {BLOCK_SAVED_PER_TOKEN_WIDTH} (LayerNorm inputs 2h, the qkv input h, q k v "
-                "3h, the attention output h, the MLP input h, 4h before and 4h after GELU)")
+        kept = (
+            f"this GPT-2 block keeps {BLOCK_SAVED_PER_TOKEN_WIDTH} (LayerNorm inputs 2h, the qkv input h, q k v "
+            "3h, the attention output h, the MLP input h, 4h before and 4h after GELU)"
+        )
     else:
-        kept = (f"this Llama block keeps more: SwiGLU's gate, up and product ({3 * r.cfg.hidden / r.cfg.width:.1f}h "
-                "of them), RMSNorm's input and output in fp32, rotated copies of q and k")
-    row("activations", p["activations"], r.peak["Activation"] + r.peak["Temp"] + r.peak["Inputs"], "at the peak",
+        kept = (
+            f"this Llama block keeps more: SwiGLU's gate, up and product ({3 * r.cfg.hidden / r.cfg.width:.1f}h "
+            "of them), RMSNorm's input and output in fp32, rotated copies of q and k"
+        )
+    row(
+        "activations",
+        p["activations"],
+        r.peak["Activation"] + r.peak["Temp"] + r.peak["Inputs"],
+        "at the peak",
         f"the paper's rule is about 12 numbers per token per unit of width per layer, 16-bit; {kept}; the loss "
         f"keeps fp32 logits of the {r.cfg.vocab:,}-token vocabulary. Per rank; sharding never touches them"
-        + ("; with checkpointing, one input per block plus one block rebuilt at a time" if r.act_ckpt else ""))
-    row("peak per rank", p["total"], r.peak_bytes, "at the peak",
-        "the planner's total (model states + activations + buffers) against the tracker's peak")
+        + ("; with checkpointing, one input per block plus one block rebuilt at a time" if r.act_ckpt else ""),
+    )
+    row(
+        "peak per rank",
+        p["total"],
+        r.peak_bytes,
+        "at the peak",
+        "the planner's total (model states + activations + buffers) against the tracker's peak",
+    )
     return rows
 
 
@@ -785,7 +992,7 @@ def short_size(psi: float) -> str:
 
 
 def short_label(r: Rehearsal) -> str:
-    """"6.7B/8 FS+ckpt": model, ranks, strategy, for crowded charts (notebook 05b)."""
+    """ "6.7B/8 FS+ckpt": model, ranks, strategy, for crowded charts (notebook 05b)."""
     return f"{short_size(r.psi)}/{r.nproc} {get_fsdp(r.strategy).abbrev}" + ("+ckpt" if r.act_ckpt else "")
 
 
@@ -799,12 +1006,14 @@ def _fmt(n: float, unit: str) -> str:
 def format_table(rehearsals: list[Rehearsal], unit: str = "GB") -> str:
     """A plain-text table of peaks per rank by part, one line per rehearsal (notebook 05b)."""
     heads = ["setting", "peak"] + list(PARTS) + ["wall"]
-    lines = [f"bytes per rank at the peak, {_unit_name(unit)}",
-             " | ".join(heads)]
+    lines = [f"bytes per rank at the peak, {_unit_name(unit)}", " | ".join(heads)]
     for r in rehearsals:
         parts = r.parts("peak")
-        lines.append(" | ".join([r.label, _fmt(r.peak_bytes, unit)] + [_fmt(parts[p], unit) for p in PARTS]
-                                + [f"{r.wall_s:.1f} s"]))
+        lines.append(
+            " | ".join(
+                [r.label, _fmt(r.peak_bytes, unit)] + [_fmt(parts[p], unit) for p in PARTS] + [f"{r.wall_s:.1f} s"]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -812,29 +1021,37 @@ def format_report(r: Rehearsal, unit: str = "GB") -> str:
     """The text ``python -m course_utils rehearse`` prints (notebook 05b)."""
     c = r.cfg
     u = _unit_name(unit)
-    head = (f"dress rehearsal: Ψ = {r.psi:,} ({short_size(r.psi)}; L={c.layers} h={c.width} heads={c.heads} "
-            f"vocab={c.vocab} seq={c.seq}), {get_fsdp(r.strategy).fsdp1_name} on {r.nproc} ranks"
-            + (f" (nodes of {r.node_size})" if r.strategy == "hybrid_shard" else "")
-            + f", micro-batch {r.micro_batch} x {c.seq} tokens, {r.mixed_precision}"
-            + (", activation checkpointing" if r.act_ckpt else "")
-            + f"; torch {r.torch_version}, FSDPMemTracker on fake tensors, {r.wall_s:.1f} s")
+    head = (
+        f"dress rehearsal: Ψ = {r.psi:,} ({short_size(r.psi)}; L={c.layers} h={c.width} heads={c.heads} "
+        f"vocab={c.vocab} seq={c.seq}), {get_fsdp(r.strategy).fsdp1_name} on {r.nproc} ranks"
+        + (f" (nodes of {r.node_size})" if r.strategy == "hybrid_shard" else "")
+        + f", micro-batch {r.micro_batch} x {c.seq} tokens, {r.mixed_precision}"
+        + (", activation checkpointing" if r.act_ckpt else "")
+        + f"; torch {r.torch_version}, FSDPMemTracker on fake tensors, {r.wall_s:.1f} s"
+    )
     lines = [head, "", f"peak per rank {_fmt(r.peak_bytes, unit)} {u}; what held it (largest of each in the step):"]
     for cat in CATEGORIES:
         at, most = r.peak.get(cat, 0), r.category_peaks.get(cat, 0)
         if at or most:
             lines.append(f"  {cat:<16} {_fmt(at, unit):>10}   ({_fmt(most, unit)})")
-    lines += ["", f"the planner (course_utils.plan.memory_breakdown: memory.py's {r.stage} row with Nd = {r.nd}, "
-                  f"the paper's activation rule, buffers) against the rehearsal, {u}:"]
+    lines += [
+        "",
+        f"the planner (course_utils.plan.memory_breakdown: memory.py's {r.stage} row with Nd = {r.nd}, "
+        f"the paper's activation rule, buffers) against the rehearsal, {u}:",
+    ]
     for row in compare(r):
         ratio = "" if math.isnan(row["ratio"]) else f"  x{row['ratio']:.2f}"
-        lines.append(f"  {row['item']:<58} {_fmt(row['formula'], unit):>10} {_fmt(row['rehearsal'], unit):>10}"
-                     f"{ratio}  ({row['when']})")
+        lines.append(
+            f"  {row['item']:<58} {_fmt(row['formula'], unit):>10} {_fmt(row['rehearsal'], unit):>10}"
+            f"{ratio}  ({row['when']})"
+        )
         lines.append(f"      {row['why']}")
     return "\n".join(lines)
 
 
-def bars_view(rehearsals: list[Rehearsal], *, gpu_mem: float = 80 * GB, title: str = "",
-              planned: dict | None = None) -> dict:
+def bars_view(
+    rehearsals: list[Rehearsal], *, gpu_mem: float = 80 * GB, title: str = "", planned: dict | None = None
+) -> dict:
     """What the stacked-bar chart draws: one bar per rehearsal, its peak by part (notebook 05b).
 
     ``planned``: ``{label: bytes}`` of settings not rehearsed, drawn as outlined bars of the
@@ -845,14 +1062,22 @@ def bars_view(rehearsals: list[Rehearsal], *, gpu_mem: float = 80 * GB, title: s
     if not title and bars:
         lo = min(bars, key=lambda b: b["peak"])
         fits = sum(b["peak"] <= gpu_mem for b in bars)
-        title = (f"{fits} of {len(bars)} rehearsed fit {gpu_mem / GB:g} GB; lowest peak: {lo['label']}, "
-                 f"{lo['peak'] / GB:.1f} GB per GPU")
-    return {"bars": bars, "planned": planned_bars, "parts": list(PARTS), "colors": PART_COLORS,
-            "gpu_mem": gpu_mem, "title": title}
+        title = (
+            f"{fits} of {len(bars)} rehearsed fit {gpu_mem / GB:g} GB; lowest peak: {lo['label']}, "
+            f"{lo['peak'] / GB:.1f} GB per GPU"
+        )
+    return {
+        "bars": bars,
+        "planned": planned_bars,
+        "parts": list(PARTS),
+        "colors": PART_COLORS,
+        "gpu_mem": gpu_mem,
+        "title": title,
+    }
 
 
 def _unit_name(unit: str) -> str:
-    return f"{unit} ({ {'GB': '10^9', 'GiB': '2^30', 'MB': '10^6'}[unit]} bytes)"
+    return f"{unit} ({ {'GB': '10^9', 'GiB': '2^30', 'MB': '10^6'}[unit] } bytes)"
 
 
 def markdown_table(rehearsals: list[Rehearsal], unit: str = "GB", *, gpu_mem: float | None = None) -> str:
@@ -868,19 +1093,28 @@ def markdown_table(rehearsals: list[Rehearsal], unit: str = "GB", *, gpu_mem: fl
         cells.append(f"{r.wall_s:.1f} s")
         lines.append("| " + " | ".join(cells) + " |")
     psi = {short_size(r.psi) for r in rehearsals}
-    return (f"Bytes per GPU at the peak of one training step, {_unit_name(unit)}; Ψ = {', '.join(sorted(psi))}"
-            + (f"; one GPU holds {gpu_mem / GB:g} GB" if gpu_mem else "") + "\n\n" + "\n".join(lines))
+    return (
+        f"Bytes per GPU at the peak of one training step, {_unit_name(unit)}; Ψ = {', '.join(sorted(psi))}"
+        + (f"; one GPU holds {gpu_mem / GB:g} GB" if gpu_mem else "")
+        + "\n\n"
+        + "\n".join(lines)
+    )
 
 
 def markdown_compare(r: Rehearsal, unit: str = "GB") -> str:
     """``compare(r)`` as a Markdown table: item, planner, rehearsal, ratio, when, why (notebook 05b)."""
-    lines = [f"{r.label}, {r.nproc} ranks, Ψ = {short_size(r.psi)}; bytes per GPU, {_unit_name(unit)}", "",
-             "| item | planner | rehearsal | ratio | when | what the formula counts, what FSDP2 holds |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"{r.label}, {r.nproc} ranks, Ψ = {short_size(r.psi)}; bytes per GPU, {_unit_name(unit)}",
+        "",
+        "| item | planner | rehearsal | ratio | when | what the formula counts, what FSDP2 holds |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in compare(r):
         ratio = "" if math.isnan(row["ratio"]) else f"{row['ratio']:.3f}"
-        lines.append(f"| {row['item']} | {_fmt(row['formula'], unit)} | {_fmt(row['rehearsal'], unit)} | {ratio} "
-                     f"| {row['when']} | {row['why']} |")
+        lines.append(
+            f"| {row['item']} | {_fmt(row['formula'], unit)} | {_fmt(row['rehearsal'], unit)} | {ratio} "
+            f"| {row['when']} | {row['why']} |"
+        )
     return "\n".join(lines)
 
 
@@ -889,42 +1123,66 @@ def summary_rows(rehearsals: list[Rehearsal]) -> list[dict]:
     rows = []
     for r in rehearsals:
         a, p = agreement(r), predict(r)
-        rows.append({"setting": f"{short_size(r.psi)} on {r.nproc}: {r.label}", "short": short_label(r),
-                     "planner": p["total"],
-                     "rehearsal": r.peak_bytes, "ratio": a["peak"], "model_states": a["model_states"],
-                     "activation_share": a["activation_share"], "claimed": a["peak_claim_applies"],
-                     "within": a["peak_within_tol"]})
+        rows.append(
+            {
+                "setting": f"{short_size(r.psi)} on {r.nproc}: {r.label}",
+                "short": short_label(r),
+                "planner": p["total"],
+                "rehearsal": r.peak_bytes,
+                "ratio": a["peak"],
+                "model_states": a["model_states"],
+                "activation_share": a["activation_share"],
+                "claimed": a["peak_claim_applies"],
+                "within": a["peak_within_tol"],
+            }
+        )
     return rows
 
 
 def markdown_bridge(rows: list[dict]) -> str:
     """``labs.lab05b.bridge`` rows as a Markdown table: rehearsal bytes against every real rank's (notebook 05b)."""
-    lines = ["Bytes one rank holds after one optimizer step of the tiny course model: the rehearsal "
-             "(tracker, fake tensors) against real gloo ranks (instrument.tensor_bytes on the local shards)", "",
-             "| ranks | strategy | | parameters | gradients | optimizer state | total | equal on every rank? |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "Bytes one rank holds after one optimizer step of the tiny course model: the rehearsal "
+        "(tracker, fake tensors) against real gloo ranks (instrument.tensor_bytes on the local shards)",
+        "",
+        "| ranks | strategy | | parameters | gradients | optimizer state | total | equal on every rank? |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         name = get_fsdp(row["strategy"]).fsdp1_name
         fake = row["rehearsal"]
-        lines.append(f"| {row['nproc']} | {name} | rehearsal | {fake['params']:,} | {fake['grads']:,} "
-                     f"| {fake['optim']:,} | {fake['total']:,} | |")
+        lines.append(
+            f"| {row['nproc']} | {name} | rehearsal | {fake['params']:,} | {fake['grads']:,} "
+            f"| {fake['optim']:,} | {fake['total']:,} | |"
+        )
         real = row["real"][0]
-        lines.append(f"| | | real, rank 0 of {len(row['real'])} | {real['params']:,} | {real['grads']:,} "
-                     f"| {real['optim']:,} | {real['total']:,} | {'yes' if row['equal'] else '**no**'} |")
+        lines.append(
+            f"| | | real, rank 0 of {len(row['real'])} | {real['params']:,} | {real['grads']:,} "
+            f"| {real['optim']:,} | {real['total']:,} | {'yes' if row['equal'] else '**no**'} |"
+        )
     return "\n".join(lines)
 
 
 def markdown_summary(rehearsals: list[Rehearsal], unit: str = "GB") -> str:
     """``summary_rows`` as a Markdown table (notebook 05b)."""
-    lines = [f"Peak bytes per GPU, {_unit_name(unit)}: the planner (notebook 05) against the rehearsal; model states "
-             "after the step against 16 bytes per parameter of the shard (FSDP2's padding counted)",
-             "", "| setting | planner | rehearsal | rehearsal / planner | model states at rest, rehearsal / formula "
-             f"| peak within {PEAK_TOL:.0%} claimed? |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"Peak bytes per GPU, {_unit_name(unit)}: the planner (notebook 05) against the rehearsal; model states "
+        "after the step against 16 bytes per parameter of the shard (FSDP2's padding counted)",
+        "",
+        "| setting | planner | rehearsal | rehearsal / planner | model states at rest, rehearsal / formula "
+        f"| peak within {PEAK_TOL:.0%} claimed? |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in summary_rows(rehearsals):
-        claim = ("yes: " + ("holds" if row["within"] else "FAILS")) if row["claimed"] else \
-            f"no (activations {row['activation_share']:.0%} of the planner's total)"
-        lines.append(f"| {row['setting']} | {_fmt(row['planner'], unit)} | {_fmt(row['rehearsal'], unit)} "
-                     f"| {row['ratio']:.3f} | {row['model_states']:.5f} | {claim} |")
+        claim = (
+            ("yes: " + ("holds" if row["within"] else "FAILS"))
+            if row["claimed"]
+            else f"no (activations {row['activation_share']:.0%} of the planner's total)"
+        )
+        lines.append(
+            f"| {row['setting']} | {_fmt(row['planner'], unit)} | {_fmt(row['rehearsal'], unit)} "
+            f"| {row['ratio']:.3f} | {row['model_states']:.5f} | {claim} |"
+        )
     return "\n".join(lines)
 
 
@@ -945,8 +1203,9 @@ def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
     for j, bar in enumerate(planned):
         x = len(bars) + j
         ax.bar(x, bar["peak"] / GB, width=0.6, fill=False, edgecolor="#555555", ls="--", hatch="//", lw=1)
-        ax.text(x, bar["peak"] / GB, f"{bar['peak'] / GB:.1f} GB", ha="center", va="bottom", fontsize=12,
-                color="#555555")
+        ax.text(
+            x, bar["peak"] / GB, f"{bar['peak'] / GB:.1f} GB", ha="center", va="bottom", fontsize=12, color="#555555"
+        )
     for i, bar in enumerate(bars):
         bottom = 0.0
         for part in view["parts"]:
@@ -959,9 +1218,18 @@ def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
     ax.axhline(gpu, color="#c0392b", ls="--", lw=1.5)
     every = bars + planned
     ax.text(-0.55, gpu, f" one {gpu:g} GB GPU", color="#c0392b", ha="left", va="bottom", fontsize=12)
-    ax.set_xticks(range(len(every)), [b["label"].replace(" + ", "\n+ ").replace("_GRAD_", "_GRAD\n_")
-                                      .replace("HYBRID_", "HYBRID\n_").replace(" (planner)", "\n(planner)")
-                                      for b in every], fontsize=11)
+    ax.set_xticks(
+        range(len(every)),
+        [
+            b["label"]
+            .replace(" + ", "\n+ ")
+            .replace("_GRAD_", "_GRAD\n_")
+            .replace("HYBRID_", "HYBRID\n_")
+            .replace(" (planner)", "\n(planner)")
+            for b in every
+        ],
+        fontsize=11,
+    )
     ax.set_xlim(-0.6, max(len(every), 3) - 0.4)
     ax.set_ylim(0, max([b["peak"] / GB for b in every] + [gpu]) * 1.15)
     ax.set_ylabel("peak memory per GPU, GB (10⁹ bytes)", fontsize=12)
@@ -969,7 +1237,9 @@ def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
     used = [p for p in view["parts"] if any(b["parts"][p] > 0 for b in bars)]
     handles = [Patch(color=view["colors"][p], label=p) for p in used]
     if planned:
-        handles.append(Patch(fill=False, edgecolor="#555555", ls="--", hatch="//", label="not rehearsed: the planner's total"))
+        handles.append(
+            Patch(fill=False, edgecolor="#555555", ls="--", hatch="//", label="not rehearsed: the planner's total")
+        )
     fig.legend(handles=handles, fontsize=11, loc="outside lower center", ncols=2)
     ax.set_title(view["title"], fontsize=12)
     return fig
@@ -993,8 +1263,14 @@ def agreement_figure(rehearsals: list[Rehearsal], *, width: float = 7.0, height:
     hi = max(xs.max(), ys.max()) * 1.12
     grid = np.array([0, hi])
     ax.plot(grid, grid, color="#555555", lw=1.2, label="rehearsal = planner")
-    ax.fill_between(grid, grid * (1 - PEAK_TOL), grid * (1 + PEAK_TOL), color="#3a7dc9", alpha=0.15,
-                    label=f"planner ±{PEAK_TOL:.0%}")
+    ax.fill_between(
+        grid,
+        grid * (1 - PEAK_TOL),
+        grid * (1 + PEAK_TOL),
+        color="#3a7dc9",
+        alpha=0.15,
+        label=f"planner ±{PEAK_TOL:.0%}",
+    )
     for r, x, y in zip(rows, xs, ys):
         ax.scatter([x], [y], color="#3a7dc9" if r["claimed"] else "#e8883a", zorder=3, s=60)
         ax.annotate(r["short"], (x, y), fontsize=11, xytext=(8, -4), textcoords="offset points")
@@ -1006,8 +1282,9 @@ def agreement_figure(rehearsals: list[Rehearsal], *, width: float = 7.0, height:
     ax.set_xlabel("planner's peak per GPU, GB", fontsize=13)
     ax.set_ylabel("rehearsal's peak per GPU, GB", fontsize=13)
     inside = sum(r["within"] for r in rows)
-    ax.set_title(f"The planner is within {PEAK_TOL:.0%} of FSDP2's peak for {inside} of {len(rows)} settings",
-                 fontsize=13)
+    ax.set_title(
+        f"The planner is within {PEAK_TOL:.0%} of FSDP2's peak for {inside} of {len(rows)} settings", fontsize=13
+    )
     ax.legend(fontsize=11, loc="upper left")
     return fig
 
@@ -1016,34 +1293,62 @@ def agreement_figure(rehearsals: list[Rehearsal], *, width: float = 7.0, height:
 # Command line: python -m course_utils rehearse
 # ---------------------------------------------------------------------------------------------
 
+
 def rehearse_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m course_utils rehearse`` (notebook 05b)."""
-    parser.add_argument("--params", default=None,
-                        help=f"a preset: {', '.join(PRESETS)} (default 6.7B, Llama 2 7B), or a course model (tiny, small, "
-                             "medium); the shape flags below override its fields")
-    for name, what in (("layers", "transformer blocks L"), ("width", "hidden size h"),
-                       ("heads", "attention heads (must divide --width)"), ("vocab", "vocabulary"),
-                       ("seq", "tokens per sequence")):
+    parser.add_argument(
+        "--params",
+        default=None,
+        help=f"a preset: {', '.join(PRESETS)} (default 6.7B, Llama 2 7B), or a course model (tiny, small, "
+        "medium); the shape flags below override its fields",
+    )
+    for name, what in (
+        ("layers", "transformer blocks L"),
+        ("width", "hidden size h"),
+        ("heads", "attention heads (must divide --width)"),
+        ("vocab", "vocabulary"),
+        ("seq", "tokens per sequence"),
+    ):
         parser.add_argument(f"--{name}", type=int, default=None, help=what)
     parser.add_argument("--nproc", type=int, default=8, help="ranks (GPUs) to rehearse, 1 to 1024 (default 8)")
-    parser.add_argument("--strategy", default="full_shard", choices=FSDP_STRATEGIES, help="FSDP strategy (default full_shard)")
-    parser.add_argument("--node-size", type=int, default=8, help="ranks per node: hybrid_shard's shard group (default 8)")
+    parser.add_argument(
+        "--strategy", default="full_shard", choices=FSDP_STRATEGIES, help="FSDP strategy (default full_shard)"
+    )
+    parser.add_argument(
+        "--node-size", type=int, default=8, help="ranks per node: hybrid_shard's shard group (default 8)"
+    )
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--act-ckpt", action="store_true", help="activation checkpointing on every block")
-    parser.add_argument("--mixed-precision", default="bf16", choices=PRECISIONS,
-                        help="bf16 compute with fp32 reduce and fp32 shards (default), or fp32 throughout")
-    parser.add_argument("--unit", default="GB", choices=tuple(UNITS),
-                        help="GB = 10^9 bytes (default), GiB = 2^30, MB = 10^6 (for small models)")
+    parser.add_argument(
+        "--mixed-precision",
+        default="bf16",
+        choices=PRECISIONS,
+        help="bf16 compute with fp32 reduce and fp32 shards (default), or fp32 throughout",
+    )
+    parser.add_argument(
+        "--unit",
+        default="GB",
+        choices=tuple(UNITS),
+        help="GB = 10^9 bytes (default), GiB = 2^30, MB = 10^6 (for small models)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
 def rehearse_command(args) -> int:
     """Run one rehearsal from the command line; bad input raises CourseInputError (exit 2) (notebook 05b)."""
     not_empty("--params", args.params)  # '' is a typo, not the 6.7B default
-    cfg = model_config(args.params or "6.7B", layers=args.layers, width=args.width, heads=args.heads,
-                       vocab=args.vocab, seq=args.seq)
-    r = rehearse(cfg, args.nproc, args.strategy, node_size=args.node_size, micro_batch=args.micro_batch,
-                 act_ckpt=args.act_ckpt, mixed_precision=args.mixed_precision)
+    cfg = model_config(
+        args.params or "6.7B", layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab, seq=args.seq
+    )
+    r = rehearse(
+        cfg,
+        args.nproc,
+        args.strategy,
+        node_size=args.node_size,
+        micro_batch=args.micro_batch,
+        act_ckpt=args.act_ckpt,
+        mixed_precision=args.mixed_precision,
+    )
     if args.json:
         out = r.to_dict()
         out["prediction"] = {k: v for k, v in predict(r).items()}

@@ -19,6 +19,7 @@ slices (Ψ/Nd) plus the rest of one gathered layer.
 The widget (``widgets.zero3_stepper``) and the figure (``plots.zero3_schedule_figure``) only
 draw these states; nothing here imports torch or matplotlib.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -84,10 +85,18 @@ def stage3_schedule(nd: int = 4) -> list[Stage3State]:
     states = []
 
     def record(phase, layer, action, caption):
-        states.append(Stage3State(
-            step=len(states), phase=phase, layer=layer, action=action,
-            held=tuple(tuple(row) for row in held), grads=tuple(grads),
-            sent=tuple(dict(row) for row in sent), caption=caption))
+        states.append(
+            Stage3State(
+                step=len(states),
+                phase=phase,
+                layer=layer,
+                action=action,
+                held=tuple(tuple(row) for row in held),
+                grads=tuple(grads),
+                sent=tuple(dict(row) for row in sent),
+                caption=caption,
+            )
+        )
 
     def gather(layer, kind):
         for g in range(nd):
@@ -101,25 +110,42 @@ def stage3_schedule(nd: int = 4) -> list[Stage3State]:
     record("start", None, "", f"Start: each of the {nd} GPUs holds only its own slice, 1/{nd} of every layer.")
     for layer in range(layers):
         gather(layer, "forward all-gather")
-        record("forward", layer, "gather",
-               f"Forward, layer {layer}: all-gathered from its {nd} slices; every GPU computes layer {layer} "
-               "on its own part of the batch.")
+        record(
+            "forward",
+            layer,
+            "gather",
+            f"Forward, layer {layer}: all-gathered from its {nd} slices; every GPU computes layer {layer} "
+            "on its own part of the batch.",
+        )
         drop(layer)
         record("forward", layer, "drop", f"Forward, layer {layer} done: the gathered copies are freed.")
     for layer in reversed(range(layers)):
         gather(layer, "backward all-gather")
-        record("backward", layer, "gather",
-               f"Backward, layer {layer}: gathered again to compute layer {layer}'s gradients.")
+        record(
+            "backward",
+            layer,
+            "gather",
+            f"Backward, layer {layer}: gathered again to compute layer {layer}'s gradients.",
+        )
         for g in range(nd):
             sent[g]["reduce-scatter"] += per_layer
         grads[layer] = True
         drop(layer)
-        record("backward", layer, "reduce",
-               f"Backward, layer {layer}: its gradients are reduce-scattered (each GPU gets the sum of its own "
-               "slice's) and the gathered copies freed.")
+        record(
+            "backward",
+            layer,
+            "reduce",
+            f"Backward, layer {layer}: its gradients are reduce-scattered (each GPU gets the sum of its own "
+            "slice's) and the gathered copies freed.",
+        )
     total = 3 * (nd - 1) / nd
-    record("done", None, "", f"Done: each GPU sent 3(Nd-1)/Nd·Ψ = {total:.3g}Ψ, against plain data parallelism's "
-                             f"2(Nd-1)/Nd·Ψ = {2 * (nd - 1) / nd:.3g}Ψ: 1.5x.")
+    record(
+        "done",
+        None,
+        "",
+        f"Done: each GPU sent 3(Nd-1)/Nd·Ψ = {total:.3g}Ψ, against plain data parallelism's "
+        f"2(Nd-1)/Nd·Ψ = {2 * (nd - 1) / nd:.3g}Ψ: 1.5x.",
+    )
     return states
 
 

@@ -19,6 +19,7 @@ Two facts checked against torch 2.13's source, because older copies of them disa
 
 This module imports nothing from the package but ``errors``: every layer may read it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -70,14 +71,54 @@ _ALL = (
     Strategy("zero1", "03", "course_utils.zero:apply_zero1", "shard", "zero1", "zero1", "zero1"),
     Strategy("zero2", "03", "course_utils.zero:apply_zero2", "shard", "zero2", "zero2", "zero2"),
     Strategy("zero3", "03", "course_utils.zero:apply_zero3", "shard", "zero3", "zero3", "zero3"),
-    Strategy("no_shard", "04", "course_utils.fsdp:apply_no_shard", "no_shard", "ddp", "ddp", "ddp",
-             fsdp1_name="NO_SHARD", reshard_after_forward=False, abbrev="NS"),
-    Strategy("shard_grad_op", "04", "course_utils.fsdp:apply_shard_grad_op", "shard", "zero3", "zero2", "zero2",
-             fsdp1_name="SHARD_GRAD_OP", reshard_after_forward=False, abbrev="SGO"),
-    Strategy("full_shard", "04", "course_utils.fsdp:apply_full_shard", "shard", "zero3", "zero3", "zero3",
-             fsdp1_name="FULL_SHARD", reshard_after_forward=True, abbrev="FS"),
-    Strategy("hybrid_shard", "04", "course_utils.fsdp:apply_hybrid_shard", "hybrid", "zero3", "zero3", "hsdp",
-             fsdp1_name="HYBRID_SHARD", reshard_after_forward=True, abbrev="HS"),
+    Strategy(
+        "no_shard",
+        "04",
+        "course_utils.fsdp:apply_no_shard",
+        "no_shard",
+        "ddp",
+        "ddp",
+        "ddp",
+        fsdp1_name="NO_SHARD",
+        reshard_after_forward=False,
+        abbrev="NS",
+    ),
+    Strategy(
+        "shard_grad_op",
+        "04",
+        "course_utils.fsdp:apply_shard_grad_op",
+        "shard",
+        "zero3",
+        "zero2",
+        "zero2",
+        fsdp1_name="SHARD_GRAD_OP",
+        reshard_after_forward=False,
+        abbrev="SGO",
+    ),
+    Strategy(
+        "full_shard",
+        "04",
+        "course_utils.fsdp:apply_full_shard",
+        "shard",
+        "zero3",
+        "zero3",
+        "zero3",
+        fsdp1_name="FULL_SHARD",
+        reshard_after_forward=True,
+        abbrev="FS",
+    ),
+    Strategy(
+        "hybrid_shard",
+        "04",
+        "course_utils.fsdp:apply_hybrid_shard",
+        "hybrid",
+        "zero3",
+        "zero3",
+        "hsdp",
+        fsdp1_name="HYBRID_SHARD",
+        reshard_after_forward=True,
+        abbrev="HS",
+    ),
 )
 
 #: Every strategy ``train`` can run, by name, in the order the course introduces them.
@@ -119,7 +160,8 @@ def mesh_shape(strategy: str, nproc: int, node_size: int) -> tuple[tuple[int, ..
     if node_size < 1 or nproc % node_size:
         raise CourseInputError(
             f"hybrid_shard needs nproc ({nproc}) divisible by node_size ({node_size}); "
-            "e.g. --nproc 4 --node-size 2 (2 nodes x 2 ranks)")
+            "e.g. --nproc 4 --node-size 2 (2 nodes x 2 ranks)"
+        )
     return (nproc // node_size, node_size), ("replicate", "shard")
 
 

@@ -24,6 +24,7 @@ A strategy is a plain function ``apply_NAME(model, cfg, info) -> Prepared`` (tor
 ``apply_fsdp`` shape): it wraps the model, builds the optimizer over what this rank owns,
 and says how to read back the full weights and which tensors this rank holds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,8 +92,10 @@ class _Progress(Observer):
         if done % PROGRESS_LOSS_EVERY == 0 or done == self.total:
             value = float(losses[-1])  # the one host sync of these steps
             if not math.isfinite(value):  # nan or inf stays so: stop here, not after the last step
-                raise CourseInputError(f"the loss of step {step} is {value} on rank {dist.get_rank()}: training "
-                                       f"diverged; lower the learning rate")
+                raise CourseInputError(
+                    f"the loss of step {step} is {value} on rank {dist.get_rank()}: training "
+                    f"diverged; lower the learning rate"
+                )
             cdist.report_progress(done, self.total, loss=value)
         else:
             cdist.report_progress(done, self.total)
@@ -123,7 +126,8 @@ def run_training(cfg: TrainConfig, info, observe: bool = True) -> dict:
     if info.local_world_size < info.world_size and cfg.node_size != info.local_world_size:
         raise CourseInputError(  # several real nodes: a "node" must be what torchrun put on one
             f"--node-size {cfg.node_size} but torchrun put {info.local_world_size} ranks on each node; "
-            f"pass --node-size {info.local_world_size} (equal to --nproc-per-node)")
+            f"pass --node-size {info.local_world_size} (equal to --nproc-per-node)"
+        )
     prepared = prepare(cfg, info)
     # notebook 06: resume from the newest complete checkpoint; die on purpose where asked
     ckpt = Checkpointer(cfg, prepared, info) if cfg.checkpoint_dir else None
@@ -148,8 +152,11 @@ def run_training(cfg: TrainConfig, info, observe: bool = True) -> dict:
     full = rank0_full_weights(prepared, cfg.strategy)  # {} on the other ranks: no full copy on their devices
     if cfg.save_weights and info.rank == 0:  # for comparing strategies within a tolerance
         torch.save({k: v.detach().to("cpu", torch.float32) for k, v in full.items()}, cfg.save_weights)
-    mine = {"held_bytes": held_at_rest, "comm_per_step": count and count.summary(max(1, len(steps))),
-            "step_time_s": timer.seconds_per_step()}
+    mine = {
+        "held_bytes": held_at_rest,
+        "comm_per_step": count and count.summary(max(1, len(steps))),
+        "step_time_s": timer.seconds_per_step(),
+    }
     everyone = [None] * info.world_size
     dist.all_gather_object(everyone, mine)  # rank 0 reports for all, under launch or torchrun
     strategy_info = prepared.info
@@ -162,16 +169,25 @@ def run_training(cfg: TrainConfig, info, observe: bool = True) -> dict:
     if info.rank != 0:
         return {"rank": info.rank}
     report = {
-        "strategy": cfg.strategy, "world_size": info.world_size, "backend": info.backend,
-        "steps": cfg.steps, "losses": losses, "weights_sha256": weights_sha256(full),
+        "strategy": cfg.strategy,
+        "world_size": info.world_size,
+        "backend": info.backend,
+        "steps": cfg.steps,
+        "losses": losses,
+        "weights_sha256": weights_sha256(full),
         "per_rank": [dict(rank=r, **row["held_bytes"]) for r, row in enumerate(everyone)] if observe else None,
         "comm_per_step": everyone[0]["comm_per_step"],
         "comm_per_step_by_rank": [row["comm_per_step"] for row in everyone],
         "step_time_s": max(row["step_time_s"] for row in everyone),
         # the busiest rank's bytes to other nodes (ranks on nodes of cfg.node_size; notebook 05)
-        "cross_node_bytes_per_step": max(sum(v["cross_node_sent_bytes"] for v in row["comm_per_step"].values())
-                                         for row in everyone) if observe else None,
-        "strategy_info": strategy_info, "config": asdict(cfg), **recovery,
+        "cross_node_bytes_per_step": max(
+            sum(v["cross_node_sent_bytes"] for v in row["comm_per_step"].values()) for row in everyone
+        )
+        if observe
+        else None,
+        "strategy_info": strategy_info,
+        "config": asdict(cfg),
+        **recovery,
     }
     return report
 
@@ -191,9 +207,16 @@ def train(cfg: TrainConfig | None = None, *, echo: bool = False, **overrides) ->
 
     cfg = TrainConfig(**{**asdict(cfg or TrainConfig()), **overrides}).validate()
     check_resume(cfg)  # another run's checkpoint, or another strategy's: refused before any worker starts
-    results = launch(train_worker, nproc=cfg.nproc, args=(asdict(cfg),), backend=cfg.backend,
-                     timeout_s=cfg.timeout_s, max_restarts=cfg.max_restarts, echo=echo,
-                     run_dir=cfg.checkpoint_dir and os.path.join(cfg.checkpoint_dir, "_launch"))
+    results = launch(
+        train_worker,
+        nproc=cfg.nproc,
+        args=(asdict(cfg),),
+        backend=cfg.backend,
+        timeout_s=cfg.timeout_s,
+        max_restarts=cfg.max_restarts,
+        echo=echo,
+        run_dir=cfg.checkpoint_dir and os.path.join(cfg.checkpoint_dir, "_launch"),
+    )
     report = results[0]
     report["command"] = torchrun_train_command(cfg)
     return report
@@ -226,6 +249,7 @@ def train_flags(cfg: TrainConfig) -> list[str]:
 
 # ---------------------------------------------------------------- command line
 
+
 def _parse_option(text: str):
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -252,8 +276,9 @@ def train_arguments(parser: argparse.ArgumentParser, *, one_machine: bool = True
     parser.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
     if one_machine:
         parser.add_argument("--node-size", type=int, default=d.node_size, help="ranks per node (hybrid_shard)")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="strategy-specific knob, repeatable")
+    parser.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE", help="strategy-specific knob, repeatable"
+    )
     parser.add_argument("--backend", default=d.backend, help="auto, gloo or nccl")
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s)
     parser.add_argument("--checkpoint-dir", default=None)
@@ -262,8 +287,12 @@ def train_arguments(parser: argparse.ArgumentParser, *, one_machine: bool = True
     parser.add_argument("--max-restarts", type=int, default=d.max_restarts)
     parser.add_argument("--fail-at", default=None, metavar="RANK:STEP")
     parser.add_argument("--fail-during-save", default=None, metavar="RANK:STEP")
-    parser.add_argument("--save-weights", default=None, metavar="PATH",
-                        help="rank 0 saves the final full fp32 weights there (torch.save)")
+    parser.add_argument(
+        "--save-weights",
+        default=None,
+        metavar="PATH",
+        help="rank 0 saves the final full fp32 weights there (torch.save)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON line (last line)")
 
 
@@ -286,8 +315,10 @@ def print_report(report: dict, as_json: bool) -> None:
         print(f"{kind}: {row['calls']:g} calls/step, {row['sent_bytes']:.0f} B sent/step per rank")
     print(f"step time {report['step_time_s'] * 1e3:.1f} ms (CPU/gloo timings are not GPU timings)")
     if report.get("restarts") or report.get("resumed_from"):  # notebook 06
-        print(f"restarts {report['restarts']}, resumed from step(s) {report['resumed_from']}, "
-              f"steps redone {report['steps_redone']}")
+        print(
+            f"restarts {report['restarts']}, resumed from step(s) {report['resumed_from']}, "
+            f"steps redone {report['steps_redone']}"
+        )
 
 
 def train_command(args) -> int:

@@ -4,6 +4,7 @@ The ZeRO paper reports memory in GB = 10^9 bytes; PyTorch's memory statistics an
 spec sheets often mean GiB = 2^30 bytes. The course never mixes them: every formatted
 number carries its unit.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,9 +19,16 @@ MiB = 2**20
 
 _COUNT_SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _BYTE_SUFFIX = {
-    "": 1, "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
 }
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
 
@@ -39,7 +47,8 @@ def parse_count(text: str | float | int, *, name: str = "value") -> float:
         if not m or suffix not in _COUNT_SUFFIX:
             raise CourseInputError(
                 f"{name}: cannot read {text!r}; write a number with an optional K, M, B or T "
-                "suffix, for example 7.5B, 350M, 1T or 7.5e9")
+                "suffix, for example 7.5B, 350M, 1T or 7.5e9"
+            )
         value = float(m.group(1)) * _COUNT_SUFFIX[suffix]
     if not math.isfinite(value) or value <= 0:
         raise CourseInputError(f"{name}: must be a positive number, got {text!r}")
@@ -58,7 +67,8 @@ def parse_bytes(text: str | float | int, *, name: str = "value", default_unit: s
         unit = (m.group(2).upper() or default_unit.upper()) if m else None
         if not m or unit not in _BYTE_SUFFIX:
             raise CourseInputError(
-                f"{name}: cannot read {text!r}; write a size such as 80GB (10^9 bytes) or 24GiB (2^30 bytes)")
+                f"{name}: cannot read {text!r}; write a size such as 80GB (10^9 bytes) or 24GiB (2^30 bytes)"
+            )
         value = float(m.group(1)) * _BYTE_SUFFIX[unit]
     if not math.isfinite(value) or value <= 0:
         raise CourseInputError(f"{name}: must be a positive size, got {text!r}")

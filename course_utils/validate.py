@@ -5,6 +5,7 @@ Each check raises ``CourseInputError`` with one sentence that names the flag and
 process that parses the arguments, before a worker starts: an error raised inside a worker
 reaches the user as a launch failure, after the cost of a launch.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,10 @@ def check_numbers(args) -> None:
             if isinstance(v, float) and not math.isfinite(v):
                 raise CourseInputError(f"{flag(dest)} must be a finite number, got {v}")
             if isinstance(v, int) and not -INT64_MAX <= v <= INT64_MAX:
-                raise CourseInputError(f"{flag(dest)} is too large ({len(str(abs(v)))} digits); "
-                                       f"it must fit in 64 bits (at most {INT64_MAX})")
+                raise CourseInputError(
+                    f"{flag(dest)} is too large ({len(str(abs(v)))} digits); "
+                    f"it must fit in 64 bits (at most {INT64_MAX})"
+                )
 
 
 def finite_result(name: str, value: float) -> float:
@@ -68,8 +71,9 @@ def writable_dir(name: str, path) -> Path:
     try:  # try it: permission bits say nothing for root, nor on a read-only filesystem
         os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=base))
     except OSError as exc:
-        raise CourseInputError(f"{name} {path}: cannot write in {base} ({exc.strerror}); "
-                               "give a folder you can write to") from None
+        raise CourseInputError(
+            f"{name} {path}: cannot write in {base} ({exc.strerror}); give a folder you can write to"
+        ) from None
     return p
 
 
@@ -77,8 +81,9 @@ def writable_file(name: str, path) -> Path:
     """A file path whose folder exists (or can be created) and is writable, and that is not a folder (notebook 02)."""
     p = Path(path)
     if str(path).strip() == "" or p.is_dir():
-        raise CourseInputError(f"{name} {path!r} is {'a folder' if p.is_dir() else 'empty'}; give a file path, "
-                               "e.g. weights.pt")
+        raise CourseInputError(
+            f"{name} {path!r} is {'a folder' if p.is_dir() else 'empty'}; give a file path, e.g. weights.pt"
+        )
     writable_dir(name, p.parent if str(p.parent) else ".")
     if p.exists() and not os.access(p, os.W_OK):
         raise CourseInputError(f"{name} {path}: the file exists and is not writable; give another path")
@@ -102,6 +107,7 @@ def params_count(name: str, text) -> float:
 
     value = parse_count(text, name=name)
     if value > MAX_PARAMS:
-        raise CourseInputError(f"{name}: {text} parameters is beyond what the tables can show; "
-                               f"use at most {MAX_PARAMS:.0e}")
+        raise CourseInputError(
+            f"{name}: {text} parameters is beyond what the tables can show; use at most {MAX_PARAMS:.0e}"
+        )
     return value

@@ -18,6 +18,7 @@ Stable hooks for browser tests: every control and readout carries a CSS class
 
 Sections: shared helpers; notebook 01; notebook 05. Other notebooks append their own below.
 """
+
 from __future__ import annotations
 
 import html
@@ -82,19 +83,24 @@ def _model_options(extra=()):
 # Notebook 01: the memory chart and the bill
 # ---------------------------------------------------------------------------------------------
 
+
 def _readout_html(view: dict) -> str:
     rows = "".join(
         f"<tr><td>{html.escape(memory.STAGE_NAMES[s])}</td>"
         f"<td style='text-align:right'>{view['readout'][s]:,.0f} bytes</td>"
         f"<td style='text-align:right'>{fmt_size(view['readout'][s])}</td>"
         f"<td>{'fits' if view['fits'][s] else 'does not fit'}</td></tr>"
-        for s in memory.STAGES)
-    return (f"<div><b>Ψ = {fmt_count(view['psi'])}, K = {view['k']:g}, Nd = {view['nd']}, "
-            f"GPU {view['gpu_mem'] / GB:g} GB</b><table>{rows}</table></div>")
+        for s in memory.STAGES
+    )
+    return (
+        f"<div><b>Ψ = {fmt_count(view['psi'])}, K = {view['k']:g}, Nd = {view['nd']}, "
+        f"GPU {view['gpu_mem'] / GB:g} GB</b><table>{rows}</table></div>"
+    )
 
 
-def memory_chart(psi: float = 7.5e9, *, k: float = memory.ADAM_MIXED_K, nd: int = 64,
-                 gpu_mem: float = 32 * GB, nm: int = 1):
+def memory_chart(
+    psi: float = 7.5e9, *, k: float = memory.ADAM_MIXED_K, nd: int = 64, gpu_mem: float = 32 * GB, nm: int = 1
+):
     """The paper's memory chart, live: Nd on a log axis, memory per GPU, one curve per row (notebook 01).
 
     Controls (CSS class, description): model size ``course-memory-model`` ("Model Ψ"), presets
@@ -107,22 +113,37 @@ def memory_chart(psi: float = 7.5e9, *, k: float = memory.ADAM_MIXED_K, nd: int 
     if is_headless():
         return plots.StaticFigure(plots.memory_chart_figure(view), view["readout_text"])
     w = _ipw()
-    model = _classed(w.SelectionSlider(options=_model_options([psi]), value=float(psi), description="Model Ψ",
-                                       continuous_update=False), "course-memory-model")
-    presets = _classed(w.ToggleButtons(options=list(memory.MODEL_PRESETS), value=None,
-                                       description="Presets"), "course-memory-presets")
+    model = _classed(
+        w.SelectionSlider(
+            options=_model_options([psi]), value=float(psi), description="Model Ψ", continuous_update=False
+        ),
+        "course-memory-model",
+    )
+    presets = _classed(
+        w.ToggleButtons(options=list(memory.MODEL_PRESETS), value=None, description="Presets"), "course-memory-presets"
+    )
     k_options = dict(K_CHOICES)
     if float(k) not in k_options.values():
         k_options[f"{k:g} bytes"] = float(k)
-    k_box = _classed(_fit_labels(w.Dropdown(options=list(k_options.items()), value=float(k), description="K")),
-                     "course-memory-k")
-    nd_box = _classed(w.SelectionSlider(options=_with((int(n) for n in memory.chart_nds()), int(nd)), value=int(nd),
-                                        description="Nd", continuous_update=False), "course-memory-nd")
+    k_box = _classed(
+        _fit_labels(w.Dropdown(options=list(k_options.items()), value=float(k), description="K")), "course-memory-k"
+    )
+    nd_box = _classed(
+        w.SelectionSlider(
+            options=_with((int(n) for n in memory.chart_nds()), int(nd)),
+            value=int(nd),
+            description="Nd",
+            continuous_update=False,
+        ),
+        "course-memory-nd",
+    )
     gpus = dict(memory.GPU_CHOICES)
     if float(gpu_mem) not in gpus.values():
         gpus[f"{gpu_mem / GB:g} GB"] = float(gpu_mem)
-    gpu_box = _classed(_fit_labels(w.Dropdown(options=list(gpus.items()), value=float(gpu_mem), description="GPU")),
-                       "course-memory-gpu")
+    gpu_box = _classed(
+        _fit_labels(w.Dropdown(options=list(gpus.items()), value=float(gpu_mem), description="GPU")),
+        "course-memory-gpu",
+    )
     image = _classed(w.Image(format="png"), "course-memory-chart")
     readout = _classed(w.HTML(), "course-memory-readout")
 
@@ -148,32 +169,60 @@ def memory_chart(psi: float = 7.5e9, *, k: float = memory.ADAM_MIXED_K, nd: int 
     return w.VBox([w.HBox([model, presets]), w.HBox([k_box, nd_box, gpu_box]), image, readout])
 
 
-def bill_bars(psi: float = 8, *, nd: int = 4, k: float = memory.ADAM_MIXED_K, activations: float = 0.0,
-              unit: str = "bytes", gpu_mem: float | None = None):
+def bill_bars(
+    psi: float = 8,
+    *,
+    nd: int = 4,
+    k: float = memory.ADAM_MIXED_K,
+    activations: float = 0.0,
+    unit: str = "bytes",
+    gpu_mem: float | None = None,
+):
     """The bill as stacked bars per GPU for each row, dashed where a stage no longer holds a part (notebook 01).
 
     Controls: Nd ``course-bill-nd`` ("Nd"), K ``course-bill-k`` ("K"); readout ``course-bill-readout``.
     Headless: a ``plots.StaticFigure`` of ``memory.bill_bars(psi, nd, k=k, activations=...)``.
     """
+
     def draw(nd_, k_):
         bars = memory.bill_bars(psi, nd_, k=k_, activations=activations)
         totals = {s: sum(p["held"] for p in bars[s].values()) for s in bars}
         scale = {"bytes": 1, "GB": GB}[unit]
         text = f"Ψ = {fmt_count(psi)}, Nd = {nd_}, K = {k_:g}: " + " · ".join(
-            f"{memory.STAGE_NAMES[s]} {totals[s] / scale:.4g} {unit}" for s in bars)
-        title = f"One GPU's bill for Ψ = {fmt_count(psi)} on Nd = {nd_}: " + ", ".join(
-            f"{totals[s] / scale:.3g}" for s in bars) + f" {unit}"
+            f"{memory.STAGE_NAMES[s]} {totals[s] / scale:.4g} {unit}" for s in bars
+        )
+        title = (
+            f"One GPU's bill for Ψ = {fmt_count(psi)} on Nd = {nd_}: "
+            + ", ".join(f"{totals[s] / scale:.3g}" for s in bars)
+            + f" {unit}"
+        )
         return plots.bill_bars_figure(bars, unit=unit, title=title, gpu_mem=gpu_mem), text
 
     if is_headless():
         fig, text = draw(nd, k)
         return plots.StaticFigure(fig, text)
     w = _ipw()
-    nd_box = _classed(w.SelectionSlider(options=_with((int(n) for n in memory.chart_nds()), int(nd)), value=int(nd),
-                                        description="Nd", continuous_update=False), "course-bill-nd")
-    k_box = _classed(_fit_labels(w.Dropdown(options=list(K_CHOICES.items()) if float(k) in K_CHOICES.values()
-                                            else list(K_CHOICES.items()) + [(f"{k:g} bytes", float(k))],
-                                            value=float(k), description="K")), "course-bill-k")
+    nd_box = _classed(
+        w.SelectionSlider(
+            options=_with((int(n) for n in memory.chart_nds()), int(nd)),
+            value=int(nd),
+            description="Nd",
+            continuous_update=False,
+        ),
+        "course-bill-nd",
+    )
+    k_box = _classed(
+        _fit_labels(
+            w.Dropdown(
+                options=list(K_CHOICES.items())
+                if float(k) in K_CHOICES.values()
+                else list(K_CHOICES.items()) + [(f"{k:g} bytes", float(k))],
+                value=float(k),
+                description="K",
+            )
+        ),
+        "course-bill-k",
+    )
     image = _classed(w.Image(format="png"), "course-bill-chart")
     readout = _classed(w.HTML(), "course-bill-readout")
 
@@ -193,12 +242,22 @@ def bill_bars(psi: float = 8, *, nd: int = 4, k: float = memory.ADAM_MIXED_K, ac
 # ---------------------------------------------------------------------------------------------
 
 #: Links the planner's network slider steps through: label -> bytes/s per node.
-NETWORK_CHOICES = {"10 GbE (1.25 GB/s)": 1.25e9, "25 GbE (3.1 GB/s)": 3.125e9, "100 Gb/s (12.5 GB/s)": 12.5e9,
-                   "200 Gb/s (25 GB/s)": 25e9, "4 x 100 Gb/s (50 GB/s)": 50e9, "8 x 200 Gb/s (200 GB/s)": 200e9,
-                   "8 x 400 Gb/s (400 GB/s)": 400e9}
+NETWORK_CHOICES = {
+    "10 GbE (1.25 GB/s)": 1.25e9,
+    "25 GbE (3.1 GB/s)": 3.125e9,
+    "100 Gb/s (12.5 GB/s)": 12.5e9,
+    "200 Gb/s (25 GB/s)": 25e9,
+    "4 x 100 Gb/s (50 GB/s)": 50e9,
+    "8 x 200 Gb/s (200 GB/s)": 200e9,
+    "8 x 400 Gb/s (400 GB/s)": 400e9,
+}
 #: Intra-node links: label -> bytes/s per GPU.
-NVLINK_CHOICES = {"PCIe only (25 GB/s)": 25e9, "NVLink, V100 (150 GB/s)": 150e9, "NVLink, A100 (200 GB/s)": 200e9,
-                  "NVLink, H100 (360 GB/s)": 360e9}
+NVLINK_CHOICES = {
+    "PCIe only (25 GB/s)": 25e9,
+    "NVLink, V100 (150 GB/s)": 150e9,
+    "NVLink, A100 (200 GB/s)": 200e9,
+    "NVLink, H100 (360 GB/s)": 360e9,
+}
 
 
 def plan_summary(p) -> str:
@@ -210,9 +269,19 @@ def plan_summary(p) -> str:
     return f"{name}: {r['reason']}"
 
 
-def planner(params: float = 7e9, *, nodes: int = 1, gpus_per_node: int = 8, gpu_mem: float = 80 * GB,
-            inter_bw: float = 50e9, intra_bw: float = 200e9, micro_batch: int = 1, seq: int = 2048,
-            checkpointing: bool = True, k: float = memory.ADAM_MIXED_K):
+def planner(
+    params: float = 7e9,
+    *,
+    nodes: int = 1,
+    gpus_per_node: int = 8,
+    gpu_mem: float = 80 * GB,
+    inter_bw: float = 50e9,
+    intra_bw: float = 200e9,
+    micro_batch: int = 1,
+    seq: int = 2048,
+    checkpointing: bool = True,
+    k: float = memory.ADAM_MIXED_K,
+):
     """The planner, live: model, cluster and link controls; memory bars and overlap chart; the
     recommendation and its reason in one line (notebook 05).
 
@@ -241,26 +310,61 @@ def planner(params: float = 7e9, *, nodes: int = 1, gpus_per_node: int = 8, gpu_
             opts[fmt(value)] = float(value)
         return list(opts.items()), float(value)
 
-    model = _classed(w.SelectionSlider(options=_model_options([params]), value=float(params), description="Model Ψ",
-                                       continuous_update=False), "course-plan-model")
-    nodes_box = _classed(w.SelectionSlider(options=sorted({1, 2, 4, 8, 16, 32, 64, 128, int(nodes)}), value=int(nodes),
-                                           description="Nodes", continuous_update=False), "course-plan-nodes")
-    gpus_box = _classed(_fit_labels(w.Dropdown(options=sorted({1, 2, 4, 8, 16, int(gpus_per_node)}), value=int(gpus_per_node),
-                                   description="GPUs/node")), "course-plan-gpus")
+    model = _classed(
+        w.SelectionSlider(
+            options=_model_options([params]), value=float(params), description="Model Ψ", continuous_update=False
+        ),
+        "course-plan-model",
+    )
+    nodes_box = _classed(
+        w.SelectionSlider(
+            options=sorted({1, 2, 4, 8, 16, 32, 64, 128, int(nodes)}),
+            value=int(nodes),
+            description="Nodes",
+            continuous_update=False,
+        ),
+        "course-plan-nodes",
+    )
+    gpus_box = _classed(
+        _fit_labels(
+            w.Dropdown(
+                options=sorted({1, 2, 4, 8, 16, int(gpus_per_node)}), value=int(gpus_per_node), description="GPUs/node"
+            )
+        ),
+        "course-plan-gpus",
+    )
     opts, val = choice(memory.GPU_CHOICES, gpu_mem, lambda v: f"{v / GB:g} GB")
     mem_box = _classed(_fit_labels(w.Dropdown(options=opts, value=val, description="GPU")), "course-plan-gpu-mem")
     opts, val = choice(NETWORK_CHOICES, inter_bw, lambda v: f"{v / 1e9:g} GB/s")
     # a dropdown, not a slider: a slider's readout is a fixed width and cut "4 x 100 Gb/s (50 GB/s)" short
-    net_box = _classed(_fit_labels(w.Dropdown(options=sorted(opts, key=lambda o: o[1]), value=val,
-                                              description="Network")), "course-plan-network")
+    net_box = _classed(
+        _fit_labels(w.Dropdown(options=sorted(opts, key=lambda o: o[1]), value=val, description="Network")),
+        "course-plan-network",
+    )
     opts, val = choice(NVLINK_CHOICES, intra_bw, lambda v: f"{v / 1e9:g} GB/s")
     nvl_box = _classed(_fit_labels(w.Dropdown(options=opts, value=val, description="NVLink")), "course-plan-nvlink")
-    batch_box = _classed(w.SelectionSlider(options=sorted({1, 2, 4, 8, 16, 32, int(micro_batch)}), value=int(micro_batch),
-                                           description="Micro-batch", continuous_update=False), "course-plan-batch")
-    seq_box = _classed(_fit_labels(w.Dropdown(options=sorted({1024, 2048, 4096, 8192, 32768, 131072, int(seq)}), value=int(seq),
-                                  description="Sequence")), "course-plan-seq")
-    ckpt_box = _classed(w.Checkbox(value=bool(checkpointing), description="activation checkpointing"),
-                        "course-plan-checkpointing")
+    batch_box = _classed(
+        w.SelectionSlider(
+            options=sorted({1, 2, 4, 8, 16, 32, int(micro_batch)}),
+            value=int(micro_batch),
+            description="Micro-batch",
+            continuous_update=False,
+        ),
+        "course-plan-batch",
+    )
+    seq_box = _classed(
+        _fit_labels(
+            w.Dropdown(
+                options=sorted({1024, 2048, 4096, 8192, 32768, 131072, int(seq)}),
+                value=int(seq),
+                description="Sequence",
+            )
+        ),
+        "course-plan-seq",
+    )
+    ckpt_box = _classed(
+        w.Checkbox(value=bool(checkpointing), description="activation checkpointing"), "course-plan-checkpointing"
+    )
     image = _classed(w.Image(format="png"), "course-plan-chart")
     readout = _classed(w.HTML(), "course-plan-recommendation")
     controls = (model, nodes_box, gpus_box, mem_box, net_box, nvl_box, batch_box, seq_box, ckpt_box)
@@ -277,20 +381,33 @@ def planner(params: float = 7e9, *, nodes: int = 1, gpus_per_node: int = 8, gpu_
     for control in controls:
         control.observe(redraw, names="value")
     redraw()
-    return w.VBox([w.HBox([model, nodes_box, gpus_box]), w.HBox([mem_box, net_box, nvl_box]),
-                   w.HBox([batch_box, seq_box, ckpt_box]), readout, image])
+    return w.VBox(
+        [
+            w.HBox([model, nodes_box, gpus_box]),
+            w.HBox([mem_box, net_box, nvl_box]),
+            w.HBox([batch_box, seq_box, ckpt_box]),
+            readout,
+            image,
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Notebook 03: the stage-3 schedule step by step; measured bytes on the memory chart
 # ---------------------------------------------------------------------------------------------
 
+
 def _stage3_readout(state) -> str:
     sent = state.sent_total(0)
-    rows = "".join(f"<tr><td>GPU {g}</td><td>{state.held_psi(g):.3g}Ψ of parameters held</td>"
-                   f"<td style='text-align:right'>{state.sent_total(g):.4g}Ψ sent</td></tr>" for g in range(state.nd))
-    return (f"<div><b>{html.escape(state.caption)}</b><br>step {state.step}, every GPU has sent {sent:.4g}Ψ "
-            f"(plain DP sends {2 * (state.nd - 1) / state.nd:.4g}Ψ per step)<table>{rows}</table></div>")
+    rows = "".join(
+        f"<tr><td>GPU {g}</td><td>{state.held_psi(g):.3g}Ψ of parameters held</td>"
+        f"<td style='text-align:right'>{state.sent_total(g):.4g}Ψ sent</td></tr>"
+        for g in range(state.nd)
+    )
+    return (
+        f"<div><b>{html.escape(state.caption)}</b><br>step {state.step}, every GPU has sent {sent:.4g}Ψ "
+        f"(plain DP sends {2 * (state.nd - 1) / state.nd:.4g}Ψ per step)<table>{rows}</table></div>"
+    )
 
 
 def zero3_stepper(nd: int = 4):
@@ -329,26 +446,38 @@ def zero3_stepper(nd: int = 4):
     return w.VBox([w.HBox([step, back, reset]), image, readout])
 
 
-def measured_memory_chart(psi: float, measured: dict, *, nd: int = 2, k: float = memory.ADAM_MIXED_K,
-                          nd_max: int = 64, title: str = ""):
+def measured_memory_chart(
+    psi: float, measured: dict, *, nd: int = 2, k: float = memory.ADAM_MIXED_K, nd_max: int = 64, title: str = ""
+):
     """The notebook-01 memory chart for a real run's Ψ, with the bytes measured per rank as points (notebook 03).
 
     ``measured``: ``{row: [(nd, bytes per rank), ...]}`` from real runs. Control: Nd
     ``course-measured-nd`` ("Nd") moves the readout ``course-measured-readout`` (exact bytes of
     each row's formula at that Nd). Headless: a ``plots.StaticFigure`` at ``nd``.
     """
+
     def text(v):
-        return (f"Ψ = {v['psi']:,.0f}, K = {v['k']:g}, Nd = {v['nd']}: "
-                + " · ".join(f"{memory.STAGE_NAMES[s]} {v['readout'][s]:,.0f} bytes" for s in memory.STAGES))
+        return f"Ψ = {v['psi']:,.0f}, K = {v['k']:g}, Nd = {v['nd']}: " + " · ".join(
+            f"{memory.STAGE_NAMES[s]} {v['readout'][s]:,.0f} bytes" for s in memory.STAGES
+        )
 
     view = memory.memory_chart_view(psi, nd=nd, k=k, nd_max=nd_max)
     if is_headless():
         return plots.StaticFigure(plots.measured_memory_figure(view, measured, title=title), text(view))
     w = _ipw()
-    nd_box = _classed(w.SelectionSlider(options=_with((int(n) for n in view["nds"]), int(nd)), value=int(nd), description="Nd",
-                                        continuous_update=False), "course-measured-nd")
-    image = _classed(w.Image(format="png", value=plots.png(plots.measured_memory_figure(view, measured, title=title))),
-                     "course-measured-chart")
+    nd_box = _classed(
+        w.SelectionSlider(
+            options=_with((int(n) for n in view["nds"]), int(nd)),
+            value=int(nd),
+            description="Nd",
+            continuous_update=False,
+        ),
+        "course-measured-nd",
+    )
+    image = _classed(
+        w.Image(format="png", value=plots.png(plots.measured_memory_figure(view, measured, title=title))),
+        "course-measured-chart",
+    )
     readout = _classed(w.HTML(), "course-measured-readout")
 
     def redraw(*_):

@@ -12,6 +12,7 @@ Two machines of 8 GPUs (run the same line on both; HOST is the first machine)::
 Positional and keyword arguments travel as JSON: ``--args '[1, 2]' --kwargs '{"n": 4}'``.
 Each rank prints its return value as one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse

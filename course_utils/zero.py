@@ -28,6 +28,7 @@ exact padding and (N-1)/N factors that the notebook asserts the real runs agains
 (``held_bytes``, ``zero_traffic``, ``memory_check``, ``traffic_check``, ...) are
 ``course_utils.predict``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -111,7 +112,7 @@ class FlatParams:
         dtype = compute_dtype or self.params[0].dtype
         device = self.params[0].device
         values = torch.zeros(self.padded, dtype=self.params[0].dtype, device=device)
-        torch.cat([p.detach().reshape(-1) for p in self.params], out=values[:self.numel])
+        torch.cat([p.detach().reshape(-1) for p in self.params], out=values[: self.numel])
         lo, hi = shard_bounds(self.padded, self.nd, self.rank)
         self.full = values.to(dtype)
         self.shard = self.full[lo:hi].clone() if sharded_at_rest else self.full[lo:hi]
@@ -119,7 +120,7 @@ class FlatParams:
         self.grad_shard: torch.Tensor | None = None
         offset = 0
         for p in self.params:
-            p.data = self.full[offset:offset + p.numel()].view(p.shape)
+            p.data = self.full[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
         if sharded_at_rest:
             self.free()
@@ -143,9 +144,12 @@ class FlatParams:
 
     def flat_grads(self) -> torch.Tensor:
         """Every parameter's gradient end to end, zero where a gradient is missing, padded to Nd·S."""
-        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=self.full.dtype,
-                                                                           device=self.full.device)
-                 for p in self.params]
+        parts = [
+            p.grad.reshape(-1)
+            if p.grad is not None
+            else torch.zeros(p.numel(), dtype=self.full.dtype, device=self.full.device)
+            for p in self.params
+        ]
         parts.append(torch.zeros(self.padding, dtype=self.full.dtype, device=self.full.device))
         return torch.cat(parts)
 
@@ -169,14 +173,20 @@ class FlatParams:
         all_gather_single(whole, self.master.contiguous(), group=self.group)
         out, offset = [], 0
         for p in self.params:
-            out.append(whole[offset:offset + p.numel()].view(p.shape).clone())
+            out.append(whole[offset : offset + p.numel()].view(p.shape).clone())
             offset += p.numel()
         return out
 
 
 def _unit_row(name: str, flat: FlatParams, trainable: bool = True) -> dict:
-    return {"name": name, "numel": flat.numel, "padded": flat.padded, "shard_numel": flat.shard_numel,
-            "padding": flat.padding, "trainable": trainable}
+    return {
+        "name": name,
+        "numel": flat.numel,
+        "padded": flat.padded,
+        "shard_numel": flat.shard_numel,
+        "padding": flat.padding,
+        "trainable": trainable,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,8 +254,16 @@ class ShardedOptimizer:
 
     keep_full_grads = True  # P_os: every rank keeps its full 16-bit gradients
 
-    def __init__(self, params, optimizer_class=torch.optim.Adam, *, compute_dtype=None, group=None,
-                 bucket_cap_mb: float | None = None, **defaults):
+    def __init__(
+        self,
+        params,
+        optimizer_class=torch.optim.Adam,
+        *,
+        compute_dtype=None,
+        group=None,
+        bucket_cap_mb: float | None = None,
+        **defaults,
+    ):
         self.flats: list[FlatParams] = []
         inner_groups = []
         cap = None if bucket_cap_mb is None else bucket_cap_mb * 1024 * 1024
@@ -312,8 +330,12 @@ class ShardedOptimizer:
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
         """The inner optimizer's state plus the fp32 master slices (when they are separate copies)."""
-        out = [v for st in self.optimizer.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0]
+        out = [
+            v
+            for st in self.optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
         return out + [flat.master for flat in self.flats if flat.master is not flat.shard]
 
     def full_state_dict(self, module: nn.Module) -> dict:
@@ -332,7 +354,7 @@ def _full_state_dict(module: nn.Module, flats) -> dict:
         p = named.get(key)
         if p is None:  # a buffer: as it is
             out[key] = value.detach().clone()
-        else:          # a parameter: from the fp32 master slices, or (not sharded: frozen) as fp32
+        else:  # a parameter: from the fp32 master slices, or (not sharded: frozen) as fp32
             out[key] = values[p] if p in values else p.detach().float().clone()
     return out
 
@@ -419,8 +441,8 @@ class Unit:
     module: nn.Module
     flats: list = field(default_factory=list)  # FlatParams: trainable first, then frozen
     gathered: bool = False
-    pending: int = 0      # backward events still expected: one per trainable parameter, one per input hook
-    armed: bool = False   # a forward with autograd ran since the last reduce
+    pending: int = 0  # backward events still expected: one per trainable parameter, one per input hook
+    armed: bool = False  # a forward with autograd ran since the last reduce
 
     @property
     def trainable(self) -> list:
@@ -493,8 +515,9 @@ class Zero3Module(nn.Module):
             for kind in (True, False):  # trainable and frozen parameters never share a flat buffer
                 chosen = [p for p in params if p.requires_grad is kind]
                 if chosen:
-                    unit.flats.append(FlatParams(chosen, group=group, compute_dtype=compute_dtype,
-                                                 sharded_at_rest=True))
+                    unit.flats.append(
+                        FlatParams(chosen, group=group, compute_dtype=compute_dtype, sharded_at_rest=True)
+                    )
             if unit.flats:
                 self.units.append(unit)
         for unit in self.units:
@@ -616,25 +639,39 @@ class Zero3Optimizer(ShardedOptimizer):
 # The stages as training strategies (python -m course_utils train --strategy zero1|zero2|zero3)
 # ---------------------------------------------------------------------------------------------
 
+
 def _compute_dtype(cfg):
     return torch.bfloat16 if cfg.precision == "mixed" else None
 
 
 def _info(stage: int, cfg, nd: int, psi: int, units: list[dict]) -> dict:
-    return {"stage": stage, "precision": cfg.precision, "nd": nd, "psi": psi, "units": units,
-            "padding": sum(u["padding"] for u in units), "shard_numel": sum(u["shard_numel"] for u in units),
-            "bytes_per_element": 2 if cfg.precision == "mixed" else 4}
+    return {
+        "stage": stage,
+        "precision": cfg.precision,
+        "nd": nd,
+        "psi": psi,
+        "units": units,
+        "padding": sum(u["padding"] for u in units),
+        "shard_numel": sum(u["shard_numel"] for u in units),
+        "bytes_per_element": 2 if cfg.precision == "mixed" else 4,
+    }
 
 
 def _apply_sharded_optimizer(model, cfg, info, optimizer_cls, stage: int, **kwargs):
     from .loop import Prepared
 
     psi = sum(p.numel() for p in model.parameters())
-    opt = optimizer_cls(model.parameters(), torch.optim.Adam, compute_dtype=_compute_dtype(cfg), lr=cfg.lr,
-                        foreach=False, **kwargs)
+    opt = optimizer_cls(
+        model.parameters(), torch.optim.Adam, compute_dtype=_compute_dtype(cfg), lr=cfg.lr, foreach=False, **kwargs
+    )
     units = [_unit_row(f"flat {i}", f) for i, f in enumerate(opt.flats)]
-    return Prepared(model=model, optimizer=opt, full_state_dict=lambda: opt.full_state_dict(model),
-                    held=opt.held, info=_info(stage, cfg, info.world_size, psi, units))
+    return Prepared(
+        model=model,
+        optimizer=opt,
+        full_state_dict=lambda: opt.full_state_dict(model),
+        held=opt.held,
+        info=_info(stage, cfg, info.world_size, psi, units),
+    )
 
 
 def apply_zero1(model, cfg, info):
@@ -690,8 +727,14 @@ def apply_zero3(model, cfg, info):
         report["peak_gathered_bytes"] = max(report["peak_gathered_bytes_per_step"])
         wrapped.tracker.reset()
 
-    return Prepared(model=wrapped, optimizer=opt, full_state_dict=wrapped.full_state_dict, held=opt.held,
-                    before_step=before_step, info=report)
+    return Prepared(
+        model=wrapped,
+        optimizer=opt,
+        full_state_dict=wrapped.full_state_dict,
+        held=opt.held,
+        before_step=before_step,
+        info=report,
+    )
 
 
 def apply_torch_zero1(model, cfg, info):
@@ -711,22 +754,41 @@ def apply_torch_zero1(model, cfg, info):
 
     from .loop import Prepared
 
-    ddp = DistributedDataParallel(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-                                  bucket_cap_mb=cfg.bucket_cap_mb)
+    ddp = DistributedDataParallel(
+        model, device_ids=[info.device.index] if info.device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_cap_mb
+    )
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=cfg.lr, foreach=False)
 
     def held():
         params = list(model.parameters())
-        state = [v for st in opt.optim.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        state = [
+            v for st in opt.optim.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
         return params, [p.grad for p in params], state
 
-    return Prepared(model=ddp, optimizer=opt, held=held,
-                    full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
-                    info={"library": "torch.distributed.optim.ZeroRedundancyOptimizer"})
+    return Prepared(
+        model=ddp,
+        optimizer=opt,
+        held=held,
+        full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
+        info={"library": "torch.distributed.optim.ZeroRedundancyOptimizer"},
+    )
 
 
 __all__ = [
-    "padded_numel", "shard_bounds", "FlatParams", "gradient_buckets", "ShardedOptimizer",
-    "GradShardedOptimizer", "GatheredBytes", "Unit", "assign_units", "Zero3Module", "Zero3Optimizer",
-    "apply_zero1", "apply_zero2", "apply_zero3", "apply_torch_zero1",
+    "padded_numel",
+    "shard_bounds",
+    "FlatParams",
+    "gradient_buckets",
+    "ShardedOptimizer",
+    "GradShardedOptimizer",
+    "GatheredBytes",
+    "Unit",
+    "assign_units",
+    "Zero3Module",
+    "Zero3Optimizer",
+    "apply_zero1",
+    "apply_zero2",
+    "apply_zero3",
+    "apply_torch_zero1",
 ]

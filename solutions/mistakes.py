@@ -3,6 +3,7 @@
 ``MISTAKES[(notebook, name)]`` lists ``(function, words the check's message must contain)``: each
 must fail its check with a message in the exercise's terms.
 """
+
 import re
 from pathlib import Path
 
@@ -21,6 +22,7 @@ def activations_counted_per_tensor(block, x):
     def pack(t):
         total[0] += t.numel() * t.element_size()  # views and parameters counted too
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x)
     return total[0]
@@ -47,8 +49,8 @@ def zero2_wrong_shard_offset(params, grads, lr):
     dist.reduce_scatter_single(g, grads)
     g /= world
     start = (world - 1 - rank) * s  # the slice of the wrong rank
-    params[start:start + s] -= lr * g
-    dist.all_gather_single(params, params[rank * s:(rank + 1) * s].clone())
+    params[start : start + s] -= lr * g
+    dist.all_gather_single(params, params[rank * s : (rank + 1) * s].clone())
 
 
 def unsharded_inner_optimizer(params, optimizer_class, **defaults):
@@ -62,6 +64,7 @@ def unsharded_inner_optimizer(params, optimizer_class, **defaults):
         whole.grad = g / world
         opt.step()
         params.copy_(whole.detach())
+
     return step
 
 
@@ -71,7 +74,7 @@ def shard_wrong_offset(full, rank, world_size):
     c = -(-rows // world_size)
     start, stop = min(rank * (c - 1), rows), min(rank * (c - 1) + c, rows)  # the wrong stride
     out = full.new_zeros((c, *full.shape[1:]))
-    out[:stop - start] = full[start:stop]
+    out[: stop - start] = full[start:stop]
     return out
 
 
@@ -95,8 +98,9 @@ def layout_always_reshard(budget_bytes, units):
 # 05 -------------------------------------------------------------------------------------------
 def hsdp_sharded_over_every_gpu(params, gpus_per_node, nodes, mp, strategy):
     p, nd = params / mp, gpus_per_node * nodes // mp
-    sharded = {"ddp": 0, "zero1": 12, "zero2": 14, "zero3": 16, "hsdp": 16, "zero2_offload": 14,
-               "zero3_offload": 16}[strategy]
+    sharded = {"ddp": 0, "zero1": 12, "zero2": 14, "zero3": 16, "hsdp": 16, "zero2_offload": 14, "zero3_offload": 16}[
+        strategy
+    ]
     gpu, host = (16 - sharded) * p + sharded * p / nd, 0.0
     if strategy.endswith("_offload"):
         host = 12 * p / nd

@@ -1,4 +1,5 @@
 """Reference solutions, notebook 01 (``load_solution("01", name)`` prints and defines one)."""
+
 import torch
 
 

@@ -1,4 +1,5 @@
 """Reference solutions, notebook 02 (``load_solution("02", name)`` prints and defines one)."""
+
 import torch.distributed as dist
 
 

@@ -1,4 +1,5 @@
 """Reference solutions, notebook 04 (``load_solution("04", name)`` prints and defines one)."""
+
 import torch
 import torch.distributed as dist
 
@@ -9,7 +10,7 @@ def shard_dim0(full, rank, world_size):
     c = -(-rows // world_size)
     start, stop = min(rank * c, rows), min((rank + 1) * c, rows)
     out = full.new_zeros((c, *full.shape[1:]))
-    out[:stop - start] = full[start:stop]
+    out[: stop - start] = full[start:stop]
     return out
 
 
@@ -25,7 +26,7 @@ def clip_sharded(grads, max_norm):
     total = torch.zeros(())
     for g in grads:
         total += g.float().pow(2).sum()
-    dist.all_reduce(total)                 # every rank's squares: the whole gradient's
+    dist.all_reduce(total)  # every rank's squares: the whole gradient's
     norm = total.sqrt()
     scale = min(1.0, max_norm / (norm.item() + 1e-6))
     for g in grads:
@@ -39,7 +40,7 @@ def choose_layout(budget_bytes, units):
     root = 4 * sum(u["numel"] for u in units if u["name"] == "(root)")
     largest_block = 4 * max((u["numel"] for u in units if u["name"] != "(root)"), default=0)
     if whole <= budget_bytes:
-        return {"wrap": "block", "reshard_after_forward": False}   # one all-gather per parameter
+        return {"wrap": "block", "reshard_after_forward": False}  # one all-gather per parameter
     if root + largest_block <= budget_bytes:
-        return {"wrap": "block", "reshard_after_forward": True}    # gathered again for the backward
+        return {"wrap": "block", "reshard_after_forward": True}  # gathered again for the backward
     return None

@@ -1,4 +1,5 @@
 """Reference solutions, notebook 06 (``load_solution("06", name)`` prints and defines one)."""
+
 import json
 import re
 from pathlib import Path

@@ -6,6 +6,7 @@ timings live in ``make bench``.
 One real run, in this process (a world of one): the training loop on a width the presets do not
 have, whose bytes held must equal the fp32 bill 16Ψ exactly.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ PSI = 1000  # a round Ψ for the formulas
 # ---------------------------------------------------------------------------------------------
 # Statistics and ratios
 # ---------------------------------------------------------------------------------------------
+
 
 def test_spread_and_interleaved_ratios():
     assert instrument.spread([3, 1, 2]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
@@ -64,10 +66,14 @@ def test_startup_split():
 def test_theory_row_compares_measured_with_formula():
     nd = 2
     formula = predict.expected_bytes("zero3", PSI, nd)
-    report = {"world_size": nd, "config": {"node_size": 2, "precision": "fp32"}, "strategy_info": {},
-              "per_rank": [{"rank": r, "total": formula["held_paper"]} for r in range(nd)],
-              "comm_per_step": {"all_gather": {"calls": 6, "sent_bytes": 2 * PSI * 4 * 0.5}},
-              "comm_per_step_by_rank": [{"all_gather": {"calls": 6, "sent_bytes": 1.01 * formula["sent_paper"]}}] * nd}
+    report = {
+        "world_size": nd,
+        "config": {"node_size": 2, "precision": "fp32"},
+        "strategy_info": {},
+        "per_rank": [{"rank": r, "total": formula["held_paper"]} for r in range(nd)],
+        "comm_per_step": {"all_gather": {"calls": 6, "sent_bytes": 2 * PSI * 4 * 0.5}},
+        "comm_per_step_by_rank": [{"all_gather": {"calls": 6, "sent_bytes": 1.01 * formula["sent_paper"]}}] * nd,
+    }
     row = bench.theory_row("zero3", report, PSI)
     assert row["held_ratio"] == 1.0 and row["sent_ratio"] == pytest.approx(1.01)
     assert row["kinds"] == {"all_gather": 6}
@@ -86,14 +92,16 @@ def test_flops_and_peaks():
 # Strategies, shapes, one real run in this process
 # ---------------------------------------------------------------------------------------------
 
+
 def test_missing_strategy_is_reported_not_raised(monkeypatch):
     import dataclasses
 
     from course_utils import strategies
 
     assert bench.strategy_available("single") == (True, "")
-    ghost = dataclasses.replace(strategies.STRATEGIES["ddp"], name="ghost",
-                                apply="course_utils.no_such_module:apply_ghost")
+    ghost = dataclasses.replace(
+        strategies.STRATEGIES["ddp"], name="ghost", apply="course_utils.no_such_module:apply_ghost"
+    )
     monkeypatch.setitem(strategies.STRATEGIES, "ghost", ghost)
     ok, why = bench.strategy_available("ghost")
     assert not ok and "not available" in why
@@ -118,34 +126,99 @@ def test_bench_shape_trains_and_holds_the_fp32_bill(monkeypatch):
 # Verdicts, results.md, arguments
 # ---------------------------------------------------------------------------------------------
 
+
 def _results(course=(60.0, 95.0), launch_ratio=0.4, pair_median=1.2, dev=0.002):
-    rows = [{"notebook": f"0{i}_x", "wall_s": w, "error": None, "launches": 2, "launch_wall_s": 3.0,
-             "starting_s": 5.0, "computing_s": w - 5.0, "starting_share": 5.0 / w} for i, w in enumerate(course)]
-    nb = {"rows": rows, "course_s": sum(course), "kernel_s": 3.0, "per_launch_s": [0.3, 0.1], "cold_extra_s": 1.0,
-          "starting_s": 10.0, "computing_s": sum(course) - 10.0, "launches": 4}
-    ratio = {"min": pair_median - 0.1, "median": pair_median, "max": pair_median + 0.1, "n": 3,
-             "ratios": [pair_median] * 3}
-    pairs = {"rounds": 3, "steps": 8, "psi": PSI, "nproc": 2, "model": bench.model_shape(),
-             "rows": [{"hand": "zero3", "torch": "full_shard", "ratio": ratio, "hand_s": ratio, "torch_s": ratio,
-                       "hand_calls": {"all_gather": 6}, "torch_calls": {"all_gather": 6}, "same_losses": False,
-                       "max_loss_diff": 1e-7},
-                      {"hand": "ddp_scratch", "torch": "ddp", "error": "ddp_scratch: not available (ImportError)"}]}
-    theory = {"psi": PSI, "model": bench.model_shape(), "steps": 8,
-              "rows": [{"strategy": "zero2", "nproc": 2, "held_mean": 1.0, "held_exact": 1.0, "held_paper": 1.0,
-                        "sent_mean": 1.0, "sent_exact": 1.0, "held_ratio": 1.0, "sent_ratio": 1 + dev,
-                        "held_ratio_paper": 1.0, "sent_ratio_paper": 1 + dev, "held_padding": 0,
-                        "sent_padding": 0}, {"strategy": "zero1", "nproc": 2, "error": "not available"}]}
-    launch = {"torch_import": {"min": 1.0, "median": 1.0, "max": 1.0, "n": 3}, "cold_s": 2.0, "cold_extra_s": 1.0,
-              "rows": [{"worker": "empty_worker", "nproc": 2, "min": 0.4, "median": launch_ratio, "max": 0.5}],
-              "ratios": {"empty x2": launch_ratio}}
+    rows = [
+        {
+            "notebook": f"0{i}_x",
+            "wall_s": w,
+            "error": None,
+            "launches": 2,
+            "launch_wall_s": 3.0,
+            "starting_s": 5.0,
+            "computing_s": w - 5.0,
+            "starting_share": 5.0 / w,
+        }
+        for i, w in enumerate(course)
+    ]
+    nb = {
+        "rows": rows,
+        "course_s": sum(course),
+        "kernel_s": 3.0,
+        "per_launch_s": [0.3, 0.1],
+        "cold_extra_s": 1.0,
+        "starting_s": 10.0,
+        "computing_s": sum(course) - 10.0,
+        "launches": 4,
+    }
+    ratio = {
+        "min": pair_median - 0.1,
+        "median": pair_median,
+        "max": pair_median + 0.1,
+        "n": 3,
+        "ratios": [pair_median] * 3,
+    }
+    pairs = {
+        "rounds": 3,
+        "steps": 8,
+        "psi": PSI,
+        "nproc": 2,
+        "model": bench.model_shape(),
+        "rows": [
+            {
+                "hand": "zero3",
+                "torch": "full_shard",
+                "ratio": ratio,
+                "hand_s": ratio,
+                "torch_s": ratio,
+                "hand_calls": {"all_gather": 6},
+                "torch_calls": {"all_gather": 6},
+                "same_losses": False,
+                "max_loss_diff": 1e-7,
+            },
+            {"hand": "ddp_scratch", "torch": "ddp", "error": "ddp_scratch: not available (ImportError)"},
+        ],
+    }
+    theory = {
+        "psi": PSI,
+        "model": bench.model_shape(),
+        "steps": 8,
+        "rows": [
+            {
+                "strategy": "zero2",
+                "nproc": 2,
+                "held_mean": 1.0,
+                "held_exact": 1.0,
+                "held_paper": 1.0,
+                "sent_mean": 1.0,
+                "sent_exact": 1.0,
+                "held_ratio": 1.0,
+                "sent_ratio": 1 + dev,
+                "held_ratio_paper": 1.0,
+                "sent_ratio_paper": 1 + dev,
+                "held_padding": 0,
+                "sent_padding": 0,
+            },
+            {"strategy": "zero1", "nproc": 2, "error": "not available"},
+        ],
+    }
+    launch = {
+        "torch_import": {"min": 1.0, "median": 1.0, "max": 1.0, "n": 3},
+        "cold_s": 2.0,
+        "cold_extra_s": 1.0,
+        "rows": [{"worker": "empty_worker", "nproc": 2, "min": 0.4, "median": launch_ratio, "max": 0.5}],
+        "ratios": {"empty x2": launch_ratio},
+    }
     return {"notebooks": nb, "launch": launch, "pairs": pairs, "theory": theory}
 
 
 def test_verdicts_per_target():
     fast = {**_results(), "meta": {"full_run": {"total_s": 540.0, "finished": "today"}}}
     assert [v["met"] for v in bench.verdicts(fast)] == [True, False, True, True, True, True]  # one notebook 95 s
-    slow = {**_results(course=(200.0, 150.0), launch_ratio=2.5, pair_median=1.6, dev=0.02),
-            "meta": {"full_run": {"total_s": 700.0, "finished": "today"}}}
+    slow = {
+        **_results(course=(200.0, 150.0), launch_ratio=2.5, pair_median=1.6, dev=0.02),
+        "meta": {"full_run": {"total_s": 700.0, "finished": "today"}},
+    }
     slow = bench.verdicts(slow)
     assert [v["met"] for v in slow] == [False, False, False, False, False, False]
     assert "zero2 sent off by 2.0%" in slow[4]["why"] and "zero3" in slow[3]["why"]
@@ -232,9 +305,20 @@ def test_an_installed_package_without_the_repository_says_where_to_run(monkeypat
 
 
 def test_scaling_figure_draws(tmp_path):
-    rows = [{"strategy": s, "width": w, "nproc": n, "psi": 1000 * w, "step_time_s": 0.01 * n,
-             "held_per_rank": 16e3 * w / (n if s == "zero3" else 1), "held_formula": 16e3 * w / (n if s == "zero3" else 1)}
-            for s in ("ddp", "zero3") for w in (64, 128) for n in (1, 2, 4)]
+    rows = [
+        {
+            "strategy": s,
+            "width": w,
+            "nproc": n,
+            "psi": 1000 * w,
+            "step_time_s": 0.01 * n,
+            "held_per_rank": 16e3 * w / (n if s == "zero3" else 1),
+            "held_formula": 16e3 * w / (n if s == "zero3" else 1),
+        }
+        for s in ("ddp", "zero3")
+        for w in (64, 128)
+        for n in (1, 2, 4)
+    ]
     fig = bench.scaling_figure({"strategies": ["ddp", "zero3"], "widths": [64, 128], "ranks": [1, 2, 4], "rows": rows})
     fig.savefig(tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 1000

@@ -16,6 +16,7 @@ driven by selenium).
 Without them these tests skip, except under CI (``CI`` set) or ``COURSE_REQUIRE_BROWSER=1``,
 where a missing browser is a failure.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,7 +67,8 @@ def _browser_paths():
     """(chromium, chromedriver), either None when not installed."""
     binary = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     driver = shutil.which("chromedriver") or next(
-        (p for p in ("/usr/lib/chromium/chromedriver", "/usr/bin/chromedriver") if os.path.exists(p)), None)
+        (p for p in ("/usr/lib/chromium/chromedriver", "/usr/bin/chromedriver") if os.path.exists(p)), None
+    )
     return binary, driver
 
 
@@ -83,13 +85,24 @@ def browser(tmp_path_factory):
         _missing("chromium or chromedriver is not installed")
     options = webdriver.ChromeOptions()
     options.binary_location = binary
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--hide-scrollbars", "--no-first-run", "--disable-extensions", "--force-device-scale-factor=1",
-                f"--window-size={WIDTH},{HEIGHT}", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--no-first-run",
+        "--disable-extensions",
+        "--force-device-scale-factor=1",
+        f"--window-size={WIDTH},{HEIGHT}",
+        f"--user-data-dir={tmp_path_factory.mktemp('chromium')}",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
-    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                           {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False})
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False},
+    )
     driver.set_script_timeout(30)
     SHOTS.mkdir(parents=True, exist_ok=True)
     yield driver
@@ -169,8 +182,11 @@ def _meta(driver, name: str) -> str:
 def test_deck_in_the_browser(browser, deck):
     name = deck.name[: -len(bc.DECK_SUFFIX)]
     browser.get(deck.as_uri())
-    _wait(lambda: browser.execute_script("return document.body.dataset.courseFitted === '1'"), 30,
-          f"{deck.name} to open and fit its slides (reveal.js and KaTeX from slides/)")
+    _wait(
+        lambda: browser.execute_script("return document.body.dataset.courseFitted === '1'"),
+        30,
+        f"{deck.name} to open and fit its slides (reveal.js and KaTeX from slides/)",
+    )
     browser.execute_script("Reveal.configure({transition: 'none'})")
     info = browser.execute_script(SURVEY)
     slides = info["slides"]
@@ -178,7 +194,9 @@ def test_deck_in_the_browser(browser, deck):
     assert info["total"] == len(slides) == int(_meta(browser, "course-slides")) >= 3
     blank = [f"{s['h']}.{s['v']}" for s in slides if not s["text"] and not s["charts"]]
     assert not blank, f"{deck.name}: blank slides {blank}"
-    cut = [f"slide {s['h']}.{s['v']} ({s['text'][:40]!r}) overflows by {s['overflow']} px" for s in slides if s["overflow"]]
+    cut = [
+        f"slide {s['h']}.{s['v']} ({s['text'][:40]!r}) overflows by {s['overflow']} px" for s in slides if s["overflow"]
+    ]
     assert not cut, f"{deck.name}: " + "; ".join(cut) + ": split the cell (slide='subslide') or move prose to notes"
 
     wide = [f"slide {s['h']}.{s['v']} ({s['text'][:40]!r}): {', '.join(s['wide'][:3])}" for s in slides if s["wide"]]
@@ -191,9 +209,14 @@ def test_deck_in_the_browser(browser, deck):
     assert not small, f"{deck.name}: charts too small to read from the back of the room: {small}"
 
     assert not info["katexErrors"], f"{deck.name}: KaTeX could not typeset {info['katexErrors']}"
-    if re.search(r"\$[^$\n]+\$", "".join(
-            c.source for c in nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells
-            if c.cell_type == "markdown" and bc.slide_type(c) not in (None, "skip"))):
+    if re.search(
+        r"\$[^$\n]+\$",
+        "".join(
+            c.source
+            for c in nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells
+            if c.cell_type == "markdown" and bc.slide_type(c) not in (None, "skip")
+        ),
+    ):
         assert info["katex"] > 0, f"{deck.name}: the notebook's math is shown as TeX source"
     assert info["notesPlugin"] and "Deck of" in info["titleNotes"], "speaker notes (S) are available"
 
@@ -213,9 +236,11 @@ def test_wide_tables_shrink_to_the_width_or_scroll(browser, tmp_path):
     a_bit_wide = [row(f"c{i}" for i in range(9)), row(["---"] * 9), row(f"{123456789012 + i:,}" for i in range(9))]
     far_too_wide = [row(f"{i}" * 24 for i in range(10)), row(["---"] * 10), row(f"{i}" * 24 for i in range(10))]
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_markdown_cell("# 98 · Wide tables"),
-                nbformat.v4.new_markdown_cell("## A bit wide\n\n" + "\n".join(a_bit_wide)),
-                nbformat.v4.new_markdown_cell("## Far too wide\n\n" + "\n".join(far_too_wide))]
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("# 98 · Wide tables"),
+        nbformat.v4.new_markdown_cell("## A bit wide\n\n" + "\n".join(a_bit_wide)),
+        nbformat.v4.new_markdown_cell("## Far too wide\n\n" + "\n".join(far_too_wide)),
+    ]
     for i, cell in enumerate(nb.cells):
         cell.metadata["slideshow"] = {"slide_type": "slide"}
         cell["id"] = f"w-{i}"
@@ -273,25 +298,49 @@ def lab(tmp_path_factory):
     port, token = _free_port(), secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if k != "COURSE_HEADLESS"}
     private = tmp_path_factory.mktemp("lab-home")  # settings, runtime files and the log: outside the served folder
-    env.update(JUPYTER_CONFIG_DIR=str(private / "config"), JUPYTER_RUNTIME_DIR=str(private / "runtime"),
-               JUPYTERLAB_SETTINGS_DIR=str(private / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(private / "workspaces"))
+    env.update(
+        JUPYTER_CONFIG_DIR=str(private / "config"),
+        JUPYTER_RUNTIME_DIR=str(private / "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(private / "settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(private / "workspaces"),
+    )
     # every cell in the page (no windowing, so a widget is in the DOM wherever it is), no news pop-up
-    for name, settings in {"notebook-extension/tracker": {"windowingMode": "none"},
-                           "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False}}.items():
+    for name, settings in {
+        "notebook-extension/tracker": {"windowingMode": "none"},
+        "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+    }.items():
         path = private / "settings" / "@jupyterlab" / f"{name}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(settings))
     log = open(private / "lab.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--port-retries=0",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}", "--LabApp.expose_app_in_browser=True",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-         "--LabApp.extension_manager=readonly"] + (["--allow-root"] if os.geteuid() == 0 else []),
-        cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            "--port-retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={work}",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LabApp.extension_manager=readonly",
+        ]
+        + (["--allow-root"] if os.geteuid() == 0 else []),
+        cwd=work,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
     def up():
         if proc.poll() is not None:
-            raise AssertionError(f"JupyterLab exited with {proc.returncode}:\n{(private / 'lab.log').read_text()[-2000:]}")
+            raise AssertionError(
+                f"JupyterLab exited with {proc.returncode}:\n{(private / 'lab.log').read_text()[-2000:]}"
+            )
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2) as r:
                 return r.status == 200
@@ -299,8 +348,12 @@ def lab(tmp_path_factory):
             return False
 
     try:
-        yield {"url": f"http://127.0.0.1:{port}", "token": token, "log": private / "lab.log",
-               "ready": lambda: _wait(up, 90, "JupyterLab to answer", poll=0.5)}
+        yield {
+            "url": f"http://127.0.0.1:{port}",
+            "token": token,
+            "log": private / "lab.log",
+            "ready": lambda: _wait(up, 90, "JupyterLab to answer", poll=0.5),
+        }
     finally:
         _stop_group(proc)
         log.close()
@@ -355,10 +408,14 @@ def lab_page(browser, lab):
     lab["ready"]()
     browser.get(f"{lab['url']}/lab/tree/{LAB_NOTEBOOK}?token={lab['token']}")
     try:
-        _wait(lambda: (_state(browser) or {}).get("status") == "idle", 90, "the notebook to open and its kernel to start")
+        _wait(
+            lambda: (_state(browser) or {}).get("status") == "idle", 90, "the notebook to open and its kernel to start"
+        )
     except AssertionError as err:
         browser.save_screenshot(str(SHOTS / "lab_01_failed_to_start.png"))
-        raise AssertionError(f"{err}; last state {_state(browser)}; server log: {lab['log'].read_text()[-1500:]}") from None
+        raise AssertionError(
+            f"{err}; last state {_state(browser)}; server log: {lab['log'].read_text()[-1500:]}"
+        ) from None
     browser.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells')")
 
     def finished():
@@ -390,13 +447,18 @@ def test_memory_chart_responds_in_jupyterlab(lab_page):
     from course_utils import memory, widgets
 
     browser = lab_page
-    before = _wait(lambda: _text(browser, ".course-memory-readout"), 30, "the memory chart's readout (course-memory-readout)")
+    before = _wait(
+        lambda: _text(browser, ".course-memory-readout"), 30, "the memory chart's readout (course-memory-readout)"
+    )
     chart = _src(browser, ".course-memory-chart")
     browser.execute_script("document.querySelector('.course-memory-model').scrollIntoView({block: 'start'})")
     browser.save_screenshot(str(SHOTS / "lab_01_memory_chart_before.png"))
     label_before, label = _slider_step_up(browser, ".course-memory-model")
-    after = _wait(lambda: (r := _text(browser, ".course-memory-readout")) != before and r, 30,
-                  "the readout to follow the model-size control")
+    after = _wait(
+        lambda: (r := _text(browser, ".course-memory-readout")) != before and r,
+        30,
+        "the readout to follow the model-size control",
+    )
     _wait(lambda: _src(browser, ".course-memory-chart") != chart, 10, "the chart to be redrawn")
     browser.save_screenshot(str(SHOTS / "lab_01_memory_chart_after.png"))
 
@@ -419,8 +481,11 @@ def test_stage3_stepper_responds_in_jupyterlab(lab_page):
     step = browser.find_element(By.CSS_SELECTOR, ".course-zero3-step")
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'})", step)
     step.click()
-    stepped = _wait(lambda: (r := _text(browser, ".course-zero3-readout")) != start and r, 30,
-                    "the stepper's readout to follow Step")
+    stepped = _wait(
+        lambda: (r := _text(browser, ".course-zero3-readout")) != start and r,
+        30,
+        "the stepper's readout to follow Step",
+    )
     assert "step 0" in start and "step 1" in stepped, (start[:80], stepped[:80])
     _wait(lambda: _src(browser, ".course-zero3-chart") != chart, 10, "the stepper's picture to be redrawn")
     browser.save_screenshot(str(SHOTS / "lab_zero3_stepper.png"))
@@ -435,8 +500,11 @@ def test_planner_responds_in_jupyterlab(lab_page):
     before = _wait(lambda: _text(browser, ".course-plan-recommendation"), 30, "the planner's recommendation")
     chart = _src(browser, ".course-plan-chart")
     _, label = _slider_step_up(browser, ".course-plan-model")
-    after = _wait(lambda: (r := _text(browser, ".course-plan-recommendation")) != before and r, 30,
-                  "the planner's recommendation to follow the model size")
+    after = _wait(
+        lambda: (r := _text(browser, ".course-plan-recommendation")) != before and r,
+        30,
+        "the planner's recommendation to follow the model size",
+    )
     _wait(lambda: _src(browser, ".course-plan-chart") != chart, 10, "the planner's chart to be redrawn")
     browser.save_screenshot(str(SHOTS / "lab_planner.png"))
     # the same recommendation as a headless run for that size (this test process runs headless: conftest)

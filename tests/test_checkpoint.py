@@ -6,6 +6,7 @@ fp32 reduction-order noise (a different world size). Launches are shared through
 module-scoped fixtures; the cheap rules (what counts as complete, pruning, validation) run
 in this process.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,10 +51,14 @@ def full_shard_ref(tmp_path_factory):
 
 # ---------------------------------------------------------------- bit-identical resume
 
-@pytest.mark.parametrize("strategy, fail_at, resumed, redone", [
-    ("ddp", "1:3,0:4", [2, 4], 1),  # two kill steps in one run: mid-interval, then right at a checkpoint
-    ("zero3", "0:5", [4], 1),
-])
+
+@pytest.mark.parametrize(
+    "strategy, fail_at, resumed, redone",
+    [
+        ("ddp", "1:3,0:4", [2, 4], 1),  # two kill steps in one run: mid-interval, then right at a checkpoint
+        ("zero3", "0:5", [4], 1),
+    ],
+)
 def test_resume_after_a_lost_rank_is_bit_identical(tmp_path_factory, reference, strategy, fail_at, resumed, redone):
     report, d = run(tmp_path_factory, strategy, strategy=strategy, fail_at=fail_at, max_restarts=2)
     ref = reference[strategy]
@@ -98,6 +103,7 @@ def test_failure_during_a_save_falls_back_to_the_checkpoint_before(tmp_path_fact
 
 # ---------------------------------------------------------------- world size changes
 
+
 @pytest.mark.parametrize("saved_by, resumed_on", [(2, 4), (4, 2)])
 def test_world_size_change_reshards_and_training_continues(tmp_path_factory, full_shard_ref, saved_by, resumed_on):
     ref, ref_dir = full_shard_ref
@@ -110,8 +116,7 @@ def test_world_size_change_reshards_and_training_continues(tmp_path_factory, ful
     start = 2 if saved_by == 2 else 4
     d = tmp_path_factory.mktemp(f"resume-{saved_by}-{resumed_on}")
     ck.copy_checkpoint(source, start, d)
-    report = train(strategy="full_shard", nproc=resumed_on, steps=STEPS, checkpoint_dir=str(d),
-                   checkpoint_every=EVERY)
+    report = train(strategy="full_shard", nproc=resumed_on, steps=STEPS, checkpoint_dir=str(d), checkpoint_every=EVERY)
     assert report["resumed_from"] == [start] and report["world_size"] == resumed_on
     assert report["attempts"][0]["complete_seen"] == [start]
     # the loaded weights hashed to the value recorded at save time (checked in load); after that
@@ -121,6 +126,7 @@ def test_world_size_change_reshards_and_training_continues(tmp_path_factory, ful
 
 
 # ---------------------------------------------------------------- restarts exhausted
+
 
 def test_exhausted_restarts_name_the_rank_and_leave_a_loadable_checkpoint(tmp_path_factory, reference):
     d = tmp_path_factory.mktemp("exhausted")
@@ -137,6 +143,7 @@ def test_exhausted_restarts_name_the_rank_and_leave_a_loadable_checkpoint(tmp_pa
 
 
 # ---------------------------------------------------------------- in this process (world of 1)
+
 
 def test_resume_extends_a_finished_run_bit_identically(tmp_path):
     base = dict(strategy="single", nproc=1, checkpoint_dir=str(tmp_path / "a"), checkpoint_every=2)
@@ -161,9 +168,9 @@ def _fake_step(root: Path, step: int, *, metadata=True, commit_step=None) -> Pat
 
 def test_only_committed_folders_count(tmp_path):
     _fake_step(tmp_path, 2, commit_step=2)
-    _fake_step(tmp_path, 4, metadata=True)               # DCP finished, never committed
+    _fake_step(tmp_path, 4, metadata=True)  # DCP finished, never committed
     _fake_step(tmp_path, 6, metadata=False, commit_step=6)  # a marker without DCP's index
-    _fake_step(tmp_path, 8, commit_step=7)               # a marker for another step
+    _fake_step(tmp_path, 8, commit_step=7)  # a marker for another step
     (tmp_path / ".step-10-abc.partial").mkdir()
     (tmp_path / "_launch").mkdir()
     state = ck.scan(tmp_path)
@@ -180,13 +187,16 @@ def test_prune_keeps_the_newest_complete_and_drops_partials(tmp_path):
     assert ck.scan(tmp_path) == {"complete": [4, 6], "incomplete": []}
 
 
-@pytest.mark.parametrize("overrides, words", [
-    ({"keep_checkpoints": 1}, "keep_checkpoints must be >= 2"),
-    ({"checkpoint_every": 2, "checkpoint_dir": None}, "needs --checkpoint-dir"),
-    ({"fail_during_save": "1:3"}, "not a checkpoint step"),
-    ({"fail_at": "2:1"}, "rank must be in 0..1"),
-    ({"fail_at": "one:two"}, "takes RANK:STEP"),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"keep_checkpoints": 1}, "keep_checkpoints must be >= 2"),
+        ({"checkpoint_every": 2, "checkpoint_dir": None}, "needs --checkpoint-dir"),
+        ({"fail_during_save": "1:3"}, "not a checkpoint step"),
+        ({"fail_at": "2:1"}, "rank must be in 0..1"),
+        ({"fail_at": "one:two"}, "takes RANK:STEP"),
+    ],
+)
 def test_bad_recovery_settings_say_what_to_do(tmp_path, overrides, words):
     cfg = dict(strategy="ddp", nproc=2, steps=6, checkpoint_dir=str(tmp_path), checkpoint_every=2)
     with pytest.raises(CourseInputError, match=words):
@@ -214,6 +224,7 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
 
 
 # ---------------------------------------------------------------- verified resume (checksums, fallback)
+
 
 def _flip_middle_of(step_path: Path, key_part: str, file_name: str) -> str:
     """Flip 4 bytes in the middle of the first stored entry whose name contains ``key_part``."""
@@ -248,8 +259,9 @@ def test_corrupted_optimizer_state_is_set_aside_and_the_resume_falls_back(tmp_pa
 
 
 def _single(tmp_path, steps, **extra):
-    return train_worker(asdict(TrainConfig(strategy="single", steps=steps, checkpoint_dir=str(tmp_path),
-                                           checkpoint_every=2, **extra)))
+    return train_worker(
+        asdict(TrainConfig(strategy="single", steps=steps, checkpoint_dir=str(tmp_path), checkpoint_every=2, **extra))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -281,8 +293,11 @@ def test_no_checkpoint_verifies_one_error(tmp_path):
     for step in (2, 4):
         os.truncate(tmp_path / f"step-{step}" / "__0_0.distcp", 10)
     try:
-        with pytest.raises(CourseInputError, match=r"no checkpoint in .* can be resumed \(step-4: __0_0.distcp has 10 "
-                                                   r"bytes.*; step-2: .*fresh --checkpoint-dir"):
+        with pytest.raises(
+            CourseInputError,
+            match=r"no checkpoint in .* can be resumed \(step-4: __0_0.distcp has 10 "
+            r"bytes.*; step-2: .*fresh --checkpoint-dir",
+        ):
             _single(tmp_path, 6)
     finally:
         cdist.shutdown()
@@ -305,6 +320,7 @@ def test_cli_reports_an_unusable_folder_in_one_line(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- resuming under another strategy
+
 
 def test_torch_state_resumes_across_strategies_and_zero_flat_is_refused_before_launch(tmp_path, monkeypatch):
     """ddp -> full_shard: DCP reshards the same names, and every checksum verifies after loading.
@@ -334,6 +350,7 @@ def test_state_format_matches_what_each_strategy_saves():
 
 # ---------------------------------------------------------------- two ranks in this process's forks
 
+
 def _two_ranks(fn, *args) -> None:
     """Run ``fn(rank, *args)`` on 2 ranks of a gloo group, launched as every course run is.
 
@@ -353,8 +370,9 @@ def _stale_view_on_rank1(rank, folder, out):
     if rank == 1:  # rank 1's view of a shared folder lags: it has not seen step-4 yet
         real = ck.scan
         ck.scan = lambda root: {**real(root), "complete": [s for s in real(root)["complete"] if s < 4]}
-    report = train_worker(asdict(TrainConfig(strategy="ddp", nproc=2, steps=STEPS, checkpoint_dir=folder,
-                                             checkpoint_every=EVERY)))
+    report = train_worker(
+        asdict(TrainConfig(strategy="ddp", nproc=2, steps=STEPS, checkpoint_dir=folder, checkpoint_every=EVERY))
+    )
     if rank == 0:
         Path(out).write_text(json.dumps({k: report[k] for k in ("resumed_from", "weights_sha256")}))
 
@@ -372,10 +390,15 @@ def _gather_both_ways(rank, strategy, out):
         prepared = lab06._one_step({"strategy": strategy, "nproc": 2, "steps": 1}, info)
         on_rank0 = ck.rank0_full_weights(prepared, strategy)
         everywhere = prepared.full_state_dict()  # the strategy's own all-gather, on every rank
-        Path(out, f"{strategy}-{rank}.json").write_text(json.dumps(
-            {"rank0": weights_sha256(on_rank0) if on_rank0 else None,
-             "devices": sorted({v.device.type for v in on_rank0.values()}),
-             "everywhere": weights_sha256(everywhere)}))
+        Path(out, f"{strategy}-{rank}.json").write_text(
+            json.dumps(
+                {
+                    "rank0": weights_sha256(on_rank0) if on_rank0 else None,
+                    "devices": sorted({v.device.type for v in on_rank0.values()}),
+                    "everywhere": weights_sha256(everywhere),
+                }
+            )
+        )
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "zero3"])
@@ -390,7 +413,7 @@ def test_prune_removes_a_half_deleted_step_folder(tmp_path):
     for s in (2, 4, 6):
         _fake_step(tmp_path, s, commit_step=s)
     half = _fake_step(tmp_path, 1, metadata=False)  # what a kill during an old-style rmtree left: no marker
-    (tmp_path / ".pruned-step-0-abc").mkdir()       # what a kill during this prune's rmtree leaves
+    (tmp_path / ".pruned-step-0-abc").mkdir()  # what a kill during this prune's rmtree leaves
     ck.prune(tmp_path, keep=2)
     assert not half.exists() and not (tmp_path / ".pruned-step-0-abc").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
@@ -408,7 +431,9 @@ def test_checksums_add_up_across_shards_and_see_a_moved_value(monkeypatch):
     x = torch.randn(37, 11)
     whole = int(checksums._positional_sum(x, [0, 0], x.shape))
     halves = checksums._positional_sum(x[:20], [0, 0], x.shape) + checksums._positional_sum(x[20:], [20, 0], x.shape)
-    columns = checksums._positional_sum(x[:, :5], [0, 0], x.shape) + checksums._positional_sum(x[:, 5:], [0, 5], x.shape)
+    columns = checksums._positional_sum(x[:, :5], [0, 0], x.shape) + checksums._positional_sum(
+        x[:, 5:], [0, 5], x.shape
+    )
     assert int(halves) == int(columns) == whole
     monkeypatch.setattr(checksums, "_CHUNK", 50)  # a large tensor is hashed in slices of rows: same number
     assert int(checksums._positional_sum(x, [0, 0], x.shape)) == whole
@@ -419,13 +444,16 @@ def test_checksums_add_up_across_shards_and_see_a_moved_value(monkeypatch):
 
 # ---------------------------------------------------------------- what a failure costs, what a checkpoint holds
 
+
 def test_time_lost_is_read_from_the_attempts_records():
     """Restart from the failed step's start to the resume; redo until the new attempt is back where the old one was."""
-    attempts = [{"start": 0, "reached": 3, "resumed_at": 0.0, "done_at": [1.0, 2.0, 3.0]},   # dies during step 3
-                {"start": 2, "reached": 5, "resumed_at": 10.0, "done_at": [10.5, 11.0, 11.5]},  # redoes step 2
-                {"start": 4, "reached": 6, "resumed_at": 20.0, "done_at": [20.5, 21.0]},      # nothing to redo
-                {"start": 6, "reached": 6, "resumed_at": 30.0, "done_at": []}]
-    attempts[3]["start"], attempts[2]["reached"] = 4, 8   # the last attempt never caught up: it failed first
+    attempts = [
+        {"start": 0, "reached": 3, "resumed_at": 0.0, "done_at": [1.0, 2.0, 3.0]},  # dies during step 3
+        {"start": 2, "reached": 5, "resumed_at": 10.0, "done_at": [10.5, 11.0, 11.5]},  # redoes step 2
+        {"start": 4, "reached": 6, "resumed_at": 20.0, "done_at": [20.5, 21.0]},  # nothing to redo
+        {"start": 6, "reached": 6, "resumed_at": 30.0, "done_at": []},
+    ]
+    attempts[3]["start"], attempts[2]["reached"] = 4, 8  # the last attempt never caught up: it failed first
     rows = ck.time_lost_per_restart(attempts)
     assert rows[0] == {"redone": 1, "restart_s": 7.0, "redo_s": 0.5, "lost_s": 7.5}
     assert rows[1] == {"redone": 1, "restart_s": 20.0 - 11.5, "redo_s": 0.5, "lost_s": 20.5 - 11.5}
@@ -434,13 +462,16 @@ def test_time_lost_is_read_from_the_attempts_records():
 
 
 def test_young_interval_is_the_minimum_of_the_overhead_curve():
-    job = lab06.interval_tradeoff(psi=70e9, gpus=2048, write_gb_s=100, mtbf_s=86400, restart_s=600, step_s=2.0,
-                                  points=4000)
+    job = lab06.interval_tradeoff(
+        psi=70e9, gpus=2048, write_gb_s=100, mtbf_s=86400, restart_s=600, step_s=2.0, points=4000
+    )
     assert job["bytes"] == 12 * 70e9 and job["save_s"] == pytest.approx(8.4)
-    assert job["k_best"] == pytest.approx(job["k_young"], rel=2e-3)   # a grid search against the closed form
+    assert job["k_best"] == pytest.approx(job["k_young"], rel=2e-3)  # a grid search against the closed form
     ks = job["k"]
-    assert (lab06.checkpoint_overhead(ks, step_s=2.0, save_s=8.4, mtbf_s=86400, restart_s=600)
-            >= lab06.checkpoint_overhead(job["k_young"], step_s=2.0, save_s=8.4, mtbf_s=86400, restart_s=600) - 1e-12).all()
+    assert (
+        lab06.checkpoint_overhead(ks, step_s=2.0, save_s=8.4, mtbf_s=86400, restart_s=600)
+        >= lab06.checkpoint_overhead(job["k_young"], step_s=2.0, save_s=8.4, mtbf_s=86400, restart_s=600) - 1e-12
+    ).all()
     assert lab06.checkpoint_bytes(1e9, with_16bit_copy=True) == 14e9
 
 
@@ -452,8 +483,11 @@ def test_async_save_holds_the_state_at_the_call(tmp_path):
 def test_a_resave_into_the_same_folder_that_dies_loads_a_mixture_silently(tmp_path):
     out = lab06.torn_by_reused_folder(tmp_path / "reused")
     assert out["died"] and out["index_unchanged"]
-    assert out["parts"] == {"model": {"old": False, "new": True}, "optim": {"old": True, "new": False},
-                            "step": {"old": True, "new": False}}
+    assert out["parts"] == {
+        "model": {"old": False, "new": True},
+        "optim": {"old": True, "new": False},
+        "step": {"old": True, "new": False},
+    }
 
 
 def test_checkpoint_breakdown_counts_12_bytes_per_parameter_from_dcp_metadata(full_shard_ref):
@@ -463,7 +497,7 @@ def test_checkpoint_breakdown_counts_12_bytes_per_parameter_from_dcp_metadata(fu
     held = lab06.checkpoint_breakdown(d, STEPS)
     cfg = get_config(TrainConfig().model)
     psi = param_count(cfg)
-    assert held["moments"] == 8 * psi                               # two fp32 moments, no gradients
-    assert held["weights"] == 4 * psi + 4 * cfg.vocab * cfg.width   # a state dict names the tied head twice
+    assert held["moments"] == 8 * psi  # two fp32 moments, no gradients
+    assert held["weights"] == 4 * psi + 4 * cfg.vocab * cfg.width  # a state dict names the tied head twice
     assert held["data"] == sum(p.stat().st_size for p in (Path(d) / f"step-{STEPS}").glob("*.distcp"))
     assert held["data"] >= lab06.checkpoint_bytes(psi)

@@ -5,6 +5,7 @@ process through ``course_utils.cli.main`` (a subprocess would import torch for e
 ``course_utils.launch.launch`` is replaced by a function that fails the test: a refused
 input must be refused before any worker starts.
 """
+
 from __future__ import annotations
 
 import json
@@ -96,15 +97,32 @@ ROWS = [
     ("train-fail-at-form", ["train", "--strategy", "ddp", "--nproc", "2", "--fail-at", "one:two"]),
     ("train-fail-at-rank", ["train", "--strategy", "ddp", "--nproc", "2", "--fail-at", "2:1"]),
     ("train-fail-at-beyond-steps", ["train", "--strategy", "ddp", "--nproc", "2", "--steps", "8", "--fail-at", "1:8"]),
-    ("train-fail-during-save-step", ["train", "--strategy", "ddp", "--nproc", "2", "--steps", "6",
-                                     "--checkpoint-dir", "{dir}", "--checkpoint-every", "2",
-                                     "--fail-during-save", "1:3"]),
+    (
+        "train-fail-during-save-step",
+        [
+            "train",
+            "--strategy",
+            "ddp",
+            "--nproc",
+            "2",
+            "--steps",
+            "6",
+            "--checkpoint-dir",
+            "{dir}",
+            "--checkpoint-every",
+            "2",
+            "--fail-during-save",
+            "1:3",
+        ],
+    ),
     ("train-save-weights-folder", ["train", "--save-weights", "{dir}"]),
     ("train-save-weights-under-file", ["train", "--save-weights", "{file}/w.pt"]),
     ("train-resume-other-settings", ["train", "--checkpoint-dir", "{ckpt_single}", "--lr", "0.001"]),
     ("train-resume-other-strategy", ["train", "--strategy", "ddp", "--nproc", "2", "--checkpoint-dir", "{ckpt_zero}"]),
-    ("train-resume-other-buckets", ["train", "--strategy", "zero2", "--nproc", "2", "--checkpoint-dir", "{ckpt_zero}",
-                                    "--bucket-cap-mb", "1"]),
+    (
+        "train-resume-other-buckets",
+        ["train", "--strategy", "zero2", "--nproc", "2", "--checkpoint-dir", "{ckpt_zero}", "--bucket-cap-mb", "1"],
+    ),
     ("train-resume-all-set-aside", ["train", "--checkpoint-dir", "{ckpt_rejected}"]),
     # rehearse (notebook 05b)
     ("rehearse-params-empty", ["rehearse", "--params", ""]),
@@ -146,8 +164,17 @@ def _commit(folder, **marker):
     step.mkdir(parents=True)
     (step / ".metadata").write_bytes(b"m")
     (step / "__0_0.distcp").write_bytes(b"x")
-    base = {"step": 2, "model": "tiny", "seed": 0, "batch": 8, "lr": 3e-3, "precision": "fp32",
-            "bucket_cap_mb": 25.0, "files": {".metadata": 1, "__0_0.distcp": 1}, "checksums": {}}
+    base = {
+        "step": 2,
+        "model": "tiny",
+        "seed": 0,
+        "batch": 8,
+        "lr": 3e-3,
+        "precision": "fp32",
+        "bucket_cap_mb": 25.0,
+        "files": {".metadata": 1, "__0_0.distcp": 1},
+        "checksums": {},
+    }
     (step / "commit.json").write_text(json.dumps({**base, **marker}))
     return folder
 
@@ -159,10 +186,14 @@ def paths(tmp_path):
     (tmp_path / "corrupt" / "results.json").write_text("{not json")
     (tmp_path / "empty").mkdir()
     (tmp_path / "ck-rejected" / "_rejected" / "step-2-20260101-000000-abcd").mkdir(parents=True)
-    return {"file": str(tmp_path / "a-file"), "dir": str(tmp_path / "empty"), "corrupt": str(tmp_path / "corrupt"),
-            "ckpt_single": str(_commit(tmp_path / "ck-single", strategy="single", format="torch")),
-            "ckpt_zero": str(_commit(tmp_path / "ck-zero", strategy="zero2", format="zero-flat")),
-            "ckpt_rejected": str(tmp_path / "ck-rejected")}
+    return {
+        "file": str(tmp_path / "a-file"),
+        "dir": str(tmp_path / "empty"),
+        "corrupt": str(tmp_path / "corrupt"),
+        "ckpt_single": str(_commit(tmp_path / "ck-single", strategy="single", format="torch")),
+        "ckpt_zero": str(_commit(tmp_path / "ck-zero", strategy="zero2", format="zero-flat")),
+        "ckpt_rejected": str(tmp_path / "ck-rejected"),
+    }
 
 
 @pytest.fixture

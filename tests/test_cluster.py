@@ -4,6 +4,7 @@ Measured against references: cross-node bytes against the planner's formula (and
 FULL_SHARD's), the node-loss resume against a run without the loss (bit for bit), refusals
 against simulated missing pieces, and teardown against what the host had before.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,11 @@ def _host_state() -> dict:
     """What the host's own namespace shows: link names, qdiscs, and the course's namespaces."""
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
-    return {"links": sorted(line.split(":")[1].strip() for line in links.splitlines()),
-            "qdiscs": sorted(qdiscs.splitlines()), "namespaces": sorted(cluster.course_namespaces())}
+    return {
+        "links": sorted(line.split(":")[1].strip() for line in links.splitlines()),
+        "qdiscs": sorted(qdiscs.splitlines()),
+        "namespaces": sorted(cluster.course_namespaces()),
+    }
 
 
 def _processes_with(text: str) -> list[int]:
@@ -71,6 +75,7 @@ def _assert_nothing_left(before: dict, run_id: str) -> None:
 
 
 # ------------------------------------------------------------------ refusals (any machine)
+
 
 def test_refuses_without_root_in_one_sentence(monkeypatch, capsys):
     monkeypatch.setattr(sys, "platform", "linux")
@@ -100,8 +105,13 @@ def test_refuses_where_namespaces_are_forbidden(monkeypatch):
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(cluster, "_is_root", lambda: True)
     monkeypatch.setattr(cluster, "_which", lambda tool: "/usr/sbin/" + tool)
-    monkeypatch.setattr(cluster, "_run", lambda *a, check=True: subprocess.CompletedProcess(
-        a, 1, "", "mount --make-shared /run/netns failed: Operation not permitted"))
+    monkeypatch.setattr(
+        cluster,
+        "_run",
+        lambda *a, check=True: subprocess.CompletedProcess(
+            a, 1, "", "mount --make-shared /run/netns failed: Operation not permitted"
+        ),
+    )
     assert cluster.missing().startswith("this machine forbids new network namespaces")
 
 
@@ -126,14 +136,21 @@ def one_host():
     from course_utils.train import TrainConfig
 
     cfg = TrainConfig(nproc=4, node_size=2, steps=2)
-    rows = launch(cluster.sweep_worker, nproc=4, args=(asdict(cfg), ["hybrid_shard", "full_shard"], ["loopback"]),
-                  echo=False, progress=False)[0]
+    rows = launch(
+        cluster.sweep_worker,
+        nproc=4,
+        args=(asdict(cfg), ["hybrid_shard", "full_shard"], ["loopback"]),
+        echo=False,
+        progress=False,
+    )[0]
     return {r["strategy"]: r for r in rows}
 
 
 def _planned(strategy: str) -> float:
     psi = param_count(build_model("tiny"))
-    return plan.network_step(strategy, psi, plan.Cluster(gpus_per_node=2, nodes=2), bytes_per_value=4)["cross_node_bytes"]
+    return plan.network_step(strategy, psi, plan.Cluster(gpus_per_node=2, nodes=2), bytes_per_value=4)[
+        "cross_node_bytes"
+    ]
 
 
 def test_cross_node_bytes_on_one_host_match_the_planner(one_host):
@@ -153,6 +170,7 @@ def test_crossover_is_where_the_two_step_times_meet():
 
 
 # ------------------------------------------------------------------ teardown (root)
+
 
 def test_teardown_on_error_interrupt_and_timeout(as_root):
     before = _host_state()
@@ -180,26 +198,47 @@ def test_links_are_shaped_on_both_ends(as_root):
     with cluster.Cluster(link="100mbit") as c:
         for node in c.nodes:
             for ns, dev in ((node.ns, cluster.IFACE), (c.switch, node.port)):
-                shown = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
-                                       capture_output=True, text=True).stdout
+                shown = subprocess.run(
+                    ["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev], capture_output=True, text=True
+                ).stdout
                 assert "tbf" in shown and "100Mbit" in shown
         c.set_link("unlimited")
-        shown = subprocess.run(["ip", "netns", "exec", c.nodes[0].ns, "tc", "qdisc", "show", "dev", cluster.IFACE],
-                               capture_output=True, text=True).stdout
+        shown = subprocess.run(
+            ["ip", "netns", "exec", c.nodes[0].ns, "tc", "qdisc", "show", "dev", cluster.IFACE],
+            capture_output=True,
+            text=True,
+        ).stdout
         assert "tbf" not in shown
         # the nodes reach each other over the cable (no ping here: a socket)
-        server = c.start(c.nodes[1], [sys.executable, "-c",
-                                      f"import socket; s = socket.create_server(('{c.nodes[1].addr}', 0)); "
-                                      "print(s.getsockname()[1], flush=True); s.accept()[0].sendall(b'hello')"],
-                          name="server")
+        server = c.start(
+            c.nodes[1],
+            [
+                sys.executable,
+                "-c",
+                f"import socket; s = socket.create_server(('{c.nodes[1].addr}', 0)); "
+                "print(s.getsockname()[1], flush=True); s.accept()[0].sendall(b'hello')",
+            ],
+            name="server",
+        )
         log = c.log_dir / "server.log"
         deadline = time.monotonic() + 20
         while not log.read_text().strip() and time.monotonic() < deadline:
             time.sleep(0.05)
         port = int(log.read_text().split()[0])
-        got = subprocess.run(["ip", "netns", "exec", c.nodes[0].ns, sys.executable, "-c",
-                              f"import socket; print(socket.create_connection(('{c.nodes[1].addr}', {port}), 5).recv(5))"],
-                             capture_output=True, text=True, timeout=30).stdout
+        got = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                c.nodes[0].ns,
+                sys.executable,
+                "-c",
+                f"import socket; print(socket.create_connection(('{c.nodes[1].addr}', {port}), 5).recv(5))",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         assert got.strip() == "b'hello'"
         server.wait(timeout=10)
 
@@ -226,10 +265,17 @@ def test_leftovers_of_a_killed_run_are_removed(as_root):
 
 # ------------------------------------------------------------------ real runs (root)
 
+
 def _cli(*args) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "course_utils", "cluster", *args, "--json"], capture_output=True,
-                          text=True, timeout=240, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "course_utils", "cluster", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -250,8 +296,16 @@ def test_a_lost_node_is_replaced_and_the_run_ends_bit_identical(as_root, tmp_pat
     before = _host_state()
     run = dict(strategy="ddp", steps=6)
     reference = train(nproc=2, **run)  # one host, no failure
-    lost = cluster.train_on_cluster(nodes=2, nproc_per_node=1, link="100mbit", checkpoint_dir=str(tmp_path),
-                                    checkpoint_every=2, max_restarts=1, lose_node_after=3, **run)
+    lost = cluster.train_on_cluster(
+        nodes=2,
+        nproc_per_node=1,
+        link="100mbit",
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=2,
+        max_restarts=1,
+        lose_node_after=3,
+        **run,
+    )
     assert lost["lost_after_step"] >= 3 and lost["restarts"] == 1
     second = lost["attempts"][1]
     assert lost["resumed_from"] == [second["complete_seen"][-1]]  # the newest complete checkpoint

@@ -1,5 +1,6 @@
 """The Colab path: badges and set-up cells agree with the package metadata (pyproject.toml), the install
 is pinned, and a failed install stops the notebook with one sentence (tools/colab.py)."""
+
 from __future__ import annotations
 
 import json
@@ -44,15 +45,20 @@ def test_check_command_passes_here():
 
 def _pyproject(tmp_path, url, ref):
     path = tmp_path / "pyproject.toml"
-    path.write_text(f'[project]\nname = "x"\n[project.urls]\nRepository = "{url}"\n[tool.course.colab]\nref = "{ref}"\n')
+    path.write_text(
+        f'[project]\nname = "x"\n[project.urls]\nRepository = "{url}"\n[tool.course.colab]\nref = "{ref}"\n'
+    )
     return path
 
 
-@pytest.mark.parametrize("url, ref, says", [
-    ("https://gitlab.com/a/b", "v1", "not a GitHub repository URL"),
-    ("https://github.com/a/b", "main", "must be a release tag or a commit"),
-    ("https://github.com/a/b", "", "must be a release tag or a commit"),
-])
+@pytest.mark.parametrize(
+    "url, ref, says",
+    [
+        ("https://gitlab.com/a/b", "v1", "not a GitHub repository URL"),
+        ("https://github.com/a/b", "main", "must be a release tag or a commit"),
+        ("https://github.com/a/b", "", "must be a release tag or a commit"),
+    ],
+)
 def test_metadata_refuses_what_colab_cannot_pin(tmp_path, url, ref, says):
     with pytest.raises(SystemExit, match=says):
         colab.metadata(_pyproject(tmp_path, url, ref))
@@ -77,7 +83,9 @@ def test_sync_rewrites_a_moved_repository_and_only_the_colab_parts(tmp_path):
 def _run_setup(monkeypatch, returncode):
     calls = []
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, returncode))
+    monkeypatch.setattr(
+        subprocess, "run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, returncode)
+    )
     exec(compile(colab.setup_source(colab.metadata()), "setup-cell", "exec"), {})
     return calls
 

@@ -1,4 +1,5 @@
 """course_utils.comm: the ring all-reduce simulation against the plain sum and the volume formulas."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -55,8 +56,11 @@ def test_formulas_approach_the_papers_round_numbers():
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_instrument_counts_with_the_same_factors(kind, n):
     payload = 4 * 118_528
-    formula = {"all_reduce": comm.all_reduce_sent, "reduce_scatter": comm.reduce_scatter_sent,
-               "all_gather": comm.all_gather_sent}[kind]
+    formula = {
+        "all_reduce": comm.all_reduce_sent,
+        "reduce_scatter": comm.reduce_scatter_sent,
+        "all_gather": comm.all_gather_sent,
+    }[kind]
     assert instrument.ring_bytes_sent(kind, payload, n) == pytest.approx(formula(payload, n))
 
 

@@ -1,4 +1,5 @@
 """course_utils.compat: the torch the course is tested with, and the plain sentence on another one."""
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,9 @@ def test_check_torch_prints_and_never_raises(capsys, monkeypatch):
 
 @pytest.mark.parametrize("name", ["04_fsdp", "05b_dress_rehearsal"])
 def test_notebooks_reading_private_internals_check_torch_near_the_top(name):
-    cells = [c for c in json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"] if c["cell_type"] == "code"]
+    cells = [
+        c for c in json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"] if c["cell_type"] == "code"
+    ]
     first = next(i for i, c in enumerate(cells) if "compat.check_torch(" in c["source"])
     # right after the parameters and the Colab set-up: before any cell that could fail on another torch
     assert first == 2 and "parameters" in cells[0]["metadata"].get("tags", []) and "google.colab" in cells[1]["source"]

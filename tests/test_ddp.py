@@ -1,4 +1,5 @@
 """The hand-built BucketedDDP against torch DDP (bitwise on 2 ranks) and against one process (2 and 4 ranks)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -25,6 +26,7 @@ WEIGHTS_REL_TOL = 1e-4
 
 # ---------------------------------------------------------------- bucket layout (no processes)
 
+
 def test_buckets_follow_reverse_parameter_order_under_the_cap():
     model = build_model("tiny")
     model.pos_emb.weight.requires_grad_(False)
@@ -46,6 +48,7 @@ def test_one_bucket_when_the_cap_is_large():
 
 
 # ---------------------------------------------------------------- in one process (a world of one)
+
 
 class _UsedBackwards(nn.Module):
     """``second`` is registered last but runs first: its bucket (0) fills *after* bucket 1."""
@@ -105,6 +108,7 @@ def test_unused_parameter_is_a_clear_error(world_of_one):
 
 
 # ---------------------------------------------------------------- launched: 2 and 4 ranks
+
 
 @pytest.fixture(scope="module")
 def against_torch():
@@ -170,12 +174,13 @@ def test_same_sized_buckets_in_swapped_order_silently_give_wrong_sums():
 
 # ---------------------------------------------------------------- torch's DDP read from torch (notebook 02)
 
+
 def test_extra_buffer_bytes_counts_only_storage_no_gradient_shares():
     bucket = torch.zeros(10)
     views = list(bucket.split([4, 6]))
     separate = [torch.zeros(4), torch.zeros(6)]
     assert lab02.extra_buffer_bytes(views, [bucket]) == 0
-    assert lab02.extra_buffer_bytes(separate, [bucket, bucket]) == 40   # one buffer, counted once
+    assert lab02.extra_buffer_bytes(separate, [bucket, bucket]) == 40  # one buffer, counted once
 
 
 def test_torch_ddp_buckets_views_and_wait_read_from_torch():
@@ -184,9 +189,9 @@ def test_torch_ddp_buckets_views_and_wait_read_from_torch():
     got = launch(lab02.ddp_measurements, nproc=2, args=(cfg, [], 0.1), echo=False)[0]["torch_ddp"]
     plain, view, default = (got["torch"][k] for k in ((0.1, False), (0.1, True), (None, False)))
     for t in (plain, view, default):
-        assert t["first_iteration_bucket_sizes"] == [4 * psi]   # one bucket on the first iteration
+        assert t["first_iteration_bucket_sizes"] == [4 * psi]  # one bucket on the first iteration
         assert sum(t["rebuilt_bucket_sizes"]) == 4 * psi
-        assert t["rel_to_mean_after_backward"] <= 1e-6          # averaged when backward returns
+        assert t["rel_to_mean_after_backward"] <= 1e-6  # averaged when backward returns
     assert len(plain["rebuilt_bucket_sizes"]) > 1 and len(default["rebuilt_bucket_sizes"]) == 1
     names = sorted(n for b in plain["rebuilt_names"] for n in b)
     assert names == sorted(n for b in got["scratch"]["bucket_names"] for n in b)
@@ -198,11 +203,11 @@ def test_torch_ddp_buckets_views_and_wait_read_from_torch():
 def test_gloo_all_reduce_on_4_ranks_writes_the_ring_volume():
     numel = 30_000
     wire = launch(lab02.all_reduce_on_the_wire, nproc=4, args=(numel,), echo=False)[0]
-    assert None not in wire                            # Linux: /proc/self/io counts every rank's writes
-    ring = 4 * numel * 2 * 3 / 4                       # 2(N−1)/N of the fp32 payload
+    assert None not in wire  # Linux: /proc/self/io counts every rank's writes
+    ring = 4 * numel * 2 * 3 / 4  # 2(N−1)/N of the fp32 payload
     for w in wire:
-        assert 0 <= w - ring < 1024 * 2 * 3            # headers only: 2(N−1) messages of under 1 KiB each
-        assert w < 4 * numel * 3 - 1024 * 6            # far below "send everything to everyone"
+        assert 0 <= w - ring < 1024 * 2 * 3  # headers only: 2(N−1) messages of under 1 KiB each
+        assert w < 4 * numel * 3 - 1024 * 6  # far below "send everything to everyone"
 
 
 def test_default_timeouts_are_torchs():
@@ -211,15 +216,22 @@ def test_default_timeouts_are_torchs():
 
     got = lab02.default_collective_timeouts()
     assert got["gloo"] == _get_default_timeout("gloo") == constants.default_pg_timeout
-    assert got["nccl"] is not None and got["nccl"] < got["gloo"]   # torch's NCCL default is the shorter one
+    assert got["nccl"] is not None and got["nccl"] < got["gloo"]  # torch's NCCL default is the shorter one
 
 
 def test_overlap_summary_reports_the_union_of_overlapping_all_reduces():
-    timeline = {"forward_ms": -2.0, "backward_end_ms": 5.0, "synced_ms": 8.0, "ready": [],
-                "all_reduce": [{"bucket": 0, "start_ms": 1.0, "end_ms": 6.0},
-                               {"bucket": 1, "start_ms": 2.0, "end_ms": 7.0},
-                               {"bucket": 2, "start_ms": 4.0, "end_ms": None}]}   # None: done at synced_ms
+    timeline = {
+        "forward_ms": -2.0,
+        "backward_end_ms": 5.0,
+        "synced_ms": 8.0,
+        "ready": [],
+        "all_reduce": [
+            {"bucket": 0, "start_ms": 1.0, "end_ms": 6.0},
+            {"bucket": 1, "start_ms": 2.0, "end_ms": 7.0},
+            {"bucket": 2, "start_ms": 4.0, "end_ms": None},
+        ],
+    }  # None: done at synced_ms
     got = lab02.overlap_summary(timeline)
-    assert got["in_flight_ms"] == 7.0                   # [1, 8], not 5 + 5 + 4 = 14
-    assert got["in_flight_during_backward_ms"] == 4.0   # [1, 5]
+    assert got["in_flight_ms"] == 7.0  # [1, 8], not 5 + 5 + 4 = 14
+    assert got["in_flight_during_backward_ms"] == 4.0  # [1, 5]
     assert got["step_ms"] == 10.0 and got["started_during_backward"] == 3

@@ -1,5 +1,6 @@
 """course_utils.dist on a GPU, checked on CPU: the device synchronisation every timer of device work
 uses (notebook 05) and the deterministic settings the bit-for-bit comparisons need (notebooks 02, 03, 06)."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,11 @@ def test_the_overlap_worker_times_with_the_device_sync(monkeypatch):
 @pytest.fixture
 def restore_determinism(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-              torch.backends.cudnn.benchmark)
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
     yield
     torch.use_deterministic_algorithms(before[0])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]

@@ -4,6 +4,7 @@ Every check passes on the reference solutions, says "not done" on the untouched 
 launching anything), and fails with its message in the exercise's terms on a known wrong
 answer. The distributed checks of solutions and mistakes share one launch.
 """
+
 import json
 import linecache
 import sys
@@ -36,7 +37,7 @@ def test_notebook_sections_are_the_records():
         data = json.loads(exercise_cells.notebook_path(nb).read_text())
         cells = [c for c in data["cells"] if c["id"].startswith(f"{nb}-ex-")]
         assert cells == exercise_cells.section(nb), f"notebook {nb}: run python -m tools.exercise_cells {nb}"
-        assert data["cells"][-len(cells):] == cells  # the section ends the notebook
+        assert data["cells"][-len(cells) :] == cells  # the section ends the notebook
         tasks = [c for c in cells if c["source"].startswith("### Exercise")]
         assert all(c["metadata"]["slideshow"]["slide_type"] == "slide" for c in tasks)
         stubs = [c for c in cells if c["cell_type"] == "code" and "NotImplementedError" in c["source"]]
@@ -48,6 +49,7 @@ def test_stubs_are_not_done_without_launching(monkeypatch):
 
     def no_launch(*args, **kwargs):
         raise AssertionError("a stub must be recognised without starting processes")
+
     monkeypatch.setattr(launch_module, "launch", no_launch)
     outcomes = core.run_all("stubs")
     assert [o.status for o in outcomes] == [core.NOT_DONE] * len(outcomes)
@@ -83,8 +85,12 @@ def _cell_function(source: str, name: str, cell: int):
 
 def test_a_function_written_in_a_cell_is_checked_on_real_ranks():
     """A function with no module (as a notebook cell defines it) travels to the workers by value."""
-    fn = _cell_function("def averaging_hook(grad):\n    g = grad.clone()\n    dist.all_reduce(g)\n"
-                        "    return g / dist.get_world_size()\n", "averaging_hook", 1)
+    fn = _cell_function(
+        "def averaging_hook(grad):\n    g = grad.clone()\n    dist.all_reduce(g)\n"
+        "    return g / dist.get_world_size()\n",
+        "averaging_hook",
+        1,
+    )
     broken = _cell_function("def averaging_hook(grad):\n    return grad.undefined_thing\n", "averaging_hook", 2)
     stub = _cell_function(core.get("02", "averaging_hook").stub, "averaging_hook", 3)
     assert fn.__module__ == "__main__"
@@ -135,8 +141,11 @@ def test_grade_reports_passed_failed_and_not_done(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("from course_utils.exercises import check")]
     nb.cells += cells("01", "model_state_bill", inspect.getsource(core.solution("01", "model_state_bill")))
-    nb.cells += cells("02", "averaging_hook", "import torch.distributed as dist\n\n"
-                      + inspect.getsource(core.solution("02", "averaging_hook")))
+    nb.cells += cells(
+        "02",
+        "averaging_hook",
+        "import torch.distributed as dist\n\n" + inspect.getsource(core.solution("02", "averaging_hook")),
+    )
     wrong_rule = inspect.getsource(mistakes.decide_first_that_fits).replace("decide_first_that_fits", "decide")
     nb.cells += cells("05", "decide", wrong_rule)
     nb.cells += cells("06", "newest_complete", core.get("06", "newest_complete").stub)
@@ -145,11 +154,14 @@ def test_grade_reports_passed_failed_and_not_done(tmp_path):
     path = tmp_path / "student.ipynb"
     nbformat.write(nb, path)
     got = {o.name: o for o in core.grade(path)}
-    assert [got[n].status for n in ("model_state_bill", "averaging_hook", "decide", "newest_complete",
-                                    "block_activation_bytes")] == \
-        [core.PASSED, core.PASSED, core.FAILED, core.NOT_DONE, core.FAILED], {n: o.message for n, o in got.items()}
+    assert [
+        got[n].status
+        for n in ("model_state_bill", "averaging_hook", "decide", "newest_complete", "block_activation_bytes")
+    ] == [core.PASSED, core.PASSED, core.FAILED, core.NOT_DONE, core.FAILED], {n: o.message for n, o in got.items()}
     assert "on 2 real ranks" in got["averaging_hook"].message
     assert "lowest estimated step time" in got["decide"].message
-    assert "did not run" in got["block_activation_bytes"].message and "the student broke this cell" in \
-        got["block_activation_bytes"].message
+    assert (
+        "did not run" in got["block_activation_bytes"].message
+        and "the student broke this cell" in got["block_activation_bytes"].message
+    )
     assert "2 passed, 2 failed, 1 not done, of 5" in core.table_text(list(got.values()))

@@ -4,6 +4,7 @@ One launch of 4 gloo ranks trains ``single`` and every strategy (FSDP2 and FSDP1
 tiny model and data; the assertions share it. ``train()`` is checked to give the same run as the
 experiment harness, and the state-dict demo runs once on 2 ranks.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,10 @@ def rows():
     runs = [dict(strategy="single")]
     runs += [dict(strategy=s, cross_check=True) for s in STRATEGIES]
     runs += [dict(strategy=s, options={"api": "fsdp1"}, label=f"{s}/fsdp1") for s in STRATEGIES]
-    runs += [dict(strategy="full_shard", options={"prefetch": "none"}, label="no prefetch"),
-             dict(strategy="full_shard", precision="mixed", label="mixed")]
+    runs += [
+        dict(strategy="full_shard", options={"prefetch": "none"}, label="no prefetch"),
+        dict(strategy="full_shard", precision="mixed", label="mixed"),
+    ]
     for run in runs:
         run.update(model=MODEL, node_size=NODE)
     return {r["label"]: r for r in lab04.run_experiments(runs, nproc=NPROC)}
@@ -33,8 +36,10 @@ def rows():
 
 @pytest.fixture(scope="module")
 def train_reports():
-    return {s: train(TrainConfig(strategy=s, nproc=1 if s == "single" else NPROC, model=MODEL, node_size=NODE))
-            for s in ("single", "full_shard")}
+    return {
+        s: train(TrainConfig(strategy=s, nproc=1 if s == "single" else NPROC, model=MODEL, node_size=NODE))
+        for s in ("single", "full_shard")
+    }
 
 
 def block_numel(h: int, ratio: int) -> int:
@@ -43,6 +48,7 @@ def block_numel(h: int, ratio: int) -> int:
 
 
 # ---------------------------------------------------------------- arithmetic, no processes
+
 
 def test_planned_units_follow_the_model_shapes():
     c = get_config(MODEL)
@@ -53,8 +59,9 @@ def test_planned_units_follow_the_model_shapes():
     assert sum(u["numel"] for u in units) == param_count(MODEL)
     linear = predict.planned_units(MODEL, "linear", shard_size=NPROC)
     assert len(linear) == 4 * c.layers + 1 and sum(u["numel"] for u in linear) == param_count(MODEL)
-    assert predict.planned_units(MODEL, "model") == [{"name": "(root)", "numel": param_count(MODEL),
-                                                   "padded": param_count(MODEL)}]
+    assert predict.planned_units(MODEL, "model") == [
+        {"name": "(root)", "numel": param_count(MODEL), "padded": param_count(MODEL)}
+    ]
 
 
 def test_padding_rounds_dim0_up_to_the_shard_size():
@@ -112,6 +119,7 @@ def test_bad_settings_are_refused_with_a_sentence():
 
 # ---------------------------------------------------------------- real runs on 4 gloo ranks
 
+
 @pytest.mark.parametrize("label", [*STRATEGIES, *(f"{s}/fsdp1" for s in STRATEGIES)])
 def test_every_strategy_trains_like_single(rows, label):
     row = rows[label]
@@ -124,7 +132,10 @@ def test_mixed_precision_is_a_visibly_different_arithmetic(rows):
     assert lab04.trains_like_single(mixed)
     assert mixed["rel_weight_diff"] > lab04.TOLERANCE["fp32"]["weight_rel"] > fp32["rel_weight_diff"]
     # bf16 gathers halve; the fp32 reduction and the fp32 shards at rest do not change
-    assert mixed["comm_per_step"]["all_gather"]["payload_bytes"] == fp32["comm_per_step"]["all_gather"]["payload_bytes"] / 2
+    assert (
+        mixed["comm_per_step"]["all_gather"]["payload_bytes"]
+        == fp32["comm_per_step"]["all_gather"]["payload_bytes"] / 2
+    )
     assert mixed["comm_per_step"]["reduce_scatter"] == fp32["comm_per_step"]["reduce_scatter"]
     assert mixed["per_rank"] == fp32["per_rank"]
     assert mixed["peak_unsharded_bytes"][0] * 2 == fp32["peak_unsharded_bytes"][0]
@@ -177,9 +188,13 @@ def test_fsdp1_holds_the_same_bytes_up_to_flat_padding(rows):
 
 
 def test_peak_gathered_bytes_follow_the_schedule(rows):
-    for label, strategy, prefetch in [("full_shard", "full_shard", "default"), ("shard_grad_op", "shard_grad_op", "default"),
-                                      ("hybrid_shard", "hybrid_shard", "default"), ("no_shard", "no_shard", "default"),
-                                      ("no prefetch", "full_shard", "none")]:
+    for label, strategy, prefetch in [
+        ("full_shard", "full_shard", "default"),
+        ("shard_grad_op", "shard_grad_op", "default"),
+        ("hybrid_shard", "hybrid_shard", "default"),
+        ("no_shard", "no_shard", "default"),
+        ("no prefetch", "full_shard", "none"),
+    ]:
         row = rows[label]
         expected = predict.peak_gathered_bytes(row["strategy_info"]["units"], 4, strategy, prefetch)
         assert row["peak_unsharded_bytes"] == [expected] * NPROC, label
@@ -190,8 +205,8 @@ def test_runs_one_schedule_knob_apart_end_bit_for_bit_the_same(rows):
     groups = lab04.bit_identical_groups(list(rows.values()))
     assert sorted(label for g in groups for label in g) == sorted(rows)  # every run, once
     same = next(g for g in groups if "full_shard" in g)
-    assert {"shard_grad_op", "no prefetch"} <= set(same)   # reshard_after_forward and prefetch move bytes, not sums
-    assert "single" not in same and "mixed" not in same     # another order of sums; another arithmetic
+    assert {"shard_grad_op", "no prefetch"} <= set(same)  # reshard_after_forward and prefetch move bytes, not sums
+    assert "single" not in same and "mixed" not in same  # another order of sums; another arithmetic
 
 
 def test_tables_show_each_run_beside_its_prediction(rows):
@@ -231,12 +246,14 @@ def test_train_gives_the_same_run_as_the_harness(rows, train_reports):
 
 
 def test_world_of_one_in_this_process_is_exactly_single():
-    rows = lab04.experiments_worker([dict(strategy="single", model=MODEL, steps=2),
-                                    dict(strategy="full_shard", model=MODEL, steps=2)])
+    rows = lab04.experiments_worker(
+        [dict(strategy="single", model=MODEL, steps=2), dict(strategy="full_shard", model=MODEL, steps=2)]
+    )
     assert rows[1]["world_size"] == 1 and rows[1]["weights_sha256"] == rows[0]["weights_sha256"]
 
 
 # ---------------------------------------------------------------- state dicts on 2 ranks
+
 
 def test_state_dicts_round_trip(tmp_path):
     out = lab04.state_dict_demo(nproc=2, run_dir=str(tmp_path), model=MODEL, steps=2)
@@ -263,11 +280,12 @@ def test_fsdp2_keeps_the_root_gathered_and_clips_across_shards():
     model = build_model("tiny")
     psi = param_count(model)
     root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
-    facts = launch(lab03.fsdp2_facts, nproc=2, args=(asdict(TrainConfig(strategy="full_shard", nproc=2, steps=2)),),
-                   echo=False)[0]
+    facts = launch(
+        lab03.fsdp2_facts, nproc=2, args=(asdict(TrainConfig(strategy="full_shard", nproc=2, steps=2)),), echo=False
+    )[0]
     default, reshard = (facts["comm"][k]["all_gather"] for k in ("default", "reshard"))
     assert reshard["payload_bytes"] == 2 * 4 * psi and reshard["payload_bytes"] - default["payload_bytes"] == 4 * root
-    assert facts["all_dtensor_shard0"] and facts["example"]["local"] == (96, 64)   # 192 rows of qkv over 2 ranks
+    assert facts["all_dtensor_shard0"] and facts["example"]["local"] == (96, 64)  # 192 rows of qkv over 2 ranks
     assert facts["norm_by_hand"] == pytest.approx(facts["norm_one_process"], rel=1e-5)
     assert facts["norm_by_torch"] == pytest.approx(facts["norm_by_hand"], rel=1e-6)
     assert facts["norm_one_rank_alone"] < facts["norm_by_hand"] and facts["clipped_rel_error"] < 1e-5

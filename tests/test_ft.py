@@ -4,6 +4,7 @@ Two real runs, shared by the tests: one group dies inside the gradient all-reduc
 (in the other run) the other group dies between steps. Each group writes its own weights hash, so
 "equal" compares what two processes computed independently.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -81,16 +82,19 @@ def test_a_timeout_stops_everything(tmp_path):
     assert pids and not any(pid_alive(pid) for pid in pids)
 
 
-@pytest.mark.parametrize("argv, names", [
-    (["--replicas", "1"], "--replicas"),
-    (["--kill", "2:1"], "--kill"),                    # no replica 2 of 2
-    (["--steps", "6", "--kill", "1:6"], "--kill"),    # step 6 is never reached
-    (["--kill", "one"], "--kill"),
-    (["--during-allreduce"], "--kill"),               # dies where? needs --kill
-    (["--batch", "7"], "--batch"),                    # 7 sequences do not split across 2 groups
-    (["--restart-after", "-1"], "--restart-after"),
-    (["--steps", "0"], "steps"),
-])
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--replicas", "1"], "--replicas"),
+        (["--kill", "2:1"], "--kill"),  # no replica 2 of 2
+        (["--steps", "6", "--kill", "1:6"], "--kill"),  # step 6 is never reached
+        (["--kill", "one"], "--kill"),
+        (["--during-allreduce"], "--kill"),  # dies where? needs --kill
+        (["--batch", "7"], "--batch"),  # 7 sequences do not split across 2 groups
+        (["--restart-after", "-1"], "--restart-after"),
+        (["--steps", "0"], "steps"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(argv, names, capsys):
     assert cli.main(["ft", *argv]) == 2  # in-process: nothing is started before the input is checked
     out, err = capsys.readouterr()

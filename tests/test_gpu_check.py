@@ -2,6 +2,7 @@
 
 The sections themselves need CUDA and run only under `make gpu-check` on a GPU machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,39 +57,69 @@ def test_the_hand_count_of_matmul_flops_is_what_torch_counts():
 
 def test_mfu_and_kernel_summary():
     assert gc.mfu(4e14, 1.0, 1e15) == pytest.approx(0.4)
-    kernels = [{"name": "sm90_xmma_gemm_bf16", "us": 600.0, "calls": 10},
-               {"name": "flash_bwd_kernel", "us": 200.0, "calls": 4},
-               {"name": "ncclDevKernel_AllGather", "us": 100.0, "calls": 4},
-               {"name": "vectorized_elementwise_kernel", "us": 100.0, "calls": 50}]
+    kernels = [
+        {"name": "sm90_xmma_gemm_bf16", "us": 600.0, "calls": 10},
+        {"name": "flash_bwd_kernel", "us": 200.0, "calls": 4},
+        {"name": "ncclDevKernel_AllGather", "us": 100.0, "calls": 4},
+        {"name": "vectorized_elementwise_kernel", "us": 100.0, "calls": 50},
+    ]
     s = gc.summarise_kernels(kernels, wall_us=2000.0, top=2)
     assert s["busy_fraction"] == pytest.approx(0.5)
     assert [k["name"] for k in s["top"]] == ["sm90_xmma_gemm_bf16", "flash_bwd_kernel"]
     assert {c: v["share"] for c, v in s["by_category"].items()} == pytest.approx(
-        {"matmul": 0.6, "attention": 0.2, "communication": 0.1, "elementwise and other": 0.1})
+        {"matmul": 0.6, "attention": 0.2, "communication": 0.1, "elementwise and other": 0.1}
+    )
 
 
 def fake_results(mfu: float) -> dict:
     return {
         "meta": {"started": "2026-12-01 03:00 UTC", "finished": "2026-12-01 03:09 UTC", "total_s": 512.0},
-        "device": {"name": "Fake GPU", "memory_bytes": 80 * 2**30, "capability": "9.0", "count": 1,
-                   "torch": "2.13.0", "cuda": "12.8", "cudnn": 91000, "nccl": "2.27.5"},
+        "device": {
+            "name": "Fake GPU",
+            "memory_bytes": 80 * 2**30,
+            "capability": "9.0",
+            "count": 1,
+            "torch": "2.13.0",
+            "cuda": "12.8",
+            "cudnn": 91000,
+            "nccl": "2.27.5",
+        },
         "matmul_peak": {"n": 8192, "iters": 50, "trials": 3, "flops": 7.5e14, "data_sheet_flops": 9.89e14},
-        "fsdp_1b": {"shape": gc.ONE_B, "psi": 1_077_463_040, "micro_batch": 8, "tokens": 16384,
-                    "flops_per_step": 1.2e14, "peak_flops": 7.5e14, "mfu": mfu,
-                    "timing": {"steps": 10, "step_s": 0.5, "step_times_s": [0.5] * 10, "tokens_per_s": 32768.0},
-                    "memory": {"measured": 30e9, "predicted": 29e9, "ratio": 30 / 29, "within_target": True},
-                    "profile": {"steps": 2, **gc.summarise_kernels(
-                        [{"name": "nvjet_gemm", "us": 5e5, "calls": 9}], wall_us=1e6)}},
-        "train_1gpu": {"error": "RuntimeError: rank 0 failed", "traceback": "Traceback ...\nRuntimeError: rank 0 failed\n"},
-        "single_process": {"rows": [
-            {"notebook": "00", "what": "all-reduce", "result": "nccl on cuda:0: [1.0]", "ok": True, "seconds": 9.0},
-            {"notebook": "06", "what": "resume", "result": "bit-identical: False", "ok": False, "seconds": 20.0},
-            {"notebook": "05", "what": "timers", "error": "RuntimeError: boom", "seconds": 1.0}]},
+        "fsdp_1b": {
+            "shape": gc.ONE_B,
+            "psi": 1_077_463_040,
+            "micro_batch": 8,
+            "tokens": 16384,
+            "flops_per_step": 1.2e14,
+            "peak_flops": 7.5e14,
+            "mfu": mfu,
+            "timing": {"steps": 10, "step_s": 0.5, "step_times_s": [0.5] * 10, "tokens_per_s": 32768.0},
+            "memory": {"measured": 30e9, "predicted": 29e9, "ratio": 30 / 29, "within_target": True},
+            "profile": {
+                "steps": 2,
+                **gc.summarise_kernels([{"name": "nvjet_gemm", "us": 5e5, "calls": 9}], wall_us=1e6),
+            },
+        },
+        "train_1gpu": {
+            "error": "RuntimeError: rank 0 failed",
+            "traceback": "Traceback ...\nRuntimeError: rank 0 failed\n",
+        },
+        "single_process": {
+            "rows": [
+                {"notebook": "00", "what": "all-reduce", "result": "nccl on cuda:0: [1.0]", "ok": True, "seconds": 9.0},
+                {"notebook": "06", "what": "resume", "result": "bit-identical: False", "ok": False, "seconds": 20.0},
+                {"notebook": "05", "what": "timers", "error": "RuntimeError: boom", "seconds": 1.0},
+            ]
+        },
         "nccl_2rank": {"not_run": "1 GPU here; the 2-rank NCCL runs need two or more"},
-        "notebooks": {"parameters": {}, "skipped": ["06_failure_recovery"],
-                      "rows": [{"notebook": "00_setup", "wall_s": 20.0, "error": None, "nccl": 0, "gloo": 3},
-                               {"notebook": "02_data_parallelism", "wall_s": 30.0, "error": "AssertionError: x",
-                                "nccl": 1, "gloo": 5}]},
+        "notebooks": {
+            "parameters": {},
+            "skipped": ["06_failure_recovery"],
+            "rows": [
+                {"notebook": "00_setup", "wall_s": 20.0, "error": None, "nccl": 0, "gloo": 3},
+                {"notebook": "02_data_parallelism", "wall_s": 30.0, "error": "AssertionError: x", "nccl": 1, "gloo": 5},
+            ],
+        },
     }
 
 
@@ -97,12 +128,23 @@ def test_report_writer_renders_every_section_and_failure(tmp_path):
     gc.write_report(results, tmp_path)
     assert json.loads((tmp_path / "gpu.json").read_text()) == json.loads(json.dumps(results))
     md = (tmp_path / "gpu.md").read_text()
-    for text in ("Fake GPU", "**750 TFLOP/s** measured", "data sheet 989 TFLOP/s (not used)", "32.0%",
-                 "below the 40% target", "GPU ran no kernel for 50%", "1.034", "`nvjet_gemm`",
-                 "**Failed**: `RuntimeError: rank 0 failed`", "Not run: 1 GPU here",
-                 "| 02_data_parallelism | FAILED: `AssertionError: x` | 30.0 | 1 | 5 |",
-                 "Not run (time budget): 06_failure_recovery", "| 00 | all-reduce | nccl on cuda:0: [1.0] | 9.0 |",
-                 "| 06 | resume | **check this:** bit-identical: False | 20.0 |", "| 05 | timers | FAILED: `RuntimeError: boom`"):
+    for text in (
+        "Fake GPU",
+        "**750 TFLOP/s** measured",
+        "data sheet 989 TFLOP/s (not used)",
+        "32.0%",
+        "below the 40% target",
+        "GPU ran no kernel for 50%",
+        "1.034",
+        "`nvjet_gemm`",
+        "**Failed**: `RuntimeError: rank 0 failed`",
+        "Not run: 1 GPU here",
+        "| 02_data_parallelism | FAILED: `AssertionError: x` | 30.0 | 1 | 5 |",
+        "Not run (time budget): 06_failure_recovery",
+        "| 00 | all-reduce | nccl on cuda:0: [1.0] | 9.0 |",
+        "| 06 | resume | **check this:** bit-identical: False | 20.0 |",
+        "| 05 | timers | FAILED: `RuntimeError: boom`",
+    ):
         assert text in md, text
     assert "meets the 40% target" in gc.report_markdown(fake_results(mfu=0.45))
 
@@ -118,7 +160,12 @@ def test_a_failing_section_is_recorded_and_the_next_one_runs(tmp_path):
 
 def test_without_cuda_it_exits_2_with_one_line():
     """As a script, on a machine that shows no GPU (CUDA_VISIBLE_DEVICES empty hides them on any)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py")], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == "no CUDA device: run make gpu-check on a machine with a GPU\n"

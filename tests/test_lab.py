@@ -1,5 +1,6 @@
 """`make lab` (tools/lab.py): one URL with a free port and a token, printed once when the server answers;
 no language-server noise; the news prompt off in the course's own settings folder; stopped cleanly."""
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,15 @@ def _get(url: str):
 
 def test_lab_prints_one_url_that_opens_and_stops_cleanly(tmp_path):
     state = tmp_path / "lab"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "lab.py"), "--state", str(state)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tools" / "lab.py"), "--state", str(state)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+        preexec_fn=sigint_as_in_a_terminal,
+    )
     lines, found = [], threading.Event()
 
     def read():
@@ -51,10 +58,13 @@ def test_lab_prints_one_url_that_opens_and_stops_cleanly(tmp_path):
         except urllib.error.HTTPError as err:
             assert err.code == 403
         # the news prompt is off in the settings the lab serves, and those live in the course's folder
-        status, body = _get(f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification"
-                            f"?token={token}")
+        status, body = _get(
+            f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification?token={token}"
+        )
         assert json.loads(body)["settings"]["fetchNews"] == "false"
-        assert (state / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings").is_file()
+        assert (
+            state / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+        ).is_file()
         # served from notebooks/
         status, body = _get(f"http://127.0.0.1:{port}/api/contents?token={token}")
         assert "01_memory_bill.ipynb" in {item["name"] for item in json.loads(body)["content"]}
@@ -76,7 +86,10 @@ def test_lab_prints_one_url_that_opens_and_stops_cleanly(tmp_path):
     left = []
     for proc_dir in os.listdir("/proc"):
         try:
-            if proc_dir.isdigit() and f"JUPYTER_TOKEN={token}".encode() in open(f"/proc/{proc_dir}/environ", "rb").read():
+            if (
+                proc_dir.isdigit()
+                and f"JUPYTER_TOKEN={token}".encode() in open(f"/proc/{proc_dir}/environ", "rb").read()
+            ):
                 left.append(int(proc_dir))
         except OSError:
             continue

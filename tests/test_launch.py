@@ -1,4 +1,5 @@
 """course_utils.launch: results per rank, failures, hangs, interrupts, orphans, bad input."""
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,14 @@ def test_hang_in_a_collective_becomes_an_error_within_the_timeout(tmp_path):
 
 def test_stuck_workers_are_stopped_and_none_left_behind(tmp_path):
     with pytest.raises(LaunchTimeout) as info:
-        launch(examples.count_with_progress, nproc=2, kwargs={"steps": 1000, "delay_s": 0.2},
-               timeout_s=2, run_dir=tmp_path, echo=False)
+        launch(
+            examples.count_with_progress,
+            nproc=2,
+            kwargs={"steps": 1000, "delay_s": 0.2},
+            timeout_s=2,
+            run_dir=tmp_path,
+            echo=False,
+        )
     assert "rank 0:" in str(info.value)  # last progress per rank is reported
     assert "still making progress" in str(info.value)  # slow, not hung: the message says to raise timeout_s
     pids = _progress_pids(tmp_path)
@@ -95,8 +102,9 @@ def test_interrupt_stops_every_worker(tmp_path):
             print("INTERRUPTED:", exc, flush=True)
             sys.exit(3)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            preexec_fn=sigint_as_in_a_terminal)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=sigint_as_in_a_terminal
+    )
     deadline = time.monotonic() + 60
     while len(_progress_pids(tmp_path)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -109,16 +117,19 @@ def test_interrupt_stops_every_worker(tmp_path):
     assert not any(pid_alive(p) for p in pids)
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"nproc": 0}, "nproc"),
-    ({"nproc": -2}, "nproc"),
-    ({"nproc": 2.5}, "nproc"),
-    ({"nproc": 2, "backend": "nccl"}, "GPU"),
-    ({"nproc": 2, "backend": "mpi"}, "backend"),
-    ({"nproc": 2, "mesh_shape": (3,)}, "mesh shape"),
-    ({"nproc": 4, "mesh_shape": (3, 2)}, "mesh shape"),
-    ({"nproc": 2, "timeout_s": 0}, "timeout"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"nproc": 0}, "nproc"),
+        ({"nproc": -2}, "nproc"),
+        ({"nproc": 2.5}, "nproc"),
+        ({"nproc": 2, "backend": "nccl"}, "GPU"),
+        ({"nproc": 2, "backend": "mpi"}, "backend"),
+        ({"nproc": 2, "mesh_shape": (3,)}, "mesh shape"),
+        ({"nproc": 4, "mesh_shape": (3, 2)}, "mesh shape"),
+        ({"nproc": 2, "timeout_s": 0}, "timeout"),
+    ],
+)
 def test_bad_input_is_refused_before_anything_starts(tmp_path, kwargs, needle):
     run_dir = tmp_path / "run"
     with pytest.raises(CourseInputError, match=needle):
@@ -133,12 +144,14 @@ def test_functions_defined_in_a_cell_launch_by_value(tmp_path):
         import torch.distributed as tdist
 
         from course_utils import dist as cdist
+
         with cdist.session() as info:
             x = torch.full((1,), float(info.rank + offset + n))
             tdist.all_reduce(x)
             return float(x)
 
     import torch
+
     main_fn = type(local_fn)(local_fn.__code__, local_fn.__globals__, "cell_fn", None, local_fn.__closure__)
     main_fn.__module__ = "__main__"
     for fn in (local_fn, main_fn):
@@ -153,28 +166,45 @@ def test_functions_defined_in_a_cell_launch_by_value(tmp_path):
 
 def test_a_function_holding_a_lock_is_refused_in_one_sentence(tmp_path):
     import threading
+
     lock = threading.Lock()
 
     def uses_lock():
         with lock:
             return 1
+
     with pytest.raises(CourseInputError, match="cannot be copied to another process") as info:
         launch(uses_lock, nproc=1, run_dir=tmp_path / "run")
     assert "\n" not in str(info.value) and not (tmp_path / "run").exists()
 
 
 def test_torchrun_command_for_several_nodes():
-    cmd = torchrun_command("course_utils.examples:all_reduce_demo", 8, kwargs={"n": 2}, nnodes=2,
-                           rdzv_endpoint="node0:29400")
+    cmd = torchrun_command(
+        "course_utils.examples:all_reduce_demo", 8, kwargs={"n": 2}, nnodes=2, rdzv_endpoint="node0:29400"
+    )
     assert cmd.startswith("torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 --nproc-per-node 8")
     assert """--kwargs '{"n": 2}'""" in cmd
 
 
 def test_same_worker_runs_under_plain_torchrun():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "course_utils.worker",
-                          "course_utils.examples:all_reduce_demo", "--kwargs", '{"n": 2}'],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "course_utils.worker",
+            "course_utils.examples:all_reduce_demo",
+            "--kwargs",
+            '{"n": 2}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in results) == [0, 1]
@@ -183,8 +213,10 @@ def test_same_worker_runs_under_plain_torchrun():
 
 # ---------------------------------------------------------------- issue 14: what a launch promises
 
+
 def _env_value(name):
     import os
+
     return os.environ.get(name)
 
 
@@ -204,7 +236,9 @@ def test_the_callers_sys_path_reaches_the_workers(tmp_path, monkeypatch):
 
     def uses_module(x):  # defined here, so by value; it imports the student's module by name
         import student_helpers as sh
+
         return sh.triple(x)
+
     assert launch(student_helpers.triple, nproc=1, args=(5,), echo=False) == {0: 15}  # by name
     assert launch(uses_module, nproc=2, args=(2,), echo=False) == {0: 6, 1: 6}
 
@@ -218,6 +252,7 @@ def test_timeouts_that_would_never_fire_are_refused(tmp_path, timeout_s):
 
 def _returns_a_lock():
     import threading
+
     return threading.Lock()
 
 
@@ -235,6 +270,7 @@ def _exit_on_rank(bad_rank, code):
     import torch.distributed as tdist
 
     from course_utils import dist as cdist
+
     with cdist.session() as info:
         tdist.barrier()
         if info.rank == bad_rank:
@@ -262,8 +298,14 @@ def test_a_hang_names_the_rank_that_never_arrived_and_where_it_was(tmp_path):
 
 def test_a_timed_out_run_says_where_every_process_was(tmp_path):
     with pytest.raises(LaunchTimeout) as info:
-        launch(examples.count_with_progress, nproc=2, kwargs={"steps": 1000, "delay_s": 0.2}, timeout_s=2,
-               run_dir=tmp_path, echo=False)
+        launch(
+            examples.count_with_progress,
+            nproc=2,
+            kwargs={"steps": 1000, "delay_s": 0.2},
+            timeout_s=2,
+            run_dir=tmp_path,
+            echo=False,
+        )
     message = str(info.value)
     for rank in (0, 1):
         assert f"rank {rank}: in count_with_progress (examples.py" in message
@@ -283,6 +325,7 @@ def _freeze_the_agent_then_return(value):
     from pathlib import Path
 
     from course_utils import dist as cdist
+
     folder = Path(os.environ["COURSE_PROGRESS_DIR"])
     with cdist.session() as info:
         rank, world = info.rank, info.world_size
@@ -297,6 +340,7 @@ def _freeze_the_agent_then_return(value):
 
 def test_an_agent_that_never_collects_does_not_stall_the_caller(tmp_path, monkeypatch, capsys):
     from course_utils import launch as launch_module
+
     monkeypatch.setattr(launch_module, "COLLECT_GRACE_S", 1.0)
     start = time.monotonic()
     result = launch(_freeze_the_agent_then_return, nproc=2, args=(10,), timeout_s=60, run_dir=tmp_path, echo=False)
@@ -307,6 +351,7 @@ def test_an_agent_that_never_collects_does_not_stall_the_caller(tmp_path, monkey
 
 def test_a_timeout_after_every_rank_returned_blames_the_agent_not_a_collective(tmp_path, monkeypatch):
     from course_utils import launch as launch_module
+
     monkeypatch.setattr(launch_module, "COLLECT_GRACE_S", 1e9)
     with pytest.raises(LaunchTimeout) as info:
         launch(_freeze_the_agent_then_return, nproc=2, args=(10,), timeout_s=3, run_dir=tmp_path, echo=False)
@@ -318,6 +363,7 @@ def test_a_timeout_after_every_rank_returned_blames_the_agent_not_a_collective(t
 
 def test_the_final_progress_line_says_how_each_rank_ended(tmp_path):
     from course_utils.launch import _Progress
+
     (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "step": 3, "total": 8, "pid": 1}))
     status = _Progress(tmp_path, 3, enabled=False)
     assert status.line(1.0) == "[  1.0s] rank 0: 3/8 | rank 1: starting | rank 2: starting"
@@ -332,6 +378,7 @@ def _listening_sockets_of_this_run():
     import torch.distributed as tdist
 
     from course_utils import dist as cdist
+
     with cdist.session():
         tdist.barrier()
         group = os.getpgrp()
@@ -362,8 +409,11 @@ def test_nothing_of_a_run_listens_beyond_loopback(tmp_path):
     assert listening, "found no listening socket at all: the check itself is broken"
     for table, address in listening:
         host = address.split(":")[0]
-        loopback = host.endswith("7F") if table.endswith("tcp") else host in (
-            "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+        loopback = (
+            host.endswith("7F")
+            if table.endswith("tcp")
+            else host in ("00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+        )
         assert loopback, f"a socket of the run listens on {address} ({table})"
 
 
@@ -376,7 +426,7 @@ def test_an_interrupt_during_the_first_launch_leaves_nothing_and_the_next_launch
         # The interrupt lands while launch() waits for the cold agent server's answer.
         threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         try:
-            launch(examples.pid_of_rank, nproc=2, run_dir={str(tmp_path / 'first')!r}, echo=False)
+            launch(examples.pid_of_rank, nproc=2, run_dir={str(tmp_path / "first")!r}, echo=False)
             print("NOT INTERRUPTED", flush=True)
         except KeyboardInterrupt:
             print("INTERRUPTED", flush=True)
@@ -409,18 +459,21 @@ def test_a_killed_kernel_takes_its_runs_with_it_even_when_a_worker_ignores_sigte
     script = textwrap.dedent(f"""
         from course_utils.launch import launch
         from tests_helpers_sigterm import stubborn
-        launch(stubborn, nproc=2, run_dir={str(tmp_path / 'run')!r}, timeout_s=600, echo=False)
+        launch(stubborn, nproc=2, run_dir={str(tmp_path / "run")!r}, timeout_s=600, echo=False)
     """)
-    (tmp_path / "tests_helpers_sigterm.py").write_text(textwrap.dedent("""
+    (tmp_path / "tests_helpers_sigterm.py").write_text(
+        textwrap.dedent("""
         import os, signal, time
         from course_utils import dist as cdist
         def stubborn():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             cdist.report_progress(1, 2)
             time.sleep(600)
-    """))
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    """)
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=tmp_path, env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    )
     deadline = time.monotonic() + 60
     while len(_progress_pids(tmp_path / "run")) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -438,7 +491,7 @@ def test_a_killed_kernel_takes_its_runs_with_it_even_when_a_worker_ignores_sigte
 def test_three_collectives_in_a_world_of_one(monkeypatch):
     for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    out = examples.three_collectives(8)   # one rank: it owns the whole vector, and every sum is its own
+    out = examples.three_collectives(8)  # one rank: it owns the whole vector, and every sum is its own
     assert out["broadcast"] == [1.0] * 8
     assert out["all_gather"] == [float(i) for i in range(8)]
     assert out["reduce_scatter"] == [1.0] * 8

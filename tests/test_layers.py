@@ -3,6 +3,7 @@
 Every import counts, at the top of a module or inside a function: a lazy import must not hide
 an upward dependency or a cycle. ``python -m pytest tests/test_layers.py`` prints what is wrong.
 """
+
 from __future__ import annotations
 
 import ast
@@ -14,15 +15,23 @@ PACKAGE = ROOT / "course_utils"
 #: The layers, lowest first. A module may import modules of its own layer or below, never above.
 LAYERS = [
     {"errors", "units", "__init__", "compat"},
-    {"strategies", "comm", "stepper", "validate"},                    # the record; pure arithmetic; input checks
-    {"models", "data", "memory", "dist", "instrument", "_agent", "worker",  # model, data, the bill, observers;
-     "checksums"},                                                    # a state dict's checksums in any layout
-    {"launch", "checkpoint", "plan", "predict"},                      # processes; DCP; planner; predictions
-    {"loop"},                                                         # the one loop and its types
-    {"ddp", "zero", "fsdp", "per_param", "examples"},                 # strategies: the mechanism, apply_*
-    {"train", "rehearse", "plots"},                                   # the run and its CLI; rehearsal; figures
-    {"widgets", "bench", "cli", "__main__", "ft", "cluster"},         # views, commands; TorchFT; namespace nodes
-    {"labs", "exercises"},                                            # each notebook's experiments and exercises
+    {"strategies", "comm", "stepper", "validate"},  # the record; pure arithmetic; input checks
+    {
+        "models",
+        "data",
+        "memory",
+        "dist",
+        "instrument",
+        "_agent",
+        "worker",  # model, data, the bill, observers;
+        "checksums",
+    },  # a state dict's checksums in any layout
+    {"launch", "checkpoint", "plan", "predict"},  # processes; DCP; planner; predictions
+    {"loop"},  # the one loop and its types
+    {"ddp", "zero", "fsdp", "per_param", "examples"},  # strategies: the mechanism, apply_*
+    {"train", "rehearse", "plots"},  # the run and its CLI; rehearsal; figures
+    {"widgets", "bench", "cli", "__main__", "ft", "cluster"},  # views, commands; TorchFT; namespace nodes
+    {"labs", "exercises"},  # each notebook's experiments and exercises
 ]
 #: Arithmetic: what the course's numbers rest on. They start no process and never touch torch.distributed.
 ARITHMETIC = {"memory", "comm", "plan", "predict"}
@@ -75,7 +84,8 @@ def test_every_relative_import_names_a_module_that_exists():
                 base = PACKAGE.joinpath(*here.parts[: len(here.parts) - (node.level - 1)])
                 target = base.joinpath(*node.module.split("."))
                 assert target.with_suffix(".py").exists() or (target / "__init__.py").exists(), (
-                    f"{path.relative_to(PACKAGE)}:{node.lineno} imports {'.' * node.level}{node.module}, which does not exist")
+                    f"{path.relative_to(PACKAGE)}:{node.lineno} imports {'.' * node.level}{node.module}, which does not exist"
+                )
 
 
 def test_every_module_has_a_layer():
@@ -84,8 +94,12 @@ def test_every_module_has_a_layer():
 
 
 def test_imports_point_down():
-    upward = [f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
-              for m, deps in sorted(_graph().items()) for d in sorted(deps) if _layer(d) > _layer(m)]
+    upward = [
+        f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
+        for m, deps in sorted(_graph().items())
+        for d in sorted(deps)
+        if _layer(d) > _layer(m)
+    ]
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
@@ -96,7 +110,7 @@ def test_no_import_cycles():
         state[node] = "open"
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == "open":
-                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+                cycles.append(" -> ".join(stack[stack.index(dep) :] + [dep]))
             elif dep not in state:
                 visit(dep, stack + [dep])
         state[node] = "done"

@@ -1,5 +1,6 @@
 """course_utils.memory: the paper's numbers, the CLI (good and bad input), and the bill measured
 on real tensors against 16Ψ."""
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from course_utils.errors import CourseInputError
 from course_utils.units import GB
 
 # --- the formulas against the paper -------------------------------------------------------------
+
 
 def test_tiny_model_on_four_gpus():
     assert memory.bytes_per_gpu(8, 4) == {"ddp": 128, "zero1": 56, "zero2": 44, "zero3": 32}
@@ -83,23 +85,27 @@ def test_activation_checkpointing_rule():
     assert ckpt < full / 5
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: memory.model_state_bytes(0, 4),
-    lambda: memory.model_state_bytes(-1, 4),
-    lambda: memory.model_state_bytes(1e9, 0),
-    lambda: memory.model_state_bytes(1e9, 4, "zero4"),
-    lambda: memory.model_state_bytes(1e9, 4, k=-1),
-    lambda: memory.floor_bytes(1e9, "stage9"),
-    lambda: memory.activation_bytes(0, 1, 1, 1),
-    lambda: memory.memory_chart_view(1e9, nd=0),
-    lambda: memory.optimizer_bill("lion9"),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: memory.model_state_bytes(0, 4),
+        lambda: memory.model_state_bytes(-1, 4),
+        lambda: memory.model_state_bytes(1e9, 0),
+        lambda: memory.model_state_bytes(1e9, 4, "zero4"),
+        lambda: memory.model_state_bytes(1e9, 4, k=-1),
+        lambda: memory.floor_bytes(1e9, "stage9"),
+        lambda: memory.activation_bytes(0, 1, 1, 1),
+        lambda: memory.memory_chart_view(1e9, nd=0),
+        lambda: memory.optimizer_bill("lion9"),
+    ],
+)
 def test_bad_input_raises(bad):
     with pytest.raises(CourseInputError):
         bad()
 
 
 # --- what the charts show (pure functions) -------------------------------------------------------
+
 
 def test_memory_chart_view():
     v = memory.memory_chart_view(7.5e9, nd=64, gpu_mem=32 * GB)
@@ -110,7 +116,7 @@ def test_memory_chart_view():
     assert v["title"] == "7.5B on one 32 GB GPU: stage 3 from Nd = 4, stage 2 from 7, stage 1 from 45, plain DP never"
     assert "31.4 GB" in v["readout_text"] and "1.88 GB" in v["readout_text"]
     t = memory.memory_chart_view(1e12, nd=1024)
-    assert t["first_fit"]["zero3"] == 500 and t["first_fit"]["zero1"] is None   # 16e12 / 32e9
+    assert t["first_fit"]["zero3"] == 500 and t["first_fit"]["zero1"] is None  # 16e12 / 32e9
     assert memory.memory_chart_view(1e12, nd=1024)["readout_text"] != v["readout_text"]
 
 
@@ -123,6 +129,7 @@ def test_bill_bars_drop_one_part_per_stage():
 
 
 # --- command line --------------------------------------------------------------------------------
+
 
 def test_cli_memory_json(capsys):
     assert main(["memory", "--params", "7.5B", "--dp", "64", "--json"]) == 0
@@ -143,22 +150,26 @@ def test_cli_memory_table_text(capsys):
     assert len(rows) == 18 and rows[1]["fits"]["zero1"] is True  # 7.5B, Nd = 4: 52.5 GB < 80 GB
 
 
-@pytest.mark.parametrize("argv, names", [
-    (["memory", "--params", "7.5X", "--dp", "4"], "--params"),
-    (["memory", "--params", "0", "--dp", "4"], "--params"),
-    (["memory", "--params", "-3B"], "--params"),
-    (["memory", "--params", "1B", "--dp", "0"], "--dp"),
-    (["memory", "--params", "1B", "--mp", "-2"], "--mp"),
-    (["memory", "--params", "1B", "--k", "-1"], "--k"),
-    (["memory", "--params", "1B", "--stage", "zero4"], "--stage"),
-    (["memory", "--params", "1B", "--dp", "1.5"], "--dp"),
-    (["table", "--dp", "0,4"], "--dp"),
-    (["table", "--gpu-mem", "-80GB"], "--gpu-mem"),
-    (["table", "--params", "7.5B,abc"], "--params"),
-])
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["memory", "--params", "7.5X", "--dp", "4"], "--params"),
+        (["memory", "--params", "0", "--dp", "4"], "--params"),
+        (["memory", "--params", "-3B"], "--params"),
+        (["memory", "--params", "1B", "--dp", "0"], "--dp"),
+        (["memory", "--params", "1B", "--mp", "-2"], "--mp"),
+        (["memory", "--params", "1B", "--k", "-1"], "--k"),
+        (["memory", "--params", "1B", "--stage", "zero4"], "--stage"),
+        (["memory", "--params", "1B", "--dp", "1.5"], "--dp"),
+        (["table", "--dp", "0,4"], "--dp"),
+        (["table", "--gpu-mem", "-80GB"], "--gpu-mem"),
+        (["table", "--params", "7.5B,abc"], "--params"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line(argv, names):
-    proc = subprocess.run([sys.executable, "-m", "course_utils", *argv], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "course_utils", *argv], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and names in lines[0] and "Traceback" not in proc.stderr
@@ -166,6 +177,7 @@ def test_cli_bad_input_exits_2_with_one_line(argv, names):
 
 
 # --- measured on real tensors ---------------------------------------------------------------------
+
 
 def test_mixed_precision_adam_holds_16_bytes_per_parameter():
     m = memory.measure_model_state_bytes("tiny", "adam_mixed")
@@ -211,8 +223,9 @@ def test_measured_activations_against_rule():
         assert r["measured_total_ckpt"] < r["measured_total"] / 2
     assert rows[1]["measured_blocks"] == 2 * rows[0]["measured_blocks"] * 2  # linear in b·s
     for r in rows:  # Korthikanti et al. 2022, no dropout, fused attention: 32·s·b·h bytes, plus per-row statistics
-        k22 = memory.activation_bytes_korthikanti(r["width"], r["batch"], r["seq"], r["layers"], r["heads"],
-                                                  dropout=False, fused_attention=True)
+        k22 = memory.activation_bytes_korthikanti(
+            r["width"], r["batch"], r["seq"], r["layers"], r["heads"], dropout=False, fused_attention=True
+        )
         assert 0 <= r["measured_blocks"] - k22 < 0.02 * k22
     # with dropout and unfused attention, the paper's 34·s·b·h + 5·a·s²·b bytes per layer
     assert memory.activation_bytes_korthikanti(64, 1, 32, 1, 4) == 34 * 32 * 64 + 5 * 4 * 32 * 32
@@ -223,9 +236,8 @@ def test_bill_chart_stacks_what_is_held_from_zero():
 
     fig = plots.bill_bars_figure(memory.bill_bars(8, 4))
     held = {s: h for s, (h, _) in fig.course_heights.items()}
-    assert held == memory.bytes_per_gpu(8, nd=4)                              # bars as tall as the bytes held
+    assert held == memory.bytes_per_gpu(8, nd=4)  # bars as tall as the bytes held
     assert all(h + dropped == 16 * 8 for h, dropped in fig.course_heights.values())  # dashed up to the full bill
-
 
 
 def test_zero_r_and_headlines_reproduce_the_papers_figures():

@@ -1,4 +1,5 @@
 """The course model and data source: determinism, tied weights, identical samples at any world size."""
+
 from __future__ import annotations
 
 import pytest
@@ -102,8 +103,9 @@ def test_sharded_meta_device_build_equals_the_eager_build():
 
 # --------------------------------------------------------------------------- Llama's block (notebook 05b)
 
-LLAMA = GPTConfig(vocab=64, seq=16, layers=2, width=32, heads=4, kv_heads=2, mlp_hidden=48, arch="llama",
-                  tie_weights=False)
+LLAMA = GPTConfig(
+    vocab=64, seq=16, layers=2, width=32, heads=4, kv_heads=2, mlp_hidden=48, arch="llama", tie_weights=False
+)
 
 
 def test_llama_block_counts_by_hand():
@@ -162,6 +164,7 @@ def test_grouped_query_attention_equals_repeated_heads():
     q = q.view(b, s, LLAMA.heads, d).transpose(1, 2)
     k, v = (t.view(b, s, LLAMA.kv_heads, d).transpose(1, 2).repeat_interleave(g, dim=1) for t in (k, v))
     from course_utils.models import rotary_angles, rotate
+
     cos, sin = rotary_angles(s, d, LLAMA.rope_theta, "cpu", x.dtype)
     y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True)
     assert torch.allclose(attn(x), attn.proj(y.transpose(1, 2).reshape(b, s, h)), atol=1e-5)

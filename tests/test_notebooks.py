@@ -8,6 +8,7 @@ This run builds the live widgets (``COURSE_HEADLESS`` unset in the kernel, as in
 Colab), so a widget that raises for the values a notebook passes fails CI; the nbval run covers the
 headless path. It costs no extra run: the widgets are built in the kernel with no browser attached.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,15 +31,32 @@ def test_notebook_runs_with_ci_parameters(path, monkeypatch):
     monkeypatch.delenv("COURSE_HEADLESS", raising=False)  # live widgets: ipywidgets objects, not static PNGs
     out = ROOT / "build" / "test-notebooks" / path.name
     out.parent.mkdir(parents=True, exist_ok=True)
-    papermill.execute_notebook(str(path), str(out), parameters=_ci_parameters(path), cwd=str(ROOT / "notebooks"),
-                               kernel_name="python3", progress_bar=False, execution_timeout=300)
+    papermill.execute_notebook(
+        str(path),
+        str(out),
+        parameters=_ci_parameters(path),
+        cwd=str(ROOT / "notebooks"),
+        kernel_name="python3",
+        progress_bar=False,
+        execution_timeout=300,
+    )
     executed = json.loads(out.read_text())
-    errors = [o for c in executed["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
+    errors = [
+        o
+        for c in executed["cells"]
+        if c["cell_type"] == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert not errors
     # the widgets were live: every notebook that builds one holds a widget view, no static stand-in
     sources = "".join("".join(c["source"]) for c in executed["cells"] if c["cell_type"] == "code")
     if "widgets.memory_chart(" in sources or "widgets.planner(" in sources or "widgets.zero3_stepper(" in sources:
-        views = [o for c in executed["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])
-                 if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+        views = [
+            o
+            for c in executed["cells"]
+            if c["cell_type"] == "code"
+            for o in c.get("outputs", [])
+            if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+        ]
         assert views, f"{path.name}: no live widget was built (COURSE_HEADLESS leaked into the kernel?)"

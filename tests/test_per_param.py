@@ -4,6 +4,7 @@ Against one process (SGD, Adam, AdamW; tied and frozen weights; fp32 and bf16; F
 SHARD_GRAD_OP) on 2 and 4 ranks, against fully_shard's own shards, and bytes held, sent and
 gathered against the formulas. One launch per world size.
 """
+
 import math
 
 import pytest
@@ -14,13 +15,16 @@ from course_utils.labs.lab04 import TOLERANCE
 from course_utils.launch import launch
 from course_utils.models import build_model, param_count
 
-CASES = [dict(case, steps=2) for case in (
-    {"optimizer": "SGD"},
-    {"optimizer": "Adam"},
-    {"optimizer": "AdamW", "reshard_after_forward": False},
-    {"optimizer": "AdamW", "compute_dtype": "bfloat16"},
-    {"optimizer": "Adam", "frozen": ["pos_emb.weight", "blocks.0.ln1.weight", "blocks.1.attn.qkv.weight"]},
-)]
+CASES = [
+    dict(case, steps=2)
+    for case in (
+        {"optimizer": "SGD"},
+        {"optimizer": "Adam"},
+        {"optimizer": "AdamW", "reshard_after_forward": False},
+        {"optimizer": "AdamW", "compute_dtype": "bfloat16"},
+        {"optimizer": "Adam", "frozen": ["pos_emb.weight", "blocks.0.ln1.weight", "blocks.1.attn.qkv.weight"]},
+    )
+]
 
 
 def test_rows_are_torch_chunks_padded():
@@ -32,8 +36,8 @@ def test_rows_are_torch_chunks_padded():
             want = chunks[rank] if rank < len(chunks) else full[:0]
             assert torch.equal(full[start:stop], want)
             shard = per_param.padded_shard(full, rank, nd)
-            assert shard.shape[0] == chunks[0].shape[0] and torch.equal(shard[:stop - start], want)
-            assert not shard[stop - start:].any()
+            assert shard.shape[0] == chunks[0].shape[0] and torch.equal(shard[: stop - start], want)
+            assert not shard[stop - start :].any()
         gathered = torch.cat([per_param.padded_shard(full, r, nd) for r in range(nd)])
         assert torch.equal(per_param.unshard_rows(gathered, 10), full)
 

@@ -1,4 +1,5 @@
 """course_utils.plan: the decision rule's cases from the reference material, the CLI, bad input."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,12 @@ from course_utils.cli import main
 from course_utils.errors import CourseInputError
 from course_utils.units import GB
 
-ZERO_100B = dict(model=plan.model_spec(layers=125, width=8192, vocab=50257, seq=1024, micro_batch=32),
-                 cluster=plan.Cluster(gpus_per_node=16, nodes=25, gpu_mem=32 * GB, mp=16, intra_bw=300e9,
-                                      inter_bw=100e9, flops=38e12))
+ZERO_100B = dict(
+    model=plan.model_spec(layers=125, width=8192, vocab=50257, seq=1024, micro_batch=32),
+    cluster=plan.Cluster(
+        gpus_per_node=16, nodes=25, gpu_mem=32 * GB, mp=16, intra_bw=300e9, inter_bw=100e9, flops=38e12
+    ),
+)
 
 
 def test_7b_on_one_node_chooses_stage_1_with_room():
@@ -94,16 +98,19 @@ def test_zero_100b_setting_fits_with_stage_2():
 
 
 def test_the_recommendation_is_the_fastest_that_fits_with_ties_to_the_lower_stage():
-    cases = [plan.plan(params=7e9), plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=4)),
-             plan.plan(plan.model_spec(13e9), plan.Cluster(nodes=2, inter_bw=1.25e9)),
-             plan.plan(ZERO_100B["model"], ZERO_100B["cluster"])]
+    cases = [
+        plan.plan(params=7e9),
+        plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=4)),
+        plan.plan(plan.model_spec(13e9), plan.Cluster(nodes=2, inter_bw=1.25e9)),
+        plan.plan(ZERO_100B["model"], ZERO_100B["cluster"]),
+    ]
     for p in cases:
         fits = [s for s in plan.STRATEGIES if s in p.strategies and p.strategies[s].fits]
         best = min(p.strategies[s].step_s for s in fits)
         chosen = p.recommendation["strategy"]
         assert p.strategies[chosen].step_s <= best * (1 + plan.TIE_MARGIN)
         # no strategy lower in the order was within the margin
-        lower = fits[:fits.index(chosen)]
+        lower = fits[: fits.index(chosen)]
         assert all(p.strategies[s].step_s > best * (1 + plan.TIE_MARGIN) for s in lower)
         if chosen != "hsdp":  # HSDP's line names its mesh shape
             assert p.recommendation["pytorch"] == plan.PYTORCH[chosen]
@@ -165,9 +172,14 @@ def test_model_spec_from_params_is_gpt_like():
     assert m.width % m.heads == 0 and 60 <= m.layers <= 90
 
 
-@pytest.mark.parametrize("params, width, heads", [
-    ("7B", 4096, 32), ("13B", 5120, 40), ("175B", 12288, 96),  # LLaMA 7B and 13B, GPT-3: the published widths
-])
+@pytest.mark.parametrize(
+    "params, width, heads",
+    [
+        ("7B", 4096, 32),
+        ("13B", 5120, 40),
+        ("175B", 12288, 96),  # LLaMA 7B and 13B, GPT-3: the published widths
+    ],
+)
 def test_shape_from_params_alone_lands_on_published_widths(params, width, heads):
     m = plan.model_spec(params)
     assert (m.width, m.heads) == (width, heads) and m.width % plan.WIDTH_STEP == 0
@@ -183,20 +195,23 @@ def test_overlap_crossover_is_flops_over_bandwidth():
     assert curve["crossover_intra"] < curve["crossover_network"]
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: plan.Cluster(nodes=0),
-    lambda: plan.Cluster(gpus_per_node=0),
-    lambda: plan.Cluster(inter_bw=-1.0),
-    lambda: plan.Cluster(mp=3),
-    lambda: plan.model_spec(layers=4, width=100, heads=3),
-    lambda: plan.model_spec(1e6),
-    lambda: plan.model_spec(7e9, layers=80, width=8192),
-    lambda: plan.model_spec(0),
-    lambda: plan.model_spec(7e9, micro_batch=0),
-    lambda: plan.parse_bandwidth("-5GB/s"),
-    lambda: plan.parse_bandwidth("fast"),
-    lambda: plan.bubble_fraction(0, 4),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: plan.Cluster(nodes=0),
+        lambda: plan.Cluster(gpus_per_node=0),
+        lambda: plan.Cluster(inter_bw=-1.0),
+        lambda: plan.Cluster(mp=3),
+        lambda: plan.model_spec(layers=4, width=100, heads=3),
+        lambda: plan.model_spec(1e6),
+        lambda: plan.model_spec(7e9, layers=80, width=8192),
+        lambda: plan.model_spec(0),
+        lambda: plan.model_spec(7e9, micro_batch=0),
+        lambda: plan.parse_bandwidth("-5GB/s"),
+        lambda: plan.parse_bandwidth("fast"),
+        lambda: plan.bubble_fraction(0, 4),
+    ],
+)
 def test_bad_input_raises(bad):
     with pytest.raises(CourseInputError):
         bad()
@@ -219,29 +234,41 @@ def test_cli_plan_defaults_and_json(capsys):
     assert out["recommendation"]["strategy"] == "zero3" and out["recommendation"]["reason"]
     assert set(out["strategies"]) == set(plan.STRATEGIES)
     z3 = out["strategies"]["zero3"]
-    for key in ("model_states", "activations", "buffers", "total", "fits", "headroom", "block", "step_comm_bytes",
-                "step_s"):
+    for key in (
+        "model_states",
+        "activations",
+        "buffers",
+        "total",
+        "fits",
+        "headroom",
+        "block",
+        "step_comm_bytes",
+        "step_s",
+    ):
         assert key in z3
-    assert main(["plan", "--params", "7B", "--seq", "65536", "--micro-batch", "4", "--no-checkpointing",
-                 "--json"]) == 0
+    assert main(["plan", "--params", "7B", "--seq", "65536", "--micro-batch", "4", "--no-checkpointing", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["recommendation"]["strategy"] == "none"
 
 
-@pytest.mark.parametrize("argv, names", [
-    (["plan", "--params", "7B", "--nodes", "0"], "--nodes"),
-    (["plan", "--params", "7B", "--gpus-per-node", "0"], "--gpus-per-node"),
-    (["plan", "--params", "7B", "--inter-bw", "-10GB/s"], "--inter-bw"),
-    (["plan", "--params", "7B", "--intra-bw", "fast"], "--intra-bw"),
-    (["plan", "--params", "7X"], "--params"),
-    (["plan"], "--params"),
-    (["plan", "--layers", "4", "--width", "100", "--heads", "3"], "heads"),
-    (["plan", "--params", "1M"], "cannot exist"),
-    (["plan", "--params", "7B", "--gpu-mem", "0GB"], "--gpu-mem"),
-    (["plan", "--params", "7B", "--tflops", "-3"], "--tflops"),
-])
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["plan", "--params", "7B", "--nodes", "0"], "--nodes"),
+        (["plan", "--params", "7B", "--gpus-per-node", "0"], "--gpus-per-node"),
+        (["plan", "--params", "7B", "--inter-bw", "-10GB/s"], "--inter-bw"),
+        (["plan", "--params", "7B", "--intra-bw", "fast"], "--intra-bw"),
+        (["plan", "--params", "7X"], "--params"),
+        (["plan"], "--params"),
+        (["plan", "--layers", "4", "--width", "100", "--heads", "3"], "heads"),
+        (["plan", "--params", "1M"], "cannot exist"),
+        (["plan", "--params", "7B", "--gpu-mem", "0GB"], "--gpu-mem"),
+        (["plan", "--params", "7B", "--tflops", "-3"], "--tflops"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line(argv, names):
-    proc = subprocess.run([sys.executable, "-m", "course_utils", *argv], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "course_utils", *argv], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and names in lines[0] and "Traceback" not in proc.stderr
@@ -251,12 +278,13 @@ def test_cli_bad_input_exits_2_with_one_line(argv, names):
 # Offload, each library's under its own name (issue 18 item 3)
 # ---------------------------------------------------------------------------------------------
 
+
 def _tensor_bill(mode: str, params: float, nd: int, k: float, on_gpu: float) -> dict:
     """An independent bill: each tensor a library keeps, with its dtype and where it lives."""
     p = params / nd
     bf16, fp32 = 2, 4
     tensors = {  # (bytes per parameter of the shard, where)
-        "zero3_offload": [(bf16, "gpu"), (bf16, "gpu"), (k, "host")],        # sharded bf16 weight and grad
+        "zero3_offload": [(bf16, "gpu"), (bf16, "gpu"), (k, "host")],  # sharded bf16 weight and grad
         "fsdp2_cpu_offload": [(fp32, "host"), (fp32, "host"), (2 * fp32, "host")],  # fp32 shard, grad, moments
         "zero_infinity": [(bf16, "nvme"), (k, "nvme")],
     }[mode]
@@ -264,15 +292,23 @@ def _tensor_bill(mode: str, params: float, nd: int, k: float, on_gpu: float) -> 
     for nbytes, where in tensors:
         bill[where] += nbytes * p
     # per step: what crosses PCIe, named copy by copy
-    copies = {"zero3_offload": [bf16, bf16],              # gradient down, updated weight up
-              "fsdp2_cpu_offload": [fp32, fp32, fp32],    # shard up for the forward gather, the backward one, grad down
-              "zero_infinity": [bf16, bf16, bf16]}[mode]  # shard up twice, gradient down
+    copies = {
+        "zero3_offload": [bf16, bf16],  # gradient down, updated weight up
+        "fsdp2_cpu_offload": [fp32, fp32, fp32],  # shard up for the forward gather, the backward one, grad down
+        "zero_infinity": [bf16, bf16, bf16],
+    }[mode]  # shard up twice, gradient down
     bill["pcie"] = sum(copies) * p
     return bill
 
 
-@pytest.mark.parametrize("params, cluster", [(70e9, plan.Cluster(nodes=1)), (13e9, plan.Cluster(nodes=2, mp=2)),
-                                             (7e9, plan.Cluster(gpus_per_node=4, host_mem=64 * GB))])
+@pytest.mark.parametrize(
+    "params, cluster",
+    [
+        (70e9, plan.Cluster(nodes=1)),
+        (13e9, plan.Cluster(nodes=2, mp=2)),
+        (7e9, plan.Cluster(gpus_per_node=4, host_mem=64 * GB)),
+    ],
+)
 def test_offload_rows_match_a_tensor_by_tensor_bill(params, cluster):
     p = plan.plan(plan.model_spec(params), cluster)
     z3 = p.strategies["zero3"]
@@ -284,7 +320,9 @@ def test_offload_rows_match_a_tensor_by_tensor_bill(params, cluster):
         assert row["host_bytes"] == pytest.approx(bill["host"])
         assert row["nvme_bytes"] == pytest.approx(bill["nvme"])
         assert row["pcie_bytes"] == pytest.approx(bill["pcie"])
-        assert row["fits"] == (bill["gpu"] <= cluster.usable and bill["host"] * cluster.gpus_per_node <= cluster.host_mem)
+        assert row["fits"] == (
+            bill["gpu"] <= cluster.usable and bill["host"] * cluster.gpus_per_node <= cluster.host_mem
+        )
     # ZeRO-Offload and ZeRO-3's offload are the planner's own rows, under their names
     assert p.offload["zero_offload"]["gpu_bytes"] == pytest.approx(p.strategies["zero2_offload"].total)
     assert p.offload["zero3_offload"]["step_s"] == pytest.approx(p.strategies["zero3_offload"].step_s)
@@ -328,8 +366,7 @@ def test_fsdp2_cpu_offload_keeps_what_the_planner_says_on_the_cpu(tmp_path, monk
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
         mesh = init_device_mesh("cpu", (1,))
         for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False),
-                        reshard_after_forward=True)
+            fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), reshard_after_forward=True)
         fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model(torch.randn(4, 16)).sum().backward()
@@ -344,10 +381,10 @@ def test_fsdp2_cpu_offload_keeps_what_the_planner_says_on_the_cpu(tmp_path, monk
         dist.destroy_process_group()
     row = plan.offload_modes(plan.model_spec(7e9), plan.Cluster(gpus_per_node=1))["fsdp2_cpu_offload"]
     per_param = 7e9  # one GPU, Nd = 1
-    assert held / n == pytest.approx(row["host_bytes"] / per_param)          # 16 bytes: fp32 shard, grad, 2 moments
+    assert held / n == pytest.approx(row["host_bytes"] / per_param)  # 16 bytes: fp32 shard, grad, 2 moments
     # every block's fp32 shard crossed once per gather: forward and backward, 8 bytes per parameter of H2D
     assert sum(copied) / n == pytest.approx(2 * 4)
-    assert row["pcie_bytes"] / per_param == pytest.approx(2 * 4 + 4)         # plus the fp32 gradient, D2H
+    assert row["pcie_bytes"] / per_param == pytest.approx(2 * 4 + 4)  # plus the fp32 gradient, D2H
 
 
 def test_cli_json_adds_the_offload_rows_and_keeps_its_keys(capsys):
@@ -366,11 +403,17 @@ def test_cli_json_adds_the_offload_rows_and_keeps_its_keys(capsys):
 # The all-gather fit (issue 18 item 6)
 # ---------------------------------------------------------------------------------------------
 
+
 def _sweep(latency, bandwidth, sizes, spread=0.03, n=2, seed=0):
     rng = np.random.default_rng(seed)
-    return [{"bytes": b, "world_size": n,
-             "readings": list((latency + b * (n - 1) / n / bandwidth) * (1 + spread * rng.uniform(-1, 1, 9)))}
-            for b in sizes]
+    return [
+        {
+            "bytes": b,
+            "world_size": n,
+            "readings": list((latency + b * (n - 1) / n / bandwidth) * (1 + spread * rng.uniform(-1, 1, 9))),
+        }
+        for b in sizes
+    ]
 
 
 def test_the_gather_fit_recovers_latency_and_bandwidth_from_the_large_sizes():

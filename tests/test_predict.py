@@ -6,6 +6,7 @@
 ``memory.model_state_bytes`` (notebook 01's vectorised table) and ``comm`` (notebook 02's ring
 formulas), over every strategy, precision and a spread of world sizes.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,9 @@ def test_held_bytes_is_the_zero_table_of_notebook_01(precision, bill):
         for nd in (1, 2, 3, 4, 7, 8):
             for psi in (PSI, PSI + 1, 7.5e9):
                 got = predict.held_bytes(stage, psi, nd, precision=precision)["total"]
-                ref = memory.model_state_bytes(psi, nd, stage, k=b.k, weight_bytes=b.weight_bytes,
-                                               grad_bytes=b.grad_bytes)
+                ref = memory.model_state_bytes(
+                    psi, nd, stage, k=b.k, weight_bytes=b.weight_bytes, grad_bytes=b.grad_bytes
+                )
                 assert got == pytest.approx(ref, rel=1e-12), (stage, nd, psi)
                 if psi == PSI:
                     assert got == ref, (stage, nd)  # whole numbers: bit for bit
@@ -39,8 +41,9 @@ def test_strategy_held_bytes_reads_the_record():
         for nproc in (1,) if name == "single" else (2, 4, 8):
             nd = strategies.shard_group_size(name, nproc, 2)
             got = predict.strategy_held_bytes(name, PSI, nproc, 2)
-            ref = memory.model_state_bytes(PSI, nd, record.zero_row_at_rest, k=b.k, weight_bytes=b.weight_bytes,
-                                           grad_bytes=b.grad_bytes)
+            ref = memory.model_state_bytes(
+                PSI, nd, record.zero_row_at_rest, k=b.k, weight_bytes=b.weight_bytes, grad_bytes=b.grad_bytes
+            )
             assert got["total"] == ref, (name, nproc)
             assert got["params"] + got["grads"] + got["optim"] == got["total"]
     assert predict.strategy_held_bytes("no_shard", PSI, 4)["total"] == 16 * PSI  # NO_SHARD's Nd is 1, not N
@@ -59,15 +62,21 @@ def test_the_traffic_tables_add_up_to_the_ring_formulas():
             sent = sum(r["sent_bytes"] for r in predict.fsdp_collectives(name, units, n).values())
             assert predict.paper_sent_bytes(name, PSI, n) == pytest.approx(sent, rel=1e-12), (name, n)
     hsdp = predict.fsdp_collectives("hybrid_shard", units, 8, 4)
-    assert sum(r["sent_bytes"] for r in hsdp.values()) == pytest.approx(predict.paper_sent_bytes("hybrid_shard", PSI, 8, 4))
+    assert sum(r["sent_bytes"] for r in hsdp.values()) == pytest.approx(
+        predict.paper_sent_bytes("hybrid_shard", PSI, 8, 4)
+    )
 
 
 def test_one_peak_for_zero3_by_hand_and_fsdp2():
     """ZeRO-3 by hand (padded flat buffers, no prefetch) and FULL_SHARD without prefetch are the same schedule:
     root + the largest unit; SHARD_GRAD_OP keeps the whole model gathered; prefetching adds a neighbour."""
-    units = [{"name": "blocks.0", "numel": 30, "padded": 32}, {"name": "blocks.1", "numel": 50, "padded": 52},
-             {"name": "blocks.2", "numel": 40, "padded": 40}, {"name": "(root)", "numel": 20, "padded": 20}]
-    assert predict.peak_gathered_bytes(units, 2) == (20 + 52) * 2                       # zero3: padded sizes
+    units = [
+        {"name": "blocks.0", "numel": 30, "padded": 32},
+        {"name": "blocks.1", "numel": 50, "padded": 52},
+        {"name": "blocks.2", "numel": 40, "padded": 40},
+        {"name": "(root)", "numel": 20, "padded": 20},
+    ]
+    assert predict.peak_gathered_bytes(units, 2) == (20 + 52) * 2  # zero3: padded sizes
     assert predict.peak_gathered_bytes(units, 2, "full_shard", "none") == (20 + 50) * 2  # FSDP2: unpadded
     same = [{**u, "padded": u["numel"]} for u in units]
     assert predict.peak_gathered_bytes(same, 4) == predict.peak_gathered_bytes(same, 4, "full_shard", "none")
@@ -80,8 +89,11 @@ def test_one_peak_for_zero3_by_hand_and_fsdp2():
 def test_precision_bytes_are_the_optimizer_bills():
     for precision, name in (("mixed", "adam_mixed"), ("fp32", "adam_fp32")):
         w, g, k = predict.PRECISION_BYTES[precision]
-        assert w + g + k == 16 and (w, g, k) == (memory.OPTIMIZERS[name].weight_bytes,
-                                                 memory.OPTIMIZERS[name].grad_bytes, memory.OPTIMIZERS[name].k)
+        assert w + g + k == 16 and (w, g, k) == (
+            memory.OPTIMIZERS[name].weight_bytes,
+            memory.OPTIMIZERS[name].grad_bytes,
+            memory.OPTIMIZERS[name].k,
+        )
     with pytest.raises(CourseInputError, match="precision"):
         predict.held_bytes("zero1", PSI, 2, precision="fp16")
 
@@ -89,6 +101,7 @@ def test_precision_bytes_are_the_optimizer_bills():
 # ---------------------------------------------------------------------------------------------
 # The formulas each strategy is held to (worked by hand; the benchmark's theory rows use them)
 # ---------------------------------------------------------------------------------------------
+
 
 def test_paper_traffic_formulas():
     # one rank's ring bytes per step, fp32: all-reduce 2(N-1)/N·4Ψ, stage 3 3(N-1)/N·4Ψ
@@ -105,11 +118,21 @@ def test_paper_traffic_formulas():
         predict.paper_sent_bytes("zero4", PSI_BENCH, 2)
 
 
-@pytest.mark.parametrize("strategy, nproc, per_param", [
-    ("single", 1, 16), ("ddp", 2, 16), ("ddp_scratch", 4, 16), ("no_shard", 2, 16),
-    ("zero1", 2, 8 + 8 / 2), ("zero2", 2, 4 + 12 / 2), ("zero3", 4, 16 / 4),
-    ("full_shard", 2, 16 / 2), ("shard_grad_op", 2, 16 / 2), ("hybrid_shard", 4, 16 / 2),
-])
+@pytest.mark.parametrize(
+    "strategy, nproc, per_param",
+    [
+        ("single", 1, 16),
+        ("ddp", 2, 16),
+        ("ddp_scratch", 4, 16),
+        ("no_shard", 2, 16),
+        ("zero1", 2, 8 + 8 / 2),
+        ("zero2", 2, 4 + 12 / 2),
+        ("zero3", 4, 16 / 4),
+        ("full_shard", 2, 16 / 2),
+        ("shard_grad_op", 2, 16 / 2),
+        ("hybrid_shard", 4, 16 / 2),
+    ],
+)
 def test_held_formulas_fp32(strategy, nproc, per_param):
     # fp32 Adam, 4 + 4 + 8 bytes per parameter; FSDP2's SHARD_GRAD_OP reshards after backward (16Ψ/N at rest)
     exp = predict.expected_bytes(strategy, PSI_BENCH, nproc)
@@ -121,7 +144,8 @@ def test_padding_is_counted_from_the_run():
     units = [{"name": "flat 0", "numel": 10, "padded": 12, "shard_numel": 3, "padding": 2, "trainable": True}]
     exp = predict.expected_bytes("zero1", 10, 4, strategy_info={"shard_numel": 3, "units": units})
     assert exp["held_paper"] == 8 * 10 + 8 * 10 / 4 and exp["held_exact"] == 8 * 10 + 8 * 3
-    assert exp["sent_paper"] == pytest.approx(2 * 3 / 4 * 10 * 4)   # 60 B
-    assert exp["sent_exact"] == pytest.approx(2 * 3 / 4 * 12 * 4)   # 72 B: the padded buffer travels
-    assert exp["sent_exact"] == pytest.approx(sum(r["sent_bytes"] for r in predict.zero_traffic(
-        "zero1", 4, units, precision="fp32").values()))
+    assert exp["sent_paper"] == pytest.approx(2 * 3 / 4 * 10 * 4)  # 60 B
+    assert exp["sent_exact"] == pytest.approx(2 * 3 / 4 * 12 * 4)  # 72 B: the padded buffer travels
+    assert exp["sent_exact"] == pytest.approx(
+        sum(r["sent_bytes"] for r in predict.zero_traffic("zero1", 4, units, precision="fp32").values())
+    )

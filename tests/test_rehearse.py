@@ -3,6 +3,7 @@ torch's own tracker, a real run on gloo ranks, and bad input.
 
 Small fake configurations keep every rehearsal here under a second or two.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,10 +39,12 @@ def small_runs():
 def n_tensors(cfg) -> int:
     with torch.device("meta"):
         from course_utils.models import GPT
+
         return len(list(GPT(cfg).parameters()))
 
 
 # --------------------------------------------------------------------------- presets
+
 
 @pytest.mark.parametrize("name", list(R.PRESETS))
 def test_every_preset_has_the_parameters_its_name_says(name):
@@ -68,6 +71,7 @@ def test_presets_by_alias_and_unknown():
 
 # --------------------------------------------------------------------------- category totals vs formulas
 
+
 @pytest.mark.parametrize("nproc", [3, 4])
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
 def test_sharded_state_is_4_8_4_bytes_over_n_within_padding(small_runs, nproc, strategy):
@@ -75,7 +79,7 @@ def test_sharded_state_is_4_8_4_bytes_over_n_within_padding(small_runs, nproc, s
     psi = r.psi
     padded = R.padded_shard_numel(SMALL, nproc)
     assert psi / nproc <= padded < psi / nproc + 0.02 * psi  # padding is small...
-    assert (padded == psi / nproc) == (nproc == 4)            # ...and zero when every dim 0 divides by N
+    assert (padded == psi / nproc) == (nproc == 4)  # ...and zero when every dim 0 divides by N
     # fp32 parameter shards: 4 bytes per padded element
     assert r.after_step["Sharded Param"] == 4 * padded
     # Adam's exp_avg + exp_avg_sq: 8 bytes per element, plus one 4-byte step counter per tensor
@@ -110,8 +114,9 @@ def test_full_shard_peak_is_below_shard_grad_op(small_runs):
 def test_no_shard_and_hybrid(small_runs):
     ns, hy = small_runs[4, "no_shard"], small_runs[8, "hybrid_shard"]
     assert ns.nd == 1 and ns.after_step["Sharded Param"] == 4 * ns.psi
-    assert ns.after_step["Sharded Param"] + ns.after_step["Sharded Grad"] + ns.after_step["OptState"] \
-        == 16 * ns.psi + 4 * n_tensors(SMALL)
+    assert ns.after_step["Sharded Param"] + ns.after_step["Sharded Grad"] + ns.after_step[
+        "OptState"
+    ] == 16 * ns.psi + 4 * n_tensors(SMALL)
     assert hy.nd == 4 and hy.after_step["Sharded Param"] == 4 * hy.psi / 4  # sharded within a node of 4
     # a rank of HYBRID_SHARD in nodes of 4 holds what a rank of FULL_SHARD on 4 ranks holds
     assert hy.peak == small_runs[4, "full_shard"].peak and hy.peak_bytes < ns.peak_bytes
@@ -199,11 +204,13 @@ def test_peak_errors_add_up_to_the_planners_gap(small_runs):
 
 
 def test_a_llama_block_rehearses_and_holds_16_bytes_per_parameter():
-    cfg = GPTConfig(vocab=256, seq=32, layers=2, width=64, heads=4, kv_heads=2, mlp_hidden=96, arch="llama",
-                    tie_weights=False)
+    cfg = GPTConfig(
+        vocab=256, seq=32, layers=2, width=64, heads=4, kv_heads=2, mlp_hidden=96, arch="llama", tie_weights=False
+    )
     r = R.rehearse(cfg, 4, "full_shard")
-    assert r.after_step["Sharded Param"] + r.after_step["OptState"] + r.after_step["Sharded Grad"] \
-        == 16 * R.padded_shard_numel(cfg, 4) + 4 * n_tensors(cfg)
+    assert r.after_step["Sharded Param"] + r.after_step["OptState"] + r.after_step[
+        "Sharded Grad"
+    ] == 16 * R.padded_shard_numel(cfg, 4) + 4 * n_tensors(cfg)
 
 
 def test_background_rehearsal_equals_the_foreground_one():
@@ -226,6 +233,7 @@ def test_refuses_inside_a_process_group():
 
 # --------------------------------------------------------------------------- the bridge to reality
 
+
 def test_rehearsal_matches_a_real_run_on_two_gloo_ranks():
     rows = lab05b.bridge(2, ("full_shard", "no_shard"))
     for row in rows:
@@ -235,6 +243,7 @@ def test_rehearsal_matches_a_real_run_on_two_gloo_ranks():
 
 
 # --------------------------------------------------------------------------- the command line
+
 
 def run_cli(capsys, *args):
     code = cli.main(["rehearse", *args])
@@ -246,22 +255,26 @@ def test_cli_text_and_json(capsys):
     shape = ["--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "32"]
     code, out, err = run_cli(capsys, *shape, "--nproc", "4", "--strategy", "shard_grad_op")
     assert code == 0 and "SHARD_GRAD_OP on 4 ranks" in out and "peak per rank" in out
-    code, out, err = run_cli(capsys, *shape, "--nproc", "16", "--strategy", "hybrid_shard", "--node-size", "4",
-                             "--act-ckpt", "--json")
+    code, out, err = run_cli(
+        capsys, *shape, "--nproc", "16", "--strategy", "hybrid_shard", "--node-size", "4", "--act-ckpt", "--json"
+    )
     data = json.loads(out)
     assert code == 0 and data["nd"] == 4 and data["act_ckpt"] and data["peak_bytes"] == sum(data["peak"].values())
     assert {row["item"] for row in data["comparison"]} >= {"peak per rank", "model states at rest"}
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--nproc", "0"], "nproc"),
-    (["--nproc", "1025"], "1024"),
-    (["--params", "6.7B", "--width", "100", "--heads", "32"], "not divisible"),
-    (["--params", "9B"], "unknown preset"),
-    (["--strategy", "hybrid_shard", "--nproc", "12", "--node-size", "8"], "node"),
-    (["--micro-batch", "0"], "micro_batch"),
-    (["--layers", "-1"], "positive"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--nproc", "0"], "nproc"),
+        (["--nproc", "1025"], "1024"),
+        (["--params", "6.7B", "--width", "100", "--heads", "32"], "not divisible"),
+        (["--params", "9B"], "unknown preset"),
+        (["--strategy", "hybrid_shard", "--nproc", "12", "--node-size", "8"], "node"),
+        (["--micro-batch", "0"], "micro_batch"),
+        (["--layers", "-1"], "positive"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(capsys, args, says):
     code, out, err = run_cli(capsys, *args)
     assert code == 2 and says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

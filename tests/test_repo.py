@@ -1,4 +1,5 @@
 """The repository's own conventions: stripped notebooks, agreeing env files, notebook frame."""
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,9 @@ def test_notebook_is_stored_stripped(path):
     nb = json.loads(path.read_text())
     for i, cell in enumerate(nb["cells"]):
         if cell["cell_type"] == "code":
-            assert cell.get("outputs") == [], f"{path.name} cell {i} has committed outputs (executed copies belong in build/)"
+            assert cell.get("outputs") == [], (
+                f"{path.name} cell {i} has committed outputs (executed copies belong in build/)"
+            )
             assert cell.get("execution_count") is None, f"{path.name} cell {i} has an execution count"
 
 
@@ -42,7 +45,8 @@ def test_notebook_is_valid_and_in_the_canonical_format(path):
     nb = json.loads(text)
     nbformat.validate(nbformat.reads(text, as_version=nbformat.NO_CONVERT))
     assert text == json.dumps(nb, indent=1, ensure_ascii=False) + "\n", (
-        f"{path.name} is not in the canonical format: run `.venv/bin/python tools/nb_canonical.py {path.relative_to(ROOT)}`")
+        f"{path.name} is not in the canonical format: run `.venv/bin/python tools/nb_canonical.py {path.relative_to(ROOT)}`"
+    )
     ids = [cell.get("id") for cell in nb["cells"]]
     assert all(ids) and len(set(ids)) == len(ids), f"{path.name}: every cell needs its own id"
     for cell in nb["cells"]:
@@ -55,7 +59,8 @@ def test_notebook_frame(path):
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     src = lambda c: "".join(c["source"])  # noqa: E731
     assert "parameters" in code[0].get("metadata", {}).get("tags", []), (
-        f"{path.name}: first code cell must be the papermill parameters cell")
+        f"{path.name}: first code cell must be the papermill parameters cell"
+    )
     assert "google.colab" in src(code[1]), f"{path.name}: second code cell must be the Colab set-up cell"
     assert "colab.research.google.com" in src(nb["cells"][0]), f"{path.name}: title cell needs the Open in Colab badge"
     assert path.name in src(nb["cells"][0]), f"{path.name}: the Colab badge must point at this notebook"
@@ -131,7 +136,9 @@ def test_cli_help_lists_every_subcommand():
 
 
 def test_cli_bad_subcommand_is_one_line_and_exit_2():
-    out = subprocess.run([sys.executable, "-m", "course_utils", "no-such-command"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "course_utils", "no-such-command"], capture_output=True, text=True, cwd=ROOT
+    )
     assert out.returncode == 2
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
 

@@ -3,6 +3,7 @@ a notebook into a deck (tools/build_course.py), checked on a small notebook made
 
 The browser checks (slides counted and charts drawn in chromium) are in test_browser.py.
 """
+
 from __future__ import annotations
 
 import base64
@@ -21,9 +22,12 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 DECKS = sorted((ROOT / "slides").glob(f"*{bc.DECK_SUFFIX}"))
 REBUILD = "run `make course`, then `make publish-slides`, and commit slides/"
 # A 1 x 1 PNG: enough for nbconvert to embed an image output.
-PNG = base64.b64encode(bytes.fromhex(
-    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
-    "1f15c4890000000d49444154789c6360000002000100e221bc330000000049454e44ae426082")).decode()
+PNG = base64.b64encode(
+    bytes.fromhex(
+        "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+        "1f15c4890000000d49444154789c6360000002000100e221bc330000000049454e44ae426082"
+    )
+).decode()
 
 
 def _deck_name(deck):
@@ -57,6 +61,7 @@ def _leaf_sections(html: str) -> int:
 # The committed decks
 # ---------------------------------------------------------------------------------------------
 
+
 def test_every_notebook_has_a_deck_and_every_deck_a_notebook():
     notebooks = {p.stem for p in NOTEBOOKS}
     decks = {_deck_name(d) for d in DECKS}
@@ -71,8 +76,9 @@ def test_deck_shows_the_current_notebook(deck):
         pytest.fail(f"{deck.name} has no notebook (see the test above)")
     html = deck.read_text()
     nb = nbformat.read(source, as_version=4)
-    assert _meta(html, "course-fingerprint") == bc.fingerprint(nb), \
+    assert _meta(html, "course-fingerprint") == bc.fingerprint(nb), (
         f"{deck.name} was exported from another version of {source.name}: {REBUILD}"
+    )
     slides = bc.expected_slides(nb)
     assert int(_meta(html, "course-slides")) == slides == _leaf_sections(html)
     assert slides >= 3, f"{deck.name}: {slides} slides is not a talk"
@@ -110,7 +116,7 @@ def test_deck_shows_no_machine_paths(deck):
     html = deck.read_text()
     assert str(ROOT) not in html
     hits = list(MACHINE_PATH.finditer(html)) + list(CHECKOUT_PATH.finditer(html))
-    found = sorted({html[m.start():m.start() + 60].split('"')[0].split("\n")[0] for m in hits})
+    found = sorted({html[m.start() : m.start() + 60].split('"')[0].split("\n")[0] for m in hits})
     assert not found, f"{deck.name} shows the build machine's paths {found[:3]}: {REBUILD}"
 
 
@@ -119,7 +125,9 @@ def test_vendored_files_are_complete_and_offline():
         strip, target = bc.VENDOR_DIRS[package]
         for pattern in patterns:
             found = list((ROOT / "slides" / target).glob(pattern.removeprefix(strip)))
-            assert found, f"slides/{target}/{pattern.removeprefix(strip)} is missing: python tools/build_course.py vendor"
+            assert found, (
+                f"slides/{target}/{pattern.removeprefix(strip)} is missing: python tools/build_course.py vendor"
+            )
     for css in (ROOT / "slides").rglob("*.css"):
         remote = [u for u in bc.css_urls(css.read_text()) if re.match(r"(https?:)?//", u)]
         assert not remote, f"{css.relative_to(ROOT)} loads {remote}"
@@ -129,6 +137,7 @@ def test_vendored_files_are_complete_and_offline():
 # ---------------------------------------------------------------------------------------------
 # From notebook to deck, on a notebook made here
 # ---------------------------------------------------------------------------------------------
+
 
 def _md(text, kind="slide"):
     cell = nbformat.v4.new_markdown_cell(text)
@@ -161,26 +170,58 @@ def executed():
     nb = nbformat.v4.new_notebook()
     nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
     nb.cells = [
-        _md("# 99 · A test deck\n\n**One promise.**\n\n[![Open In Colab](https://colab.research.google.com/"
-            "assets/colab-badge.svg)](https://colab.research.google.com/x/99_test.ipynb)"),
+        _md(
+            "# 99 · A test deck\n\n**One promise.**\n\n[![Open In Colab](https://colab.research.google.com/"
+            "assets/colab-badge.svg)](https://colab.research.google.com/x/99_test.ipynb)"
+        ),
         _code("steps = 2", [], tags=("parameters",)),
         _code("import sys  # Colab set-up", [], kind="skip"),
         _md("## With $N$ ranks\n\nThe sum is $N(N+1)/2$; next: [notebook 02](02_next.ipynb)."),
         _md("Say this aloud, do not show it.", kind="notes"),
-        _code("notes(total)", [{"output_type": "display_data", "metadata": {},
-                                "data": {"text/markdown": "The number to remember: **42 bytes**.",
-                                         "text/plain": "<IPython.core.display.Markdown object>"}}], kind="notes"),
+        _code(
+            "notes(total)",
+            [
+                {
+                    "output_type": "display_data",
+                    "metadata": {},
+                    "data": {
+                        "text/markdown": "The number to remember: **42 bytes**.",
+                        "text/plain": "<IPython.core.display.Markdown object>",
+                    },
+                }
+            ],
+            kind="notes",
+        ),
         _code("result = 3\nassert result == 3", [_stdout("checked\n")]),
-        _code("chart()", [{"output_type": "display_data", "metadata": {},
-                           "data": {"text/plain": "[  4.1s] rank 0: done (at 6/6 loss=5.2) | rank 1: done"}},
-                          _image(), _stdout("drawn\n"),
-                          {"output_type": "stream", "name": "stderr", "text": "a FutureWarning\n"},
-                          {"output_type": "display_data", "metadata": {},
-                           "data": {"application/vnd.jupyter.widget-view+json": {"model_id": "x"},
-                                    "text/plain": "VBox(children=...)"}}], kind="subslide"),
+        _code(
+            "chart()",
+            [
+                {
+                    "output_type": "display_data",
+                    "metadata": {},
+                    "data": {"text/plain": "[  4.1s] rank 0: done (at 6/6 loss=5.2) | rank 1: done"},
+                },
+                _image(),
+                _stdout("drawn\n"),
+                {"output_type": "stream", "name": "stderr", "text": "a FutureWarning\n"},
+                {
+                    "output_type": "display_data",
+                    "metadata": {},
+                    "data": {
+                        "application/vnd.jupyter.widget-view+json": {"model_id": "x"},
+                        "text/plain": "VBox(children=...)",
+                    },
+                },
+            ],
+            kind="subslide",
+        ),
         _code("a = 1\nb = 2\nc = 3\nd = 4\nprint('long cell')", [_stdout("long cell\n")], kind="fragment"),
-        _code("a = 1\nb = 2\nc = 3\nd = 4\nprint('shown')", [_stdout("shown\n")], kind="subslide",
-              tags=(bc.SHOW_CODE_TAG,)),
+        _code(
+            "a = 1\nb = 2\nc = 3\nd = 4\nprint('shown')",
+            [_stdout("shown\n")],
+            kind="subslide",
+            tags=(bc.SHOW_CODE_TAG,),
+        ),
         _code("hidden_call()", [_stdout("short but hidden\n")], kind="-", tags=(bc.HIDE_CODE_TAG,)),
         _code("unmarked_chart()", [_image("not in the deck")]),
         _md("## Summary\n\n| a | b |\n|---|---|\n| 1 | 2 |"),
@@ -221,13 +262,16 @@ def test_deck_shows_short_code_and_hides_long_code(executed):
 def test_deck_markdown_loads_nothing_remote_and_links_decks(executed):
     deck, _ = bc.deck_notebook(executed, "99_test")
     title, section = deck.cells[0].source, deck.cells[2].source
-    assert "colab-badge.svg" not in title and "[Open In Colab](https://colab.research.google.com/x/99_test.ipynb)" in title
+    assert (
+        "colab-badge.svg" not in title and "[Open In Colab](https://colab.research.google.com/x/99_test.ipynb)" in title
+    )
     assert "(02_next.slides.html)" in section
 
 
 def test_deck_refuses_a_notebook_with_an_error(executed):
-    executed.cells[6].outputs.append(nbformat.from_dict(
-        {"output_type": "error", "ename": "AssertionError", "evalue": "", "traceback": []}))
+    executed.cells[6].outputs.append(
+        nbformat.from_dict({"output_type": "error", "ename": "AssertionError", "evalue": "", "traceback": []})
+    )
     with pytest.raises(ValueError, match="AssertionError"):
         bc.deck_notebook(executed, "99_test")
 
@@ -271,13 +315,16 @@ def test_fingerprint_ignores_outputs_and_papermill(executed):
     assert bc.fingerprint(stripped) != bc.fingerprint(executed)
 
 
-@pytest.mark.parametrize("snippet", [
-    '<script src="https://unpkg.com/reveal.js/dist/reveal.js"></script>',
-    '<link rel="stylesheet" href="//cdn.example.org/theme.css">',
-    '<style>@import "https://fonts.googleapis.com/css?family=Lato";</style>',
-    '<img src="http://example.org/badge.svg">',
-    '<div style="background: url(https://example.org/x.png)"></div>',
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        '<script src="https://unpkg.com/reveal.js/dist/reveal.js"></script>',
+        '<link rel="stylesheet" href="//cdn.example.org/theme.css">',
+        '<style>@import "https://fonts.googleapis.com/css?family=Lato";</style>',
+        '<img src="http://example.org/badge.svg">',
+        '<div style="background: url(https://example.org/x.png)"></div>',
+    ],
+)
 def test_remote_loads_are_found(snippet):
     assert bc.remote_loads(f"<html><body>{snippet}</body></html>")
 
@@ -290,14 +337,20 @@ def test_links_are_not_loads():
 # Where decks go: build/slides/ on every build, slides/ only when published; machine paths scrubbed
 # ---------------------------------------------------------------------------------------------
 
+
 def test_export_scrubs_machine_paths(executed, tmp_path):
     import tempfile
 
     tmp = tempfile.gettempdir()
-    executed.cells[6].outputs = [nbformat.from_dict(_stdout(
-        f'File "{ROOT}/course_utils/examples.py", line 12\n'
-        f'  {ROOT}/.venv/lib/python3.11/site-packages/torch/x.py\n'
-        f"logs kept in {tmp}/course-run-1aiyrz7w/logs and /home/alice/runs/a.log and /root/.cache/x\n"))]
+    executed.cells[6].outputs = [
+        nbformat.from_dict(
+            _stdout(
+                f'File "{ROOT}/course_utils/examples.py", line 12\n'
+                f"  {ROOT}/.venv/lib/python3.11/site-packages/torch/x.py\n"
+                f"logs kept in {tmp}/course-run-1aiyrz7w/logs and /home/alice/runs/a.log and /root/.cache/x\n"
+            )
+        )
+    ]
     executed.cells[6].metadata["slideshow"] = {"slide_type": "subslide"}
     path = tmp_path / "99_test.ipynb"
     nbformat.write(executed, path)
@@ -353,6 +406,7 @@ def test_built_decks_are_ignored_by_git():
 # What a teacher presents: every slide of every notebook passes the deck rules (issue 23)
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
 def test_every_slide_can_be_presented(notebook):
     problems = bc.deck_lint(nbformat.read(notebook, as_version=4), notebook.stem)
@@ -365,11 +419,12 @@ def test_deck_lint_finds_what_a_teacher_trips_over():
     nb.cells = [
         _md("# 99 · Title"),
         _md("## One point\n\nShort and clear.", kind="slide"),
-        _md("The point is X; ask the class what happens at 4 ranks; the number to remember is 2 bytes. " * 2,
-            kind="notes"),
+        _md(
+            "The point is X; ask the class what happens at 4 ranks; the number to remember is 2 bytes. " * 2,
+            kind="notes",
+        ),
         _md("## Too long\n\n" + long, kind="slide"),
-        _md("Notes long enough to speak from, saying the point and asking a question of the room. " * 2,
-            kind="notes"),
+        _md("Notes long enough to speak from, saying the point and asking a question of the room. " * 2, kind="notes"),
         _code("chart()", [], kind="subslide"),
         _md("## Dangling\n\nThe result is:", kind="slide"),
         _code("notes(x)", [], kind="notes"),

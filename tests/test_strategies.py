@@ -1,4 +1,5 @@
 """The strategy record (notebooks 02-05b) against torch's own tables and the course's other layers."""
+
 from __future__ import annotations
 
 import inspect
@@ -42,9 +43,18 @@ def test_every_apply_function_resolves_and_says_its_notebook():
         assert fn.__name__ == f"apply_{name}" and f"(notebook {s.notebook})" in inspect.getdoc(fn), name
 
 
-@pytest.mark.parametrize("name, shape, nd", [
-    ("single", (1,), 1), ("ddp", (8,), 1), ("zero2", (8,), 8), ("full_shard", (8,), 8),
-    ("shard_grad_op", (8,), 8), ("no_shard", (8, 1), 1), ("hybrid_shard", (4, 2), 2)])
+@pytest.mark.parametrize(
+    "name, shape, nd",
+    [
+        ("single", (1,), 1),
+        ("ddp", (8,), 1),
+        ("zero2", (8,), 8),
+        ("full_shard", (8,), 8),
+        ("shard_grad_op", (8,), 8),
+        ("no_shard", (8, 1), 1),
+        ("hybrid_shard", (4, 2), 2),
+    ],
+)
 def test_mesh_and_shard_group(name, shape, nd):
     got, names = strategies.mesh_shape(name, 8, 2)
     assert got == shape and len(names) == len(shape)

@@ -6,6 +6,7 @@ Before ``course_utils.dist.attempt_store`` it finished 0 times in 3 (the restart
 read the dead attempt's addresses from torchrun's store). A torchrun killed outright must
 not leave its workers running.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,7 +56,7 @@ def _reference_sha(command: str) -> str:
 
     parser = argparse.ArgumentParser()
     train_arguments(parser)
-    args = parser.parse_args(argv[argv.index("course_utils.train") + 1:])
+    args = parser.parse_args(argv[argv.index("course_utils.train") + 1 :])
     args.nproc = nproc
     cfg = _config_from_args(args)
     cfg.checkpoint_dir, cfg.checkpoint_every, cfg.fail_at, cfg.max_restarts = None, 0, None, 0
@@ -88,8 +89,9 @@ def test_readme_torchrun_line_resumes_bit_identical(command, tmp_path):
     for i in range(TRIES):
         cwd = tmp_path / f"try{i}"
         cwd.mkdir()
-        proc = subprocess.run(command, shell=True, cwd=cwd, env=_env(), capture_output=True, text=True,
-                              timeout=TRY_TIMEOUT_S)
+        proc = subprocess.run(
+            command, shell=True, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TRY_TIMEOUT_S
+        )
         sha = re.search(r"^weights_sha256: ([0-9a-f]{64})$", proc.stdout, re.M)
         resumed = re.search(r"^restarts 1, resumed from step\(s\) \[4\]", proc.stdout, re.M)
         results.append((proc.returncode, sha and sha.group(1), bool(resumed), proc.stderr[-1500:]))
@@ -98,8 +100,14 @@ def test_readme_torchrun_line_resumes_bit_identical(command, tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_killed_torchrun_leaves_no_worker(command, tmp_path):
-    proc = subprocess.Popen(shlex.split(command), cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        shlex.split(command),
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     workers = []
     try:
         deadline = time.monotonic() + TRY_TIMEOUT_S

@@ -1,4 +1,5 @@
 """course_utils.train: the report's fields, bad input, determinism, and the two command lines."""
+
 from __future__ import annotations
 
 import json
@@ -79,8 +80,19 @@ def test_weights_hash_is_over_the_saved_full_state_dict(cli_report):
 
 def test_plain_torchrun_runs_the_same_training(cli_report):
     report, _ = cli_report
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                 "-m", "course_utils.train", *ARGS])
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "course_utils.train",
+            *ARGS,
+        ]
+    )
     under_torchrun = _last_json(proc)
     assert under_torchrun["world_size"] == 2
     assert under_torchrun["losses"] == report["losses"]
@@ -98,14 +110,17 @@ def test_single_is_deterministic_across_launch_and_a_plain_process(monkeypatch):
     assert launched["comm_per_step"] == {}  # one process: no collective inside the step
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"strategy": "zero9"}, "unknown strategy"),
-    ({"strategy": "ddp", "nproc": 0}, "nproc must be a whole number"),
-    ({"steps": 0}, "steps must be a whole number"),
-    ({"strategy": "ddp", "nproc": 3}, "does not divide by 3"),
-    ({"strategy": "single", "nproc": 2}, "one-process reference"),
-    ({"model": "huge"}, "unknown model"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"strategy": "zero9"}, "unknown strategy"),
+        ({"strategy": "ddp", "nproc": 0}, "nproc must be a whole number"),
+        ({"steps": 0}, "steps must be a whole number"),
+        ({"strategy": "ddp", "nproc": 3}, "does not divide by 3"),
+        ({"strategy": "single", "nproc": 2}, "one-process reference"),
+        ({"model": "huge"}, "unknown model"),
+    ],
+)
 def test_bad_config_says_what_to_do(overrides, message):
     with pytest.raises(CourseInputError, match=message):
         TrainConfig(**overrides).validate()
@@ -113,11 +128,14 @@ def test_bad_config_says_what_to_do(overrides, message):
         train(**overrides)  # nothing is launched
 
 
-@pytest.mark.parametrize("argv", [
-    ["-m", "course_utils", "train", "--strategy", "zero9"],
-    ["-m", "course_utils", "train", "--strategy", "ddp", "--nproc", "3"],
-    ["-m", "course_utils.train", "--strategy", "zero9"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "course_utils", "train", "--strategy", "zero9"],
+        ["-m", "course_utils", "train", "--strategy", "ddp", "--nproc", "3"],
+        ["-m", "course_utils.train", "--strategy", "zero9"],
+    ],
+)
 def test_bad_command_line_exits_2_with_one_line(argv):
     proc = _run([sys.executable, *argv], timeout=120)
     assert proc.returncode == 2

@@ -1,5 +1,6 @@
 """course_utils.widgets and plots: headless renders a PNG; live widgets carry stable classes and
 their readout follows the controls (no browser needed)."""
+
 from __future__ import annotations
 
 import pytest
@@ -100,9 +101,18 @@ def test_headless_planner(headless):
 def test_live_planner_follows_controls(live):
     box = widgets.planner(7e9)
     readout = _find(box, "course-plan-recommendation")
-    for css in ("course-plan-model", "course-plan-nodes", "course-plan-gpus", "course-plan-gpu-mem",
-                "course-plan-network", "course-plan-nvlink", "course-plan-batch", "course-plan-seq",
-                "course-plan-checkpointing", "course-plan-chart"):
+    for css in (
+        "course-plan-model",
+        "course-plan-nodes",
+        "course-plan-gpus",
+        "course-plan-gpu-mem",
+        "course-plan-network",
+        "course-plan-nvlink",
+        "course-plan-batch",
+        "course-plan-seq",
+        "course-plan-checkpointing",
+        "course-plan-chart",
+    ):
         assert _find(box, css) is not None, css
     assert "stage 1" in readout.value
     _find(box, "course-plan-model").value = 70e9
@@ -116,6 +126,7 @@ def test_live_planner_follows_controls(live):
 # ---------------------------------------------------------------------------------------------
 # What JupyterLab showed wrong (issue: teach from it), checked on the widget objects
 # ---------------------------------------------------------------------------------------------
+
 
 def test_controls_accept_any_value_passed_in(live):
     """Notebook 03 draws the chart at Nd = 25; the Nd steps are powers of two (a TraitError before)."""
@@ -145,8 +156,11 @@ def _all(widget):
         yield from _all(child)
 
 
-@pytest.mark.parametrize("make", [lambda: widgets.memory_chart(7.5e9), lambda: widgets.bill_bars(8),
-                                  lambda: widgets.planner(7e9)], ids=["memory_chart", "bill_bars", "planner"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: widgets.memory_chart(7.5e9), lambda: widgets.bill_bars(8), lambda: widgets.planner(7e9)],
+    ids=["memory_chart", "bill_bars", "planner"],
+)
 def test_dropdowns_are_wide_enough_for_their_labels(live, make):
     """A Dropdown is 300 px whatever its labels; JupyterLab cut "12 bytes: mixed-precision Adam"."""
     dropdowns = [w for w in _all(make()) if type(w).__name__ == "Dropdown"]

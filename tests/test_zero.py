@@ -7,6 +7,7 @@ DDP and the library's stage 1 against single on 2 ranks), one mixed-precision tr
 per stage on 2 ranks, and one fp32 run per stage on 3 ranks, where Ψ does not divide by Nd
 and padding shows. Everything else runs in this process, in a world of one.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,6 +32,7 @@ PSI = param_count(build_model("tiny"))  # Ψ = 118,528 (the tied head counted on
 # ---------------------------------------------------------------------------------------------
 # Pure arithmetic
 # ---------------------------------------------------------------------------------------------
+
 
 def test_padding_and_slices():
     assert zero.padded_numel(10, 4) == 12 and zero.padded_numel(12, 4) == 12 and zero.padded_numel(1, 3) == 3
@@ -80,8 +82,8 @@ def test_freed_memory_buys_batch():
     # Ψ = 8 (the annotated paper's toy), a 16Ψ = 128-byte GPU, 10 bytes of activations per sample
     fits = [predict.samples_that_fit(8, nd, "zero2", 128, 10) for nd in (1, 2, 4, 8)]
     assert fits == [0, 8 * 7 // 10, (128 - 44) // 10, int((128 - 2 * 8 - 14 * 8 / 8) // 10)]
-    assert [nd * f for nd, f in zip((1, 2, 4, 8), fits)] == [0, 10, 32, 72]   # the global batch outgrows Nd
-    assert predict.samples_that_fit(8, 1, "zero1", 10, 1) == 0   # model states alone do not fit
+    assert [nd * f for nd, f in zip((1, 2, 4, 8), fits)] == [0, 10, 32, 72]  # the global batch outgrows Nd
+    assert predict.samples_that_fit(8, 1, "zero1", 10, 1) == 0  # model states alone do not fit
     with pytest.raises(CourseInputError):
         predict.samples_that_fit(8, 2, "zero2", 128, 0)
 
@@ -90,10 +92,10 @@ def test_update_peak_formula_reads_the_step_tensor_by_tensor():
     # two buffers, 3 ranks, one padded: S = 4 and 2; mixed precision (g = 2, fp32 copy c = 4)
     units = [{"padded": 12, "shard_numel": 4, "padding": 1}, {"padded": 6, "shard_numel": 2, "padding": 0}]
     one = predict.update_extra_bytes("zero1", units, precision="mixed")
-    assert one["reduce_scatter"] == max(2 * (4 + 12 + 1), 2 * 4 + 2 * (2 + 6))      # buffer 0, then buffer 1
-    assert one["update"] == 2 * 6 + 4 * 6 + 2 * 4 * 4                               # slices, fp32 copies, Adam
+    assert one["reduce_scatter"] == max(2 * (4 + 12 + 1), 2 * 4 + 2 * (2 + 6))  # buffer 0, then buffer 1
+    assert one["update"] == 2 * 6 + 4 * 6 + 2 * 4 * 4  # slices, fp32 copies, Adam
     assert one["extra"] == max(one["reduce_scatter"], one["update"]) and one["gloo_may_hold"] == 2 * 12
-    two = predict.update_extra_bytes("zero2", units, precision="fp32")     # slices already held, no copy
+    two = predict.update_extra_bytes("zero2", units, precision="fp32")  # slices already held, no copy
     assert two == {"reduce_scatter": 0, "update": 2 * 4 * 4, "extra": 32, "gloo_may_hold": 0}
     with pytest.raises(CourseInputError):
         predict.update_extra_bytes("zero3", units)
@@ -108,6 +110,7 @@ def test_peak_gathered_is_root_plus_largest_unit():
 # The stepper (the widget's state machine)
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("nd", [2, 4, 5])
 def test_stepper_walks_forward_then_backward(nd):
     states = stepper.stage3_schedule(nd)
@@ -118,7 +121,7 @@ def test_stepper_walks_forward_then_backward(nd):
     for s in states:
         for g in range(nd):
             assert all(h in ("slice", "whole") for h in s.held[g])  # a GPU never drops its own slice of any layer
-            assert sum(h == "whole" for h in s.held[g]) <= 1         # at most one layer gathered at a time
+            assert sum(h == "whole" for h in s.held[g]) <= 1  # at most one layer gathered at a time
             # its own slices (Ψ/Nd) plus the rest of at most one layer of Ψ/L: the course's code, rank r owning slice r
             assert s.held_psi(g) <= 1 / nd + (1 - 1 / nd) / nd + 1e-12
         if s.action == "gather":
@@ -158,6 +161,7 @@ def test_stepper_widget_headless_shows_several_states(monkeypatch):
 # In this process, a world of one: the general pieces on models other than the course's
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def world_of_one():
     from course_utils import dist as cdist
@@ -176,10 +180,10 @@ class TiedFrozen(nn.Module):
         torch.manual_seed(0)
         self.emb = nn.Embedding(16, 8)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)) for _ in range(2))
-        self.blocks[1][0].weight = self.blocks[0][0].weight   # tied across two units: belongs to the root
-        self.blocks[0][2].requires_grad_(False)               # frozen, inside unit 0
+        self.blocks[1][0].weight = self.blocks[0][0].weight  # tied across two units: belongs to the root
+        self.blocks[0][2].requires_grad_(False)  # frozen, inside unit 0
         self.head = nn.Linear(8, 16, bias=False)
-        self.head.weight = self.emb.weight                    # tied to the root's embedding
+        self.head.weight = self.emb.weight  # tied to the root's embedding
 
     def forward(self, idx, targets):
         x = self.emb(idx)
@@ -190,7 +194,9 @@ class TiedFrozen(nn.Module):
 
 def _batches(steps=3):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 16, (4, 5), generator=g), torch.randint(0, 16, (4, 5), generator=g)) for _ in range(steps)]
+    return [
+        (torch.randint(0, 16, (4, 5), generator=g), torch.randint(0, 16, (4, 5), generator=g)) for _ in range(steps)
+    ]
 
 
 def _reference(model, opt_factory, steps=3):
@@ -258,22 +264,29 @@ def test_zero3_module_without_autograd_and_with_bf16(world_of_one):
     opt.step()
     params, grads, optim = opt.held()
     assert {g.dtype for g in grads} == {torch.bfloat16}
-    assert sum(t.numel() for t in params) == sum(f.shard_numel for f in wrapped.flats()) + \
-        sum(f.shard_numel for f in wrapped.flats() if not f.params[0].requires_grad)  # frozen keep an fp32 master
+    assert sum(t.numel() for t in params) == sum(f.shard_numel for f in wrapped.flats()) + sum(
+        f.shard_numel for f in wrapped.flats() if not f.params[0].requires_grad
+    )  # frozen keep an fp32 master
 
 
-@pytest.mark.parametrize("stage_cls,kwargs", [(zero.ShardedOptimizer, {}),
-                                              (zero.GradShardedOptimizer, {"bucket_cap_mb": 300 / 2**20})])
+@pytest.mark.parametrize(
+    "stage_cls,kwargs", [(zero.ShardedOptimizer, {}), (zero.GradShardedOptimizer, {"bucket_cap_mb": 300 / 2**20})]
+)
 def test_sharded_optimizer_wraps_any_optimizer_with_groups(world_of_one, stage_cls, kwargs):
     def groups(model):
         decay = [p for n, p in model.named_parameters() if p.dim() > 1 and p.requires_grad]
         no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1 and p.requires_grad]
         return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
-    for optimizer_class, options in ((torch.optim.AdamW, {"lr": 1e-2}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})):
+    for optimizer_class, options in (
+        (torch.optim.AdamW, {"lr": 1e-2}),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    ):
         ref_model = TiedFrozen()
         model = copy.deepcopy(ref_model)
-        ref_losses = _reference(ref_model, lambda p, c=optimizer_class, m=ref_model, o=options: c(groups(m), foreach=False, **o))
+        ref_losses = _reference(
+            ref_model, lambda p, c=optimizer_class, m=ref_model, o=options: c(groups(m), foreach=False, **o)
+        )
         opt = stage_cls(groups(model), optimizer_class, foreach=False, **kwargs, **options)
         # stage 1: one flat buffer per param group; stage 2: buckets of at most 300 bytes
         assert len(opt.flats) == 2 if stage_cls is zero.ShardedOptimizer else len(opt.flats) > 2
@@ -292,6 +305,7 @@ def test_sharded_optimizer_wraps_any_optimizer_with_groups(world_of_one, stage_c
 # ---------------------------------------------------------------------------------------------
 # Real runs on 2 and 3 ranks
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def agreement2():
@@ -333,16 +347,16 @@ def test_hand_built_stage1_matches_the_library(agreement2):
     assert sum(lib_optim) == sum(ours_optim) == 8 * PSI
 
 
-
 def test_library_zero1_all_reduces_full_gradients_then_broadcasts_every_weight(agreement2):
     comm = {n: agreement2[n]["comm_per_step"] for n in ("ddp", "zero1", "torch_zero1")}
-    ddp_bcast = comm["ddp"].get("broadcast", {"calls": 0, "payload_bytes": 0})   # DDP's bucket-order broadcast
+    ddp_bcast = comm["ddp"].get("broadcast", {"calls": 0, "payload_bytes": 0})  # DDP's bucket-order broadcast
     assert comm["torch_zero1"]["all_reduce"]["payload_bytes"] == 4 * PSI
     assert comm["torch_zero1"]["broadcast"]["payload_bytes"] - ddp_bcast["payload_bytes"] == 4 * PSI
     assert comm["torch_zero1"]["broadcast"]["calls"] - ddp_bcast["calls"] == len(list(build_model("tiny").parameters()))
     assert "all_reduce" not in comm["zero1"] and comm["zero1"]["reduce_scatter"]["payload_bytes"] == 4 * PSI
     sent = {n: predict.traffic_in_psi(c, PSI, 4) for n, c in comm.items()}
-    assert sent["torch_zero1"] - sent["zero1"] == pytest.approx(1.0, abs=1e-3)   # one Ψ of broadcasts more
+    assert sent["torch_zero1"] - sent["zero1"] == pytest.approx(1.0, abs=1e-3)  # one Ψ of broadcasts more
+
 
 @pytest.mark.parametrize("stage", ("ddp",) + STAGES)
 def test_bytes_held_are_the_formula_fp32(agreement2, stage):
@@ -430,13 +444,12 @@ def test_stage3_working_set_is_root_plus_one_block(request, runs, b):
     assert set(info["peak_gathered_bytes_per_step"]) == {info["peak_gathered_bytes"]}
 
 
-
 def test_collective_names_fall_back_on_an_older_torch(monkeypatch):
     import torch.distributed as dist
 
-    assert zero.all_gather_single is dist.all_gather_single            # torch 2.13: the new names
+    assert zero.all_gather_single is dist.all_gather_single  # torch 2.13: the new names
     assert zero.reduce_scatter_single is dist.reduce_scatter_single
-    monkeypatch.delattr(dist, "all_gather_single")                      # as on torch < 2.13
+    monkeypatch.delattr(dist, "all_gather_single")  # as on torch < 2.13
     assert zero.newest_collective("all_gather_single", "all_gather_into_tensor") is dist.all_gather_into_tensor
     monkeypatch.delattr(dist, "all_gather_into_tensor")
     with pytest.raises(CourseInputError, match="torch >= 1.13"):

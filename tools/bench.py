@@ -28,6 +28,7 @@ pass/fail tests: on a shared 2-core machine they move with the load, which every
 The harness is a tool, not part of the installed package: it executes the repository's
 ``notebooks/`` and writes ``benchmarks/``, which only a clone has (CONTRIBUTING.md, Commands).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,12 +66,12 @@ PAIRS = (("ddp_scratch", "ddp"), ("zero2", "shard_grad_op"), ("zero3", "full_sha
 
 #: The targets of the benchmark issue; checked and reported, never asserted in tests.
 TARGETS = {
-    "course_s": 300.0,        # the whole course, headless, on 2 CPU cores
-    "notebook_s": 90.0,       # any one notebook
-    "launch_ratio": 2.0,      # a launch (one process wave) / a bare `python -c "import torch"`
-    "hand_vs_torch": 1.5,     # hand-built step time / torch's, median over rounds
-    "bytes_rel": 0.01,        # |measured / formula - 1|, padding counted
-    "bench_s": 600.0,         # `make bench` itself, every CPU section
+    "course_s": 300.0,  # the whole course, headless, on 2 CPU cores
+    "notebook_s": 90.0,  # any one notebook
+    "launch_ratio": 2.0,  # a launch (one process wave) / a bare `python -c "import torch"`
+    "hand_vs_torch": 1.5,  # hand-built step time / torch's, median over rounds
+    "bytes_rel": 0.01,  # |measured / formula - 1|, padding counted
+    "bench_s": 600.0,  # `make bench` itself, every CPU section
 }
 
 #: Model of the pairs and theory runs: "small" (Ψ = 867,072): steps of tens of ms on one core,
@@ -90,15 +91,25 @@ CUDA_MODEL = dict(vocab=8192, seq=1024, layers=12, width=1024, heads=16)
 
 #: Dense bf16 tensor-core peak FLOP/s by GPU name (data sheets; SXM parts). Matched by substring.
 #: The first match wins, so a more specific name comes before a shorter one it contains.
-BF16_PEAK = (("B200", 2250e12), ("H200", 989e12), ("GH200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12),
-             ("H800", 989e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
-             ("L4", 121e12))
-
+BF16_PEAK = (
+    ("B200", 2250e12),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+)
 
 
 # ---------------------------------------------------------------------------------------------
 # Workers (module level, so that ``launch`` can start them)
 # ---------------------------------------------------------------------------------------------
+
 
 def empty_worker() -> dict:
     """Does nothing but say when it ran: what a launch costs by itself (README, Benchmarks)."""
@@ -116,8 +127,7 @@ def group_worker() -> dict:
     return {"entered": entered, "joined": joined, "left": time.time()}
 
 
-def bench_train_worker(config: dict, model: dict | None = None, cuda_peak: bool = False,
-                       observe: bool = True) -> dict:
+def bench_train_worker(config: dict, model: dict | None = None, cuda_peak: bool = False, observe: bool = True) -> dict:
     """``train.train_worker`` on a model shape of the benchmark's choosing (README, Benchmarks).
 
     ``model`` (``GPTConfig`` fields) is registered under ``config["model"]`` in this process
@@ -144,6 +154,7 @@ def bench_train_worker(config: dict, model: dict | None = None, cuda_peak: bool 
 # ---------------------------------------------------------------------------------------------
 # Pure helpers: statistics, ratios, formulas, verdicts
 # ---------------------------------------------------------------------------------------------
+
 
 def pair_ratios(a_times, b_times) -> dict:
     """Round-by-round ratios A_i / B_i of two interleaved series, and their spread (README, Benchmarks).
@@ -184,8 +195,9 @@ def linear_cost(points: dict) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def startup_split(wall_s: float, kernel_s: float, launches: list[dict], per_launch: tuple[float, float],
-                  cold_extra_s: float) -> dict:
+def startup_split(
+    wall_s: float, kernel_s: float, launches: list[dict], per_launch: tuple[float, float], cold_extra_s: float
+) -> dict:
     """Split a notebook's wall time into starting processes and the rest (README, Benchmarks).
 
     Starting = the kernel's own start (an empty notebook's wall time, ``kernel_s``) + for each
@@ -199,9 +211,14 @@ def startup_split(wall_s: float, kernel_s: float, launches: list[dict], per_laun
     for row in launches:
         starting += max(0.0, a + b * row["nproc"]) + (cold_extra_s if row.get("cold") else 0.0)
     starting = min(starting, wall_s)
-    return {"wall_s": wall_s, "starting_s": starting, "computing_s": wall_s - starting,
-            "launches": len(launches), "launch_wall_s": sum(r["wall_s"] for r in launches),
-            "starting_share": starting / wall_s if wall_s > 0 else 0.0}
+    return {
+        "wall_s": wall_s,
+        "starting_s": starting,
+        "computing_s": wall_s - starting,
+        "launches": len(launches),
+        "launch_wall_s": sum(r["wall_s"] for r in launches),
+        "starting_share": starting / wall_s if wall_s > 0 else 0.0,
+    }
 
 
 def measured_bytes(report: dict) -> dict:
@@ -209,8 +226,12 @@ def measured_bytes(report: dict) -> dict:
     totals = [row["total"] for row in report["per_rank"]]
     by_rank = report.get("comm_per_step_by_rank") or [report.get("comm_per_step", {})]
     sent = [sum(row["sent_bytes"] for row in comm.values()) for comm in by_rank]
-    return {"held_mean": statistics.fmean(totals), "held_min": min(totals), "held_max": max(totals),
-            "sent_mean": statistics.fmean(sent) if sent else 0.0}
+    return {
+        "held_mean": statistics.fmean(totals),
+        "held_min": min(totals),
+        "held_max": max(totals),
+        "sent_mean": statistics.fmean(sent) if sent else 0.0,
+    }
 
 
 def ratio(measured: float, formula: float) -> float | None:
@@ -223,17 +244,29 @@ def ratio(measured: float, formula: float) -> float | None:
 def theory_row(strategy: str, report: dict, psi: int) -> dict:
     """One line of the theory table: measured bytes against ``expected_bytes`` (README, Benchmarks)."""
     cfg = report.get("config", {})
-    exp = expected_bytes(strategy, psi, report["world_size"], node_size=cfg.get("node_size", 2),
-                         precision=cfg.get("precision", "fp32"), strategy_info=report.get("strategy_info"))
+    exp = expected_bytes(
+        strategy,
+        psi,
+        report["world_size"],
+        node_size=cfg.get("node_size", 2),
+        precision=cfg.get("precision", "fp32"),
+        strategy_info=report.get("strategy_info"),
+    )
     got = measured_bytes(report)
-    return {"strategy": strategy, "nproc": report["world_size"], "psi": psi, **got, **exp,
-            "held_ratio": ratio(got["held_mean"], exp["held_exact"]),
-            "held_ratio_paper": ratio(got["held_mean"], exp["held_paper"]),
-            "sent_ratio": ratio(got["sent_mean"], exp["sent_exact"]),
-            "sent_ratio_paper": ratio(got["sent_mean"], exp["sent_paper"]),
-            "held_padding": exp["held_exact"] - exp["held_paper"],
-            "sent_padding": exp["sent_exact"] - exp["sent_paper"],
-            "kinds": {k: round(v["calls"], 3) for k, v in report.get("comm_per_step", {}).items()}}
+    return {
+        "strategy": strategy,
+        "nproc": report["world_size"],
+        "psi": psi,
+        **got,
+        **exp,
+        "held_ratio": ratio(got["held_mean"], exp["held_exact"]),
+        "held_ratio_paper": ratio(got["held_mean"], exp["held_paper"]),
+        "sent_ratio": ratio(got["sent_mean"], exp["sent_exact"]),
+        "sent_ratio_paper": ratio(got["sent_mean"], exp["sent_paper"]),
+        "held_padding": exp["held_exact"] - exp["held_paper"],
+        "sent_padding": exp["sent_exact"] - exp["sent_paper"],
+        "kinds": {k: round(v["calls"], 3) for k, v in report.get("comm_per_step", {}).items()},
+    }
 
 
 def train_flops(psi: float, layers: int, width: int, seq: int, tokens: float) -> float:
@@ -263,65 +296,133 @@ def verdicts(results: dict) -> list[dict]:
     failed = [r["notebook"] for r in nb.get("rows", []) if r.get("error")]
     if nb.get("rows"):
         total = nb["course_s"]
-        out.append({"target": f"whole course under {TARGETS['course_s']:.0f} s on 2 CPU cores",
-                    "measured": f"{total:.1f} s ({len(nb['rows'])} notebooks)", "limit": TARGETS["course_s"],
-                    "met": None if nb.get("subset") else total < TARGETS["course_s"] and not failed,
-                    "why": ("only some notebooks were run (--notebooks)" if nb.get("subset") else "") or
-                           (f"failed: {', '.join(failed)}" if failed else "") or
-                           ("" if total < TARGETS["course_s"] else
-                            f"{total - TARGETS['course_s']:.1f} s over; starting processes is "
-                            f"{nb.get('starting_s', 0):.0f} s of it (see the notebooks table)")})
+        out.append(
+            {
+                "target": f"whole course under {TARGETS['course_s']:.0f} s on 2 CPU cores",
+                "measured": f"{total:.1f} s ({len(nb['rows'])} notebooks)",
+                "limit": TARGETS["course_s"],
+                "met": None if nb.get("subset") else total < TARGETS["course_s"] and not failed,
+                "why": ("only some notebooks were run (--notebooks)" if nb.get("subset") else "")
+                or (f"failed: {', '.join(failed)}" if failed else "")
+                or (
+                    ""
+                    if total < TARGETS["course_s"]
+                    else f"{total - TARGETS['course_s']:.1f} s over; starting processes is "
+                    f"{nb.get('starting_s', 0):.0f} s of it (see the notebooks table)"
+                ),
+            }
+        )
         slowest = max(rows, key=lambda r: r["wall_s"]) if rows else None
         over = [r["notebook"] for r in rows if r["wall_s"] > TARGETS["notebook_s"]]
-        out.append({"target": f"no notebook over {TARGETS['notebook_s']:.0f} s",
-                    "measured": f"slowest {slowest['notebook']} {slowest['wall_s']:.0f} s" if slowest else "-",
-                    "limit": TARGETS["notebook_s"], "met": bool(rows) and not over and not failed,
-                    "why": ", ".join(over) + (" over the limit" if over else "")})
+        out.append(
+            {
+                "target": f"no notebook over {TARGETS['notebook_s']:.0f} s",
+                "measured": f"slowest {slowest['notebook']} {slowest['wall_s']:.0f} s" if slowest else "-",
+                "limit": TARGETS["notebook_s"],
+                "met": bool(rows) and not over and not failed,
+                "why": ", ".join(over) + (" over the limit" if over else ""),
+            }
+        )
     else:
-        out.append({"target": "whole course and each notebook", "measured": "-", "limit": TARGETS["course_s"],
-                    "met": None, "why": _not_run(results, "notebooks")})
+        out.append(
+            {
+                "target": "whole course and each notebook",
+                "measured": "-",
+                "limit": TARGETS["course_s"],
+                "met": None,
+                "why": _not_run(results, "notebooks"),
+            }
+        )
     la = results.get("launch") or {}
     if la.get("ratios"):
         worst = max(la["ratios"].values())
-        out.append({"target": f"launch at most {TARGETS['launch_ratio']:g}x a bare torch import per process wave",
-                    "measured": ", ".join(f"{k}: {v:.2f}x" for k, v in la["ratios"].items()),
-                    "limit": TARGETS["launch_ratio"], "met": worst <= TARGETS["launch_ratio"], "why": ""})
+        out.append(
+            {
+                "target": f"launch at most {TARGETS['launch_ratio']:g}x a bare torch import per process wave",
+                "measured": ", ".join(f"{k}: {v:.2f}x" for k, v in la["ratios"].items()),
+                "limit": TARGETS["launch_ratio"],
+                "met": worst <= TARGETS["launch_ratio"],
+                "why": "",
+            }
+        )
     else:
-        out.append({"target": "launch overhead", "measured": "-", "limit": TARGETS["launch_ratio"], "met": None,
-                    "why": _not_run(results, "launch")})
+        out.append(
+            {
+                "target": "launch overhead",
+                "measured": "-",
+                "limit": TARGETS["launch_ratio"],
+                "met": None,
+                "why": _not_run(results, "launch"),
+            }
+        )
     pairs = [p for p in (results.get("pairs") or {}).get("rows", []) if p.get("ratio")]
     if pairs:
         slow = [p for p in pairs if p["ratio"]["median"] > TARGETS["hand_vs_torch"]]
-        out.append({"target": f"hand-built within {TARGETS['hand_vs_torch']:g}x of torch (median over rounds)",
-                    "measured": ", ".join(f"{p['hand']}/{p['torch']} {p['ratio']['median']:.2f}x" for p in pairs),
-                    "limit": TARGETS["hand_vs_torch"], "met": not slow,
-                    "why": "; ".join(f"{p['hand']} is slower: see the pairs table" for p in slow)})
+        out.append(
+            {
+                "target": f"hand-built within {TARGETS['hand_vs_torch']:g}x of torch (median over rounds)",
+                "measured": ", ".join(f"{p['hand']}/{p['torch']} {p['ratio']['median']:.2f}x" for p in pairs),
+                "limit": TARGETS["hand_vs_torch"],
+                "met": not slow,
+                "why": "; ".join(f"{p['hand']} is slower: see the pairs table" for p in slow),
+            }
+        )
     else:
-        out.append({"target": "hand-built vs torch", "measured": "-", "limit": TARGETS["hand_vs_torch"],
-                    "met": None, "why": _not_run(results, "pairs")})
+        out.append(
+            {
+                "target": "hand-built vs torch",
+                "measured": "-",
+                "limit": TARGETS["hand_vs_torch"],
+                "met": None,
+                "why": _not_run(results, "pairs"),
+            }
+        )
     theory = [r for r in (results.get("theory") or {}).get("rows", []) if "held_ratio" in r]
     if theory:
-        devs = [(r["strategy"], kind, abs(r[kind] - 1)) for r in theory for kind in ("held_ratio", "sent_ratio")
-                if r[kind] is not None]
+        devs = [
+            (r["strategy"], kind, abs(r[kind] - 1))
+            for r in theory
+            for kind in ("held_ratio", "sent_ratio")
+            if r[kind] is not None
+        ]
         bad = [f"{s} {k.split('_')[0]} off by {d:.1%}" for s, k, d in devs if d > TARGETS["bytes_rel"]]
         worst = max((d for _, _, d in devs), default=0.0)
-        out.append({"target": f"measured bytes within {TARGETS['bytes_rel']:.0%} of the formulas (padding counted)",
-                    "measured": f"largest deviation {worst:.3%} over {len(theory)} strategies",
-                    "limit": TARGETS["bytes_rel"], "met": not bad, "why": "; ".join(bad)})
+        out.append(
+            {
+                "target": f"measured bytes within {TARGETS['bytes_rel']:.0%} of the formulas (padding counted)",
+                "measured": f"largest deviation {worst:.3%} over {len(theory)} strategies",
+                "limit": TARGETS["bytes_rel"],
+                "met": not bad,
+                "why": "; ".join(bad),
+            }
+        )
     else:
-        out.append({"target": "bytes vs formulas", "measured": "-", "limit": TARGETS["bytes_rel"], "met": None,
-                    "why": _not_run(results, "theory")})
+        out.append(
+            {
+                "target": "bytes vs formulas",
+                "measured": "-",
+                "limit": TARGETS["bytes_rel"],
+                "met": None,
+                "why": _not_run(results, "theory"),
+            }
+        )
     full = (results.get("meta") or {}).get("full_run")
-    out.append({"target": f"`make bench` under {TARGETS['bench_s'] / 60:.0f} minutes",
-                "measured": f"{full['total_s']:.0f} s ({full['finished']})" if full else "-",
-                "limit": TARGETS["bench_s"], "met": full["total_s"] < TARGETS["bench_s"] if full else None,
-                "why": "" if full else "no full run recorded yet"})
+    out.append(
+        {
+            "target": f"`make bench` under {TARGETS['bench_s'] / 60:.0f} minutes",
+            "measured": f"{full['total_s']:.0f} s ({full['finished']})" if full else "-",
+            "limit": TARGETS["bench_s"],
+            "met": full["total_s"] < TARGETS["bench_s"] if full else None,
+            "why": "" if full else "no full run recorded yet",
+        }
+    )
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Runs
 # ---------------------------------------------------------------------------------------------
+
 
 def strategy_available(name: str) -> tuple[bool, str]:
     """``(True, "")`` if the strategy's module and function import, else ``(False, why)`` (README)."""
@@ -356,8 +457,18 @@ def psi_of(shape: dict) -> int:
     return param_count(GPTConfig(**shape))
 
 
-def run_train(strategy: str, nproc: int, shape: dict, *, steps: int, batch: int = 8, timeout_s: float = 300.0,
-              cuda_peak: bool = False, observe: bool = True, **config) -> dict:
+def run_train(
+    strategy: str,
+    nproc: int,
+    shape: dict,
+    *,
+    steps: int,
+    batch: int = 8,
+    timeout_s: float = 300.0,
+    cuda_peak: bool = False,
+    observe: bool = True,
+    **config,
+) -> dict:
     """One ``train_worker`` run of ``strategy`` on ``nproc`` ranks and model ``shape`` (one launch) (README).
 
     ``observe=False`` for the runs whose step time is the result: timing runs carry no
@@ -372,11 +483,19 @@ def run_train(strategy: str, nproc: int, shape: dict, *, steps: int, batch: int 
 
     name = model_name(shape)
     models.PRESETS.setdefault(name, models.GPTConfig(**shape))
-    cfg = TrainConfig(strategy=strategy, nproc=nproc, steps=steps, model=name, batch=batch, timeout_s=timeout_s,
-                      **config).validate()
+    cfg = TrainConfig(
+        strategy=strategy, nproc=nproc, steps=steps, model=name, batch=batch, timeout_s=timeout_s, **config
+    ).validate()
     try:
-        res = launch(bench_train_worker, nproc=nproc, args=(asdict(cfg), shape, cuda_peak, observe), backend=cfg.backend,
-                     timeout_s=timeout_s, echo=False, progress=False)
+        res = launch(
+            bench_train_worker,
+            nproc=nproc,
+            args=(asdict(cfg), shape, cuda_peak, observe),
+            backend=cfg.backend,
+            timeout_s=timeout_s,
+            echo=False,
+            progress=False,
+        )
     except (LaunchError, CourseInputError) as exc:
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
         why = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
@@ -430,14 +549,26 @@ def launch_section(nprocs=(2, 4), repeats: int = 5) -> dict:
                     continue
                 walls.append(time.perf_counter() - t0)
                 phases.append(launch_phases(c0, time.time(), list(res.values())))
-            rows.append({"nproc": n, "worker": worker.__name__, **spread(walls), "walls": walls,
-                         **{k: statistics.median(p[k] for p in phases) for k in phases[0]}})
+            rows.append(
+                {
+                    "nproc": n,
+                    "worker": worker.__name__,
+                    **spread(walls),
+                    "walls": walls,
+                    **{k: statistics.median(p[k] for p in phases) for k in phases[0]},
+                }
+            )
             _say(f"    launch {worker.__name__} on {n} ranks: median {statistics.median(walls):.3f} s")
     torch_import = spread(imports)
     ratios = {f"{r['worker'].split('_')[0]} x{r['nproc']}": r["median"] / torch_import["median"] for r in rows}
-    return {"torch_import": {**torch_import, "walls": imports}, "cold_s": cold,
-            "cold_extra_s": max(0.0, cold - next(r["median"] for r in rows if r["nproc"] == nprocs[0])),
-            "rows": rows, "ratios": ratios, "failed_launches": failures}
+    return {
+        "torch_import": {**torch_import, "walls": imports},
+        "cold_s": cold,
+        "cold_extra_s": max(0.0, cold - next(r["median"] for r in rows if r["nproc"] == nprocs[0])),
+        "rows": rows,
+        "ratios": ratios,
+        "failed_launches": failures,
+    }
 
 
 def pairs_section(rounds: int, steps: int, shape: dict, nproc: int = 2, cache: dict | None = None) -> dict:
@@ -474,11 +605,15 @@ def pairs_section(rounds: int, steps: int, shape: dict, nproc: int = 2, cache: d
         if errors or not series[hand]:
             row["error"] = errors[0] if errors else "no runs"
         else:
-            row.update(ratio=pair_ratios(series[hand], series[lib]), hand_s=spread(series[hand]),
-                       torch_s=spread(series[lib]),
-                       hand_calls=_calls(counted[hand]), torch_calls=_calls(counted[lib]),
-                       same_losses=counted[hand]["losses"] == counted[lib]["losses"],
-                       max_loss_diff=max(abs(a - b) for a, b in zip(counted[hand]["losses"], counted[lib]["losses"])))
+            row.update(
+                ratio=pair_ratios(series[hand], series[lib]),
+                hand_s=spread(series[hand]),
+                torch_s=spread(series[lib]),
+                hand_calls=_calls(counted[hand]),
+                torch_calls=_calls(counted[lib]),
+                same_losses=counted[hand]["losses"] == counted[lib]["losses"],
+                max_loss_diff=max(abs(a - b) for a, b in zip(counted[hand]["losses"], counted[lib]["losses"])),
+            )
             for s in (hand, lib):
                 cache[(s, nproc)] = counted[s]
         rows.append(row)
@@ -506,8 +641,10 @@ def theory_section(steps: int, shape: dict, cache: dict | None = None) -> dict:
             rows.append({"strategy": s, "nproc": n, "error": rep["error"]})
             continue
         rows.append(theory_row(s, rep, psi))
-        _say(f"    theory: {s} on {n} ranks: held x{_f(rows[-1]['held_ratio'], '.4f')}, "
-             f"sent x{_f(rows[-1]['sent_ratio'], '.4f')}")
+        _say(
+            f"    theory: {s} on {n} ranks: held x{_f(rows[-1]['held_ratio'], '.4f')}, "
+            f"sent x{_f(rows[-1]['sent_ratio'], '.4f')}"
+        )
     return {"model": shape, "psi": psi, "steps": steps, "rows": rows}
 
 
@@ -523,21 +660,32 @@ def scaling_section(steps: int, widths=SCALING_WIDTHS, ranks=SCALING_RANKS, stra
             shape = model_shape(width=w, heads=4)
             psi = psi_of(shape)
             for n in ranks:
-                tries = [run_train(s, n, shape, steps=steps, observe=False)
-                         for _ in range(SINGLE_RANK_TRIES if n == 1 else 1)]
+                tries = [
+                    run_train(s, n, shape, steps=steps, observe=False)
+                    for _ in range(SINGLE_RANK_TRIES if n == 1 else 1)
+                ]
                 good = [r for r in tries if "error" not in r]
                 rep = min(good, key=lambda r: r["step_time_s"]) if good else tries[0]
                 if "error" in rep:
                     rows.append({"strategy": s, "width": w, "nproc": n, "psi": psi, "error": rep["error"]})
                     continue
                 t = theory_row(s, rep, psi)
-                rows.append({"strategy": s, "width": w, "nproc": n, "psi": psi, "step_time_s": rep["step_time_s"],
-                             "held_per_rank": t["held_max"], "held_formula": t["held_exact"],
-                             "held_ratio": t["held_ratio"], "sent_per_step": t["sent_mean"],
-                             "sent_formula": t["sent_exact"]})
+                rows.append(
+                    {
+                        "strategy": s,
+                        "width": w,
+                        "nproc": n,
+                        "psi": psi,
+                        "step_time_s": rep["step_time_s"],
+                        "held_per_rank": t["held_max"],
+                        "held_formula": t["held_exact"],
+                        "held_ratio": t["held_ratio"],
+                        "sent_per_step": t["sent_mean"],
+                        "sent_formula": t["sent_exact"],
+                    }
+                )
         _say(f"    scaling: {s} done")
-    return {"steps": steps, "widths": list(widths), "ranks": list(ranks), "strategies": list(strategies),
-            "rows": rows}
+    return {"steps": steps, "widths": list(widths), "ranks": list(ranks), "strategies": list(strategies), "rows": rows}
 
 
 def scaling_figure(scaling: dict):
@@ -556,8 +704,13 @@ def scaling_figure(scaling: dict):
                 continue
             xs = [n for n, _ in pts]
             psi = pts[0][1]["psi"]
-            ax_t.plot(xs, [r["step_time_s"] * 1e3 for _, r in pts], styles[j % 4], color=color,
-                      label=f"{s}, h={w} (Ψ={psi / 1e6:.2f}M)")
+            ax_t.plot(
+                xs,
+                [r["step_time_s"] * 1e3 for _, r in pts],
+                styles[j % 4],
+                color=color,
+                label=f"{s}, h={w} (Ψ={psi / 1e6:.2f}M)",
+            )
             ax_b.plot(xs, [r["held_per_rank"] / 1e6 for _, r in pts], styles[j % 4], color=color)
             ax_b.plot(xs, [r["held_formula"] / 1e6 for _, r in pts], "x", color="black", markersize=5)
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -601,8 +754,14 @@ def execute_notebook(path: Path, out_dir: Path, log_path: Path) -> dict:
     error = None
     t0 = time.perf_counter()
     try:
-        papermill.execute_notebook(str(path), str(out_dir / path.name), cwd=str(path.parent), kernel_name="python3",
-                                   progress_bar=False, log_output=False)
+        papermill.execute_notebook(
+            str(path),
+            str(out_dir / path.name),
+            cwd=str(path.parent),
+            kernel_name="python3",
+            progress_bar=False,
+            log_output=False,
+        )
     except Exception as exc:  # a failing notebook is reported, the others still run
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"
     wall = time.perf_counter() - t0
@@ -630,14 +789,24 @@ def notebooks_section(launch: dict | None, names=()) -> dict:
             run = execute_notebook(path, out_dir, Path(tmp) / f"{path.stem}.log")
             split = startup_split(run["wall_s"], kernel_s, run["launch_log"], per_launch, cold_extra)
             rows.append({**run, **split, "nproc": sorted({r["nproc"] for r in run["launch_log"]})})
-            _say(f"    {path.name}: {run['wall_s']:.1f} s, {len(run['launch_log'])} launches"
-                 + (f"  FAILED {run['error']}" if run["error"] else ""))
+            _say(
+                f"    {path.name}: {run['wall_s']:.1f} s, {len(run['launch_log'])} launches"
+                + (f"  FAILED {run['error']}" if run["error"] else "")
+            )
     total = sum(r["wall_s"] for r in rows)
     starting = sum(r["starting_s"] for r in rows)
-    return {"kernel_s": kernel_s, "per_launch_s": list(per_launch), "cold_extra_s": cold_extra, "rows": rows,
-            "course_s": total, "starting_s": starting, "computing_s": total - starting,
-            "launches": sum(r["launches"] for r in rows), "estimated_without_launch_section": not joins,
-            "subset": bool(names)}
+    return {
+        "kernel_s": kernel_s,
+        "per_launch_s": list(per_launch),
+        "cold_extra_s": cold_extra,
+        "rows": rows,
+        "course_s": total,
+        "starting_s": starting,
+        "computing_s": total - starting,
+        "launches": sum(r["launches"] for r in rows),
+        "estimated_without_launch_section": not joins,
+        "subset": bool(names),
+    }
 
 
 def cuda_section(steps: int = 20, strategies=None, peak_flops: float | None = None) -> dict:
@@ -671,29 +840,56 @@ def cuda_section(steps: int = 20, strategies=None, peak_flops: float | None = No
         if not ok:
             rows.append({"strategy": s, "error": why})
             continue
-        rep = run_train(s, nproc, shape, steps=steps, batch=batch, precision="mixed", cuda_peak=True, observe=False,
-                        timeout_s=600.0)
+        rep = run_train(
+            s, nproc, shape, steps=steps, batch=batch, precision="mixed", cuda_peak=True, observe=False, timeout_s=600.0
+        )
         if "error" in rep:
             rows.append({"strategy": s, "error": rep["error"]})
             continue
         t = rep["step_time_s"]
-        spec = cplan.model_spec(psi, layers=shape["layers"], width=shape["width"], heads=shape["heads"],
-                                vocab=shape["vocab"], seq=shape["seq"], micro_batch=batch // nproc,
-                                checkpointing=False)
+        spec = cplan.model_spec(
+            psi,
+            layers=shape["layers"],
+            width=shape["width"],
+            heads=shape["heads"],
+            vocab=shape["vocab"],
+            seq=shape["seq"],
+            micro_batch=batch // nproc,
+            checkpointing=False,
+        )
         cluster = cplan.Cluster(gpus_per_node=nproc, nodes=1, gpu_mem=gpu_mem)
         row = STRATEGIES[s].plan_row if STRATEGIES[s].plan_row != "hsdp" else "zero3"
         predicted = cplan.memory_breakdown(spec, cluster, row)["total"]
         measured = max(r.get("max_memory_allocated", 0) for r in rep["ranks"])
-        rows.append({"strategy": s, "nproc": nproc, "step_time_s": t, "tokens_per_s": tokens / t,
-                     "mfu": flops / t / (peak * nproc) if peak else None, "max_memory_allocated": measured,
-                     "planner_bytes": predicted, "memory_ratio": measured / predicted})
-    return {"device": name, "gpus": n, "bf16_peak": peak, "model": shape, "psi": psi, "batch": batch,
-            "steps": steps, "rows": rows, "tested": False}
+        rows.append(
+            {
+                "strategy": s,
+                "nproc": nproc,
+                "step_time_s": t,
+                "tokens_per_s": tokens / t,
+                "mfu": flops / t / (peak * nproc) if peak else None,
+                "max_memory_allocated": measured,
+                "planner_bytes": predicted,
+                "memory_ratio": measured / predicted,
+            }
+        )
+    return {
+        "device": name,
+        "gpus": n,
+        "bf16_peak": peak,
+        "model": shape,
+        "psi": psi,
+        "batch": batch,
+        "steps": steps,
+        "rows": rows,
+        "tested": False,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # results.md
 # ---------------------------------------------------------------------------------------------
+
 
 def _f(x, spec: str = ".3f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
@@ -707,8 +903,10 @@ def _section_head(sec: dict) -> str:
     meta = sec.get("_meta", {})
     if not meta:
         return ""
-    return (f"_Measured {meta.get('at', '?')}, {meta.get('seconds', 0):.0f} s, load average "
-            f"{meta.get('load_before', '?')} before / {meta.get('load_after', '?')} after._\n\n")
+    return (
+        f"_Measured {meta.get('at', '?')}, {meta.get('seconds', 0):.0f} s, load average "
+        f"{meta.get('load_before', '?')} before / {meta.get('load_after', '?')} after._\n\n"
+    )
 
 
 def results_markdown(results: dict) -> str:
@@ -716,131 +914,316 @@ def results_markdown(results: dict) -> str:
     from course_utils.plots import table_markdown
 
     meta = results.get("meta", {})
-    lines = ["# Benchmarks", "",
-             "Written by `make bench` (`python -m tools.bench`); every number below comes from "
-             "`benchmarks/results.json`, measured in the run described here. Timings on a shared 2-core CPU "
-             "machine move with its load (the load average is recorded for each section, and counts the "
-             "benchmark's own processes too); the byte counts do not.", "",
-             f"Machine: {meta.get('cpus', '?')} CPU cores, {meta.get('platform', '?')}, Python "
-             f"{meta.get('python', '?')}, torch {meta.get('torch', '?')}. Last run: {meta.get('finished', '?')}, "
-             f"sections {', '.join(meta.get('sections', []))}, {meta.get('total_s', 0):.0f} s in all."
-             + (f" Last full run (what `make bench` runs): {meta['full_run']['finished']}, "
-                f"{meta['full_run']['total_s']:.0f} s." if meta.get("full_run") else ""), "",
-             "## Targets", ""]
-    rows = [[v["target"], v["measured"], {True: "**met**", False: "**not met**", None: "not measured"}[v["met"]],
-             v["why"] or ""] for v in verdicts(results)]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench` (`python -m tools.bench`); every number below comes from "
+        "`benchmarks/results.json`, measured in the run described here. Timings on a shared 2-core CPU "
+        "machine move with its load (the load average is recorded for each section, and counts the "
+        "benchmark's own processes too); the byte counts do not.",
+        "",
+        f"Machine: {meta.get('cpus', '?')} CPU cores, {meta.get('platform', '?')}, Python "
+        f"{meta.get('python', '?')}, torch {meta.get('torch', '?')}. Last run: {meta.get('finished', '?')}, "
+        f"sections {', '.join(meta.get('sections', []))}, {meta.get('total_s', 0):.0f} s in all."
+        + (
+            f" Last full run (what `make bench` runs): {meta['full_run']['finished']}, "
+            f"{meta['full_run']['total_s']:.0f} s."
+            if meta.get("full_run")
+            else ""
+        ),
+        "",
+        "## Targets",
+        "",
+    ]
+    rows = [
+        [
+            v["target"],
+            v["measured"],
+            {True: "**met**", False: "**not met**", None: "not measured"}[v["met"]],
+            v["why"] or "",
+        ]
+        for v in verdicts(results)
+    ]
     lines += [table_markdown(["target", "measured", "verdict", "note"], rows), ""]
     if results.get("analysis"):
         lines += ["## Analysis", "", results["analysis"].strip(), ""]
 
     nb = results.get("notebooks")
     if nb and nb.get("rows"):
-        lines += ["## Notebooks, executed headless with their defaults", "", _section_head(nb)
-                  + f"Kernel start and imports (an empty notebook): {nb['kernel_s']:.1f} s per notebook. "
-                  f"A launch that joins the group costs about {nb['per_launch_s'][0]:.2f} "
-                  f"{'+' if nb['per_launch_s'][1] >= 0 else '-'} {abs(nb['per_launch_s'][1]):.2f}·N s; "
-                  "the first launch in a kernel also starts the agent server "
-                  f"(+{nb['cold_extra_s']:.2f} s). Starting = kernel + those costs per launch; computing = the "
-                  "rest (workers and kernel, including any planned timeout).", ""]
-        body = [[r["notebook"], f"{r['wall_s']:.1f}", r["launches"], f"{r['launch_wall_s']:.1f}",
-                 f"{r['starting_s']:.1f}", f"{r['computing_s']:.1f}", f"{r['starting_share']:.0%}",
-                 r["error"] or ("over 90 s" if r["wall_s"] > TARGETS["notebook_s"] else "ok")] for r in nb["rows"]]
-        body.append(["**whole course**", f"**{nb['course_s']:.1f}**", nb["launches"],
-                     f"{sum(r['launch_wall_s'] for r in nb['rows']):.1f}", f"{nb['starting_s']:.1f}",
-                     f"{nb['computing_s']:.1f}", f"{nb['starting_s'] / nb['course_s']:.0%}", ""])
-        lines += [table_markdown(["notebook", "wall (s)", "launches", "in launches (s)", "starting (s)",
-                                  "computing (s)", "starting share", "status"], body), ""]
+        lines += [
+            "## Notebooks, executed headless with their defaults",
+            "",
+            _section_head(nb) + f"Kernel start and imports (an empty notebook): {nb['kernel_s']:.1f} s per notebook. "
+            f"A launch that joins the group costs about {nb['per_launch_s'][0]:.2f} "
+            f"{'+' if nb['per_launch_s'][1] >= 0 else '-'} {abs(nb['per_launch_s'][1]):.2f}·N s; "
+            "the first launch in a kernel also starts the agent server "
+            f"(+{nb['cold_extra_s']:.2f} s). Starting = kernel + those costs per launch; computing = the "
+            "rest (workers and kernel, including any planned timeout).",
+            "",
+        ]
+        body = [
+            [
+                r["notebook"],
+                f"{r['wall_s']:.1f}",
+                r["launches"],
+                f"{r['launch_wall_s']:.1f}",
+                f"{r['starting_s']:.1f}",
+                f"{r['computing_s']:.1f}",
+                f"{r['starting_share']:.0%}",
+                r["error"] or ("over 90 s" if r["wall_s"] > TARGETS["notebook_s"] else "ok"),
+            ]
+            for r in nb["rows"]
+        ]
+        body.append(
+            [
+                "**whole course**",
+                f"**{nb['course_s']:.1f}**",
+                nb["launches"],
+                f"{sum(r['launch_wall_s'] for r in nb['rows']):.1f}",
+                f"{nb['starting_s']:.1f}",
+                f"{nb['computing_s']:.1f}",
+                f"{nb['starting_s'] / nb['course_s']:.0%}",
+                "",
+            ]
+        )
+        lines += [
+            table_markdown(
+                [
+                    "notebook",
+                    "wall (s)",
+                    "launches",
+                    "in launches (s)",
+                    "starting (s)",
+                    "computing (s)",
+                    "starting share",
+                    "status",
+                ],
+                body,
+            ),
+            "",
+        ]
 
     la = results.get("launch")
     if la and la.get("rows"):
         ti = la["torch_import"]
-        lines += ["## Launch overhead", "", _section_head(la)
-                  + f"`python -c \"import torch\"`: median {ti['median']:.3f} s (min {ti['min']:.3f}, max "
-                  f"{ti['max']:.3f}, {ti['n']} runs). First launch of a process (starts the agent server, which "
-                  f"imports torch once): {la['cold_s']:.2f} s. After that, each launch forks an agent from the "
-                  "pre-warmed server and the agent forks the workers, so no launch imports torch again.", ""]
-        body = [[r["worker"], r["nproc"], f"{r['median']:.3f}", f"{r['min']:.3f}", f"{r['max']:.3f}",
-                 f"{r['median'] / ti['median']:.2f}x", _f(r.get("to_workers_s")), _f(r.get("join_s")),
-                 _f(r.get("after_s"))] for r in la["rows"]]
-        lines += [table_markdown(["worker", "ranks", "median (s)", "min (s)", "max (s)", "/ torch import",
-                                  "call to last worker running (s)", "group join (s)", "last return to result (s)"],
-                                 body), ""]
+        lines += [
+            "## Launch overhead",
+            "",
+            _section_head(la) + f'`python -c "import torch"`: median {ti["median"]:.3f} s (min {ti["min"]:.3f}, max '
+            f"{ti['max']:.3f}, {ti['n']} runs). First launch of a process (starts the agent server, which "
+            f"imports torch once): {la['cold_s']:.2f} s. After that, each launch forks an agent from the "
+            "pre-warmed server and the agent forks the workers, so no launch imports torch again.",
+            "",
+        ]
+        body = [
+            [
+                r["worker"],
+                r["nproc"],
+                f"{r['median']:.3f}",
+                f"{r['min']:.3f}",
+                f"{r['max']:.3f}",
+                f"{r['median'] / ti['median']:.2f}x",
+                _f(r.get("to_workers_s")),
+                _f(r.get("join_s")),
+                _f(r.get("after_s")),
+            ]
+            for r in la["rows"]
+        ]
+        lines += [
+            table_markdown(
+                [
+                    "worker",
+                    "ranks",
+                    "median (s)",
+                    "min (s)",
+                    "max (s)",
+                    "/ torch import",
+                    "call to last worker running (s)",
+                    "group join (s)",
+                    "last return to result (s)",
+                ],
+                body,
+            ),
+            "",
+        ]
 
     pa = results.get("pairs")
     if pa and pa.get("rows"):
-        lines += ["## Hand-built vs torch", "", _section_head(pa)
-                  + f"Same model (Ψ = {pa['psi']:,}: {_shape_text(pa['model'])}), data, {pa['nproc']} ranks, "
-                  f"{pa['steps']} steps per run (step time: median over steps after the first, max over ranks); "
-                  f"{pa['rounds']} rounds of interleaved runs A B A B. Ratio = hand-built / torch, per round.", ""]
+        lines += [
+            "## Hand-built vs torch",
+            "",
+            _section_head(pa)
+            + f"Same model (Ψ = {pa['psi']:,}: {_shape_text(pa['model'])}), data, {pa['nproc']} ranks, "
+            f"{pa['steps']} steps per run (step time: median over steps after the first, max over ranks); "
+            f"{pa['rounds']} rounds of interleaved runs A B A B. Ratio = hand-built / torch, per round.",
+            "",
+        ]
         body = []
         for r in pa["rows"]:
             if "error" in r:
                 body.append([f"{r['hand']} / {r['torch']}", "-", "-", "-", "-", "-", r["error"]])
                 continue
             q = r["ratio"]
-            body.append([f"{r['hand']} / {r['torch']}", f"{r['hand_s']['median'] * 1e3:.1f}",
-                         f"{r['torch_s']['median'] * 1e3:.1f}", f"**{q['median']:.2f}**",
-                         f"{q['min']:.2f} / {q['max']:.2f}", f"{_calls_text(r['hand_calls'])} vs "
-                         f"{_calls_text(r['torch_calls'])}",
-                         "same losses" if r["same_losses"] else f"max loss diff {r['max_loss_diff']:.1e}"])
-        lines += [table_markdown(["pair", "hand (ms)", "torch (ms)", "ratio (median)", "min / max",
-                                  "collectives per step", "agreement"], body), ""]
+            body.append(
+                [
+                    f"{r['hand']} / {r['torch']}",
+                    f"{r['hand_s']['median'] * 1e3:.1f}",
+                    f"{r['torch_s']['median'] * 1e3:.1f}",
+                    f"**{q['median']:.2f}**",
+                    f"{q['min']:.2f} / {q['max']:.2f}",
+                    f"{_calls_text(r['hand_calls'])} vs {_calls_text(r['torch_calls'])}",
+                    "same losses" if r["same_losses"] else f"max loss diff {r['max_loss_diff']:.1e}",
+                ]
+            )
+        lines += [
+            table_markdown(
+                ["pair", "hand (ms)", "torch (ms)", "ratio (median)", "min / max", "collectives per step", "agreement"],
+                body,
+            ),
+            "",
+        ]
 
     th = results.get("theory")
     if th and th.get("rows"):
-        lines += ["## Theory vs measured, every strategy", "", _section_head(th)
-                  + f"Ψ = {th['psi']:,} ({_shape_text(th['model'])}), fp32 Adam (4 + 4 + 8 bytes per parameter). "
-                  "Held: model states per rank (mean over ranks) at the last step; sent: ring bytes one rank sends "
-                  "per step (mean over ranks). Formula = the paper's formula with the run's padding; "
-                  "paper = the same without padding.", ""]
+        lines += [
+            "## Theory vs measured, every strategy",
+            "",
+            _section_head(th)
+            + f"Ψ = {th['psi']:,} ({_shape_text(th['model'])}), fp32 Adam (4 + 4 + 8 bytes per parameter). "
+            "Held: model states per rank (mean over ranks) at the last step; sent: ring bytes one rank sends "
+            "per step (mean over ranks). Formula = the paper's formula with the run's padding; "
+            "paper = the same without padding.",
+            "",
+        ]
         body = []
         for r in th["rows"]:
             if "error" in r:
                 body.append([r["strategy"], r["nproc"], "-", "-", "-", "-", "-", "-", r["error"]])
                 continue
-            body.append([r["strategy"], r["nproc"], _mb(r["held_mean"]), _mb(r["held_exact"]),
-                         _f(r["held_ratio"], ".4f"), _mb(r["sent_mean"]), _mb(r["sent_exact"]),
-                         _f(r["sent_ratio"], ".4f"),
-                         f"held {_f(r['held_ratio_paper'], '.4f')}, sent {_f(r['sent_ratio_paper'], '.4f')}; "
-                         f"padding {r['held_padding']:.0f} B held, {r['sent_padding']:.0f} B sent"])
-        lines += [table_markdown(["strategy", "ranks", "held", "formula", "held / formula", "sent / step",
-                                  "formula", "sent / formula", "vs paper (no padding)"], body), ""]
+            body.append(
+                [
+                    r["strategy"],
+                    r["nproc"],
+                    _mb(r["held_mean"]),
+                    _mb(r["held_exact"]),
+                    _f(r["held_ratio"], ".4f"),
+                    _mb(r["sent_mean"]),
+                    _mb(r["sent_exact"]),
+                    _f(r["sent_ratio"], ".4f"),
+                    f"held {_f(r['held_ratio_paper'], '.4f')}, sent {_f(r['sent_ratio_paper'], '.4f')}; "
+                    f"padding {r['held_padding']:.0f} B held, {r['sent_padding']:.0f} B sent",
+                ]
+            )
+        lines += [
+            table_markdown(
+                [
+                    "strategy",
+                    "ranks",
+                    "held",
+                    "formula",
+                    "held / formula",
+                    "sent / step",
+                    "formula",
+                    "sent / formula",
+                    "vs paper (no padding)",
+                ],
+                body,
+            ),
+            "",
+        ]
 
     sc = results.get("scaling")
     if sc and sc.get("rows"):
-        lines += ["## Scaling", "", _section_head(sc)
-                  + f"Global batch 8 sequences, {sc['steps']} steps per run; widths h = "
-                  f"{', '.join(map(str, sc['widths']))} (tiny model otherwise). 4 ranks on 2 cores are "
-                  "oversubscribed: their step times show the cost of sharing cores, not of the algorithm. One rank "
-                  f"computes with both cores (2 threads) and is the most exposed to other processes: each 1-rank "
-                  f"point is the faster of {SINGLE_RANK_TRIES} runs. "
-                  "![scaling](scaling.png)", ""]
-        body = [[r["strategy"], r.get("width", "-"), r.get("nproc", "-"), f"{r['psi']:,}" if "psi" in r else "-",
-                 f"{r['step_time_s'] * 1e3:.1f}" if "step_time_s" in r else "-",
-                 _mb(r.get("held_per_rank")), _f(r.get("held_ratio"), ".4f"), _mb(r.get("sent_per_step")),
-                 r.get("error", "")] for r in sc["rows"]]
-        lines += [table_markdown(["strategy", "width", "ranks", "Ψ", "step (ms)", "held per rank",
-                                  "held / formula", "sent / step", "note"], body), ""]
+        lines += [
+            "## Scaling",
+            "",
+            _section_head(sc) + f"Global batch 8 sequences, {sc['steps']} steps per run; widths h = "
+            f"{', '.join(map(str, sc['widths']))} (tiny model otherwise). 4 ranks on 2 cores are "
+            "oversubscribed: their step times show the cost of sharing cores, not of the algorithm. One rank "
+            f"computes with both cores (2 threads) and is the most exposed to other processes: each 1-rank "
+            f"point is the faster of {SINGLE_RANK_TRIES} runs. "
+            "![scaling](scaling.png)",
+            "",
+        ]
+        body = [
+            [
+                r["strategy"],
+                r.get("width", "-"),
+                r.get("nproc", "-"),
+                f"{r['psi']:,}" if "psi" in r else "-",
+                f"{r['step_time_s'] * 1e3:.1f}" if "step_time_s" in r else "-",
+                _mb(r.get("held_per_rank")),
+                _f(r.get("held_ratio"), ".4f"),
+                _mb(r.get("sent_per_step")),
+                r.get("error", ""),
+            ]
+            for r in sc["rows"]
+        ]
+        lines += [
+            table_markdown(
+                [
+                    "strategy",
+                    "width",
+                    "ranks",
+                    "Ψ",
+                    "step (ms)",
+                    "held per rank",
+                    "held / formula",
+                    "sent / step",
+                    "note",
+                ],
+                body,
+            ),
+            "",
+        ]
 
     cu = results.get("cuda")
     if cu:
         lines += ["## CUDA", ""]
         if cu.get("skipped"):
-            lines += [f"Not run: {cu['skipped']}. On a CUDA host the same command reports, per strategy, step time, "
-                      "tokens/s, MFU against the bf16 peak and `max_memory_allocated` against the planner "
-                      "(this path has not been run on a GPU yet).", ""]
+            lines += [
+                f"Not run: {cu['skipped']}. On a CUDA host the same command reports, per strategy, step time, "
+                "tokens/s, MFU against the bf16 peak and `max_memory_allocated` against the planner "
+                "(this path has not been run on a GPU yet).",
+                "",
+            ]
         else:
-            lines += [_section_head(cu) + f"{cu['gpus']} x {cu['device']} (bf16 peak "
-                      f"{_f(cu['bf16_peak'] and cu['bf16_peak'] / 1e12, '.0f')} TFLOP/s), Ψ = {cu['psi']:,}, "
-                      f"batch {cu['batch']} x {cu['model']['seq']} tokens, bf16 mixed precision. "
-                      "(First GPU run of this code path: check the numbers before quoting them.)", ""]
-            body = [[r["strategy"], f"{r['step_time_s'] * 1e3:.1f}" if "step_time_s" in r else "-",
-                     _f(r.get("tokens_per_s"), ",.0f"), _f(r.get("mfu"), ".1%"),
-                     _f(r.get("max_memory_allocated") and r["max_memory_allocated"] / 1e9, ".2f"),
-                     _f(r.get("planner_bytes") and r["planner_bytes"] / 1e9, ".2f"), _f(r.get("memory_ratio"), ".2f"),
-                     r.get("error", "")] for r in cu["rows"]]
-            lines += [table_markdown(["strategy", "step (ms)", "tokens/s", "MFU", "max allocated (GB)",
-                                      "planner (GB)", "measured / planner", "note"], body), ""]
+            lines += [
+                _section_head(cu) + f"{cu['gpus']} x {cu['device']} (bf16 peak "
+                f"{_f(cu['bf16_peak'] and cu['bf16_peak'] / 1e12, '.0f')} TFLOP/s), Ψ = {cu['psi']:,}, "
+                f"batch {cu['batch']} x {cu['model']['seq']} tokens, bf16 mixed precision. "
+                "(First GPU run of this code path: check the numbers before quoting them.)",
+                "",
+            ]
+            body = [
+                [
+                    r["strategy"],
+                    f"{r['step_time_s'] * 1e3:.1f}" if "step_time_s" in r else "-",
+                    _f(r.get("tokens_per_s"), ",.0f"),
+                    _f(r.get("mfu"), ".1%"),
+                    _f(r.get("max_memory_allocated") and r["max_memory_allocated"] / 1e9, ".2f"),
+                    _f(r.get("planner_bytes") and r["planner_bytes"] / 1e9, ".2f"),
+                    _f(r.get("memory_ratio"), ".2f"),
+                    r.get("error", ""),
+                ]
+                for r in cu["rows"]
+            ]
+            lines += [
+                table_markdown(
+                    [
+                        "strategy",
+                        "step (ms)",
+                        "tokens/s",
+                        "MFU",
+                        "max allocated (GB)",
+                        "planner (GB)",
+                        "measured / planner",
+                        "note",
+                    ],
+                    body,
+                ),
+                "",
+            ]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -857,6 +1240,7 @@ def _calls_text(calls: dict) -> str:
 # Command line
 # ---------------------------------------------------------------------------------------------
 
+
 def parse_sections(text: str | None, cuda_available: bool) -> list[str]:
     """The sections to run, in order, from ``--sections a,b`` (default: all that can run here) (README)."""
     if not text:
@@ -864,8 +1248,10 @@ def parse_sections(text: str | None, cuda_available: bool) -> list[str]:
     chosen = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown or not chosen:
-        raise CourseInputError(f"unknown section(s) {', '.join(unknown) or '(none given)'}; choose from "
-                               f"{', '.join(SECTIONS)}, separated by commas")
+        raise CourseInputError(
+            f"unknown section(s) {', '.join(unknown) or '(none given)'}; choose from "
+            f"{', '.join(SECTIONS)}, separated by commas"
+        )
     if "cuda" in chosen and not cuda_available:
         raise CourseInputError("the cuda section needs a CUDA device, and torch sees none here; leave it out")
     return [s for s in SECTIONS if s in chosen]
@@ -876,25 +1262,33 @@ def check_arguments(args) -> None:
     for name, low in (("rounds", 1), ("steps", 3), ("repeats", 2)):
         value = getattr(args, name)
         if not isinstance(value, int) or value < low:
-            raise CourseInputError(f"--{name} must be a whole number >= {low}, got {value!r}"
-                                   + (" (the first step is warm-up and not timed)" if name == "steps" else ""))
+            raise CourseInputError(
+                f"--{name} must be a whole number >= {low}, got {value!r}"
+                + (" (the first step is warm-up and not timed)" if name == "steps" else "")
+            )
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise CourseInputError(f"--peak-tflops must be a positive number of TFLOP/s, got {args.peak_tflops:g}")
     writable_dir("--out", args.out)
 
 
 def bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sections", default=None,
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all that can run here); "
-                             "sections not run keep their previous results in results.json")
+    parser.add_argument(
+        "--sections",
+        default=None,
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all that can run here); "
+        "sections not run keep their previous results in results.json",
+    )
     parser.add_argument("--rounds", type=int, default=4, help="interleaved A B rounds per hand-built/torch pair")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (the first is not timed)")
     parser.add_argument("--repeats", type=int, default=4, help="launches per launch-overhead measurement")
     parser.add_argument("--notebooks", nargs="*", default=(), metavar="NN", help="only these notebooks (prefixes)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak per GPU, for MFU (cuda section)")
     parser.add_argument("--out", default=str(OUT_DIR), help="folder for results.md, results.json, scaling.png")
-    parser.add_argument("--render-only", action="store_true",
-                        help="measure nothing: rewrite results.md from results.json (and analysis.md)")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="measure nothing: rewrite results.md from results.json (and analysis.md)",
+    )
 
 
 def bench_command(args) -> int:
@@ -939,22 +1333,29 @@ def bench_command(args) -> int:
             elif name == "notebooks":
                 sec = notebooks_section(results.get("launch"), args.notebooks)
             else:
-                sec = cuda_section(steps=max(args.steps, 10),
-                                   peak_flops=args.peak_tflops and args.peak_tflops * 1e12)
+                sec = cuda_section(steps=max(args.steps, 10), peak_flops=args.peak_tflops and args.peak_tflops * 1e12)
         except Exception as exc:  # one broken section is reported; the others still run
             lines = [x for x in str(exc).strip().splitlines() if x.strip()] or [""]
-            sec = {"error": f"{type(exc).__name__}: {lines[0][:200]}" + (f" ... {lines[-1][:200]}"
-                                                                         if len(lines) > 1 else "")}
+            sec = {
+                "error": f"{type(exc).__name__}: {lines[0][:200]}"
+                + (f" ... {lines[-1][:200]}" if len(lines) > 1 else "")
+            }
             _say(f"    {name} FAILED: {sec['error']}")
-        sec["_meta"] = {"at": time.strftime("%Y-%m-%d %H:%M"), "seconds": time.perf_counter() - t0,
-                        "load_before": before, "load_after": _load()}
+        sec["_meta"] = {
+            "at": time.strftime("%Y-%m-%d %H:%M"),
+            "seconds": time.perf_counter() - t0,
+            "load_before": before,
+            "load_after": _load(),
+        }
         results[name] = sec
         _say(f"    {name}: {sec['_meta']['seconds']:.0f} s")
-        done = sections[:sections.index(name) + 1]
+        done = sections[: sections.index(name) + 1]
         write_results(results, out, done, time.perf_counter() - started, complete=done == sections)
     for v in verdicts(results):
-        _say(f"    {'met' if v['met'] else 'NOT met' if v['met'] is False else 'not measured'}: {v['target']}"
-             f" ({v['measured']})")
+        _say(
+            f"    {'met' if v['met'] else 'NOT met' if v['met'] is False else 'not measured'}: {v['target']}"
+            f" ({v['measured']})"
+        )
     _say(f"==> wrote {out / 'results.md'} and results.json in {time.perf_counter() - started:.0f} s")
     return 0
 
@@ -966,10 +1367,16 @@ def write_results(results: dict, out: Path, sections: list, total_s: float, comp
     full = (results.get("meta") or {}).get("full_run")
     if complete and set(sections) >= set(SECTIONS) - {"cuda"}:  # what `make bench` runs: its total time
         full = {"finished": time.strftime("%Y-%m-%d %H:%M"), "total_s": total_s, "load_after": _load()}
-    results["meta"] = {"finished": time.strftime("%Y-%m-%d %H:%M") + ("" if complete else " (interrupted)"),
-                       "total_s": total_s, "sections": sections, "cpus": os.cpu_count(),
-                       "python": platform.python_version(), "torch": torch.__version__,
-                       "platform": platform.platform(terse=True), "full_run": full}
+    results["meta"] = {
+        "finished": time.strftime("%Y-%m-%d %H:%M") + ("" if complete else " (interrupted)"),
+        "total_s": total_s,
+        "sections": sections,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(terse=True),
+        "full_run": full,
+    }
     analysis = out / "analysis.md"  # written by hand after looking at a run; shown under the targets
     results["analysis"] = analysis.read_text() if analysis.exists() else ""
     (out / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True, default=_json_default) + "\n")

@@ -33,6 +33,7 @@ How a notebook becomes a deck (slides/README.md says the same for teachers):
   output is refused. Remote images (the Colab badge) become plain links, so a deck loads nothing
   from the network: reveal.js and KaTeX are vendored under slides/.
 """
+
 from __future__ import annotations
 
 import copy
@@ -69,10 +70,14 @@ SHOW_CODE_TAG, HIDE_CODE_TAG = "slide-code", "slide-no-code"
 
 #: What the decks load, from the npm registry (`vendor` re-fetches exactly these files).
 VENDOR = {
-    "reveal.js": ("6.0.2", ["LICENSE", "dist/reveal.js", "dist/reveal.css", "dist/theme/white.css",
-                            "dist/plugin/notes.js"]),
-    "katex": ("0.19.1", ["LICENSE", "dist/katex.min.js", "dist/katex.min.css",
-                         "dist/contrib/auto-render.min.js", "dist/fonts/*.woff2"]),
+    "reveal.js": (
+        "6.0.2",
+        ["LICENSE", "dist/reveal.js", "dist/reveal.css", "dist/theme/white.css", "dist/plugin/notes.js"],
+    ),
+    "katex": (
+        "0.19.1",
+        ["LICENSE", "dist/katex.min.js", "dist/katex.min.css", "dist/contrib/auto-render.min.js", "dist/fonts/*.woff2"],
+    ),
 }
 #: Where each vendored file lands under slides/ (KaTeX's dist/ prefix is dropped).
 VENDOR_DIRS = {"reveal.js": ("", "reveal.js"), "katex": ("dist/", "katex")}
@@ -83,6 +88,7 @@ DECK_SUFFIX = ".slides.html"
 # ---------------------------------------------------------------------------------------------
 # Which notebooks
 # ---------------------------------------------------------------------------------------------
+
 
 def select(paths, names) -> list[Path]:
     """The paths whose stem starts with one of ``names`` (all of them when ``names`` is empty)."""
@@ -107,9 +113,15 @@ def execute(names=()) -> int:
         start = time.monotonic()
         print(f"    {path.name} ...", end="", flush=True)
         try:
-            papermill.execute_notebook(str(path), str(BUILD / path.name), cwd=str(NOTEBOOKS),
-                                       kernel_name="python3", progress_bar=False, log_output=False,
-                                       kernel_manager_class=IPC_KERNEL_MANAGER)
+            papermill.execute_notebook(
+                str(path),
+                str(BUILD / path.name),
+                cwd=str(NOTEBOOKS),
+                kernel_name="python3",
+                progress_bar=False,
+                log_output=False,
+                kernel_manager_class=IPC_KERNEL_MANAGER,
+            )
         except papermill.PapermillExecutionError as err:
             failed.append(path.name)
             print(f" FAILED in cell {err.exec_count}: {err.ename}: {err.evalue}", flush=True)
@@ -117,14 +129,16 @@ def execute(names=()) -> int:
         print(f" {time.monotonic() - start:.1f} s", flush=True)
     print(f"    all notebooks: {time.monotonic() - total:.1f} s")
     if failed:
-        print(f"    failed: {', '.join(failed)} (the executed copies in build/notebooks/ show the error)",
-              file=sys.stderr)
+        print(
+            f"    failed: {', '.join(failed)} (the executed copies in build/notebooks/ show the error)", file=sys.stderr
+        )
     return 1 if failed else 0
 
 
 # ---------------------------------------------------------------------------------------------
 # From notebook cells to deck cells
 # ---------------------------------------------------------------------------------------------
+
 
 def slide_type(cell) -> str | None:
     """The cell's reveal.js slide type, or None when it carries no ``slideshow`` metadata."""
@@ -142,9 +156,16 @@ def fingerprint(nb) -> str:
     The same for a stripped notebook and its executed copy (outputs and papermill's
     bookkeeping do not count), so a deck can say which version of its notebook it shows.
     """
-    cells = [[c["cell_type"], "".join(c["source"]) if isinstance(c["source"], list) else c["source"],
-              slide_type(c), sorted(c.get("metadata", {}).get("tags", []))]
-             for c in nb["cells"] if not _is_injected(c)]
+    cells = [
+        [
+            c["cell_type"],
+            "".join(c["source"]) if isinstance(c["source"], list) else c["source"],
+            slide_type(c),
+            sorted(c.get("metadata", {}).get("tags", [])),
+        ]
+        for c in nb["cells"]
+        if not _is_injected(c)
+    ]
     return hashlib.sha256(json.dumps(cells, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
@@ -164,8 +185,11 @@ def deck_outputs(outputs: list) -> list:
         if out.get("output_type") == "stream" and out.get("name") == "stderr":
             continue
         plain = out.get("data", {}).get("text/plain", "")
-        if (out.get("output_type") == "display_data" and set(out.get("data", {})) == {"text/plain"}
-                and _PROGRESS_LINE.match("".join(plain) if isinstance(plain, list) else plain)):
+        if (
+            out.get("output_type") == "display_data"
+            and set(out.get("data", {})) == {"text/plain"}
+            and _PROGRESS_LINE.match("".join(plain) if isinstance(plain, list) else plain)
+        ):
             continue
         if out.get("output_type") in ("display_data", "execute_result"):
             out = copy.deepcopy(out)
@@ -232,13 +256,17 @@ def deck_notebook(nb, name: str):
             continue
         errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
         if errors:
-            raise ValueError(f"{name}: the cell run as In [{cell.get('execution_count')}] raised "
-                             f"{errors[0].get('ename')}; fix the notebook and run `make notebooks` again")
+            raise ValueError(
+                f"{name}: the cell run as In [{cell.get('execution_count')}] raised "
+                f"{errors[0].get('ename')}; fix the notebook and run `make notebooks` again"
+            )
         kind = slide_type(cell)
         if kind is None:
             if cell.cell_type == "code" and any(_is_image(o) for o in cell.get("outputs", [])):
-                warnings.append(f"{name}: cell {index} draws a chart but has no slideshow metadata, so the "
-                                "deck leaves it out (give it slide='subslide', or 'skip' to silence this)")
+                warnings.append(
+                    f"{name}: cell {index} draws a chart but has no slideshow metadata, so the "
+                    "deck leaves it out (give it slide='subslide', or 'skip' to silence this)"
+                )
             continue
         if kind == "skip" or cell.cell_type == "raw":
             continue
@@ -268,10 +296,16 @@ def deck_notebook(nb, name: str):
     if not any(slide_type(c) not in ("notes",) for c in cells):
         raise ValueError(f"{name}: no cell carries slideshow metadata, so there is no deck to export")
     title = _title(nb)
-    cells.insert(1 if cells else 0, _markdown_cell(
-        f"Deck of `notebooks/{name}.ipynb`, executed headless; every number on these slides was computed "
-        "by that run. Keys: S speaker view (these notes), F full screen, Esc overview, B blank screen. "
-        "After presenting, run the notebook live: `make lab`, or the Colab badge.", "notes", "deck-keys"))
+    cells.insert(
+        1 if cells else 0,
+        _markdown_cell(
+            f"Deck of `notebooks/{name}.ipynb`, executed headless; every number on these slides was computed "
+            "by that run. Keys: S speaker view (these notes), F full screen, Esc overview, B blank screen. "
+            "After presenting, run the notebook live: `make lab`, or the Colab badge.",
+            "notes",
+            "deck-keys",
+        ),
+    )
     out = nbformat.v4.new_notebook()
     out.cells = cells
     out.metadata = copy.deepcopy(nb.metadata)
@@ -296,8 +330,7 @@ def _visible_prose(source: str) -> str:
     """The prose of a markdown cell as a slide shows it: no headings, tables, code, maths, links' targets."""
     text = _CODE_SPAN.sub(" ", source)
     text = _MATH.sub("x", text)
-    lines = [ln for ln in text.splitlines()
-             if not ln.lstrip().startswith(("#", "|", "<", "[![")) and ln.strip()]
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith(("#", "|", "<", "[![")) and ln.strip()]
     text = " ".join(lines)
     text = re.sub(r"\]\([^)]*\)", "]", text)
     return re.sub(r"[*_>\[\]]|\s+", lambda m: " " if m.group().isspace() else "", text).strip()
@@ -340,12 +373,16 @@ def deck_lint(nb, name: str) -> list[str]:
         where = f"{name} slide {number} ({(heading or 'no heading')[:50]})"
         said = sum(len(_source(c)) for c in notes)
         if number > 1 and (not notes or (said < NOTES_MIN_CHARS and all(c["cell_type"] == "markdown" for c in notes))):
-            problems.append(f"{where}: speaker notes missing or under {NOTES_MIN_CHARS} characters; add a "
-                            "`notes` cell after it: the point, a question for the class, the number to remember")
+            problems.append(
+                f"{where}: speaker notes missing or under {NOTES_MIN_CHARS} characters; add a "
+                "`notes` cell after it: the point, a question for the class, the number to remember"
+            )
         prose = sum(len(_visible_prose(s)) for s in markdown)
         if prose > SLIDE_PROSE_CHARS:
-            problems.append(f"{where}: {prose} characters of prose on the slide (at most {SLIDE_PROSE_CHARS}); "
-                            "keep the point on the slide and move the rest into a `notes` cell")
+            problems.append(
+                f"{where}: {prose} characters of prose on the slide (at most {SLIDE_PROSE_CHARS}); "
+                "keep the point on the slide and move the rest into a `notes` cell"
+            )
         if number > 1 and heading is None:
             problems.append(f"{where}: no heading; start the slide with a markdown heading that states its point")
         if shown and shown[-1]["cell_type"] == "markdown" and _visible_prose(_source(shown[-1])).rstrip().endswith(":"):
@@ -369,8 +406,11 @@ def _title(nb) -> str:
 
 def expected_slides(nb) -> int:
     """How many slides (reveal.js sections) the deck of ``nb`` has: counted from slide metadata."""
-    cells = [c for c in nb["cells"] if slide_type(c) not in (None, "skip", "notes") and c["cell_type"] != "raw"
-             and not _is_injected(c)]
+    cells = [
+        c
+        for c in nb["cells"]
+        if slide_type(c) not in (None, "skip", "notes") and c["cell_type"] != "raw" and not _is_injected(c)
+    ]
     return sum(1 for i, c in enumerate(cells) if i == 0 or slide_type(c) in ("slide", "subslide"))
 
 
@@ -378,11 +418,20 @@ def expected_slides(nb) -> int:
 # The deck: nbconvert with the course template, then an offline check
 # ---------------------------------------------------------------------------------------------
 
+
 class _Resources(HTMLParser):
     """Every URL a page would load by itself: scripts, stylesheets, images, frames, media, CSS url()/@import."""
 
-    LOADS = {"script": "src", "img": "src", "iframe": "src", "embed": "src", "source": "src",
-             "video": "src", "audio": "src", "object": "data"}
+    LOADS = {
+        "script": "src",
+        "img": "src",
+        "iframe": "src",
+        "embed": "src",
+        "source": "src",
+        "video": "src",
+        "audio": "src",
+        "object": "data",
+    }
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
@@ -390,8 +439,12 @@ class _Resources(HTMLParser):
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
-        if tag == "link" and "stylesheet" in (attrs.get("rel") or "") or tag == "link" and attrs.get("rel") in (
-                "preload", "modulepreload", "icon"):
+        if (
+            tag == "link"
+            and "stylesheet" in (attrs.get("rel") or "")
+            or tag == "link"
+            and attrs.get("rel") in ("preload", "modulepreload", "icon")
+        ):
             self.urls.append(("link", attrs.get("href") or ""))
         elif tag in self.LOADS and attrs.get(self.LOADS[tag]):
             self.urls.append((tag, attrs[self.LOADS[tag]]))
@@ -456,15 +509,28 @@ def export_deck(executed: Path, source: Path | None = None) -> tuple[str, list[s
     name = executed.stem
     deck, warnings = deck_notebook(nb, name)
     if source is not None and fingerprint(nbformat.read(source, as_version=4)) != fingerprint(nb):
-        raise ValueError(f"{executed.relative_to(ROOT) if executed.is_relative_to(ROOT) else executed} was run "
-                         f"from another version of notebooks/{source.name}: run `make notebooks` first")
+        raise ValueError(
+            f"{executed.relative_to(ROOT) if executed.is_relative_to(ROOT) else executed} was run "
+            f"from another version of notebooks/{source.name}: run `make notebooks` first"
+        )
     charts = sum(1 for c in deck.cells if c.cell_type == "code" for o in c.outputs if _is_image(o))
-    exporter = SlidesExporter(extra_template_basedirs=[str(TEMPLATE_DIR.parent)], template_name=TEMPLATE_DIR.name,
-                              exclude_input_prompt=True, exclude_output_prompt=True)
-    resources = {"course": {
-        "notebook": f"notebooks/{name}.ipynb", "fingerprint": fingerprint(nb), "title": _title(nb),
-        "slides": expected_slides(nb), "charts": charts,
-        "css": (TEMPLATE_DIR / "deck.css").read_text(), "js": (TEMPLATE_DIR / "deck.js").read_text()}}
+    exporter = SlidesExporter(
+        extra_template_basedirs=[str(TEMPLATE_DIR.parent)],
+        template_name=TEMPLATE_DIR.name,
+        exclude_input_prompt=True,
+        exclude_output_prompt=True,
+    )
+    resources = {
+        "course": {
+            "notebook": f"notebooks/{name}.ipynb",
+            "fingerprint": fingerprint(nb),
+            "title": _title(nb),
+            "slides": expected_slides(nb),
+            "charts": charts,
+            "css": (TEMPLATE_DIR / "deck.css").read_text(),
+            "js": (TEMPLATE_DIR / "deck.js").read_text(),
+        }
+    }
     html, _ = exporter.from_notebook_node(deck, resources=resources)
     html = scrub_paths(html)
     remote = remote_loads(html)
@@ -507,8 +573,11 @@ def slides(names=(), out: Path = BUILD_SLIDES) -> int:
         for line in warnings:
             print(f"    warning: {line}", file=sys.stderr)
         print(f"    {deck.relative_to(ROOT) if deck.is_relative_to(ROOT) else deck} ({len(html) // 1024} KiB)")
-    orphans = [d.name for d in out.glob(f"*{DECK_SUFFIX}")
-               if not (NOTEBOOKS / (d.name[:-len(DECK_SUFFIX)] + ".ipynb")).exists()]
+    orphans = [
+        d.name
+        for d in out.glob(f"*{DECK_SUFFIX}")
+        if not (NOTEBOOKS / (d.name[: -len(DECK_SUFFIX)] + ".ipynb")).exists()
+    ]
     if orphans:
         print(f"    warning: decks without a notebook (delete them): {', '.join(orphans)}", file=sys.stderr)
     return 1 if failed else 0
@@ -553,6 +622,7 @@ def publish(build: Path = BUILD_SLIDES, dest: Path = SLIDES) -> int:
 # Vendored JavaScript and the README screenshot
 # ---------------------------------------------------------------------------------------------
 
+
 def vendor() -> int:
     """Fetch the pinned reveal.js and KaTeX packages with `npm pack` and copy the files decks load."""
     import fnmatch
@@ -562,8 +632,9 @@ def vendor() -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         for package, (version, patterns) in VENDOR.items():
-            subprocess.run(["npm", "pack", "--silent", f"{package}@{version}"], cwd=tmp, check=True,
-                           stdout=subprocess.DEVNULL)
+            subprocess.run(
+                ["npm", "pack", "--silent", f"{package}@{version}"], cwd=tmp, check=True, stdout=subprocess.DEVNULL
+            )
             tarball = Path(tmp) / f"{package}-{version}.tgz"
             strip, target = VENDOR_DIRS[package]
             dest = SLIDES / target
@@ -586,8 +657,11 @@ def docs_shot(names=()) -> int:
     name = names[0] if names else "01_memory_bill"
     shot = SCREENSHOTS / f"{name}.png"
     if not shot.exists():
-        print(f"no {shot.relative_to(ROOT)}: run the browser tests first "
-              "(.venv/bin/python -m pytest tests/test_browser.py -k deck)", file=sys.stderr)
+        print(
+            f"no {shot.relative_to(ROOT)}: run the browser tests first "
+            "(.venv/bin/python -m pytest tests/test_browser.py -k deck)",
+            file=sys.stderr,
+        )
         return 2
     (ROOT / "docs").mkdir(exist_ok=True)
     shutil.copyfile(shot, ROOT / "docs" / "deck.png")

@@ -17,6 +17,7 @@ a badge opened next year must install the course_utils its notebook was written 
 `sync` touches only the badge link in the title cell and the whole set-up cell; tests/test_colab.py
 runs `check`. Publishing the course is described in the README ("Colab").
 """
+
 from __future__ import annotations
 
 import json
@@ -35,18 +36,22 @@ _REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]*$")
 #: Refs that move: a badge must open what its notebook was written against.
 _BRANCHES = {"main", "master", "HEAD", "dev", "develop"}
 
-SETUP = '''\
+SETUP = """\
 # Set-up: on Colab, install course_utils from the course's repository at this notebook's release (Colab's own
 # torch, matplotlib and ipywidgets are kept). Elsewhere this does nothing: `make` has installed it into .venv.
 # Written by `python tools/colab.py sync` from pyproject.toml (the repository URL and the release): edit those.
 import sys
+
 if "google.colab" in sys.modules:
     import subprocess
+
     COURSE_PACKAGE = "course-utils{extras} @ git+{url}@{ref}"
     if subprocess.run([sys.executable, "-m", "pip", "install", "-q", COURSE_PACKAGE]).returncode != 0:
-        raise SystemExit(f"Could not install {{COURSE_PACKAGE}} (pip says why above): if that repository or release "
-                         "is not published yet, run the course locally with `make lab`, or ask your teacher for the "
-                         "published Colab link.")'''
+        raise SystemExit(
+            f"Could not install {{COURSE_PACKAGE}} (pip says why above): if that repository or release "
+            "is not published yet, run the course locally with `make lab`, or ask your teacher for the "
+            "published Colab link."
+        )"""
 
 
 def _toml(path: Path) -> dict:
@@ -64,18 +69,24 @@ def metadata(pyproject: Path = PYPROJECT) -> dict:
     ref = str(data.get("tool", {}).get("course", {}).get("colab", {}).get("ref", ""))
     m = _GITHUB.match(url)
     if not m:
-        raise SystemExit(f"{pyproject.name}: [project.urls] Repository = {url!r} is not a GitHub repository URL "
-                         "(https://github.com/OWNER/REPO), which Colab needs to open the notebooks")
+        raise SystemExit(
+            f"{pyproject.name}: [project.urls] Repository = {url!r} is not a GitHub repository URL "
+            "(https://github.com/OWNER/REPO), which Colab needs to open the notebooks"
+        )
     if not _REF.match(ref) or ref in _BRANCHES:
-        raise SystemExit(f"{pyproject.name}: [tool.course.colab] ref = {ref!r} must be a release tag or a commit "
-                         "(a branch moves, so a badge would open notebooks that no longer match their course_utils)")
+        raise SystemExit(
+            f"{pyproject.name}: [tool.course.colab] ref = {ref!r} must be a release tag or a commit "
+            "(a branch moves, so a badge would open notebooks that no longer match their course_utils)"
+        )
     return {"url": f"https://github.com/{m['owner']}/{m['repo']}", "owner": m["owner"], "repo": m["repo"], "ref": ref}
 
 
 def badge_url(meta: dict, filename: str) -> str:
     """The Colab link of one notebook at the pinned release."""
-    return (f"https://colab.research.google.com/github/{meta['owner']}/{meta['repo']}/blob/{meta['ref']}"
-            f"/notebooks/{filename}")
+    return (
+        f"https://colab.research.google.com/github/{meta['owner']}/{meta['repo']}/blob/{meta['ref']}"
+        f"/notebooks/{filename}"
+    )
 
 
 def badge(meta: dict, filename: str) -> str:
@@ -103,7 +114,9 @@ def problems(path: Path, meta: dict) -> list[str]:
     found = []
     badges = _BADGE.findall(nb["cells"][0]["source"])
     if badges != [badge_url(meta, path.name)]:
-        found.append(f"{path.name}: the title cell's badge opens {badges or 'nothing'}, not {badge_url(meta, path.name)}")
+        found.append(
+            f"{path.name}: the title cell's badge opens {badges or 'nothing'}, not {badge_url(meta, path.name)}"
+        )
     code = _code_cells(nb)
     if len(code) < 2 or code[1]["source"] != setup_source(meta, _extras(nb)):
         found.append(f"{path.name}: the second code cell is not the set-up cell for {meta['url']}@{meta['ref']}")
@@ -116,13 +129,16 @@ def sync(path: Path, meta: dict) -> bool:
     nb = json.loads(text)
     title = nb["cells"][0]
     if not _BADGE.search(title["source"]):
-        raise SystemExit(f"{path.name}: the title cell has no Open In Colab badge to update: "
-                         "add one (copy the title cell of another notebook)")
+        raise SystemExit(
+            f"{path.name}: the title cell has no Open In Colab badge to update: "
+            "add one (copy the title cell of another notebook)"
+        )
     title["source"] = _BADGE.sub(lambda _: badge(meta, path.name), title["source"])
     code = _code_cells(nb)
     if len(code) < 2 or "google.colab" not in code[1]["source"]:
-        raise SystemExit(f"{path.name}: the second code cell is not a Colab set-up cell: "
-                         "copy the set-up cell of another notebook")
+        raise SystemExit(
+            f"{path.name}: the second code cell is not a Colab set-up cell: copy the set-up cell of another notebook"
+        )
     code[1]["source"] = setup_source(meta, _extras(nb))
     new = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
     if new != text:

@@ -9,6 +9,7 @@ Each exercise's task, stub and check cell come from its ``Exercise`` record in
 Only cells whose id starts with ``NN-ex-`` are replaced; the rest of the notebook is untouched.
 Slides: the task is a slide, the stub and the check stay out of the deck (the task, not the solution).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -44,29 +45,48 @@ def section(nb: str) -> list[dict]:
     # The slide: the heading, one line and the list; how checks and hints work goes in its speaker notes
     # (issue 23: a slide carries the point). The notes cell's id is outside the numbering, so adding it
     # renumbered nothing.
-    cells = [_cell("markdown", cid(), "## Exercises: build it yourself\n\n"
-                   + "Each exercise gives a task, a stub to fill in and a check cell that compares your code with "
-                   "the course's reference.\n\n"
-                   + "\n".join(f"- **{nb}.{ex.name}**: {ex.title}" for ex in exs), "slide"),
-             _cell("markdown", f"{nb}-ex-notes",
-                   "Each exercise gives a task, a stub to fill in and a check cell. The check runs your code the "
-                   "way this notebook ran the course's own (on real ranks where the idea is distributed) and "
-                   "compares it with the course's reference. Until you fill a stub in, its check says "
-                   "*not done*. Stuck? `show_hint(notebook, name, 1)` opens the first hint (then 2, 3); "
-                   "`load_solution(notebook, name)` prints the reference and defines it.\n\n"
-                   "Ask the room to predict the answer each task asks for before anyone writes code; the check "
-                   "compares the code, the prediction is theirs to compare.", "notes"),
-             _cell("code", cid(), "from course_utils.exercises import check, load_solution, show_hint")]
+    cells = [
+        _cell(
+            "markdown",
+            cid(),
+            "## Exercises: build it yourself\n\n"
+            + "Each exercise gives a task, a stub to fill in and a check cell that compares your code with "
+            "the course's reference.\n\n" + "\n".join(f"- **{nb}.{ex.name}**: {ex.title}" for ex in exs),
+            "slide",
+        ),
+        _cell(
+            "markdown",
+            f"{nb}-ex-notes",
+            "Each exercise gives a task, a stub to fill in and a check cell. The check runs your code the "
+            "way this notebook ran the course's own (on real ranks where the idea is distributed) and "
+            "compares it with the course's reference. Until you fill a stub in, its check says "
+            "*not done*. Stuck? `show_hint(notebook, name, 1)` opens the first hint (then 2, 3); "
+            "`load_solution(notebook, name)` prints the reference and defines it.\n\n"
+            "Ask the room to predict the answer each task asks for before anyone writes code; the check "
+            "compares the code, the prediction is theirs to compare.",
+            "notes",
+        ),
+        _cell(
+            "code",
+            cid(),
+            "from course_utils.exercises import check, load_solution, show_hint  # noqa: F401 (yours to call)",
+        ),
+    ]
     for kind, source, slide in getattr(module, "EXTRA_CELLS", ()):
         cells.append(_cell(kind, cid(), source, slide))
     for i, ex in enumerate(exs, 1):
         cells += [
             _cell("markdown", cid(), f"### Exercise {nb}.{i}: {ex.title}\n\n{ex.task}", "slide"),
             _cell("code", cid(), ex.stub, "skip"),
-            _cell("code", cid(), f"check({nb!r}, {ex.name!r}, {ex.name})", "skip"),
-            _cell("code", cid(), f"# Stuck? Uncomment one line at a time.\n"
-                                 f"# show_hint({nb!r}, {ex.name!r}, 1)\n"
-                                 f"# {ex.name} = load_solution({nb!r}, {ex.name!r})", "skip"),
+            _cell("code", cid(), f'check("{nb}", "{ex.name}", {ex.name})', "skip"),
+            _cell(
+                "code",
+                cid(),
+                f"# Stuck? Uncomment one line at a time.\n"
+                f"# show_hint({nb!r}, {ex.name!r}, 1)\n"
+                f"# {ex.name} = load_solution({nb!r}, {ex.name!r})",
+                "skip",
+            ),
             _cell("markdown", cid(), f"What the check compares: {ex.checks}.", "notes"),
         ]
     return cells

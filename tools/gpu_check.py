@@ -43,6 +43,7 @@ activation checkpointing is not counted, so it shows as lost MFU. The 1B timing 
 ``dist.init(deterministic=False)`` (the fast kernels); every other run keeps the deterministic
 settings ``dist.init`` applies on CUDA, which the bit-for-bit checks need.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,6 +74,7 @@ NEEDS_S = {"fsdp_1b": 150, "train_1gpu": 60, "single_process": 120, "nccl_2rank"
 # Pure parts (tested on CPU: tests/test_gpu_check.py)
 # ---------------------------------------------------------------------------------------------
 
+
 def step_flops(shape: dict, tokens: int) -> float:
     """Model FLOPs of one training step over ``tokens`` tokens of the course model ``shape``:
     ``bench.train_flops`` (6Ψ + 12·L·s·h per token) with Ψ counted on the meta device."""
@@ -91,10 +93,12 @@ def mfu(flops_per_step: float, step_s: float, peak_flops: float) -> float:
 def kernel_category(name: str) -> str:
     """Which kind of work a CUDA kernel does, from its name (for "where the time goes")."""
     low = name.lower()
-    for category, marks in (("communication", ("nccl",)),
-                            ("attention", ("flash", "fmha", "attention", "sdpa")),
-                            ("matmul", ("gemm", "cutlass", "nvjet", "sm90", "sm100", "matmul", "cublas")),
-                            ("optimizer", ("adam",))):
+    for category, marks in (
+        ("communication", ("nccl",)),
+        ("attention", ("flash", "fmha", "attention", "sdpa")),
+        ("matmul", ("gemm", "cutlass", "nvjet", "sm90", "sm100", "matmul", "cublas")),
+        ("optimizer", ("adam",)),
+    ):
         if any(m in low for m in marks):
             return category
     return "elementwise and other"
@@ -108,9 +112,13 @@ def summarise_kernels(kernels: list[dict], wall_us: float, top: int = 12) -> dic
         cat = kernel_category(k["name"])
         by_cat[cat] = by_cat.get(cat, 0.0) + k["us"]
     rows = sorted(kernels, key=lambda k: -k["us"])[:top]
-    return {"kernel_us": total, "wall_us": wall_us, "busy_fraction": total / wall_us if wall_us else None,
-            "by_category": {c: {"us": us, "share": us / total} for c, us in sorted(by_cat.items(), key=lambda x: -x[1])},
-            "top": [{**k, "share": k["us"] / total, "category": kernel_category(k["name"])} for k in rows]}
+    return {
+        "kernel_us": total,
+        "wall_us": wall_us,
+        "busy_fraction": total / wall_us if wall_us else None,
+        "by_category": {c: {"us": us, "share": us / total} for c, us in sorted(by_cat.items(), key=lambda x: -x[1])},
+        "top": [{**k, "share": k["us"] / total, "category": kernel_category(k["name"])} for k in rows],
+    }
 
 
 def _fmt(value, spec: str, none: str = "-") -> str:
@@ -122,30 +130,42 @@ def _error_lines(sec: dict) -> list[str]:
 
 
 def _device_md(sec: dict) -> list[str]:
-    return [f"{sec['count']} x {sec['name']}, {sec['memory_bytes'] / 2**30:.1f} GiB, compute capability "
-            f"{sec['capability']}; torch {sec['torch']}, CUDA {sec['cuda']}, cuDNN {sec['cudnn']}, NCCL {sec['nccl']}.", ""]
+    return [
+        f"{sec['count']} x {sec['name']}, {sec['memory_bytes'] / 2**30:.1f} GiB, compute capability "
+        f"{sec['capability']}; torch {sec['torch']}, CUDA {sec['cuda']}, cuDNN {sec['cudnn']}, NCCL {sec['nccl']}.",
+        "",
+    ]
 
 
 def _peak_md(sec: dict) -> list[str]:
     sheet = sec.get("data_sheet_flops")
-    return [f"bf16 matmul {sec['n']} x {sec['n']} x {sec['n']}: **{sec['flops'] / 1e12:.0f} TFLOP/s** measured "
-            f"(best of {sec['trials']} timings of {sec['iters']} matmuls)"
-            + (f"; data sheet {sheet / 1e12:.0f} TFLOP/s (not used)" if sheet else "") + ".", ""]
+    return [
+        f"bf16 matmul {sec['n']} x {sec['n']} x {sec['n']}: **{sec['flops'] / 1e12:.0f} TFLOP/s** measured "
+        f"(best of {sec['trials']} timings of {sec['iters']} matmuls)"
+        + (f"; data sheet {sheet / 1e12:.0f} TFLOP/s (not used)" if sheet else "")
+        + ".",
+        "",
+    ]
 
 
 def _fsdp_md(sec: dict) -> list[str]:
     mem, t = sec["memory"], sec["timing"]
-    lines = [f"Ψ = {sec['psi']:,} ({sec['shape']['layers']} blocks, width {sec['shape']['width']}, seq "
-             f"{sec['shape']['seq']}), {sec['micro_batch']} sequences per step ({sec['tokens']:,} tokens), FSDP2 "
-             "FULL_SHARD on 1 GPU, bf16 compute / fp32 reduce, activation checkpointing, fused AdamW.", "",
-             "| quantity | value |", "|---|---|",
-             f"| step time (median of {t['steps']}) | {t['step_s'] * 1e3:.1f} ms |",
-             f"| tokens per second | {t['tokens_per_s']:,.0f} |",
-             f"| model FLOPs per step (6Ψ + 12·L·s·h per token) | {sec['flops_per_step']:.3e} |",
-             f"| MFU against the measured peak | **{_fmt(sec.get('mfu'), '.1%')}** (target {MFU_TARGET:.0%}) |",
-             f"| max_memory_allocated (steady step) | {mem['measured'] / 1e9:.2f} GB |",
-             f"| rehearsal's predicted peak | {_fmt(mem.get('predicted') and mem['predicted'] / 1e9, '.2f')} GB |",
-             f"| measured / predicted | **{_fmt(mem.get('ratio'), '.3f')}** (target within {PEAK_TOLERANCE:.0%}) |", ""]
+    lines = [
+        f"Ψ = {sec['psi']:,} ({sec['shape']['layers']} blocks, width {sec['shape']['width']}, seq "
+        f"{sec['shape']['seq']}), {sec['micro_batch']} sequences per step ({sec['tokens']:,} tokens), FSDP2 "
+        "FULL_SHARD on 1 GPU, bf16 compute / fp32 reduce, activation checkpointing, fused AdamW.",
+        "",
+        "| quantity | value |",
+        "|---|---|",
+        f"| step time (median of {t['steps']}) | {t['step_s'] * 1e3:.1f} ms |",
+        f"| tokens per second | {t['tokens_per_s']:,.0f} |",
+        f"| model FLOPs per step (6Ψ + 12·L·s·h per token) | {sec['flops_per_step']:.3e} |",
+        f"| MFU against the measured peak | **{_fmt(sec.get('mfu'), '.1%')}** (target {MFU_TARGET:.0%}) |",
+        f"| max_memory_allocated (steady step) | {mem['measured'] / 1e9:.2f} GB |",
+        f"| rehearsal's predicted peak | {_fmt(mem.get('predicted') and mem['predicted'] / 1e9, '.2f')} GB |",
+        f"| measured / predicted | **{_fmt(mem.get('ratio'), '.3f')}** (target within {PEAK_TOLERANCE:.0%}) |",
+        "",
+    ]
     return lines + _mfu_verdict(sec) + _profile_md(sec.get("profile"))
 
 
@@ -160,16 +180,23 @@ def _mfu_verdict(sec: dict) -> list[str]:
     top = f"; the largest share of kernel time is {cats[0][0]} ({cats[0][1]['share']:.0%})" if cats else ""
     idle = prof.get("busy_fraction")
     idle_text = f"; the GPU ran no kernel for {max(0.0, 1 - idle):.0%} of the profiled wall time" if idle else ""
-    return [f"MFU {value:.1%} is below the {MFU_TARGET:.0%} target. Activation checkpointing recomputes each "
-            f"block's forward (about a third more FLOPs than the model FLOPs counted){top}{idle_text}.", ""]
+    return [
+        f"MFU {value:.1%} is below the {MFU_TARGET:.0%} target. Activation checkpointing recomputes each "
+        f"block's forward (about a third more FLOPs than the model FLOPs counted){top}{idle_text}.",
+        "",
+    ]
 
 
 def _profile_md(prof: dict | None) -> list[str]:
     if not prof:
         return []
-    lines = [f"Where the time goes (torch.profiler over {prof['steps']} steps): GPU kernels busy "
-             f"{_fmt(prof.get('busy_fraction'), '.0%')} of the wall time.", "",
-             "| category | share of kernel time |", "|---|---|"]
+    lines = [
+        f"Where the time goes (torch.profiler over {prof['steps']} steps): GPU kernels busy "
+        f"{_fmt(prof.get('busy_fraction'), '.0%')} of the wall time.",
+        "",
+        "| category | share of kernel time |",
+        "|---|---|",
+    ]
     lines += [f"| {c} | {v['share']:.1%} |" for c, v in prof["by_category"].items()]
     lines += ["", "| kernel | calls | ms | share |", "|---|---|---|---|"]
     lines += [f"| `{k['name'][:90]}` | {k['calls']} | {k['us'] / 1e3:.1f} | {k['share']:.1%} |" for k in prof["top"]]
@@ -177,10 +204,13 @@ def _profile_md(prof: dict | None) -> list[str]:
 
 
 def _train_md(sec: dict) -> list[str]:
-    return [f"`{sec['strategy']}` on {sec['world_size']} GPU, backend {sec['backend']}, Ψ = {sec['psi']:,}, "
-            f"{sec['steps']} steps, batch {sec['batch']} x {sec['seq']} tokens, bf16 mixed precision: step "
-            f"{sec['step_time_s'] * 1e3:.1f} ms, losses {sec['losses'][0]:.4f} -> {sec['losses'][-1]:.4f}, "
-            f"max_memory_allocated {_fmt(sec.get('max_memory_allocated') and sec['max_memory_allocated'] / 1e9, '.2f')} GB.", ""]
+    return [
+        f"`{sec['strategy']}` on {sec['world_size']} GPU, backend {sec['backend']}, Ψ = {sec['psi']:,}, "
+        f"{sec['steps']} steps, batch {sec['batch']} x {sec['seq']} tokens, bf16 mixed precision: step "
+        f"{sec['step_time_s'] * 1e3:.1f} ms, losses {sec['losses'][0]:.4f} -> {sec['losses'][-1]:.4f}, "
+        f"max_memory_allocated {_fmt(sec.get('max_memory_allocated') and sec['max_memory_allocated'] / 1e9, '.2f')} GB.",
+        "",
+    ]
 
 
 def _notebooks_md(sec: dict) -> list[str]:
@@ -194,26 +224,44 @@ def _notebooks_md(sec: dict) -> list[str]:
 def _single_md(sec: dict) -> list[str]:
     lines = ["| notebook | what | result | seconds |", "|---|---|---|---|"]
     for r in sec["rows"]:
-        result = f"FAILED: `{r['error']}`" if "error" in r else ("" if r.get("ok") else "**check this:** ") + r["result"]
+        result = (
+            f"FAILED: `{r['error']}`" if "error" in r else ("" if r.get("ok") else "**check this:** ") + r["result"]
+        )
         lines.append(f"| {r['notebook']} | {r['what']} | {result} | {r['seconds']:.1f} |")
     return lines + [""]
 
 
-RENDER = {"device": _device_md, "matmul_peak": _peak_md, "fsdp_1b": _fsdp_md, "train_1gpu": _train_md,
-          "single_process": _single_md, "nccl_2rank": _notebooks_md, "notebooks": _notebooks_md}
-TITLES = {"device": "Device", "matmul_peak": "bf16 peak, measured", "fsdp_1b": "1B model, FSDP2 + activation checkpointing",
-          "train_1gpu": "The training entry point on one GPU",
-          "single_process": "Each notebook's single-process parts on one GPU", "nccl_2rank": "Notebooks 02-04 on 2 ranks (NCCL)",
-          "notebooks": "Every notebook on this host"}
+RENDER = {
+    "device": _device_md,
+    "matmul_peak": _peak_md,
+    "fsdp_1b": _fsdp_md,
+    "train_1gpu": _train_md,
+    "single_process": _single_md,
+    "nccl_2rank": _notebooks_md,
+    "notebooks": _notebooks_md,
+}
+TITLES = {
+    "device": "Device",
+    "matmul_peak": "bf16 peak, measured",
+    "fsdp_1b": "1B model, FSDP2 + activation checkpointing",
+    "train_1gpu": "The training entry point on one GPU",
+    "single_process": "Each notebook's single-process parts on one GPU",
+    "nccl_2rank": "Notebooks 02-04 on 2 ranks (NCCL)",
+    "notebooks": "Every notebook on this host",
+}
 
 
 def report_markdown(results: dict) -> str:
     """benchmarks/gpu.md from the results dict: one section per check, failures with their error."""
     meta = results.get("meta", {})
     finished = f"finished {meta['finished']}, {meta['total_s']:.0f} s in all" if "finished" in meta else "still running"
-    lines = ["# The course on a GPU", "",
-             f"Written by `make gpu-check` (`tools/gpu_check.py`), started {meta.get('started', '?')}, {finished}; "
-             "every number below comes from `gpu.json`, measured in that run.", ""]
+    lines = [
+        "# The course on a GPU",
+        "",
+        f"Written by `make gpu-check` (`tools/gpu_check.py`), started {meta.get('started', '?')}, {finished}; "
+        "every number below comes from `gpu.json`, measured in that run.",
+        "",
+    ]
     for name in SECTIONS:
         sec = results.get(name)
         if sec is None:
@@ -241,8 +289,10 @@ def run_section(name: str, fn, results: dict, out_dir: Path) -> dict:
     try:
         sec = fn()
     except Exception as exc:  # a failing section is reported, and the check goes on
-        sec = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}",
-               "traceback": "".join(traceback.format_exc().splitlines(keepends=True)[-25:])}
+        sec = {
+            "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}",
+            "traceback": "".join(traceback.format_exc().splitlines(keepends=True)[-25:]),
+        }
     sec["seconds"] = time.perf_counter() - t0
     results[name] = sec
     write_report(results, out_dir)
@@ -254,15 +304,23 @@ def run_section(name: str, fn, results: dict, out_dir: Path) -> dict:
 # Sections (need CUDA)
 # ---------------------------------------------------------------------------------------------
 
+
 def device_section() -> dict:
     """The GPU and the versions of everything between the course and it."""
     import torch
 
     props = torch.cuda.get_device_properties(0)
     nccl = torch.cuda.nccl.version()
-    return {"name": props.name, "memory_bytes": props.total_memory, "capability": f"{props.major}.{props.minor}",
-            "count": torch.cuda.device_count(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version(), "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}
+    return {
+        "name": props.name,
+        "memory_bytes": props.total_memory,
+        "capability": f"{props.major}.{props.minor}",
+        "count": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+    }
 
 
 def matmul_peak_section(n: int = 8192, iters: int = 50, trials: int = 3) -> dict:
@@ -282,9 +340,14 @@ def matmul_peak_section(n: int = 8192, iters: int = 50, trials: int = 3) -> dict
             a @ b
         end.record()
         end.synchronize()
-        best = max(best, 2.0 * n ** 3 * iters / (start.elapsed_time(end) / 1e3))
-    return {"n": n, "iters": iters, "trials": trials, "flops": best,
-            "data_sheet_flops": bf16_peak(torch.cuda.get_device_name(0))}
+        best = max(best, 2.0 * n**3 * iters / (start.elapsed_time(end) / 1e3))
+    return {
+        "n": n,
+        "iters": iters,
+        "trials": trials,
+        "flops": best,
+        "data_sheet_flops": bf16_peak(torch.cuda.get_device_name(0)),
+    }
 
 
 def fsdp_step_worker(shape: dict, micro_batch: int, steps: int = 10, warmup: int = 3, profile_steps: int = 2) -> dict:
@@ -302,11 +365,19 @@ def fsdp_step_worker(shape: dict, micro_batch: int, steps: int = 10, warmup: int
         cfg = GPTConfig(**shape)
         model = build_model(cfg, seed=0, device=info.device)
         mesh = rehearse.make_mesh("full_shard", info.world_size, device_type=info.device.type)
-        fsdp.shard_model(model, mesh, reshard_after_forward=True, mp_policy=rehearse.mixed_precision_policy("bf16"),
-                         act_ckpt=True)
+        fsdp.shard_model(
+            model, mesh, reshard_after_forward=True, mp_policy=rehearse.mixed_precision_policy("bf16"), act_ckpt=True
+        )
         opt = rehearse.make_optimizer(model)
-        x, y = batch_for_rank(0, info.rank, info.world_size, batch=micro_batch * info.world_size, seq=cfg.seq,
-                              vocab=cfg.vocab, device=info.device)
+        x, y = batch_for_rank(
+            0,
+            info.rank,
+            info.world_size,
+            batch=micro_batch * info.world_size,
+            seq=cfg.seq,
+            vocab=cfg.vocab,
+            device=info.device,
+        )
 
         def step():
             model(x, y).backward()
@@ -319,8 +390,12 @@ def fsdp_step_worker(shape: dict, micro_batch: int, steps: int = 10, warmup: int
         torch.cuda.reset_peak_memory_stats()
         times = _timed_steps(step, steps)
         peak = torch.cuda.max_memory_allocated()
-        return {"rank": info.rank, "step_times_s": times, "max_memory_allocated": peak,
-                "profile": _profile(step, profile_steps)}
+        return {
+            "rank": info.rank,
+            "step_times_s": times,
+            "max_memory_allocated": peak,
+            "profile": _profile(step, profile_steps),
+        }
     finally:
         cdist.shutdown()
 
@@ -351,8 +426,11 @@ def _profile(step, steps: int) -> dict:
             step()
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - t0) * 1e6
-    kernels = [{"name": e.key, "us": e.self_device_time_total, "calls": e.count}
-               for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    kernels = [
+        {"name": e.key, "us": e.self_device_time_total, "calls": e.count}
+        for e in prof.key_averages()
+        if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+    ]
     return {"steps": steps, **summarise_kernels(kernels, wall_us)}
 
 
@@ -362,22 +440,49 @@ def fsdp_1b_section(peak_flops: float | None, micro_batch: int) -> dict:
     from course_utils.launch import launch
     from course_utils.models import GPTConfig
 
-    run = launch("tools.gpu_check:fsdp_step_worker", nproc=1, backend="nccl", args=(ONE_B, micro_batch),
-                 timeout_s=400.0, echo=False, progress=False)[0]
-    predicted = rehearse.rehearse(GPTConfig(**ONE_B), nproc=1, strategy="full_shard", micro_batch=micro_batch,
-                                  act_ckpt=True, mixed_precision="bf16").peak_bytes
+    run = launch(
+        "tools.gpu_check:fsdp_step_worker",
+        nproc=1,
+        backend="nccl",
+        args=(ONE_B, micro_batch),
+        timeout_s=400.0,
+        echo=False,
+        progress=False,
+    )[0]
+    predicted = rehearse.rehearse(
+        GPTConfig(**ONE_B),
+        nproc=1,
+        strategy="full_shard",
+        micro_batch=micro_batch,
+        act_ckpt=True,
+        mixed_precision="bf16",
+    ).peak_bytes
     tokens = micro_batch * ONE_B["seq"]
     step_s = statistics.median(run["step_times_s"])
     flops = step_flops(ONE_B, tokens)
     measured = run["max_memory_allocated"]
-    return {"shape": ONE_B, "psi": rehearse.param_count(GPTConfig(**ONE_B)), "micro_batch": micro_batch,
-            "tokens": tokens, "flops_per_step": flops, "peak_flops": peak_flops,
-            "mfu": mfu(flops, step_s, peak_flops) if peak_flops else None,
-            "timing": {"steps": len(run["step_times_s"]), "step_s": step_s, "step_times_s": run["step_times_s"],
-                       "tokens_per_s": tokens / step_s},
-            "memory": {"measured": measured, "predicted": predicted, "ratio": measured / predicted,
-                       "within_target": abs(measured / predicted - 1) <= PEAK_TOLERANCE},
-            "profile": run["profile"]}
+    return {
+        "shape": ONE_B,
+        "psi": rehearse.param_count(GPTConfig(**ONE_B)),
+        "micro_batch": micro_batch,
+        "tokens": tokens,
+        "flops_per_step": flops,
+        "peak_flops": peak_flops,
+        "mfu": mfu(flops, step_s, peak_flops) if peak_flops else None,
+        "timing": {
+            "steps": len(run["step_times_s"]),
+            "step_s": step_s,
+            "step_times_s": run["step_times_s"],
+            "tokens_per_s": tokens / step_s,
+        },
+        "memory": {
+            "measured": measured,
+            "predicted": predicted,
+            "ratio": measured / predicted,
+            "within_target": abs(measured / predicted - 1) <= PEAK_TOLERANCE,
+        },
+        "profile": run["profile"],
+    }
 
 
 def train_1gpu_section() -> dict:
@@ -385,14 +490,23 @@ def train_1gpu_section() -> dict:
     from tools import bench
 
     shape = bench.model_shape(**bench.CUDA_MODEL)
-    rep = bench.run_train("full_shard", 1, shape, steps=10, batch=8, precision="mixed", cuda_peak=True,
-                          backend="nccl", timeout_s=300.0)
+    rep = bench.run_train(
+        "full_shard", 1, shape, steps=10, batch=8, precision="mixed", cuda_peak=True, backend="nccl", timeout_s=300.0
+    )
     if "error" in rep:
         raise RuntimeError(rep["error"])
-    return {"strategy": rep["strategy"], "world_size": rep["world_size"], "backend": rep["backend"],
-            "psi": bench.psi_of(shape), "steps": rep["steps"], "batch": 8, "seq": shape["seq"],
-            "losses": rep["losses"], "step_time_s": rep["step_time_s"],
-            "max_memory_allocated": rep.get("max_memory_allocated")}
+    return {
+        "strategy": rep["strategy"],
+        "world_size": rep["world_size"],
+        "backend": rep["backend"],
+        "psi": bench.psi_of(shape),
+        "steps": rep["steps"],
+        "batch": 8,
+        "seq": shape["seq"],
+        "losses": rep["losses"],
+        "step_time_s": rep["step_time_s"],
+        "max_memory_allocated": rep.get("max_memory_allocated"),
+    }
 
 
 def single_process_section() -> dict:
@@ -404,7 +518,9 @@ def single_process_section() -> dict:
         try:
             rows.append({"notebook": notebook, "what": what, **check()})
         except Exception as exc:  # reported in the table; the next check still runs
-            rows.append({"notebook": notebook, "what": what, "error": f"{type(exc).__name__}: {str(exc).strip()[:300]}"})
+            rows.append(
+                {"notebook": notebook, "what": what, "error": f"{type(exc).__name__}: {str(exc).strip()[:300]}"}
+            )
         rows[-1]["seconds"] = time.perf_counter() - t0
     return {"rows": rows}
 
@@ -431,8 +547,10 @@ def _activations_on_gpu() -> dict:
         net = build_model(cfg, device=device).to(torch.bfloat16)
         out[device] = memory.measure_activation_bytes(net, x.to(device), y.to(device))["blocks"]
     rule = memory.activation_bytes(cfg.width, 4, cfg.seq, cfg.layers)
-    return {"result": f"block activations {out['cuda']:,} B on cuda, {out['cpu']:,} B on CPU, rule {rule:,.0f} B",
-            "ok": out["cuda"] > 0}
+    return {
+        "result": f"block activations {out['cuda']:,} B on cuda, {out['cpu']:,} B on CPU, rule {rule:,.0f} B",
+        "ok": out["cuda"] > 0,
+    }
 
 
 def _strategies_on_gpu() -> dict:
@@ -444,8 +562,11 @@ def _strategies_on_gpu() -> dict:
     shas = {s: train(strategy=s, **run)["weights_sha256"] for s in ("single", "ddp", "zero3", "full_shard")}
     again = train(strategy="single", **run)["weights_sha256"]
     same = [s for s in ("ddp", "zero3", "full_shard") if shas[s] == shas["single"]]
-    return {"result": f"single repeats bit for bit: {again == shas['single']}; bit-identical to single at world "
-                      f"size 1: {', '.join(same) or 'none'}", "ok": again == shas["single"]}
+    return {
+        "result": f"single repeats bit for bit: {again == shas['single']}; bit-identical to single at world "
+        f"size 1: {', '.join(same) or 'none'}",
+        "ok": again == shas["single"],
+    }
 
 
 def _overlap_timers_on_gpu() -> dict:
@@ -453,8 +574,14 @@ def _overlap_timers_on_gpu() -> dict:
     from course_utils.labs import lab05
     from course_utils.launch import launch
 
-    rows = launch(lab05.block_overlap_worker, nproc=1, backend="nccl", echo=False, progress=False,
-                  kwargs={"widths": (1024, 2048), "tokens": (1024, 8192), "repeats": 3})[0]
+    rows = launch(
+        lab05.block_overlap_worker,
+        nproc=1,
+        backend="nccl",
+        echo=False,
+        progress=False,
+        kwargs={"widths": (1024, 2048), "tokens": (1024, 8192), "repeats": 3},
+    )[0]
     text = "; ".join(f"h={r['width']} {r['tokens']} tokens fwd {r['fwd_s'] * 1e3:.2f} ms" for r in rows)
     return {"result": text, "ok": all(r["fwd_s"] > 0 for r in rows)}
 
@@ -464,7 +591,10 @@ def _bridge_on_gpu() -> dict:
     from course_utils.labs import lab05b
 
     rows = lab05b.bridge(1, ("full_shard", "shard_grad_op"))
-    return {"result": ", ".join(f"{r['strategy']} equal: {r['equal']}" for r in rows), "ok": all(r["equal"] for r in rows)}
+    return {
+        "result": ", ".join(f"{r['strategy']} equal: {r['equal']}" for r in rows),
+        "ok": all(r["equal"] for r in rows),
+    }
 
 
 def _resume_on_gpu() -> dict:
@@ -476,8 +606,10 @@ def _resume_on_gpu() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         resumed = train(**run, checkpoint_dir=tmp, checkpoint_every=2, max_restarts=1, fail_at="0:3")
     same = resumed["weights_sha256"] == straight["weights_sha256"]
-    return {"result": f"restarts {resumed['restarts']}, resumed from {resumed['resumed_from']}, bit-identical: {same}",
-            "ok": same and resumed["restarts"] == 1}
+    return {
+        "result": f"restarts {resumed['restarts']}, resumed from {resumed['resumed_from']}, bit-identical: {same}",
+        "ok": same and resumed["restarts"] == 1,
+    }
 
 
 SINGLE_PROCESS_CHECKS = (
@@ -512,21 +644,33 @@ def _execute(papermill, path: Path, out_dir: Path, log: Path, parameters: dict) 
     os.environ.update(COURSE_HEADLESS="1", COURSE_LAUNCH_LOG=str(log))
     t0, error = time.perf_counter(), None
     try:
-        papermill.execute_notebook(str(path), str(out_dir / path.name), parameters=parameters, cwd=str(path.parent),
-                                   kernel_name="python3", progress_bar=False, log_output=False)
+        papermill.execute_notebook(
+            str(path),
+            str(out_dir / path.name),
+            parameters=parameters,
+            cwd=str(path.parent),
+            kernel_name="python3",
+            progress_bar=False,
+            log_output=False,
+        )
     except Exception as exc:  # reported in the table; the next notebook still runs
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"
     finally:
         os.environ.pop("COURSE_LAUNCH_LOG", None)
     launches = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    return {"notebook": path.stem, "wall_s": time.perf_counter() - t0, "error": error,
-            "nccl": sum(r.get("backend") == "nccl" for r in launches),
-            "gloo": sum(r.get("backend") == "gloo" for r in launches)}
+    return {
+        "notebook": path.stem,
+        "wall_s": time.perf_counter() - t0,
+        "error": error,
+        "nccl": sum(r.get("backend") == "nccl" for r in launches),
+        "gloo": sum(r.get("backend") == "gloo" for r in launches),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="tools/gpu_check.py", description=__doc__.split("\n")[0])
@@ -541,11 +685,15 @@ def plan_sections(args, gpus: int, deadline: float, results: dict) -> list[tuple
     """``[(name, zero-argument function)]`` in order, for this machine and these options. The 1B
     section reads the peak the matmul section has put into ``results`` by then."""
     last_start = deadline - 45  # a notebook started later could end past the budget
-    table = {"device": device_section, "matmul_peak": matmul_peak_section,
-             "fsdp_1b": lambda: fsdp_1b_section((results.get("matmul_peak") or {}).get("flops"), args.micro_batch),
-             "train_1gpu": train_1gpu_section, "single_process": single_process_section,
-             "nccl_2rank": lambda: notebook_rows(("02", "03", "04"), {"NPROC": 2}, last_start),
-             "notebooks": lambda: notebook_rows((), {}, last_start)}
+    table = {
+        "device": device_section,
+        "matmul_peak": matmul_peak_section,
+        "fsdp_1b": lambda: fsdp_1b_section((results.get("matmul_peak") or {}).get("flops"), args.micro_batch),
+        "train_1gpu": train_1gpu_section,
+        "single_process": single_process_section,
+        "nccl_2rank": lambda: notebook_rows(("02", "03", "04"), {"NPROC": 2}, last_start),
+        "notebooks": lambda: notebook_rows((), {}, last_start),
+    }
     chosen = [s for s in SECTIONS if not args.only or s in args.only.split(",")]
     if gpus < 2 and "nccl_2rank" in chosen:
         results["nccl_2rank"] = {"not_run": f"{gpus} GPU here; the 2-rank NCCL runs need two or more"}
@@ -569,7 +717,9 @@ def main(argv=None) -> int:
             results[name] = {"not_run": f"time budget: {left:.0f} s left of {args.budget_s:.0f} s"}
             continue
         run_section(name, fn, results, args.out)
-    results["meta"].update(finished=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), total_s=time.monotonic() - start)
+    results["meta"].update(
+        finished=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), total_s=time.monotonic() - start
+    )
     write_report(results, args.out)
     print(f"==> wrote {args.out / 'gpu.md'} and gpu.json in {time.monotonic() - start:.0f} s", flush=True)
     return 0

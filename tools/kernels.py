@@ -4,6 +4,7 @@ The course's build runs every notebook in a fresh kernel (papermill). Over TCP e
 ports on 127.0.0.1 and ipykernel warns that the channel is not encrypted; over IPC the channels are
 socket files in the kernel's runtime folder, readable by this user only, and there is no warning.
 """
+
 from __future__ import annotations
 
 from jupyter_client.manager import KernelManager

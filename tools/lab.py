@@ -13,6 +13,7 @@
 
 tests/test_lab.py starts it on a free port, fetches the printed URL and stops it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,19 @@ def write_settings(state: Path) -> Path:
 
 def command(port: int, notebooks: Path) -> list[str]:
     """The server's command line: loopback only, this port or none, warnings only."""
-    args = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--port-retries=0",
-            f"--ServerApp.root_dir={notebooks}", "--ServerApp.log_level=WARN", "--LabApp.log_level=WARN",
-            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    args = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--port-retries=0",
+        f"--ServerApp.root_dir={notebooks}",
+        "--ServerApp.log_level=WARN",
+        "--LabApp.log_level=WARN",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
     return args + (["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])
 
 
@@ -91,15 +102,23 @@ def _interrupt(signum, frame):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--state", type=Path, default=ROOT / "build" / "lab",
-                        help="the course lab's settings and workspaces (default build/lab/)")
+    parser.add_argument(
+        "--state",
+        type=Path,
+        default=ROOT / "build" / "lab",
+        help="the course lab's settings and workspaces (default build/lab/)",
+    )
     parser.add_argument("--notebooks", type=Path, default=ROOT / "notebooks", help="the folder the lab opens")
     parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the server to answer")
     args = parser.parse_args(argv)
 
     port, token = free_port(), secrets.token_hex(24)
-    env = dict(os.environ, JUPYTER_TOKEN=token, JUPYTERLAB_SETTINGS_DIR=str(write_settings(args.state)),
-               JUPYTERLAB_WORKSPACES_DIR=str(args.state / "workspaces"))
+    env = dict(
+        os.environ,
+        JUPYTER_TOKEN=token,
+        JUPYTERLAB_SETTINGS_DIR=str(write_settings(args.state)),
+        JUPYTERLAB_WORKSPACES_DIR=str(args.state / "workspaces"),
+    )
     env.pop("COURSE_HEADLESS", None)  # the lab is where the widgets are live
     # its own session: Ctrl-C reaches this script, which stops the server (JupyterLab's own Ctrl-C handler
     # would print its URL again and ask whether to shut down)
@@ -110,11 +129,16 @@ def main(argv=None) -> int:
         deadline = time.monotonic() + args.timeout
         while not _answers(f"http://127.0.0.1:{port}/api/status?token={token}"):
             if proc.poll() is not None:
-                print(f"JupyterLab exited with status {proc.returncode} before answering (its messages are above)",
-                      file=sys.stderr)
+                print(
+                    f"JupyterLab exited with status {proc.returncode} before answering (its messages are above)",
+                    file=sys.stderr,
+                )
                 return 1
             if time.monotonic() > deadline:
-                print(f"JupyterLab did not answer on port {port} within {args.timeout:.0f} s; stopping it", file=sys.stderr)
+                print(
+                    f"JupyterLab did not answer on port {port} within {args.timeout:.0f} s; stopping it",
+                    file=sys.stderr,
+                )
                 stop(proc)
                 return 1
             time.sleep(0.25)

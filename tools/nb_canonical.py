@@ -8,6 +8,7 @@ which removes outputs and execution counts, joins each cell's source into one st
 a cell without an id a new one, and writes the JSON with indent 1 and a trailing newline, so
 that a diff shows only what changed. ``tests/test_repo.py`` checks every notebook is in this form.
 """
+
 from __future__ import annotations
 
 import json

@@ -17,6 +17,7 @@ Long form (``make stress``)::
 On a slow launch (over ``--slow-s``) it dumps the Python stacks of the agents and workers with
 py-spy, when installed, into the output folder, so a stall shows where each process waited.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,16 +71,24 @@ def caller(index: int, launches: int, nproc: int, timeout_s: float, slow_s: floa
         def watchdog(tag=f"{index}-{i}", done=done):
             if not done.wait(slow_s) and _AgentServer.proc is not None:
                 _dump_stacks(_AgentServer.proc.pid, folder, tag)
+
         threading.Thread(target=watchdog, daemon=True).start()
         start = time.monotonic()
         try:
             with warnings.catch_warnings(record=True):
                 import io
                 from contextlib import redirect_stderr
+
                 err = io.StringIO()
                 with redirect_stderr(err):
-                    result = launch(examples.all_reduce_demo, nproc=nproc, kwargs={"n": 2}, timeout_s=timeout_s,
-                                    echo=False, progress=False)
+                    result = launch(
+                        examples.all_reduce_demo,
+                        nproc=nproc,
+                        kwargs={"n": 2},
+                        timeout_s=timeout_s,
+                        echo=False,
+                        progress=False,
+                    )
             assert all(v["result"] == [nproc * (nproc + 1) / 2] * 2 for v in result.values())
             if "had not collected the results" in err.getvalue():
                 counts["agent_not_collecting"] += 1
@@ -119,8 +128,10 @@ def main(argv=None) -> int:
     ctx = mp.get_context("spawn")
     stop, queue = ctx.Event(), ctx.Queue()
     hogs = [ctx.Process(target=hog, args=(stop,), daemon=True) for _ in range(args.hogs)]
-    callers = [ctx.Process(target=caller, args=(i, args.launches, args.nproc, args.timeout_s, args.slow_s,
-                                                str(out), queue)) for i in range(args.callers)]
+    callers = [
+        ctx.Process(target=caller, args=(i, args.launches, args.nproc, args.timeout_s, args.slow_s, str(out), queue))
+        for i in range(args.callers)
+    ]
     start = time.monotonic()
     for p in hogs + callers:
         p.start()
@@ -131,12 +142,19 @@ def main(argv=None) -> int:
     for p in hogs:
         p.join(5)
     walls = sorted(w for r in results for w in r.pop("walls"))
-    summary = {key: sum(r[key] for r in results) for key in ("ok", "stall_timeout", "agent_not_collecting",
-                                                            "other_error")}
-    summary.update(launches=len(walls), callers=args.callers, hogs=args.hogs, nproc=args.nproc,
-                   wall_s=round(time.monotonic() - start, 1),
-                   launch_s_median=round(walls[len(walls) // 2], 2), launch_s_max=round(walls[-1], 2),
-                   load_average=os.getloadavg())
+    summary = {
+        key: sum(r[key] for r in results) for key in ("ok", "stall_timeout", "agent_not_collecting", "other_error")
+    }
+    summary.update(
+        launches=len(walls),
+        callers=args.callers,
+        hogs=args.hogs,
+        nproc=args.nproc,
+        wall_s=round(time.monotonic() - start, 1),
+        launch_s_median=round(walls[len(walls) // 2], 2),
+        launch_s_max=round(walls[-1], 2),
+        load_average=os.getloadavg(),
+    )
     print(json.dumps(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")

@@ -15,6 +15,7 @@ errors seen. Run it on a quiet machine: the failure is a race, so it shows in so
 
     python tools/torchrun_store_check.py --tries 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-WORKER = '''
+WORKER = """
 import os, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
@@ -46,20 +47,40 @@ if attempt == 0 and rank == 1:
 dist.all_reduce(t)
 print(f"attempt {attempt} rank {rank} done", flush=True)
 dist.destroy_process_group()
-'''
+"""
 
 SETUPS = {"plain": ("plain", "0"), "attempt_store": ("attempt_store", "0"), "plain, unshared": ("plain", "1")}
 ERRORS = re.compile(r"Connection refused|connectFullMesh[^\n]{0,80}|timed out[^\n]{0,60}|Socket Timeout")
 
 
 def one_try(worker: Path, mode: str, disable_share: str, timeout_s: float) -> tuple[bool, str]:
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": disable_share,
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-            "--monitor-interval", "0.1", str(worker), mode]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    env = {
+        **os.environ,
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": disable_share,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        "--monitor-interval",
+        "0.1",
+        str(worker),
+        mode,
+    ]
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -85,8 +106,11 @@ def main(argv=None) -> int:
                 start = time.monotonic()
                 ok, errors = one_try(worker, mode, disable_share, args.timeout_s)
                 results.append(ok)
-                print(f"  {name}: {'finished' if ok else 'FAILED'} in {time.monotonic() - start:.1f} s"
-                      + (f" ({errors})" if errors and not ok else ""), flush=True)
+                print(
+                    f"  {name}: {'finished' if ok else 'FAILED'} in {time.monotonic() - start:.1f} s"
+                    + (f" ({errors})" if errors and not ok else ""),
+                    flush=True,
+                )
             print(f"{name}: {sum(results)} of {len(results)} tries finished", flush=True)
     return 0
 

@@ -4,6 +4,7 @@
 one module per notebook (``nb01`` ... ``nb06``) registers that notebook's exercises, and ``core``
 holds the checking machinery and the grader (``python -m course_utils exercises``).
 """
+
 from .core import Outcome, check, exercises, get, load_solution, show_hint
 
 __all__ = ["Outcome", "check", "exercises", "get", "load_solution", "show_hint"]

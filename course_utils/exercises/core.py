@@ -18,6 +18,7 @@ Notebook side::
 Teacher side: ``python -m course_utils exercises --json | --run solutions | --run stubs |
 --grade STUDENT.ipynb`` (see ``exercises_command``).
 """
+
 from __future__ import annotations
 
 import ast
@@ -58,9 +59,9 @@ class Exercise:
     notebook: str
     name: str
     title: str
-    checks: str                     # what the check compares, in one sentence
-    task: str                       # the markdown the student reads
-    stub: str                       # the code cell the student fills in (defines ``name``)
+    checks: str  # what the check compares, in one sentence
+    task: str  # the markdown the student reads
+    stub: str  # the code cell the student fills in (defines ``name``)
     hints: tuple[str, ...]
     judge: Callable | None = None
     on_rank: Callable | None = None
@@ -73,8 +74,15 @@ class Exercise:
         return f"{self.notebook}.{self.name}"
 
     def describe(self) -> dict:
-        return {"notebook": self.notebook, "name": self.name, "title": self.title, "checks": self.checks,
-                "distributed": bool(self.nproc), "nproc": self.nproc, "hints": len(self.hints)}
+        return {
+            "notebook": self.notebook,
+            "name": self.name,
+            "title": self.title,
+            "checks": self.checks,
+            "distributed": bool(self.nproc),
+            "nproc": self.nproc,
+            "hints": len(self.hints),
+        }
 
 
 @dataclass
@@ -150,6 +158,7 @@ def get(notebook, name: str) -> Exercise:
 # Not done, and how a student's error reads
 # ---------------------------------------------------------------------------------------------
 
+
 def is_stub(fn) -> bool:
     """True when ``fn`` is an untouched stub: its body (after a docstring) starts by raising
     NotImplementedError (notebooks 01-06). Found from the source, so nothing is launched for it."""
@@ -164,8 +173,11 @@ def is_stub(fn) -> bool:
     body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     if isinstance(node, ast.ClassDef):  # a class stub: its first method decides
         method = next((s for s in body if isinstance(s, ast.FunctionDef)), None)
-        body = [] if method is None else [s for s in method.body
-                                          if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        body = (
+            []
+            if method is None
+            else [s for s in method.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        )
     first = body[0] if body else None
     if not isinstance(first, ast.Raise) or first.exc is None:
         return False
@@ -176,8 +188,11 @@ def is_stub(fn) -> bool:
 def student_error(exc: BaseException) -> str:
     """One line for an exception raised by the student's code: its type, message and where."""
     frames = traceback.extract_tb(exc.__traceback__)
-    mine = [f for f in frames if "course_utils" not in f.filename.replace("\\", "/").split("/site-packages/")[-1]
-            or "<" in f.filename]
+    mine = [
+        f
+        for f in frames
+        if "course_utils" not in f.filename.replace("\\", "/").split("/site-packages/")[-1] or "<" in f.filename
+    ]
     where = f" (line {mine[-1].lineno}: {mine[-1].line.strip()})" if mine and mine[-1].line else ""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"your code raised {type(exc).__name__}{': ' + text if text else ''}{where}"
@@ -188,8 +203,12 @@ def _outcome(ex: Exercise, status: str, message: str = "") -> Outcome:
 
 
 def _not_done(ex: Exercise) -> Outcome:
-    return _outcome(ex, NOT_DONE, f"the stub is untouched: fill in {ex.name} above, then run this cell again "
-                                  f"(hints: show_hint({ex.notebook!r}, {ex.name!r}, 1))")
+    return _outcome(
+        ex,
+        NOT_DONE,
+        f"the stub is untouched: fill in {ex.name} above, then run this cell again "
+        f"(hints: show_hint({ex.notebook!r}, {ex.name!r}, 1))",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,8 +217,10 @@ def _not_done(ex: Exercise) -> Outcome:
 # ---------------------------------------------------------------------------------------------
 
 #: Names a stub may use without importing them (what ``run_stub`` defines it with).
-CELL_GLOBALS = "import math\nimport torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n" \
-               "import torch.distributed as dist\n"
+CELL_GLOBALS = (
+    "import math\nimport torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n"
+    "import torch.distributed as dist\n"
+)
 
 
 def run_on_ranks(jobs: list) -> list:
@@ -227,6 +248,7 @@ def run_on_ranks(jobs: list) -> list:
 # ---------------------------------------------------------------------------------------------
 # Checking
 # ---------------------------------------------------------------------------------------------
+
 
 def _judge_local(ex: Exercise, fn) -> Outcome:
     try:
@@ -278,15 +300,17 @@ def check_many(pairs: list, *, record: bool = True) -> list[Outcome]:
         try:
             # gloo on CPU everywhere: the checks build their tensors on the CPU, and a check is about
             # correctness and bytes, which the CPU shows exactly (NCCL needs every tensor on a GPU).
-            run = launch(run_on_ranks, nproc=nproc, args=(jobs,), timeout_s=timeout, progress=False,
-                         backend="gloo")
+            run = launch(run_on_ranks, nproc=nproc, args=(jobs,), timeout_s=timeout, progress=False, backend="gloo")
         except LaunchError as exc:
             first = str(exc).strip().splitlines()[0]
             for i in idxs:
-                results[i] = _outcome(pairs[i][0], FAILED,
-                                      f"the ranks did not finish together ({first}); a collective that some "
-                                      "ranks call and others do not waits forever: call the same collectives, "
-                                      "in the same order, on every rank")
+                results[i] = _outcome(
+                    pairs[i][0],
+                    FAILED,
+                    f"the ranks did not finish together ({first}); a collective that some "
+                    "ranks call and others do not waits forever: call the same collectives, "
+                    "in the same order, on every rank",
+                )
             continue
         for j, i in enumerate(idxs):
             results[i] = _verdict(pairs[i][0], {rank: values[j] for rank, values in run.items()})
@@ -318,12 +342,13 @@ def _record(outcomes: list[Outcome]) -> None:
 # Hints and solutions
 # ---------------------------------------------------------------------------------------------
 
+
 def hint_text(notebook, name: str, n: int) -> str:
     """Hint ``n`` (1-based) of an exercise, with how many there are."""
     ex = get(notebook, name)
     if not isinstance(n, int) or not 1 <= n <= len(ex.hints):
         raise CourseInputError(f"exercise {ex.key} has hints 1 to {len(ex.hints)}; ask for one of those")
-    more = (f" (next: show_hint({ex.notebook!r}, {ex.name!r}, {n + 1}))" if n < len(ex.hints) else " (the last hint)")
+    more = f" (next: show_hint({ex.notebook!r}, {ex.name!r}, {n + 1}))" if n < len(ex.hints) else " (the last hint)"
     return f"Hint {n} of {len(ex.hints)}{more}: {ex.hints[n - 1]}"
 
 
@@ -342,8 +367,10 @@ def solution(notebook, name: str):
     ex = get(notebook, name)
     folder = solutions_dir()
     if not (folder / f"nb{ex.notebook}.py").is_file():
-        raise CourseInputError(f"the reference solutions are not installed here (no {folder.name}/nb{ex.notebook}.py); "
-                               "use a source checkout of the course")
+        raise CourseInputError(
+            f"the reference solutions are not installed here (no {folder.name}/nb{ex.notebook}.py); "
+            "use a source checkout of the course"
+        )
     root = str(folder.parent)
     if root not in sys.path:
         sys.path.append(root)  # the launcher puts the same folder on the workers' path
@@ -411,15 +438,23 @@ def grade(path, *, timeout_s: float = 900.0) -> list[Outcome]:
                 if (nb_id, name) not in wanted:
                     wanted.append((nb_id, name))
     if not wanted:
-        raise CourseInputError(f"{path} has no exercise check cells (check(\"NN\", \"name\", fn)); is it a course notebook?")
+        raise CourseInputError(
+            f'{path} has no exercise check cells (check("NN", "name", fn)); is it a course notebook?'
+        )
     stopped = ""
     with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
         report = Path(tmp) / "outcomes.jsonl"
         before = os.environ.get(REPORT_ENV)
         os.environ[REPORT_ENV] = str(report)
         try:
-            papermill.execute_notebook(str(path), str(Path(tmp) / "executed.ipynb"), cwd=str(path.parent),
-                                       progress_bar=False, execution_timeout=timeout_s, kernel_name="python3")
+            papermill.execute_notebook(
+                str(path),
+                str(Path(tmp) / "executed.ipynb"),
+                cwd=str(path.parent),
+                progress_bar=False,
+                execution_timeout=timeout_s,
+                kernel_name="python3",
+            )
         except papermill.PapermillExecutionError as exc:
             first = exc.evalue.splitlines()[0] if exc.evalue else ""
             stopped = f"the notebook stopped at cell {exc.exec_count} ({exc.ename}: {first})"
@@ -433,8 +468,10 @@ def grade(path, *, timeout_s: float = 900.0) -> list[Outcome]:
             for line in report.read_text().splitlines():
                 o = json.loads(line)
                 seen[(o["notebook"], o["name"])] = Outcome(**o)  # the last check of an exercise counts
-    return [seen.get(key) or Outcome(*key, FAILED, f"its check cell did not run: {stopped or 'it was not executed'}")
-            for key in wanted]
+    return [
+        seen.get(key) or Outcome(*key, FAILED, f"its check cell did not run: {stopped or 'it was not executed'}")
+        for key in wanted
+    ]
 
 
 def table_text(outcomes: list[Outcome]) -> str:
@@ -450,11 +487,18 @@ def table_text(outcomes: list[Outcome]) -> str:
 
 def exercises_arguments(parser) -> None:
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--run", choices=("solutions", "stubs"),
-                       help="run every check on the reference solutions (all must pass) or on the untouched stubs "
-                            "(all must be 'not done')")
-    group.add_argument("--grade", metavar="STUDENT.ipynb", nargs="+",
-                       help="execute each student's notebook headless and report every exercise in it")
+    group.add_argument(
+        "--run",
+        choices=("solutions", "stubs"),
+        help="run every check on the reference solutions (all must pass) or on the untouched stubs "
+        "(all must be 'not done')",
+    )
+    group.add_argument(
+        "--grade",
+        metavar="STUDENT.ipynb",
+        nargs="+",
+        help="execute each student's notebook headless and report every exercise in it",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 

@@ -3,6 +3,7 @@
 References: the full-batch gradient of one process (what data parallelism must reproduce),
 ``ddp.make_buckets`` (the course's bucket layout), ``CommCounter`` and ``comm.all_reduce_sent``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,9 +30,9 @@ def hook_on_rank(fn, info) -> dict:
     cfg = get_config("tiny")
     model = build_model(cfg, seed=0)
     kw = dict(batch=BATCH, seq=cfg.seq, vocab=cfg.vocab)
-    full = _grads(model, *batch_for_rank(0, 0, 1, **kw))           # one process, the whole batch
+    full = _grads(model, *batch_for_rank(0, 0, 1, **kw))  # one process, the whole batch
     x, y = batch_for_rank(0, info.rank, info.world_size, **kw)
-    local = _grads(model, x, y)                                       # this rank's batch, no averaging
+    local = _grads(model, x, y)  # this rank's batch, no averaging
     model.zero_grad(set_to_none=True)
     handles = [p.register_hook(fn) for p in model.parameters()]
     model(x, y).backward()
@@ -42,8 +43,12 @@ def hook_on_rank(fn, info) -> dict:
         ref = full[name]
         err = ((p.grad - ref).norm() / ref.norm().clamp_min(1e-30)).item()
         if worst is None or err > worst["rel_err"]:
-            worst = {"name": name, "rel_err": err, "ratio": (p.grad.norm() / ref.norm().clamp_min(1e-30)).item(),
-                     "is_local": torch.equal(p.grad, local[name])}
+            worst = {
+                "name": name,
+                "rel_err": err,
+                "ratio": (p.grad.norm() / ref.norm().clamp_min(1e-30)).item(),
+                "is_local": torch.equal(p.grad, local[name]),
+            }
     return worst
 
 
@@ -56,29 +61,42 @@ def hook_verdict(per_rank: dict) -> None:
         if w["is_local"] and n > 1:
             raise Wrong(f"{where} is its own batch's gradient: the hook must all-reduce it with the other ranks")
         if abs(w["ratio"] - n) < 0.05 * n:
-            raise Wrong(f"{where} is {w['ratio']:.2f}x the reference: did you average over ranks "
-                        f"(divide the all-reduced sum by the world size, {n})?")
+            raise Wrong(
+                f"{where} is {w['ratio']:.2f}x the reference: did you average over ranks "
+                f"(divide the all-reduced sum by the world size, {n})?"
+            )
         if abs(w["ratio"] - 1 / n) < 0.05 / n:
             raise Wrong(f"{where} is 1/{n} of the reference: did you divide by the world size twice?")
-        raise Wrong(f"{where} differs from the full-batch gradient by {w['rel_err']:.2g} (relative): "
-                    "after the hook every rank must hold the mean of all ranks' gradients")
+        raise Wrong(
+            f"{where} differs from the full-batch gradient by {w['rel_err']:.2g} (relative): "
+            "after the hook every rank must hold the mean of all ranks' gradients"
+        )
 
 
-register(Exercise(
-    "02", "averaging_hook", "An averaging gradient hook",
-    "every rank's gradients, with the hook on every parameter, against one process's full-batch gradient (2 ranks)",
-    task="Write `averaging_hook(grad)`: a tensor hook (`p.register_hook(averaging_hook)`) that returns the "
-         "gradient averaged over all ranks. After the backward every rank must hold exactly the gradient one "
-         "process computes on the whole global batch. Predict first: what does rank 1 hold if you forget to "
-         "divide?",
-    stub='def averaging_hook(grad):\n'
-         '    """Return grad averaged over every rank (runs on every rank, once per parameter, during backward)."""\n'
-         '    raise NotImplementedError("exercise 02.averaging_hook: your code here")\n',
-    hints=("`torch.distributed` is imported as `dist`; `dist.all_reduce(t)` sums `t` over the ranks in place.",
-           "Work on a copy (`g = grad.clone()`): the hook should return the new gradient, not edit autograd's.",
-           "The mean is the sum divided by `dist.get_world_size()`: each rank's loss is already a mean over its "
-           "own samples, and the ranks' batches are the same size."),
-    on_rank=hook_on_rank, verdict=hook_verdict, nproc=2))
+register(
+    Exercise(
+        "02",
+        "averaging_hook",
+        "An averaging gradient hook",
+        "every rank's gradients, with the hook on every parameter, against one process's full-batch gradient (2 ranks)",
+        task="Write `averaging_hook(grad)`: a tensor hook (`p.register_hook(averaging_hook)`) that returns the "
+        "gradient averaged over all ranks. After the backward every rank must hold exactly the gradient one "
+        "process computes on the whole global batch. Predict first: what does rank 1 hold if you forget to "
+        "divide?",
+        stub="def averaging_hook(grad):\n"
+        '    """Return grad averaged over every rank (runs on every rank, once per parameter, during backward)."""\n'
+        '    raise NotImplementedError("exercise 02.averaging_hook: your code here")\n',
+        hints=(
+            "`torch.distributed` is imported as `dist`; `dist.all_reduce(t)` sums `t` over the ranks in place.",
+            "Work on a copy (`g = grad.clone()`): the hook should return the new gradient, not edit autograd's.",
+            "The mean is the sum divided by `dist.get_world_size()`: each rank's loss is already a mean over its "
+            "own samples, and the ranks' batches are the same size.",
+        ),
+        on_rank=hook_on_rank,
+        verdict=hook_verdict,
+        nproc=2,
+    )
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +129,7 @@ class _Recorder:
 
             def __getattr__(self, name):
                 return getattr(work, name)
+
         return Work()
 
 
@@ -136,11 +155,16 @@ def buckets_on_rank(fn, info) -> dict:
         dist.all_reduce = recorder.real
     sent = sum(v["sent_bytes"] for v in comm.summary().values())
     total = sum(t.numel() * t.element_size() for t in mine)
-    return {"issued": recorder.issued, "waited": sorted(recorder.waited), "first_wait_after": recorder.first_wait_after,
-            "n": len(mine), "bad": [i for i, (a, b) in enumerate(zip(mine, want))
-                                    if not torch.allclose(a, b, rtol=1e-5, atol=1e-8)],
-            "ratio": [(a.norm() / b.norm()).item() for a, b in zip(mine, want)],
-            "sent": sent, "expected_sent": all_reduce_sent(total, info.world_size)}
+    return {
+        "issued": recorder.issued,
+        "waited": sorted(recorder.waited),
+        "first_wait_after": recorder.first_wait_after,
+        "n": len(mine),
+        "bad": [i for i, (a, b) in enumerate(zip(mine, want)) if not torch.allclose(a, b, rtol=1e-5, atol=1e-8)],
+        "ratio": [(a.norm() / b.norm()).item() for a, b in zip(mine, want)],
+        "sent": sent,
+        "expected_sent": all_reduce_sent(total, info.world_size),
+    }
 
 
 def buckets_verdict(per_rank: dict) -> None:
@@ -148,42 +172,64 @@ def buckets_verdict(per_rank: dict) -> None:
     for rank, r in sorted(per_rank.items()):
         order = [i for i, _ in r["issued"]]
         if order != list(range(r["n"])):
-            raise Wrong(f"rank {rank} issued all-reduces for buckets {order}; every bucket once, in index order "
-                        f"0..{r['n'] - 1}, is what keeps the ranks' collectives matched")
+            raise Wrong(
+                f"rank {rank} issued all-reduces for buckets {order}; every bucket once, in index order "
+                f"0..{r['n'] - 1}, is what keeps the ranks' collectives matched"
+            )
         sync = [i for i, a in r["issued"] if not a]
         if sync:
-            raise Wrong(f"bucket {sync[0]}'s all-reduce was blocking: pass async_op=True so the next buckets "
-                        "start while it is on the wire")
+            raise Wrong(
+                f"bucket {sync[0]}'s all-reduce was blocking: pass async_op=True so the next buckets "
+                "start while it is on the wire"
+            )
         missing = [i for i in range(r["n"]) if i not in r["waited"]]
         if missing:
-            raise Wrong(f"bucket {missing[0]}'s all-reduce was started but never waited on: without work.wait() "
-                        "the bucket may still hold a partial sum when the optimizer reads it")
+            raise Wrong(
+                f"bucket {missing[0]}'s all-reduce was started but never waited on: without work.wait() "
+                "the bucket may still hold a partial sum when the optimizer reads it"
+            )
         if r["first_wait_after"] is not None and r["first_wait_after"] < r["n"]:
-            raise Wrong(f"you waited on a bucket after issuing only {r['first_wait_after']} of {r['n']}: start every "
-                        "all-reduce first, then wait, so the buckets overlap on the wire")
+            raise Wrong(
+                f"you waited on a bucket after issuing only {r['first_wait_after']} of {r['n']}: start every "
+                "all-reduce first, then wait, so the buckets overlap on the wire"
+            )
         if r["bad"]:
             i = r["bad"][0]
             ratio = r["ratio"][i]
-            why = (f" ({ratio:.2f}x the mean: divide the sum by the world size, after the wait)"
-                   if abs(ratio - n_ranks) < 0.05 * n_ranks else "")
+            why = (
+                f" ({ratio:.2f}x the mean: divide the sum by the world size, after the wait)"
+                if abs(ratio - n_ranks) < 0.05 * n_ranks
+                else ""
+            )
             raise Wrong(f"rank {rank}'s bucket {i} does not hold the mean of the ranks' gradients{why}")
         if abs(r["sent"] - r["expected_sent"]) > 1e-6 * r["expected_sent"]:
-            raise Wrong(f"rank {rank} sent {r['sent']:.0f} bytes; one all-reduce per bucket sends "
-                        f"2(N-1)/N of the buckets' bytes, {r['expected_sent']:.0f}")
+            raise Wrong(
+                f"rank {rank} sent {r['sent']:.0f} bytes; one all-reduce per bucket sends "
+                f"2(N-1)/N of the buckets' bytes, {r['expected_sent']:.0f}"
+            )
 
 
-register(Exercise(
-    "02", "bucketed_all_reduce", "Buckets: asynchronous all-reduces, waited on in order",
-    "issue order, async_op, waits, the buckets' means and the bytes sent (CommCounter against 2(N-1)/N of the "
-    "buckets' bytes) on 2 ranks",
-    task="Write `bucketed_all_reduce(buckets)`: `buckets` is a list of flat gradient tensors (bucket 0 fills first "
-         "in the backward). Start an asynchronous all-reduce for every bucket, in index order, then wait on each "
-         "and leave every bucket holding the mean over ranks. This is what DDP does at the end of the backward.",
-    stub='def bucketed_all_reduce(buckets):\n'
-         '    """Start an async all-reduce per bucket (in order), then wait on each; buckets end as means over ranks."""\n'
-         '    raise NotImplementedError("exercise 02.bucketed_all_reduce: your code here")\n',
-    hints=("`work = dist.all_reduce(bucket, async_op=True)` returns at once; `work.wait()` blocks until the sum "
-           "has arrived.",
-           "Keep the works in a list while you issue every bucket; waiting inside the first loop serialises them.",
-           "After each wait, `bucket.div_(dist.get_world_size())`."),
-    on_rank=buckets_on_rank, verdict=buckets_verdict, nproc=2))
+register(
+    Exercise(
+        "02",
+        "bucketed_all_reduce",
+        "Buckets: asynchronous all-reduces, waited on in order",
+        "issue order, async_op, waits, the buckets' means and the bytes sent (CommCounter against 2(N-1)/N of the "
+        "buckets' bytes) on 2 ranks",
+        task="Write `bucketed_all_reduce(buckets)`: `buckets` is a list of flat gradient tensors (bucket 0 fills first "
+        "in the backward). Start an asynchronous all-reduce for every bucket, in index order, then wait on each "
+        "and leave every bucket holding the mean over ranks. This is what DDP does at the end of the backward.",
+        stub="def bucketed_all_reduce(buckets):\n"
+        '    """Start an async all-reduce per bucket (in order), then wait on each; buckets end as means over ranks."""\n'
+        '    raise NotImplementedError("exercise 02.bucketed_all_reduce: your code here")\n',
+        hints=(
+            "`work = dist.all_reduce(bucket, async_op=True)` returns at once; `work.wait()` blocks until the sum "
+            "has arrived.",
+            "Keep the works in a list while you issue every bucket; waiting inside the first loop serialises them.",
+            "After each wait, `bucket.div_(dist.get_world_size())`.",
+        ),
+        on_rank=buckets_on_rank,
+        verdict=buckets_verdict,
+        nproc=2,
+    )
+)

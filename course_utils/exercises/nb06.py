@@ -4,6 +4,7 @@ References: ``checkpoint.latest_complete`` (what counts as complete: DCP's ``.me
 ``commit.json`` for that step), ``checkpoint.save`` (the course's DCP checkpoints) and an
 uninterrupted run's final weights (``instrument.weights_sha256``).
 """
+
 from __future__ import annotations
 
 import gc
@@ -36,14 +37,20 @@ def _step(root: Path, name: str, *, metadata=True, commit_step=None, extra=()) -
 
 # (what the folder holds, how to build it)
 SCENARIOS = [
-    ("step-2 complete; step-4 has its pieces and .metadata but no commit.json (killed before the commit)",
-     lambda r: (_step(r, "step-2", commit_step=2), _step(r, "step-4"))),
+    (
+        "step-2 complete; step-4 has its pieces and .metadata but no commit.json (killed before the commit)",
+        lambda r: (_step(r, "step-2", commit_step=2), _step(r, "step-4")),
+    ),
     ("step-9 and step-10 complete", lambda r: (_step(r, "step-9", commit_step=9), _step(r, "step-10", commit_step=10))),
-    ("step-6 complete; .step-8-x1.partial still being written, with .metadata and commit.json",
-     lambda r: (_step(r, "step-6", commit_step=6), _step(r, ".step-8-x1.partial", commit_step=8))),
+    (
+        "step-6 complete; .step-8-x1.partial still being written, with .metadata and commit.json",
+        lambda r: (_step(r, "step-6", commit_step=6), _step(r, ".step-8-x1.partial", commit_step=8)),
+    ),
     ("step-3 whose commit.json says step 5 (a folder copied by hand)", lambda r: _step(r, "step-3", commit_step=5)),
-    ("step-7 with a commit.json but no .metadata (DCP never finished); step-5 complete",
-     lambda r: (_step(r, "step-7", metadata=False, commit_step=7), _step(r, "step-5", commit_step=5))),
+    (
+        "step-7 with a commit.json but no .metadata (DCP never finished); step-5 complete",
+        lambda r: (_step(r, "step-7", metadata=False, commit_step=7), _step(r, "step-5", commit_step=5)),
+    ),
     ("an empty folder", lambda r: None),
     ("_logs/ and step-1 complete", lambda r: ((r / "_logs").mkdir(), _step(r, "step-1", commit_step=1))),
 ]
@@ -57,9 +64,11 @@ def judge_newest_complete(fn) -> None:
             want = checkpoint.latest_complete(root)
             got = fn(str(root))
             if got != want:
-                raise Wrong(f"in a folder with {text} you returned {got!r}, the newest complete checkpoint is "
-                            f"{want!r}: a step-N folder counts only with DCP's .metadata and a commit.json that "
-                            "names step N; compare steps as numbers; anything else is not a checkpoint")
+                raise Wrong(
+                    f"in a folder with {text} you returned {got!r}, the newest complete checkpoint is "
+                    f"{want!r}: a step-N folder counts only with DCP's .metadata and a commit.json that "
+                    "names step N; compare steps as numbers; anything else is not a checkpoint"
+                )
     missing = fn(str(Path(tempfile.gettempdir()) / "no-such-checkpoint-folder-for-the-exercise"))
     if missing is not None:
         raise Wrong(f"for a folder that does not exist you returned {missing!r}: return None (start from step 0)")
@@ -67,28 +76,39 @@ def judge_newest_complete(fn) -> None:
 
 #: Speaker notes for the Exercises slide (``tools/exercise_cells.py`` puts them right after it).
 EXTRA_CELLS = [
-    ("markdown", "**Point:** the two exercises rebuild the two halves of the script's side of the contract: find the "
-     "newest *complete* checkpoint, and resume from it bit for bit. **Ask:** a run killed while saving step 4 leaves "
-     "what on disk, and where must it resume? (A folder without a commit marker; step 2.) **Remember:** each check "
-     "compares with the course's own code on real ranks, and `show_hint` opens hints one at a time.", "notes"),
+    (
+        "markdown",
+        "**Point:** the two exercises rebuild the two halves of the script's side of the contract: find the "
+        "newest *complete* checkpoint, and resume from it bit for bit. **Ask:** a run killed while saving step 4 leaves "
+        "what on disk, and where must it resume? (A folder without a commit marker; step 2.) **Remember:** each check "
+        "compares with the course's own code on real ranks, and `show_hint` opens hints one at a time.",
+        "notes",
+    ),
 ]
 
 
-register(Exercise(
-    "06", "newest_complete", "The newest complete checkpoint",
-    "the step returned for 8 folders (uncommitted, half-written, copied, empty, missing...) against "
-    "checkpoint.latest_complete",
-    task="Write `newest_complete(root)`: the step N of the newest complete checkpoint folder `root/step-N`, or "
-         "`None`. A checkpoint is complete only when its folder holds DCP's `.metadata` *and* a `commit.json` "
-         "whose `\"step\"` is N (written last, after every rank's pieces). Predict first: a run killed while "
-         "saving step 4 leaves what, and where must the restart resume?",
-    stub='def newest_complete(root):\n'
-         '    """The newest N such that root/step-N is a complete checkpoint (.metadata and commit.json of step N), or None."""\n'
-         '    raise NotImplementedError("exercise 06.newest_complete: your code here")\n',
-    hints=("`Path(root).glob(\"step-*\")`, and `re.fullmatch(r\"step-(\\d+)\", name)` for the number.",
-           "Check `(folder / \".metadata\").is_file()` and read `commit.json` with json: its \"step\" must equal N.",
-           "Take the max of the complete steps as integers (step-10 is newer than step-9); None when there are none."),
-    judge=judge_newest_complete))
+register(
+    Exercise(
+        "06",
+        "newest_complete",
+        "The newest complete checkpoint",
+        "the step returned for 8 folders (uncommitted, half-written, copied, empty, missing...) against "
+        "checkpoint.latest_complete",
+        task="Write `newest_complete(root)`: the step N of the newest complete checkpoint folder `root/step-N`, or "
+        "`None`. A checkpoint is complete only when its folder holds DCP's `.metadata` *and* a `commit.json` "
+        'whose `"step"` is N (written last, after every rank\'s pieces). Predict first: a run killed while '
+        "saving step 4 leaves what, and where must the restart resume?",
+        stub="def newest_complete(root):\n"
+        '    """The newest N such that root/step-N is a complete checkpoint (.metadata and commit.json of step N), or None."""\n'
+        '    raise NotImplementedError("exercise 06.newest_complete: your code here")\n',
+        hints=(
+            '`Path(root).glob("step-*")`, and `re.fullmatch(r"step-(\\d+)", name)` for the number.',
+            'Check `(folder / ".metadata").is_file()` and read `commit.json` with json: its "step" must equal N.',
+            "Take the max of the complete steps as integers (step-10 is newer than step-9); None when there are none.",
+        ),
+        judge=judge_newest_complete,
+    )
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,8 +121,9 @@ def _run(info, cfg, steps, prepared=None):
     if prepared is None:
         prepared = resolve_strategy(cfg.strategy)(build_model(mcfg, seed=cfg.seed), cfg, info)
     for step in steps:
-        x, y = batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab,
-                              seed=cfg.seed)
+        x, y = batch_for_rank(
+            step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed
+        )
         prepared.model(x, y).backward()
         prepared.before_step()
         prepared.optimizer.step()
@@ -143,36 +164,52 @@ def resume_on_rank(fn, info) -> dict:
 def resume_verdict(per_rank: dict) -> None:
     for rank, r in sorted(per_rank.items()):
         if r["start"] != SAVED:
-            why = (f"step-{STEPS} has no commit.json (the kill interrupted its save), so it does not count"
-                   if r["start"] == STEPS else f"the newest complete checkpoint is step-{SAVED}")
+            why = (
+                f"step-{STEPS} has no commit.json (the kill interrupted its save), so it does not count"
+                if r["start"] == STEPS
+                else f"the newest complete checkpoint is step-{SAVED}"
+            )
             raise Wrong(f"rank {rank}'s resume returned {r['start']!r}: {why}; return the step it restored")
         if r["optimizer_steps"] != r["saved_steps"]:
             steps = r["optimizer_steps"] or "empty"
-            raise Wrong(f"rank {rank} resumed without its optimizer state (Adam's step count is {steps}, "
-                        f"saved {r['saved_steps']}): load the checkpoint's 'optim' entry too, or Adam restarts its "
-                        "moments from zero and the run diverges from the uninterrupted one")
+            raise Wrong(
+                f"rank {rank} resumed without its optimizer state (Adam's step count is {steps}, "
+                f"saved {r['saved_steps']}): load the checkpoint's 'optim' entry too, or Adam restarts its "
+                "moments from zero and the run diverges from the uninterrupted one"
+            )
         if r["sha"] != r["want"]:
-            raise Wrong(f"rank {rank}'s weights after resuming and training to step {STEPS} differ from the "
-                        "uninterrupted run's (weights_sha256): restore the model's weights from the checkpoint too")
+            raise Wrong(
+                f"rank {rank}'s weights after resuming and training to step {STEPS} differ from the "
+                "uninterrupted run's (weights_sha256): restore the model's weights from the checkpoint too"
+            )
 
 
-register(Exercise(
-    "06", "resume", "Resume bit for bit after a kill",
-    "on 2 ranks of DDP: the step resumed from (a kill left step-4 uncommitted), Adam's restored state, and the final "
-    "weights' SHA-256 against an uninterrupted run's",
-    task="Write `resume(root, model, optimizer)`: load the newest complete checkpoint under `root` (written by "
-         "the course's `checkpoint.save` with DCP: entries `\"model\"`, `\"optim\"` and `\"step\"`) into `model` "
-         "and `optimizer`, and return the step to continue from (0 if there is none). The check trains 4 steps "
-         "without stopping, then again with checkpoints at steps 2 and 4, where a kill interrupted the save of "
-         "step 4 before its commit; your resume must make the run end with the same weights, bit for bit.",
-    stub='def resume(root, model, optimizer):\n'
-         '    """Load the newest complete checkpoint into model and optimizer; return the step to continue from."""\n'
-         '    raise NotImplementedError("exercise 06.resume: your code here")\n',
-    hints=("Find the step with your `newest_complete` (or `checkpoint.latest_complete`); the folder is "
-           "`root/step-N`.",
-           "`from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict`: "
-           "`m, o = get_state_dict(model, optimizer)`, then `state = {\"model\": m, \"optim\": o, \"step\": torch.tensor(-1)}`.",
-           "`torch.distributed.checkpoint.load(state, checkpoint_id=folder)` fills `state` in place; then "
-           "`set_state_dict(model, optimizer, model_state_dict=state[\"model\"], optim_state_dict=state[\"optim\"])` "
-           "and return `int(state[\"step\"])`."),
-    on_rank=resume_on_rank, verdict=resume_verdict, nproc=2, timeout_s=90.0))
+register(
+    Exercise(
+        "06",
+        "resume",
+        "Resume bit for bit after a kill",
+        "on 2 ranks of DDP: the step resumed from (a kill left step-4 uncommitted), Adam's restored state, and the final "
+        "weights' SHA-256 against an uninterrupted run's",
+        task="Write `resume(root, model, optimizer)`: load the newest complete checkpoint under `root` (written by "
+        'the course\'s `checkpoint.save` with DCP: entries `"model"`, `"optim"` and `"step"`) into `model` '
+        "and `optimizer`, and return the step to continue from (0 if there is none). The check trains 4 steps "
+        "without stopping, then again with checkpoints at steps 2 and 4, where a kill interrupted the save of "
+        "step 4 before its commit; your resume must make the run end with the same weights, bit for bit.",
+        stub="def resume(root, model, optimizer):\n"
+        '    """Load the newest complete checkpoint into model and optimizer; return the step to continue from."""\n'
+        '    raise NotImplementedError("exercise 06.resume: your code here")\n',
+        hints=(
+            "Find the step with your `newest_complete` (or `checkpoint.latest_complete`); the folder is `root/step-N`.",
+            "`from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict`: "
+            '`m, o = get_state_dict(model, optimizer)`, then `state = {"model": m, "optim": o, "step": torch.tensor(-1)}`.',
+            "`torch.distributed.checkpoint.load(state, checkpoint_id=folder)` fills `state` in place; then "
+            '`set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])` '
+            'and return `int(state["step"])`.',
+        ),
+        on_rank=resume_on_rank,
+        verdict=resume_verdict,
+        nproc=2,
+        timeout_s=90.0,
+    )
+)

@@ -5,6 +5,7 @@ Each training run is the one loop (``loop.run_steps``) with the observers the no
 (collectives counted, each bucket's timeline, the bytes gloo wrote to its sockets, the replica
 check). The mechanism they measure is ``course_utils.ddp`` (``BucketedDDP``, ``make_buckets``).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -23,6 +24,7 @@ from ..loop import Prepared, TrainConfig, make_optimizer, module_held, run_steps
 from ..models import build_model, get_config
 
 # ---------------------------------------------------------------- measurements (notebook 02)
+
 
 def socket_bytes_written() -> int | None:
     """Bytes this process has written so far (Linux ``/proc/self/io`` wchar), or None (notebook 02).
@@ -44,7 +46,10 @@ def _timeline_rows(events: list, origin: float) -> dict:
     ready = [{"bucket": b, "param": n, "t_ms": ms(t)} for t, e, b, n in events if e == "ready"]
     start = {b: ms(t) for t, e, b, _ in events if e == "start"}
     end = {b: ms(t) for t, e, b, _ in events if e == "end"}
-    return {"ready": ready, "all_reduce": [{"bucket": b, "start_ms": start[b], "end_ms": end.get(b)} for b in sorted(start)]}
+    return {
+        "ready": ready,
+        "all_reduce": [{"bucket": b, "start_ms": start[b], "end_ms": end.get(b)} for b in sorted(start)],
+    }
 
 
 def _gradient_vs_full_batch(model, cfg: TrainConfig, info) -> float | None:
@@ -99,9 +104,11 @@ class _BucketWatch(Observer):
 
     def timeline(self) -> dict:
         rows = _timeline_rows(self.ddp.timeline, self.t_backward)
-        rows.update(forward_ms=(self.t0 - self.t_backward) * 1e3,
-                    backward_end_ms=(self.t_backward_end - self.t_backward) * 1e3,
-                    synced_ms=(self.t_synced - self.t_backward) * 1e3)
+        rows.update(
+            forward_ms=(self.t0 - self.t_backward) * 1e3,
+            backward_end_ms=(self.t_backward_end - self.t_backward) * 1e3,
+            synced_ms=(self.t_synced - self.t_backward) * 1e3,
+        )
         return rows
 
 
@@ -110,8 +117,13 @@ def _sweep_one_cap(cfg: TrainConfig, info, cap_mb: float) -> dict:
     model = build_model(get_config(cfg.model), seed=cfg.seed, device=info.device)
     ddp = BucketedDDP(model, bucket_cap_mb=cap_mb, timeline=True)
     optimizer = make_optimizer(ddp.parameters(), cfg)
-    prepared = Prepared(model=ddp, optimizer=optimizer, full_state_dict=lambda: model.state_dict(),
-                        held=lambda: module_held(model, optimizer), before_step=ddp.finish_gradient_synchronization)
+    prepared = Prepared(
+        model=ddp,
+        optimizer=optimizer,
+        full_state_dict=lambda: model.state_dict(),
+        held=lambda: module_held(model, optimizer),
+        before_step=ddp.finish_gradient_synchronization,
+    )
     count, watch = CountCollectives(), _BucketWatch(ddp, model, cfg, info)
     losses = run_steps(prepared, cfg, info, range(cfg.steps), [count, watch])
     mean_losses = torch.stack(losses).to(info.device)
@@ -121,16 +133,20 @@ def _sweep_one_cap(cfg: TrainConfig, info, cap_mb: float) -> dict:
     timelines = [None] * info.world_size  # every rank's last step, each on its own clock
     dist.all_gather_object(timelines, timeline)
     return {
-        "cap_mb": cap_mb, **ddp.describe(),
-        "calls_per_step": counted["calls"], "payload_bytes_per_step": counted["payload_bytes"],
+        "cap_mb": cap_mb,
+        **ddp.describe(),
+        "calls_per_step": counted["calls"],
+        "payload_bytes_per_step": counted["payload_bytes"],
         "sent_bytes_per_step": counted["sent_bytes"],
         "wire_bytes_per_step": None if watch.w0 is None or info.backend != "gloo" else watch.wire / cfg.steps,
         "step_time_s": statistics.median(watch.step_s[1:] or watch.step_s),
         "losses": (mean_losses / info.world_size).cpu().tolist(),
-        "replicas_identical": watch.replicas_identical, "weights_sha256": weights_sha256(model.state_dict()),
+        "replicas_identical": watch.replicas_identical,
+        "weights_sha256": weights_sha256(model.state_dict()),
         "grad_rel_vs_full_batch": watch.grad_rel,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "timeline": timeline, "timelines": timelines,
+        "timeline": timeline,
+        "timelines": timelines,
     }
 
 
@@ -169,12 +185,25 @@ class _TorchDDPBeside(Observer):
 
     def before_update(self, step: int) -> None:
         mcfg = get_config(self.cfg.model)
-        x, y = batch_for_rank(step, self.info.rank, self.info.world_size, batch=self.cfg.batch, seq=mcfg.seq,
-                              vocab=mcfg.vocab, seed=self.cfg.seed, device=self.info.device)
+        x, y = batch_for_rank(
+            step,
+            self.info.rank,
+            self.info.world_size,
+            batch=self.cfg.batch,
+            seq=mcfg.seq,
+            vocab=mcfg.vocab,
+            seed=self.cfg.seed,
+            device=self.info.device,
+        )
         loss = self.theirs(x, y)
         loss.backward()
-        self.grad_max_diff.append(max(float((p.grad - q.grad).abs().max()) for p, q in zip(
-            self.ours.module.parameters(), self.theirs.module.parameters()) if p.requires_grad))
+        self.grad_max_diff.append(
+            max(
+                float((p.grad - q.grad).abs().max())
+                for p, q in zip(self.ours.module.parameters(), self.theirs.module.parameters())
+                if p.requires_grad
+            )
+        )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.losses.append(float(loss))
@@ -195,27 +224,42 @@ def check_against_torch_ddp(config: dict, cap_mb: float = 0.1) -> dict:
     """
     cfg = TrainConfig(**config).validate()
     with cdist.session() as info:
+
         def replica():
             m = build_model(cfg.model, seed=1000 + info.rank, device=info.device)
             m.pos_emb.weight.requires_grad_(False)
             return m
 
-        ours, theirs = BucketedDDP(replica(), bucket_cap_mb=cap_mb), DistributedDataParallel(replica(), bucket_cap_mb=cap_mb)
+        ours, theirs = (
+            BucketedDDP(replica(), bucket_cap_mb=cap_mb),
+            DistributedDataParallel(replica(), bucket_cap_mb=cap_mb),
+        )
         rank0_start = weights_sha256(build_model(cfg.model, seed=1000).state_dict())
         started = [weights_sha256(m.state_dict()) == rank0_start for m in (ours.module, theirs.module)]
         opt_ours, opt_theirs = make_optimizer(ours.parameters(), cfg), make_optimizer(theirs.parameters(), cfg)
-        prepared = Prepared(model=ours, optimizer=opt_ours, full_state_dict=lambda: ours.module.state_dict(),
-                            held=lambda: module_held(ours.module, opt_ours),
-                            before_step=ours.finish_gradient_synchronization)
+        prepared = Prepared(
+            model=ours,
+            optimizer=opt_ours,
+            full_state_dict=lambda: ours.module.state_dict(),
+            held=lambda: module_held(ours.module, opt_ours),
+            before_step=ours.finish_gradient_synchronization,
+        )
         beside = _TorchDDPBeside(theirs, opt_theirs, ours, cfg, info)
         losses = run_steps(prepared, cfg, info, range(cfg.steps), [beside])
-        return {"rank": info.rank, "grad_max_diff": beside.grad_max_diff, "losses_ours": [float(v) for v in losses],
-                "losses_torch": beside.losses, "buckets": len(ours.buckets), "started_from_rank0": started,
-                "sha_ours": weights_sha256(ours.module.state_dict()),
-                "sha_torch": weights_sha256(theirs.module.state_dict())}
+        return {
+            "rank": info.rank,
+            "grad_max_diff": beside.grad_max_diff,
+            "losses_ours": [float(v) for v in losses],
+            "losses_torch": beside.losses,
+            "buckets": len(ours.buckets),
+            "started_from_rank0": started,
+            "sha_ours": weights_sha256(ours.module.state_dict()),
+            "sha_torch": weights_sha256(theirs.module.state_dict()),
+        }
 
 
 # ---------------------------------------------------------------- find_unused_parameters
+
 
 class GPTWithAuxHead(nn.Module):
     """The course GPT plus an auxiliary head the language-model loss never touches (notebook 02).
@@ -251,8 +295,13 @@ class _ForwardBackwardTimer(Observer):
 def _timed_steps(wrapped, cfg: TrainConfig, info, steps: int, finish=None) -> tuple[list, float]:
     """Train ``steps`` steps of ``wrapped`` in the one loop; return the losses and the median forward+backward time."""
     optimizer = make_optimizer(wrapped.parameters(), cfg)
-    prepared = Prepared(model=wrapped, optimizer=optimizer, full_state_dict=wrapped.state_dict,
-                        held=lambda: module_held(wrapped, optimizer), before_step=finish or (lambda: None))
+    prepared = Prepared(
+        model=wrapped,
+        optimizer=optimizer,
+        full_state_dict=wrapped.state_dict,
+        held=lambda: module_held(wrapped, optimizer),
+        before_step=finish or (lambda: None),
+    )
     timer = _ForwardBackwardTimer()
     losses = run_steps(prepared, cfg, info, range(steps), [timer])
     return [float(loss) for loss in losses], statistics.median(timer.times[1:] or timer.times)
@@ -277,7 +326,8 @@ def unused_parameters_demo(config: dict, mode: str) -> dict:
         out = {"rank": info.rank}
         model = GPTWithAuxHead(cfg.model, cfg.seed).to(info.device)
         out["losses_with_flag"], _ = _timed_steps(
-            DistributedDataParallel(model, find_unused_parameters=True), cfg, info, cfg.steps)
+            DistributedDataParallel(model, find_unused_parameters=True), cfg, info, cfg.steps
+        )
         for flag in (False, True) * 3:  # interleaved, so drift in machine load hits both
             plain = build_model(cfg.model, seed=cfg.seed, device=info.device)
             _, t = _timed_steps(DistributedDataParallel(plain, find_unused_parameters=flag), cfg, info, cfg.steps)
@@ -294,7 +344,10 @@ def unused_parameters_demo(config: dict, mode: str) -> dict:
 
 # ---------------------------------------------------------------- mismatched collective order
 
-def mismatched_order(mode: str = "different_size", numel: int = 1000, collective_timeout_s: float | None = None) -> dict:
+
+def mismatched_order(
+    mode: str = "different_size", numel: int = 1000, collective_timeout_s: float | None = None
+) -> dict:
     """Ranks issue collectives in different orders, as if each issued buckets as they filled (notebook 02).
 
     Rank 0 keeps index order (bucket a, then bucket b); every other rank issues b first.
@@ -311,6 +364,7 @@ def mismatched_order(mode: str = "different_size", numel: int = 1000, collective
         collective_timeout_s: how long a collective waits before raising (default: the launch's).
     """
     with cdist.session(timeout_s=collective_timeout_s) as info:
+
         def buckets():
             a = torch.full((numel,), float(info.rank + 1), device=info.device)  # sum over ranks: N(N+1)/2
             b = torch.full((numel if mode == "same_size" else 3,), 100.0 * (info.rank + 1), device=info.device)
@@ -327,7 +381,7 @@ def mismatched_order(mode: str = "different_size", numel: int = 1000, collective
             steps = [lambda: dist.all_reduce(a), lambda: dist.broadcast(b, src=0)]
         else:
             steps = [lambda: dist.all_reduce(a), lambda: dist.all_reduce(b)]
-        for run in (steps if info.rank == 0 else steps[::-1]):
+        for run in steps if info.rank == 0 else steps[::-1]:
             run()
         out["swapped_order"] = [float(a[0]), float(b[0])]
         return out
@@ -354,6 +408,7 @@ def worker_log_errors(run_dir, limit: int = 3) -> list[str]:
 
 # ---------------------------------------------------------------- reading the results
 
+
 def overlap_summary(timeline: dict) -> dict:
     """How much of the all-reduce time ran while backward was still computing (notebook 02).
 
@@ -363,8 +418,10 @@ def overlap_summary(timeline: dict) -> dict:
     optimizer waited after backward for the last all-reduce.
     """
     end = timeline["backward_end_ms"]
-    spans = [(r["start_ms"], r["end_ms"] if r["end_ms"] is not None else timeline["synced_ms"])
-             for r in timeline["all_reduce"]]
+    spans = [
+        (r["start_ms"], r["end_ms"] if r["end_ms"] is not None else timeline["synced_ms"])
+        for r in timeline["all_reduce"]
+    ]
     return {
         "buckets": len(spans),
         "started_during_backward": sum(start < end for start, _ in spans),
@@ -410,11 +467,16 @@ def weights_agreement(a: dict, b: dict, start: dict) -> dict:
             rows.append({"tensor": label, "max_abs": float((x[sl] - y[sl]).abs().max()), "rel": d / m if m else 0.0})
             diff2, moved2 = diff2 + d * d, moved2 + m * m
     rows.sort(key=lambda r: -r["rel"])
-    return {"rel": (diff2 / moved2) ** 0.5 if moved2 else 0.0, "max_abs": max(r["max_abs"] for r in rows),
-            "worst": rows[:3], "key_bias": [r for r in rows if r["tensor"].endswith("[k]")]}
+    return {
+        "rel": (diff2 / moved2) ** 0.5 if moved2 else 0.0,
+        "max_abs": max(r["max_abs"] for r in rows),
+        "worst": rows[:3],
+        "key_bias": [r for r in rows if r["tensor"].endswith("[k]")],
+    }
 
 
 # ---------------------------------------------------------------- torch's DDP, read from torch itself (notebook 02)
+
 
 def extra_buffer_bytes(grads, buffers) -> int:
     """Bytes of ``buffers`` whose storage no gradient in ``grads`` shares (notebook 02).
@@ -460,14 +522,20 @@ def _rel_to_mean(model, mean: dict) -> float:
 def _torch_layout(ddp_model, names: list) -> dict:
     """torch DDP's bucket sizes (bytes) and parameter names per bucket, from its own logging data."""
     data = ddp_model._get_ddp_logging_data()
+
     def sizes(key):
         return [int(s) for s in str(data[key]).split(",")] if key in data else None
+
     indices = data.get("rebuilt_per_bucket_param_indices")
-    return {"bucket_cap_bytes": int(data["bucket_cap_bytes"]), "bucket_sizes": sizes("bucket_sizes"),
-            "rebuilt_bucket_sizes": sizes("rebuilt_bucket_sizes"),
-            "rebuilt_names": None if indices is None else [[names[int(i)] for i in part.split()]
-                                                           for part in str(indices).split(",")],
-            "gradient_as_bucket_view": bool(data["gradient_as_bucket_view"])}
+    return {
+        "bucket_cap_bytes": int(data["bucket_cap_bytes"]),
+        "bucket_sizes": sizes("bucket_sizes"),
+        "rebuilt_bucket_sizes": sizes("rebuilt_bucket_sizes"),
+        "rebuilt_names": None
+        if indices is None
+        else [[names[int(i)] for i in part.split()] for part in str(indices).split(",")],
+        "gradient_as_bucket_view": bool(data["gradient_as_bucket_view"]),
+    }
 
 
 def torch_ddp_internals(cfg: TrainConfig, info, cap_mb: float, steps: int = 3) -> dict:
@@ -489,8 +557,19 @@ def torch_ddp_internals(cfg: TrainConfig, info, cap_mb: float, steps: int = 3) -
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     mcfg = get_config(cfg.model)
-    batches = [batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
-                              vocab=mcfg.vocab, seed=cfg.seed, device=info.device) for step in range(steps)]
+    batches = [
+        batch_for_rank(
+            step,
+            info.rank,
+            info.world_size,
+            batch=cfg.batch,
+            seq=mcfg.seq,
+            vocab=mcfg.vocab,
+            seed=cfg.seed,
+            device=info.device,
+        )
+        for step in range(steps)
+    ]
     mean0 = _mean_local_gradients(cfg, info, *batches[0])
     out = {"default_first_bucket_bytes": dist._DEFAULT_FIRST_BUCKET_BYTES, "torch": {}}
     for cap, view in ((None, False), (cap_mb, False), (cap_mb, True)):
@@ -511,8 +590,7 @@ def torch_ddp_internals(cfg: TrainConfig, info, cap_mb: float, steps: int = 3) -
             if step == 0:  # nothing called after backward: is the gradient already the mean?
                 row["rel_to_mean_after_backward"] = _rel_to_mean(model, mean0)
             if step == steps - 1:
-                row["extra_bucket_bytes"] = extra_buffer_bytes([p.grad for p in model.parameters()],
-                                                               buffers.values())
+                row["extra_bucket_bytes"] = extra_buffer_bytes([p.grad for p in model.parameters()], buffers.values())
             model.zero_grad(set_to_none=True)
         layout = _torch_layout(wrapped, names)
         out["torch"][(cap, view)] = {**layout, "first_iteration_bucket_sizes": first, **row}
@@ -522,11 +600,15 @@ def torch_ddp_internals(cfg: TrainConfig, info, cap_mb: float, steps: int = 3) -
     scratch(*batches[0]).backward()
     after_backward = _rel_to_mean(model, mean0)
     scratch.finish_gradient_synchronization()
-    out["scratch"] = {"rel_to_mean_after_backward": after_backward, "rel_to_mean_after_finish": _rel_to_mean(model, mean0),
-                      "extra_bucket_bytes": extra_buffer_bytes([p.grad for p in model.parameters()],
-                                                               [b.buffer for b in scratch.buckets]),
-                      "bucket_sizes": [b.nbytes for b in scratch.buckets],
-                      "bucket_names": [b.names for b in scratch.buckets]}
+    out["scratch"] = {
+        "rel_to_mean_after_backward": after_backward,
+        "rel_to_mean_after_finish": _rel_to_mean(model, mean0),
+        "extra_bucket_bytes": extra_buffer_bytes(
+            [p.grad for p in model.parameters()], [b.buffer for b in scratch.buckets]
+        ),
+        "bucket_sizes": [b.nbytes for b in scratch.buckets],
+        "bucket_names": [b.names for b in scratch.buckets],
+    }
     return out
 
 
@@ -551,7 +633,7 @@ def all_reduce_on_the_wire(numel: int) -> list | None:
     the other ranks None. This is the measurement the ring model 4·2(N−1)/N·numel is held to.
     """
     with cdist.session() as info:
-        dist.all_reduce(torch.ones(numel, device=info.device))   # warm-up: connections, buffers
+        dist.all_reduce(torch.ones(numel, device=info.device))  # warm-up: connections, buffers
         t = torch.ones(numel, device=info.device)
         before = socket_bytes_written()
         dist.all_reduce(t)
@@ -581,17 +663,26 @@ def default_collective_timeouts() -> dict:
 
     out = {"gloo": constants.default_pg_timeout, "gloo_source": "torch.distributed.constants.default_pg_timeout"}
     if constants.default_pg_nccl_timeout is not None:
-        out.update(nccl=constants.default_pg_nccl_timeout, nccl_source="torch.distributed.constants.default_pg_nccl_timeout")
+        out.update(
+            nccl=constants.default_pg_nccl_timeout, nccl_source="torch.distributed.constants.default_pg_nccl_timeout"
+        )
         return out
     header = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
-    found = re.search(r"kProcessGroupNCCLDefaultTimeout\s*=\s*std::chrono::milliseconds\(([\d\s*]+)\)",
-                      header.read_text()) if header.exists() else None
+    found = (
+        re.search(r"kProcessGroupNCCLDefaultTimeout\s*=\s*std::chrono::milliseconds\(([\d\s*]+)\)", header.read_text())
+        if header.exists()
+        else None
+    )
     nccl = None
     if found:
         ms = 1
         for factor in found.group(1).split("*"):
             ms *= int(factor)
         nccl = datetime.timedelta(milliseconds=ms)
-    out.update(nccl=nccl, nccl_source="kProcessGroupNCCLDefaultTimeout in torch's ProcessGroupNCCL.hpp "
-               "(this torch has no NCCL)" if nccl else "not found in this torch")
+    out.update(
+        nccl=nccl,
+        nccl_source="kProcessGroupNCCLDefaultTimeout in torch's ProcessGroupNCCL.hpp (this torch has no NCCL)"
+        if nccl
+        else "not found in this torch",
+    )
     return out

@@ -4,6 +4,7 @@
 through the one loop (``loop.run_steps``), and compares gradients, weights, losses and bytes
 held. The mechanism it checks is ``course_utils.zero``.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -26,14 +27,22 @@ PEAK_WATCHED = ("zero1", "zero2")
 REFERENCES = {"torch_zero1": apply_torch_zero1}
 
 
-def _train_steps(prepared, cfg, info, rank: int, world: int, count=None, peak: bool = False) -> tuple[list[float], dict]:
+def _train_steps(
+    prepared, cfg, info, rank: int, world: int, count=None, peak: bool = False
+) -> tuple[list[float], dict]:
     """The one loop (``loop.run_steps``) on ``rank``'s share of ``world``: the losses, and the bytes held
     counted where ``train`` counts them (the last step, after the update, before the gradients are cleared).
     ``count``: a ``CountCollectives`` observer to count the collectives too. ``peak``: also the peak of the
     last step's update (``HeldAtRest(peak=True)``), as ``update_peak`` and ``update_extra`` in the bytes."""
-    held = HeldAtRest(prepared.held, at=cfg.steps - 1, peak=peak,
-                      optimizer=getattr(prepared.optimizer, "optimizer", prepared.optimizer))
-    losses = run_steps(prepared, cfg, info, range(cfg.steps), [held] + ([count] if count else []), rank=rank, world=world)
+    held = HeldAtRest(
+        prepared.held,
+        at=cfg.steps - 1,
+        peak=peak,
+        optimizer=getattr(prepared.optimizer, "optimizer", prepared.optimizer),
+    )
+    losses = run_steps(
+        prepared, cfg, info, range(cfg.steps), [held] + ([count] if count else []), rank=rank, world=world
+    )
     peaks = {"update_peak": held.update_peak, "update_extra": held.update_extra} if peak else {}
     return [float(loss) for loss in losses], {**held.bytes, **peaks}
 
@@ -54,15 +63,14 @@ def gradient_error(prepared, model, ref_grads: dict) -> float:
     for flat in opt.flats:
         ref = torch.cat([ref_grads[names[p]].reshape(-1) for p in flat.params])
         lo, hi = shard_bounds(flat.padded, flat.nd, flat.rank)
-        mine = flat.grad_shard[:max(0, min(hi, flat.numel) - lo)].float()
-        worst = max(worst, float((mine - ref[lo:lo + mine.numel()]).abs().max()) if mine.numel() else 0.0)
+        mine = flat.grad_shard[: max(0, min(hi, flat.numel) - lo)].float()
+        worst = max(worst, float((mine - ref[lo : lo + mine.numel()]).abs().max()) if mine.numel() else 0.0)
     return worst / scale
 
 
 def _first_gradients(prepared, cfg, mcfg, rank: int, world: int, device) -> None:
     """One forward and backward of step 0, reduced but not applied."""
-    x, y = batch_for_rank(0, rank, world, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed,
-                          device=device)
+    x, y = batch_for_rank(0, rank, world, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed, device=device)
     prepared.model(x, y).backward()
     prepared.before_step()
     if type(prepared.optimizer) is ShardedOptimizer:  # stage 1 reduces at the step; do that part only
@@ -97,8 +105,13 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             single.optimizer.zero_grad(set_to_none=True)
             losses, _ = _train_steps(single, cfg, info, 0, 1)
-            reference = [({k: v.cpu() for k, v in grads.items()},
-                          {k: v.cpu() for k, v in single.full_state_dict().items()}, losses)]
+            reference = [
+                (
+                    {k: v.cpu() for k, v in grads.items()},
+                    {k: v.cpu() for k, v in single.full_state_dict().items()},
+                    losses,
+                )
+            ]
         dist.broadcast_object_list(reference, src=0)
         ref_grads, ref, ref_losses = reference[0]
         ref_grads = {k: v.to(info.device) for k, v in ref_grads.items()}
@@ -114,8 +127,9 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
             model = build_model(mcfg, seed=cfg.seed, device=info.device)
             prepared = apply(model, cfg, info)
             count = CountCollectives()  # the same counter as train(): ZeroRedundancyOptimizer's traffic too
-            losses, held = _train_steps(prepared, cfg, info, info.rank, info.world_size, count,
-                                        peak=name in PEAK_WATCHED)
+            losses, held = _train_steps(
+                prepared, cfg, info, info.rank, info.world_size, count, peak=name in PEAK_WATCHED
+            )
             losses = torch.tensor(losses, device=info.device)
             dist.all_reduce(losses)
             full = prepared.full_state_dict()
@@ -124,11 +138,18 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
             diff = max(float((full[k].float() - ref[k].float()).abs().max()) for k in ref)
             num = sum(float((full[k].float() - ref[k].float()).pow(2).sum()) for k in ref)
             den = sum(float(ref[k].float().pow(2).sum()) for k in ref)
-            out[name] = {"losses": (losses / info.world_size).cpu().tolist(), "grad_error": float(grad_error),
-                         "max_abs_diff": diff, "rel_diff": (num / den) ** 0.5,
-                         "weights_sha256": weights_sha256(full), "strategy": name, "world_size": info.world_size,
-                         "per_rank": [dict(rank=r, **row) for r, row in enumerate(per_rank)],
-                         "strategy_info": prepared.info, "comm_per_step": count.summary(cfg.steps)}
+            out[name] = {
+                "losses": (losses / info.world_size).cpu().tolist(),
+                "grad_error": float(grad_error),
+                "max_abs_diff": diff,
+                "rel_diff": (num / den) ** 0.5,
+                "weights_sha256": weights_sha256(full),
+                "strategy": name,
+                "world_size": info.world_size,
+                "per_rank": [dict(rank=r, **row) for r, row in enumerate(per_rank)],
+                "strategy_info": prepared.info,
+                "comm_per_step": count.summary(cfg.steps),
+            }
         return {"rank": info.rank, **out} if info.rank == 0 else {"rank": info.rank}
 
 
@@ -140,14 +161,21 @@ def agreement(cfg=None, *, strategies=("ddp", "zero1", "zero2", "zero3", "torch_
     """
     base = asdict(cfg or TrainConfig(strategy="zero1"))  # cfg.strategy is not used: ``strategies`` are
     cfg = TrainConfig(**{**base, **overrides}).validate()
-    result = launch(agreement_worker, nproc=cfg.nproc, args=(asdict(cfg), tuple(strategies)), backend=cfg.backend,
-                    timeout_s=cfg.timeout_s, echo=False)
+    result = launch(
+        agreement_worker,
+        nproc=cfg.nproc,
+        args=(asdict(cfg), tuple(strategies)),
+        backend=cfg.backend,
+        timeout_s=cfg.timeout_s,
+        echo=False,
+    )
     out = result[0]
     out.pop("rank", None)
     return out
 
 
 # ---------------------------------------------------------------- FSDP2's own defaults, measured (notebook 03)
+
 
 def fsdp2_facts(config: dict) -> dict | None:
     """What FSDP2 (``fully_shard``) does that the hand-built stage 3 does not, measured (collective; notebook 03).
@@ -179,8 +207,19 @@ def fsdp2_facts(config: dict) -> dict | None:
     mcfg = get_config(cfg.model)
     with cdist.session() as info:
         mesh = fsdp_mesh(info, "full_shard")
-        batches = [batch_for_rank(step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq,
-                                  vocab=mcfg.vocab, seed=cfg.seed, device=info.device) for step in range(cfg.steps)]
+        batches = [
+            batch_for_rank(
+                step,
+                info.rank,
+                info.world_size,
+                batch=cfg.batch,
+                seq=mcfg.seq,
+                vocab=mcfg.vocab,
+                seed=cfg.seed,
+                device=info.device,
+            )
+            for step in range(cfg.steps)
+        ]
         out = {"comm": {}}
         for root in ("default", "reshard"):
             model = build_model(mcfg, seed=cfg.seed, device=info.device)
@@ -197,11 +236,15 @@ def fsdp2_facts(config: dict) -> dict | None:
             out["comm"][root] = comm.summary(max(1, cfg.steps - 1))
         # 2. per-parameter sharding, read from the last model
         params = dict(model.named_parameters())
-        out["all_dtensor_shard0"] = all(isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),)
-                                        for p in params.values())
+        out["all_dtensor_shard0"] = all(
+            isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),) for p in params.values()
+        )
         name = "blocks.0.attn.qkv.weight"
-        out["example"] = {"name": name, "global": tuple(params[name].shape),
-                          "local": tuple(params[name].to_local().shape)}
+        out["example"] = {
+            "name": name,
+            "global": tuple(params[name].shape),
+            "local": tuple(params[name].to_local().shape),
+        }
         out["root_params"] = sum(p.numel() for n, p in params.items() if not n.startswith("blocks."))
         # 3. clipping across shards, on a fresh model's first gradient
         model = build_model(mcfg, seed=cfg.seed, device=info.device)
@@ -222,12 +265,18 @@ def fsdp2_facts(config: dict) -> dict | None:
         if info.rank != 0:
             return None
         ref = build_model(mcfg, seed=cfg.seed, device=info.device)
-        x, y = batch_for_rank(0, 0, 1, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed,
-                              device=info.device)
+        x, y = batch_for_rank(
+            0, 0, 1, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed, device=info.device
+        )
         ref(x, y).backward()
         ref_norm = float(torch.stack([p.grad.double().pow(2).sum() for p in ref.parameters()]).sum().sqrt())
         worst = max(float((clipped[n] - 0.5 * p.grad.double()).abs().max()) for n, p in ref.named_parameters())
         scale = max(float(p.grad.abs().max()) for p in ref.parameters())
-        out.update(norm_by_hand=by_hand, norm_by_torch=by_torch, norm_one_rank_alone=alone,
-                   norm_one_process=ref_norm, clipped_rel_error=worst / scale)
+        out.update(
+            norm_by_hand=by_hand,
+            norm_by_torch=by_torch,
+            norm_one_rank_alone=alone,
+            norm_one_process=ref_norm,
+            clipped_rel_error=worst / scale,
+        )
         return out

@@ -6,6 +6,7 @@ time); many runs share one launch (``run_experiments``). The mechanism they meas
 ``course_utils.fsdp``; the predictions they are held against are ``predict.fsdp_run``; the tables
 that show the rows are views (``plots.fsdp_table``, ``plots.fsdp_side_by_side_table``).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -58,10 +59,17 @@ RUN_KEYS = ("label", "sync_every_step", "cross_check", "kind", "run_dir")
 
 
 def _comm_debug_summary(counts: dict, steps: int) -> dict:
-    kinds = {"_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-             "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-             "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_gather_into_tensor": "all_gather",
-             "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
+    kinds = {
+        "_allgather_base_": "all_gather",
+        "allgather_into_tensor_coalesced_": "all_gather",
+        "_reduce_scatter_base_": "reduce_scatter",
+        "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+        "allreduce_": "all_reduce",
+        "allreduce_coalesced_": "all_reduce",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "all_reduce": "all_reduce",
+    }
     out: dict = {}
     for op, calls in counts.items():
         kind = kinds.get(str(op).split(".")[-1])
@@ -122,8 +130,9 @@ def _timed_only(cfg, info, rank, world, sync_every_step) -> float:
     """Seconds per step of the same run with no counting observer: the timing run (GPU)."""
     prepared = prepare(cfg, info)
     timer = StepTimer(info.device, skip=min(1, cfg.steps - 1))
-    run_steps(prepared, cfg, info, range(cfg.steps), [_SyncEveryStep()] * sync_every_step + [timer],
-              rank=rank, world=world)
+    run_steps(
+        prepared, cfg, info, range(cfg.steps), [_SyncEveryStep()] * sync_every_step + [timer], rank=rank, world=world
+    )
     return timer.seconds_per_step()
 
 
@@ -133,8 +142,7 @@ def _run_one(cfg, info, rank, world, single, sync_every_step, cross_check):
     held = HeldAtRest(prepared.held, at=cfg.steps - 1, also={"where": held_by_device})
     timer = StepTimer(info.device, skip=min(1, cfg.steps - 1))
     debug = _CommDebugCounts() if cross_check else None
-    observers = [count, held, *prepared.observers, *[debug] * cross_check, *[_SyncEveryStep()] * sync_every_step,
-                 timer]
+    observers = [count, held, *prepared.observers, *[debug] * cross_check, *[_SyncEveryStep()] * sync_every_step, timer]
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
     losses = torch.stack(run_steps(prepared, cfg, info, range(cfg.steps), observers, rank=rank, world=world)).float()
@@ -145,10 +153,14 @@ def _run_one(cfg, info, rank, world, single, sync_every_step, cross_check):
         dist.all_reduce(losses)  # equal per-rank batches: the mean of rank means is the global mean
         losses /= world
     full = prepared.full_state_dict()
-    mine = {"rank": rank, **held.bytes, "where": held.extra["where"],
-            "peak_unsharded_bytes": prepared.info.get("peak_unsharded_bytes"),
-            "max_memory_allocated": torch.cuda.max_memory_allocated(info.device) if info.device.type == "cuda" else None,
-            "step_time_s": step_time_s}
+    mine = {
+        "rank": rank,
+        **held.bytes,
+        "where": held.extra["where"],
+        "peak_unsharded_bytes": prepared.info.get("peak_unsharded_bytes"),
+        "max_memory_allocated": torch.cuda.max_memory_allocated(info.device) if info.device.type == "cuda" else None,
+        "step_time_s": step_time_s,
+    }
     everyone = [mine]
     if not single:
         everyone = [None] * world
@@ -156,17 +168,23 @@ def _run_one(cfg, info, rank, world, single, sync_every_step, cross_check):
     if info.rank != 0:
         return None
     return {
-        "strategy": cfg.strategy, "world_size": world, "device": info.device.type, "options": dict(cfg.options),
+        "strategy": cfg.strategy,
+        "world_size": world,
+        "device": info.device.type,
+        "options": dict(cfg.options),
         "precision": cfg.precision,
-        "losses": losses.cpu().tolist(), "weights_sha256": weights_sha256(full),
+        "losses": losses.cpu().tolist(),
+        "weights_sha256": weights_sha256(full),
         "full_state_dict": {k: v.detach().to("cpu", torch.float32) for k, v in full.items()},
         "per_rank": [{k: row[k] for k in ("rank", "params", "grads", "optim", "total")} for row in everyone],
         "held_by_device": everyone[0]["where"],
-        "comm_per_step": count.summary(cfg.steps), "comm_groups": count.groups(),
+        "comm_per_step": count.summary(cfg.steps),
+        "comm_groups": count.groups(),
         "comm_debug_per_step": _comm_debug_summary(debug.counts, cfg.steps) if cross_check else None,
         "peak_unsharded_bytes": [row["peak_unsharded_bytes"] for row in everyone],
         "max_memory_allocated": [row["max_memory_allocated"] for row in everyone],
-        "step_time_s": max(row["step_time_s"] for row in everyone), "sync_every_step": sync_every_step,
+        "step_time_s": max(row["step_time_s"] for row in everyone),
+        "sync_every_step": sync_every_step,
         "strategy_info": {k: v for k, v in prepared.info.items() if k != "peak_unsharded_bytes"},
         "config": asdict(cfg),
     }
@@ -221,8 +239,12 @@ def experiments_worker(runs: list[dict]) -> list[dict] | None:
                 Path(extra["run_dir"]).mkdir(parents=True, exist_ok=True)
                 row = state_dict_round_trip(cfg, info, extra["run_dir"])
             else:
-                row = run_one(cfg, info, sync_every_step=extra.get("sync_every_step", True),
-                              cross_check=extra.get("cross_check", False))
+                row = run_one(
+                    cfg,
+                    info,
+                    sync_every_step=extra.get("sync_every_step", True),
+                    cross_check=extra.get("cross_check", False),
+                )
             cdist.report_progress(i + 1, len(runs), run=extra.get("label", cfg.strategy))
             if info.rank != 0:
                 continue
@@ -255,8 +277,9 @@ def run_experiments(runs: list[dict], *, nproc: int, backend: str = "auto", time
         cfg = TrainConfig(**{**fields, "nproc": 1 if strategy == "single" else nproc}).validate()
         if strategy in FSDP_STRATEGIES:
             fsdp_options(cfg)
-    result = launch(experiments_worker, nproc=nproc, args=(list(runs),), backend=backend, timeout_s=timeout_s,
-                    echo=False)
+    result = launch(
+        experiments_worker, nproc=nproc, args=(list(runs),), backend=backend, timeout_s=timeout_s, echo=False
+    )
     return result[0]
 
 
@@ -330,8 +353,7 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
     fresh = _fresh(cfg, info, cfg.strategy)
     out["fresh_sha_before_load"] = weights_sha256(full_state_dict(fresh.model))
     loaded = torch.load(full_path, weights_only=True) if info.rank == 0 else {}
-    set_model_state_dict(fresh.model, loaded, options=StateDictOptions(full_state_dict=True,
-                                                                       broadcast_from_rank0=True))
+    set_model_state_dict(fresh.model, loaded, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     out["full_into_sharded_sha"] = weights_sha256(full_state_dict(fresh.model))
 
     # 2. the sharded checkpoint (DCP), into a fresh model and optimizer, then one more step on both
@@ -351,8 +373,7 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
     nxt = range(cfg.steps, cfg.steps + 1)
     out["next_loss_original"] = _train_steps(prepared, cfg, info, nxt)
     out["next_loss_resumed"] = _train_steps(resumed, cfg, info, nxt)
-    out["next_step_equal"] = (weights_sha256(full_state_dict(model))
-                              == weights_sha256(full_state_dict(resumed.model)))
+    out["next_step_equal"] = weights_sha256(full_state_dict(model)) == weights_sha256(full_state_dict(resumed.model))
 
     # 3. FSDP1: full_optim_state_dict(rank0_only=True), written by every rank
     old = _fresh(TrainConfig(**{**asdict(cfg), "options": {"api": "fsdp1"}}), info, "full_shard", seed_offset=0)
@@ -364,11 +385,16 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
         osd_old = FullyShardedDataParallel.full_optim_state_dict(old.model, old.optimizer, rank0_only=True)
     path = root / f"optim_full_rank{info.rank}.pt"
     torch.save(osd_old, path)
-    osd_new = get_optimizer_state_dict(old.model, old.optimizer,
-                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    mine = {"rank": info.rank, "file": path.name, "file_bytes": path.stat().st_size,
-            "params_with_state": len(torch.load(path, weights_only=False).get("state", {})),
-            "new_api_params_with_state": len(osd_new.get("state", {}))}
+    osd_new = get_optimizer_state_dict(
+        old.model, old.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    mine = {
+        "rank": info.rank,
+        "file": path.name,
+        "file_bytes": path.stat().st_size,
+        "params_with_state": len(torch.load(path, weights_only=False).get("state", {})),
+        "new_api_params_with_state": len(osd_new.get("state", {})),
+    }
     everyone = [None] * info.world_size
     dist.all_gather_object(everyone, mine)
     out["rank0_only_files"] = everyone
@@ -376,8 +402,15 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
     return out
 
 
-def state_dict_demo(cfg: TrainConfig | None = None, *, nproc: int, run_dir: str, backend: str = "auto",
-                    timeout_s: float = 300.0, **overrides) -> dict:
+def state_dict_demo(
+    cfg: TrainConfig | None = None,
+    *,
+    nproc: int,
+    run_dir: str,
+    backend: str = "auto",
+    timeout_s: float = 300.0,
+    **overrides,
+) -> dict:
     """Launch ``state_dict_round_trip`` alone on ``nproc`` processes; files go under ``run_dir`` (notebook 04)."""
     cfg = TrainConfig(**{**asdict(cfg or TrainConfig(strategy="full_shard")), **overrides})
     run = {**asdict(cfg), "kind": "state_dict", "run_dir": str(run_dir), "label": "state dicts"}

@@ -3,6 +3,7 @@
 ``course_utils.plan`` holds the arithmetic (``plan.host_fit``, ``plan.fit_latency_bandwidth`` and
 the overlap model); this worker is the run that feeds it, started by ``course_utils.launch``.
 """
+
 from __future__ import annotations
 
 import time
@@ -59,8 +60,14 @@ def time_collective(fn, sync, barrier=None, **kwargs) -> list:
     return time_collectives({0: fn}, sync, barrier, **kwargs)[0]
 
 
-def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats: int = 3, seq: int = 64,
-                         gather_bytes=GATHER_BYTES, gather_repeats: int = 7) -> dict:
+def block_overlap_worker(
+    widths=(64, 128, 256),
+    tokens=(64, 256, 1024),
+    repeats: int = 3,
+    seq: int = 64,
+    gather_bytes=GATHER_BYTES,
+    gather_repeats: int = 7,
+) -> dict:
     """Worker for ``course_utils.launch``: time one course-model block's forward and backward, and
     an all-gather of its parameters sharded over the ranks, for each width and tokens per
     micro-batch; then all-gathers of ``gather_bytes`` sizes for the latency and bandwidth fit
@@ -101,8 +108,8 @@ def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats:
             block = Block(cfg).to(info.device)
             flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()])
             shard, _, gather = gather_of(flat.numel())
-            part = flat[info.rank * shard.numel():(info.rank + 1) * shard.numel()]
-            shard[:part.numel()] = part
+            part = flat[info.rank * shard.numel() : (info.rank + 1) * shard.numel()]
+            shard[: part.numel()] = part
             gather_s = statistics.median(time_collective(gather, sync, dist.barrier, repeats=repeats))
             for ntok in tokens:
                 b = max(1, ntok // seq)
@@ -111,10 +118,19 @@ def block_overlap_worker(widths=(64, 128, 256), tokens=(64, 256, 1024), repeats:
                 for _ in range(repeats + 1):
                     fwd.append(time_on_device(torch.no_grad()(lambda block=block, x=x: block(x)), sync))
                     both.append(time_on_device(lambda block=block, x=x: block(x).sum().backward(), sync))
-                rows.append({"width": width, "tokens": b * min(seq, ntok), "params": flat.numel(),
-                             "fwd_s": statistics.median(fwd[1:]), "fwd_bwd_s": statistics.median(both[1:]),
-                             "gather_s": gather_s, "gather_bytes": 4 * shard.numel() * n,
-                             "world_size": n, "backend": info.backend})
+                rows.append(
+                    {
+                        "width": width,
+                        "tokens": b * min(seq, ntok),
+                        "params": flat.numel(),
+                        "fwd_s": statistics.median(fwd[1:]),
+                        "fwd_bwd_s": statistics.median(both[1:]),
+                        "gather_s": gather_s,
+                        "gather_bytes": 4 * shard.numel() * n,
+                        "world_size": n,
+                        "backend": info.backend,
+                    }
+                )
         gathers = {}
         for nbytes in gather_bytes:
             shard, _, gather = gather_of(max(1, nbytes // 4))

@@ -4,6 +4,7 @@
 with ``fsdp.shard_model`` and the rehearsal's optimizer, and holds the bytes each rank holds
 against what the rehearsal (``course_utils.rehearse``) says for the same setting.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,9 @@ from ..rehearse import check_setting, make_mesh, make_optimizer, mixed_precision
 from ..strategies import get_fsdp
 
 
-def real_state_worker(cfg: dict, strategies: list, node_size: int = 2, mixed_precision: str = "bf16",
-                      micro_batch: int = 1, seed: int = 0) -> dict:
+def real_state_worker(
+    cfg: dict, strategies: list, node_size: int = 2, mixed_precision: str = "bf16", micro_batch: int = 1, seed: int = 0
+) -> dict:
     """One real optimizer step per strategy of the course model on this rank; bytes held (notebook 05b).
 
     A worker for ``launch``: the same ``fsdp.shard_model`` and ``make_optimizer`` as the rehearsal,
@@ -36,8 +38,12 @@ def real_state_worker(cfg: dict, strategies: list, node_size: int = 2, mixed_pre
         for strategy in strategies:
             mesh = make_mesh(strategy, info.world_size, node_size, info.device.type)
             net = build_model(gcfg, seed, device=info.device)
-            shard_model(net, mesh, reshard_after_forward=get_fsdp(strategy).reshard_after_forward,
-                        mp_policy=mixed_precision_policy(mixed_precision))
+            shard_model(
+                net,
+                mesh,
+                reshard_after_forward=get_fsdp(strategy).reshard_after_forward,
+                mp_policy=mixed_precision_policy(mixed_precision),
+            )
             opt = make_optimizer(net)
 
             def held(net=net, opt=opt):  # the optimizer's 0-dim step counters included
@@ -54,8 +60,16 @@ def real_state_worker(cfg: dict, strategies: list, node_size: int = 2, mixed_pre
         cdist.shutdown()
 
 
-def bridge(nproc: int = 2, strategies=("full_shard", "shard_grad_op"), *, model: str | GPTConfig = "tiny",
-           node_size: int = 2, mixed_precision: str = "bf16", micro_batch: int = 1, echo: bool = False) -> list[dict]:
+def bridge(
+    nproc: int = 2,
+    strategies=("full_shard", "shard_grad_op"),
+    *,
+    model: str | GPTConfig = "tiny",
+    node_size: int = 2,
+    mixed_precision: str = "bf16",
+    micro_batch: int = 1,
+    echo: bool = False,
+) -> list[dict]:
     """Rehearsal against reality on ``nproc`` real gloo ranks, one row per strategy (notebook 05b).
 
     Each row: ``{"strategy", "nproc", "rehearsal": {"params", "grads", "optim"}, "real":
@@ -66,16 +80,32 @@ def bridge(nproc: int = 2, strategies=("full_shard", "shard_grad_op"), *, model:
     strategies = list(strategies)
     for s in strategies:
         check_setting(nproc, s, node_size, micro_batch, mixed_precision)
-    real = launch(real_state_worker, nproc=nproc, args=(cfg.to_dict(), strategies, node_size, mixed_precision,
-                                                         micro_batch), echo=echo, progress=False)
+    real = launch(
+        real_state_worker,
+        nproc=nproc,
+        args=(cfg.to_dict(), strategies, node_size, mixed_precision, micro_batch),
+        echo=echo,
+        progress=False,
+    )
     rows = []
     for s in strategies:
         r = rehearse(cfg, nproc, s, node_size=node_size, micro_batch=micro_batch, mixed_precision=mixed_precision)
-        fake = {"params": r.after_step["Sharded Param"], "grads": r.after_step["Sharded Grad"],
-                "optim": r.after_step["OptState"]}
+        fake = {
+            "params": r.after_step["Sharded Param"],
+            "grads": r.after_step["Sharded Grad"],
+            "optim": r.after_step["OptState"],
+        }
         fake["total"] = sum(fake.values())
         per_rank = {rank: {k: v[s][k] for k in ("params", "grads", "optim", "total")} for rank, v in real.items()}
-        rows.append({"strategy": s, "nproc": nproc, "rehearsal": fake, "real": per_rank,
-                     "equal": all(v == fake for v in per_rank.values()), "rehearsal_wall_s": r.wall_s,
-                     "launch_wall_s": real.wall_s})
+        rows.append(
+            {
+                "strategy": s,
+                "nproc": nproc,
+                "rehearsal": fake,
+                "real": per_rank,
+                "equal": all(v == fake for v in per_rank.values()),
+                "rehearsal_wall_s": r.wall_s,
+                "launch_wall_s": real.wall_s,
+            }
+        )
     return rows

@@ -4,6 +4,7 @@ the interval trade-off, ``dcp.async_save``, and three checkpoint pitfalls.
 The mechanism they exercise is ``course_utils.checkpoint`` (complete-only DCP checkpoints) and
 ``course_utils.train`` (the run that resumes); this module only runs and reports.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,16 @@ def lost_work_sweep(intervals, *, strategy: str = "ddp", nproc: int = 2, **overr
         fail_steps = [k + i for i in range(k)]
         spec = ",".join(f"{i % nproc}:{s}" for i, s in enumerate(fail_steps))
         d = tempfile.mkdtemp(prefix=f"sweep-k{k}-")
-        report = train(strategy=strategy, nproc=nproc, steps=2 * k, checkpoint_dir=d, checkpoint_every=k,
-                       max_restarts=k, fail_at=spec, **overrides)
+        report = train(
+            strategy=strategy,
+            nproc=nproc,
+            steps=2 * k,
+            checkpoint_dir=d,
+            checkpoint_every=k,
+            max_restarts=k,
+            fail_at=spec,
+            **overrides,
+        )
         rows.append(ck.lost_work_row(report, k, fail_steps))
         shutil.rmtree(d, ignore_errors=True)
     return rows
@@ -63,6 +72,7 @@ def time_lost_by_interval(rows: list[dict]) -> list[dict]:
 
 # ---------------------------------------------------------------- what a checkpoint weighs
 
+
 def checkpoint_bytes(psi: float, *, with_16bit_copy: bool = False) -> float:
     """Bytes of a mixed-precision Adam checkpoint of Ψ parameters (notebook 06).
 
@@ -82,9 +92,12 @@ def folder_bytes(path) -> dict:
     """
     path = Path(path)
     data = [p for p in path.iterdir() if p.suffix == ".distcp"]
-    return {"data": sum(p.stat().st_size for p in data), "files": len(data),
-            "metadata": (path / ck.METADATA).stat().st_size,
-            "marker": (path / ck.COMMIT).stat().st_size if (path / ck.COMMIT).exists() else 0}
+    return {
+        "data": sum(p.stat().st_size for p in data),
+        "files": len(data),
+        "metadata": (path / ck.METADATA).stat().st_size,
+        "marker": (path / ck.COMMIT).stat().st_size if (path / ck.COMMIT).exists() else 0,
+    }
 
 
 def checkpoint_breakdown(root, step: int) -> dict:
@@ -108,11 +121,19 @@ def checkpoint_breakdown(root, step: int) -> dict:
         kinds[kind] += math.prod(item.size) * item.properties.dtype.itemsize
     on_disk = folder_bytes(folder)
     tensors = sum(kinds.values())
-    return {**kinds, "tensors": tensors, "items": len(meta.storage_data), "data": on_disk["data"],
-            "files": on_disk["files"], "framing": on_disk["data"] - tensors, "metadata": on_disk["metadata"]}
+    return {
+        **kinds,
+        "tensors": tensors,
+        "items": len(meta.storage_data),
+        "data": on_disk["data"],
+        "files": on_disk["files"],
+        "framing": on_disk["data"] - tensors,
+        "metadata": on_disk["metadata"],
+    }
 
 
 # ---------------------------------------------------------------- the interval trade-off
+
 
 def checkpoint_overhead(k, *, step_s: float, save_s: float, mtbf_s: float, restart_s: float):
     """Seconds lost per training step when saving every K steps (notebook 06; first-order, as Young 1974).
@@ -134,8 +155,17 @@ def young_interval_s(save_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * save_s * mtbf_s)
 
 
-def interval_tradeoff(*, psi: float, gpus: int, write_gb_s: float, mtbf_s: float, restart_s: float,
-                      step_s: float, with_16bit_copy: bool = False, points: int = 400) -> dict:
+def interval_tradeoff(
+    *,
+    psi: float,
+    gpus: int,
+    write_gb_s: float,
+    mtbf_s: float,
+    restart_s: float,
+    step_s: float,
+    with_16bit_copy: bool = False,
+    points: int = 400,
+) -> dict:
     """The overhead curve against K for one job, and its minimum (notebook 06).
 
     The save cost is the checkpoint's bytes (``checkpoint_bytes``) over the storage's aggregate
@@ -151,13 +181,25 @@ def interval_tradeoff(*, psi: float, gpus: int, write_gb_s: float, mtbf_s: float
     cost = dict(step_s=step_s, save_s=save_s, mtbf_s=mtbf_s, restart_s=restart_s)
     overhead = checkpoint_overhead(ks, **cost)
     best = int(np.argmin(overhead))
-    return {"psi": psi, "gpus": gpus, "write_gb_s": write_gb_s, "mtbf_s": mtbf_s, "restart_s": restart_s,
-            "step_s": step_s, "bytes": nbytes, "save_s": save_s, "k": ks, "overhead_s": overhead,
-            "k_best": float(ks[best]), "k_young": k_young,
-            "overhead_at_best": float(checkpoint_overhead(k_young, **cost)) / step_s}
+    return {
+        "psi": psi,
+        "gpus": gpus,
+        "write_gb_s": write_gb_s,
+        "mtbf_s": mtbf_s,
+        "restart_s": restart_s,
+        "step_s": step_s,
+        "bytes": nbytes,
+        "save_s": save_s,
+        "k": ks,
+        "overhead_s": overhead,
+        "k_best": float(ks[best]),
+        "k_young": k_young,
+        "overhead_at_best": float(checkpoint_overhead(k_young, **cost)) / step_s,
+    }
 
 
 # ---------------------------------------------------------------- dcp.async_save, and a torn checkpoint
+
 
 def _trained_more(net, opt, model: str, step: int, seed: int = 0) -> None:
     """One AdamW step of the course model on step ``step``'s batch of the course's data (one process)."""
@@ -185,11 +227,17 @@ def _trained(model: str = "tiny", steps: int = 1, seed: int = 0):
 def _named_state(net, opt) -> dict:
     """Weights, Adam's two moments by parameter name, and the step: what a resume needs (copies)."""
     names = {id(p): n for n, p in net.named_parameters()}
-    moments = {f"{key}.{names[id(p)]}": st[key].detach().clone()
-               for p, st in opt.state.items() for key in ("exp_avg", "exp_avg_sq")}
+    moments = {
+        f"{key}.{names[id(p)]}": st[key].detach().clone()
+        for p, st in opt.state.items()
+        for key in ("exp_avg", "exp_avg_sq")
+    }
     step = int(next(iter(opt.state.values()))["step"]) if opt.state else 0
-    return {"model": {n: t.detach().clone() for n, t in net.state_dict().items()}, "optim": moments,
-            "step": torch.tensor(step)}
+    return {
+        "model": {n: t.detach().clone() for n, t in net.state_dict().items()},
+        "optim": moments,
+        "step": torch.tensor(step),
+    }
 
 
 def _digest(tensors: dict) -> str:
@@ -227,9 +275,15 @@ def async_save_demo(folder, model: str = "tiny") -> dict:
         total_s = time.perf_counter() - t0
         back = {"model": _trained(model, steps=0)[0].state_dict()}
         dcp.load(back, checkpoint_id=str(folder / "async"))
-    return {"sync_s": sync_s, "async_blocked_s": blocked_s, "async_total_s": total_s, "digest_at_call": at_call,
-            "digest_after_next_step": after, "digest_loaded": _digest(back["model"]),
-            "bytes": folder_bytes(folder / "async")["data"]}
+    return {
+        "sync_s": sync_s,
+        "async_blocked_s": blocked_s,
+        "async_total_s": total_s,
+        "digest_at_call": at_call,
+        "digest_after_next_step": after,
+        "digest_loaded": _digest(back["model"]),
+        "bytes": folder_bytes(folder / "async")["data"],
+    }
 
 
 def torn_by_reused_folder(folder, model: str = "tiny") -> dict:
@@ -274,9 +328,14 @@ def torn_by_reused_folder(folder, model: str = "tiny") -> dict:
     def same(a, b, part):
         return int(a[part]) == int(b[part]) if part == "step" else _digest(a[part]) == _digest(b[part])
 
-    return {"died": died, "index_unchanged": index_unchanged, "steps_saved": [int(old["step"]), int(new["step"])],
-            "parts": {part: {"old": same(back, old, part), "new": same(back, new, part)}
-                      for part in ("model", "optim", "step")}}
+    return {
+        "died": died,
+        "index_unchanged": index_unchanged,
+        "steps_saved": [int(old["step"]), int(new["step"])],
+        "parts": {
+            part: {"old": same(back, old, part), "new": same(back, new, part)} for part in ("model", "optim", "step")
+        },
+    }
 
 
 def _one_step(config: dict, info):
@@ -312,19 +371,32 @@ def _pitfall_phase(config: dict, folder: str, phase: str, info) -> dict:
     mine = Path(folder) / f"rank{info.rank}.pt"
     if phase == "save":
         state = ck.state_of(prepared).get()["model"]
-        torch.save({k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in state.items()},
-                   mine)
-        full = get_optimizer_state_dict(ck._inner(prepared.model), prepared.optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        torch.save(
+            {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in state.items()}, mine
+        )
+        full = get_optimizer_state_dict(
+            ck._inner(prepared.model),
+            prepared.optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+        )
         optim_file = Path(folder) / f"full_optim_rank{info.rank}.pt"
         torch.save(full, optim_file)
-        return {"rank": info.rank, "wrote": [mine.name, optim_file.name],
-                "optim_entries": len(full.get("state", {})), "optim_file_bytes": optim_file.stat().st_size}
+        return {
+            "rank": info.rank,
+            "wrote": [mine.name, optim_file.name],
+            "optim_entries": len(full.get("state", {})),
+            "optim_file_bytes": optim_file.stat().st_size,
+        }
     saved = {k: list(v.shape) for k, v in torch.load(mine).items()}
     needed = _local_shapes(prepared)
     wrong = {k: {"in_file": saved.get(k), "needed": shape} for k, shape in needed.items() if saved.get(k) != shape}
-    return {"rank": info.rank, "read": mine.name, "tensors": len(needed), "wrong_shape": len(wrong),
-            "example": next(iter(wrong.items()), None)}
+    return {
+        "rank": info.rank,
+        "read": mine.name,
+        "tensors": len(needed),
+        "wrong_shape": len(wrong),
+        "example": next(iter(wrong.items()), None),
+    }
 
 
 def runs_in_one_group(configs: list, pitfall: tuple | None = None) -> dict:
