@@ -7,17 +7,14 @@ answer. The distributed checks of solutions and mistakes share one launch.
 
 import json
 import linecache
-import sys
 
 import pytest
 
 from course_utils import cli
 from course_utils.errors import CourseInputError
 from course_utils.exercises import core
-
-sys.path.insert(0, str(core.solutions_dir().parent))
-from solutions.mistakes import MISTAKES  # noqa: E402
-from tools import exercise_cells  # noqa: E402
+from course_utils.exercises.solutions.mistakes import MISTAKES
+from tools import exercise_cells
 
 
 def test_every_notebook_has_at_least_two_exercises():
@@ -108,6 +105,10 @@ def test_hints_open_one_at_a_time_and_solutions_load(capsys):
     assert "the last hint" in core.hint_text("02", "averaging_hook", 3)
     with pytest.raises(CourseInputError):
         core.hint_text("02", "averaging_hook", 4)
+    for past in (4, 0, "2"):  # asking past the last hint (or for no hint) prints one line, not a traceback
+        core.show_hint("02", "averaging_hook", past)
+        out = capsys.readouterr().out.strip().splitlines()
+        assert len(out) == 1 and "has hints 1 to 3" in out[0] and "load_solution('02', 'averaging_hook')" in out[0]
     fn = core.load_solution("01", "model_state_bill")
     assert "def model_state_bill" in capsys.readouterr().out
     assert core.check("01", "model_state_bill", fn).passed
@@ -133,7 +134,7 @@ def test_grade_reports_passed_failed_and_not_done(tmp_path):
 
     import nbformat
 
-    from solutions import mistakes
+    from course_utils.exercises.solutions import mistakes
 
     def cells(nb, name, body):
         return [nbformat.v4.new_code_cell(body), nbformat.v4.new_code_cell(f"check({nb!r}, {name!r}, {name})")]

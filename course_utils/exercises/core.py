@@ -353,28 +353,36 @@ def hint_text(notebook, name: str, n: int) -> str:
 
 
 def show_hint(notebook, name: str, n: int = 1) -> None:
-    """Print hint ``n`` of an exercise; the hints open one at a time (notebooks 01-06)."""
-    print(hint_text(notebook, name, n))
+    """Print hint ``n`` of an exercise; the hints open one at a time (notebooks 01-06).
+
+    Asking past the last hint (or for hint 0) prints one line saying which hints there are, never a traceback.
+    """
+    ex = get(notebook, name)
+    if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= len(ex.hints):
+        print(hint_text(notebook, name, n))
+    else:
+        print(
+            f"Exercise {ex.key} has hints 1 to {len(ex.hints)}; there is no hint {n!r}. Still stuck? "
+            f"load_solution({ex.notebook!r}, {ex.name!r}) shows the reference solution."
+        )
 
 
 def solutions_dir() -> Path:
-    """The repository's ``solutions/`` folder (reference solutions, kept out of the notebooks)."""
-    return Path(__file__).resolve().parents[2] / "solutions"
+    """The reference solutions (``course_utils/exercises/solutions/``: installed with the package, so
+    ``load_solution`` works wherever a notebook runs; a graded notebook's seal leaves them out)."""
+    return Path(__file__).resolve().parent / "solutions"
 
 
 def solution(notebook, name: str):
-    """The reference solution of an exercise, imported from ``solutions/nbNN.py``."""
+    """The reference solution of an exercise, from ``course_utils.exercises.solutions.nbNN``."""
     ex = get(notebook, name)
-    folder = solutions_dir()
-    if not (folder / f"nb{ex.notebook}.py").is_file():
+    try:
+        module = importlib.import_module(f"{__package__}.solutions.nb{ex.notebook}")
+    except ModuleNotFoundError:
         raise CourseInputError(
-            f"the reference solutions are not installed here (no {folder.name}/nb{ex.notebook}.py); "
-            "use a source checkout of the course"
-        )
-    root = str(folder.parent)
-    if root not in sys.path:
-        sys.path.append(root)  # the launcher puts the same folder on the workers' path
-    module = importlib.import_module(f"solutions.nb{ex.notebook}")
+            f"the reference solutions are not available here (no solutions/nb{ex.notebook}.py next to "
+            f"{Path(__file__).name}): a notebook being graded runs without them"
+        ) from None
     return getattr(module, ex.name)
 
 
