@@ -54,6 +54,15 @@ class Exercise:
     Either ``judge(fn)`` runs in this process and raises ``Wrong("...")`` on a wrong answer, or
     (distributed exercises, ``nproc`` > 0) ``on_rank(fn, info)`` runs on every rank of a launch
     and returns plain data, and ``verdict(results_by_rank)`` raises ``Wrong`` on a wrong answer.
+
+    The contract that lets a teacher trust a grade (``grading``): the student's code runs where ``fn``
+    is called, and everything there can be changed by it. So ``on_rank`` only reports what the
+    student's code produced (tensors, numbers) and what was measured around it, and ``verdict``
+    computes every reference itself (from the course's functions, or a cached launch of the course's
+    own code) and decides: it runs in the grader's process, where no student code ever runs. A
+    ``judge`` calls ``fn`` and compares its return values; the grader hands it a stand-in that runs
+    the student's function in the seal and returns plain data. Plain data only, both ways: numbers,
+    strings, lists, tuples, dicts and tensors.
     """
 
     notebook: str
