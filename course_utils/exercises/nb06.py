@@ -11,7 +11,6 @@ import gc
 import json
 import shutil
 import tempfile
-import threading
 from functools import cache
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from ..instrument import weights_sha256
 from ..launch import launch
 from ..loop import TrainConfig, resolve_strategy
 from ..models import build_model, get_config
-from .core import Exercise, Wrong, register
+from .core import REFERENCE_LAUNCH, Exercise, Wrong, register
 
 
 def _step(root: Path, name: str, *, metadata=True, commit_step=None, extra=()) -> None:
@@ -146,9 +145,6 @@ def uninterrupted_on_rank() -> dict:
         return {"sha": weights_sha256(whole.full_state_dict()), "saved_steps": saved_steps}
 
 
-_measuring = threading.Lock()
-
-
 @cache
 def _uninterrupted(world: int) -> dict:
     return launch(uninterrupted_on_rank, nproc=world, progress=False, echo=False, backend="gloo")[0]
@@ -156,7 +152,7 @@ def _uninterrupted(world: int) -> dict:
 
 def uninterrupted(world: int) -> dict:
     """``uninterrupted_on_rank``'s answer, launched once per process and world size (graders call it from threads)."""
-    with _measuring:
+    with REFERENCE_LAUNCH:
         return _uninterrupted(world)
 
 
