@@ -464,3 +464,19 @@ def test_without_root_the_grader_says_what_is_missing():
     missing = " ".join(caps.missing())
     for words in ("a user of its own", "a network namespace", "a PID namespace", "memory and process limits"):
         assert words in missing
+
+
+def test_without_namespaces_the_seal_still_grades_in_a_fresh_folder(tmp_path):
+    """The seal a user without root gets (forced here): a fresh folder, a scrubbed environment, the limits a
+    process can set on another, the wall time; the same judges outside it."""
+    solved = {k: sw.STUDENT[k] for k in ("model_state_bill", "block_activation_bytes")}
+    where = "import os\nassert os.getcwd().endswith('work') and 'COURSE_TEST_CANARY' not in os.environ, os.getcwd()"
+    path = sw.write(tmp_path / "laptop.ipynb", sw.notebook("01", solved, [where], section_only=True))
+    caps = seal.Capabilities(root=False, unshare=None, cgroup=None)
+    os.environ["COURSE_TEST_CANARY"] = "the teacher's"
+    try:
+        g = grading.grade_notebook(path, caps=caps)
+    finally:
+        os.environ.pop("COURSE_TEST_CANARY", None)
+    assert [r.outcome for r in g.rows] == [core.PASSED] * 2, g.rows
+    assert not g.cell_errors, g.cell_errors

@@ -525,7 +525,7 @@ def _stopped_early(seal: Seal, ran: dict, limits: Limits) -> str | None:
         return "processes"
     if stats.get("oom_kills"):
         return "memory"
-    disk = ran.get("disk") if isinstance(ran.get("disk"), dict) else {}
+    disk = ran.get("disk") if isinstance(ran.get("disk"), dict) and seal.caps.namespaces else {}  # its own tmpfs
     if isinstance(disk.get("used"), int) and disk["used"] >= 0.98 * limits.disk_bytes:
         return "disk"
     if "cells" not in ran:

@@ -585,6 +585,8 @@ def _why(kind: str | None, report: dict, stats: dict, limits: Limits, end: SealE
         return "crashed", f"the student's process exited (status {report['exit']}) before the checks were done"
     if kind in ("crashed", "stuck"):
         return "crashed", "the student's process stopped answering (a cell broke it)"
+    if not report and end.log_tail.strip():  # it never started: unshare or Python said why
+        return "setup", f"the seal did not start ({end.log_tail.strip().splitlines()[-1][:200]})"
     return kind or "ended", "it ended"
 
 
