@@ -24,7 +24,7 @@ import pytest
 import student_work as sw
 
 from course_utils import cli
-from course_utils.exercises import core, grading, seal
+from course_utils.exercises import calls, core, grading, seal, submission
 from course_utils.exercises.solutions import mistakes
 
 CAPS = seal.probe()
@@ -174,6 +174,15 @@ IN_BODY_PATCH = """def block_activation_bytes(block, x):
     return 1
 """
 
+RANK_PATCH = """def bucketed_all_reduce(buckets):
+    import torch
+    torch.allclose = lambda *a, **k: True  # a check that compared on the rank would now see equal buckets
+    torch.equal = lambda *a, **k: True
+    works = [dist.all_reduce(b, async_op=True) for b in buckets]
+    for w in works:
+        w.wait()  # summed, never divided by the world size
+"""
+
 FORK_BOMB = """
 import os, time
 children = 0
@@ -231,8 +240,10 @@ def attacked(tmp_path_factory):
         endless = "def block_activation_bytes(block, x):\n    while True:\n        pass\n"
         notebooks = {
             "honest01": sw.notebook("01", solved01, section_only=True),
-            "honest02": sw.notebook(
-                "02", {k: sw.STUDENT[k] for k in ("averaging_hook", "bucketed_all_reduce")}, section_only=True
+            "ranks02": sw.notebook(
+                "02",
+                {"averaging_hook": sw.STUDENT["averaging_hook"], "bucketed_all_reduce": RANK_PATCH},
+                section_only=True,
             ),
             "forger": sw.notebook(
                 "01",
@@ -300,11 +311,19 @@ def _outcomes(grade: dict) -> dict:
 @needs_seal
 def test_an_honest_notebook_passes_in_the_seal_and_its_ranks_meet_on_loopback(attacked):
     grades, seen = attacked
-    for name in ("honest01", "honest02"):
-        got = _outcomes(grades[name])
-        assert {s for s, _ in got.values()} == {core.PASSED}, got
-    assert "on 2 real ranks" in _outcomes(grades["honest02"])["averaging_hook"][1]
+    got = _outcomes(grades["honest01"])
+    assert {s for s, _ in got.values()} == {core.PASSED}, got
     assert grades["honest01"]["graded"] and grades["honest01"]["cpu_s"] > 0
+    got = _outcomes(grades["ranks02"])
+    assert got["averaging_hook"] == (core.PASSED, "matches the course's reference on 2 real ranks"), got
+
+
+@needs_seal
+def test_a_rank_that_patches_the_comparison_still_fails(attacked):
+    """The student's function runs on the ranks beside the check's own code, and patches torch's comparisons
+    there; the verdict compares the buckets it returned with references it computes outside the seal."""
+    got = _outcomes(attacked[0]["ranks02"])
+    assert got["bucketed_all_reduce"][0] == core.FAILED and "2.00x the mean" in got["bucketed_all_reduce"][1], got
 
 
 @needs_seal
@@ -425,24 +444,25 @@ def test_an_honest_class_of_six_is_graded_side_by_side(tmp_path, capsys):
 
 def test_a_notebook_is_read_as_data(tmp_path):
     """Which notebook, whose, which cells run: decided from the file, before anything runs."""
-    data = sw.notebook("03", {"zero2_step": sw.STUDENT["zero2_step"]})
+    data = sw.notebook("03", {"zero2_step": sw.STUDENT["zero2_step"]}, ["x = 1"])
     path = sw.write(tmp_path / "anything.ipynb", data)
-    sub = grading.read_submission(path)
+    sub = submission.read_submission(path)
     assert sub.notebook == "03" and sub.student == "anything"
-    cells, imports = grading.student_cells(sub)
-    assert all(not cid.startswith("03-") or cid.startswith("03-ex-") for cid in [c["id"] for c in data["cells"]][:0])
-    assert any("from course_utils" in i for i in imports)  # the lecture's imports, without the lecture
-    assert len(cells) == sum(1 for c in data["cells"] if c["cell_type"] == "code" and c["id"].startswith("03-ex-"))
-    bound = grading.bindings(cells, core.exercises("03"))
-    assert bound["zero2_step"].kind == "def" and not grading.same_as_reference(
-        core.get("03", "zero2_step"), bound["zero2_step"]
-    )
+    cells, imports = submission.student_cells(sub)
+    ids = {i + 1: c["id"] for i, c in enumerate(data["cells"])}
+    ran = [ids[position] for position, _ in cells]
+    assert ran[-1] == data["cells"][-1]["id"] and not ran[-1].startswith("03-")  # the student's own cell runs
+    assert all(cid.startswith("03-ex-") for cid in ran[:-1]) and len(ran) > 4  # the lecture does not
+    assert "from course_utils.labs import lab03" in imports  # its imports do
+    bound = submission.bindings(cells, core.exercises("03"))
+    assert bound["zero2_step"].kind == "def"
+    assert not submission.same_as_reference(core.get("03", "zero2_step"), bound["zero2_step"])
     (tmp_path / "junk.ipynb").write_text("not json")
-    with pytest.raises(grading.NotGradable, match="not a readable notebook"):
-        grading.read_submission(tmp_path / "junk.ipynb")
+    with pytest.raises(submission.NotGradable, match="not a readable notebook"):
+        submission.read_submission(tmp_path / "junk.ipynb")
     plain = sw.write(tmp_path / "plain.ipynb", {"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
-    with pytest.raises(grading.NotGradable, match="not a course notebook"):
-        grading.read_submission(plain)
+    with pytest.raises(submission.NotGradable, match="not a course notebook"):
+        submission.read_submission(plain)
 
 
 def test_what_comes_out_of_the_seal_is_only_data():
@@ -451,12 +471,12 @@ def test_what_comes_out_of_the_seal_is_only_data():
     from course_utils.exercises import answers
 
     value = {"a": (1, 2.5, None), 3: [torch.arange(6).reshape(2, 3), torch.ones(2, dtype=torch.bfloat16)], "f": len}
-    back = grading.decode(json.loads(json.dumps(answers.encode(value))))
+    back = calls.decode(json.loads(json.dumps(answers.encode(value))))
     assert back["a"] == (1, 2.5, None) and torch.equal(back[3][0], value[3][0]) and torch.equal(back[3][1], value[3][1])
-    assert isinstance(back["f"], grading.Opaque) and "builtin_function_or_method" in repr(back["f"])
+    assert isinstance(back["f"], calls.Opaque) and "builtin_function_or_method" in repr(back["f"])
     forged = {"__tensor__": ["float32", [4], "AAAA"]}  # 3 bytes for 4 floats
-    assert isinstance(grading.decode(forged), grading.Opaque)
-    assert isinstance(grading.decode({"__tensor__": ["object", [1], ""]}), grading.Opaque)
+    assert isinstance(calls.decode(forged), calls.Opaque)
+    assert isinstance(calls.decode({"__tensor__": ["object", [1], ""]}), calls.Opaque)
 
 
 def test_without_root_the_grader_says_what_is_missing():

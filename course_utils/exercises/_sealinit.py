@@ -147,7 +147,7 @@ def student(root: str, cfg: dict, fds: list[int]) -> None:
     os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
     _check(LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if cfg.get("nproc"):  # a second bound on processes: the student's user is this seal's alone
+    if cfg.get("nproc"):  # a second bound on processes (the user is this seal's alone), for a seal without cgroups
         resource.setrlimit(resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"]))
     os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
 

@@ -2,18 +2,18 @@
 
 ``grade_class(paths)`` grades many notebooks side by side; ``grade_notebook(path)`` grades one. For each:
 
-1. **Read it as data** (here, outside the seal): which course notebook it is, the exercises that notebook has
-   (the course's own list, ``core.exercises``, never the submission's), which cells are the student's (every
-   code cell except the notebook's own lecture cells, whose ids ``NN-...`` the course gave them: the grade is
-   about the exercises, and the lecture takes a minute to run), and what each exercise's name is bound to in
-   them: a ``def``, a call of ``load_solution``, an assignment, nothing.
+1. **Read it as data** (``submission``, here, outside the seal): which course notebook it is, the exercises that
+   notebook has (the course's own list, ``core.exercises``, never the submission's), which cells are the
+   student's (every code cell but the lecture: the grade is about the exercises, and the lecture takes a minute
+   to run), and what each exercise's name is bound to in them.
 2. **Run the student's cells in a seal** (``seal.Seal``): no network beyond loopback, an unprivileged user, a
    filesystem of its own, limits on time, memory, processes and disk. The reference solutions are not in it.
 3. **Judge here, with the course's code as installed**: an in-process check (``judge``) runs in this process
-   and calls the student's function through ``_Call``, which sends the arguments into the seal, runs the function
-   there in a fresh child and brings back what it returned as plain data (``decode`` builds numbers, strings,
-   containers and tensors from JSON and runs nothing the student wrote). A distributed check runs its ``on_rank``
-   on real ranks inside the seal; its observations come back as plain data and its ``verdict`` runs here.
+   and calls the student's function through ``calls.Call``, which sends the arguments into the seal, runs the
+   function there in a child of the student's process and brings back what it returned as plain data
+   (``calls.decode`` builds numbers, strings, containers and tensors from JSON and runs nothing the student
+   wrote). A distributed check runs its ``on_rank`` on real ranks inside the seal; its observations come back
+   as plain data and its ``verdict`` runs here.
    Nothing the student's code can read or write decides an outcome: it can only change what its own function
    returns, and a lie told through the pipe is only a wrong answer.
 
@@ -24,14 +24,9 @@ forked without end, or is not a course notebook).
 
 from __future__ import annotations
 
-import ast
-import base64
 import csv
-import io
 import json
 import os
-import re
-import tarfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,320 +36,14 @@ from pathlib import Path
 
 from ..errors import CourseInputError
 from . import core
+from .calls import Call, CallDied, CallTimedOut, StudentRaised, decode
 from .seal import Capabilities, Limits, Seal, SealEnded, probe
+from .submission import Binding, NotGradable, bindings, read_submission, same_as_reference, student_cells
 
-MAX_NOTEBOOK_BYTES = 64 << 20
 #: Extra seconds a distributed check may take beyond its exercises' own timeouts (its launch starting).
 LAUNCH_GRACE_S = 40.0
 OUTCOMES = (core.PASSED, core.FAILED, core.NOT_DONE, core.REFERENCE, core.UNGRADED)
 COLUMNS = ("student", "file", "notebook", "exercise", "outcome", "message", "seconds")
-
-
-class NotGradable(Exception):
-    """The file is not something the grader can grade (not a notebook, not a course notebook)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading a submission (as data; nothing in it runs here)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Submission:
-    path: Path
-    raw: bytes
-    notebook: str
-    student: str
-    cells: list  # (position, id, source) of every code cell, in order
-    metadata: dict
-
-
-def _python(source: str) -> str:
-    """A cell's source as plain Python (IPython's own text transform: magics become calls; nothing runs)."""
-    from IPython.core.inputtransformer2 import TransformerManager
-
-    return TransformerManager().transform_cell(source)
-
-
-def _parse(source: str):
-    try:
-        return ast.parse(_python(source))
-    except (SyntaxError, ValueError, RecursionError):
-        return None
-
-
-def which_notebook(cells: list, path: Path) -> str | None:
-    """The course notebook this is: from its exercise cells' ids, its check calls, or its file name."""
-    for pattern in (r"(\d\d)-ex-", r"(\d\d)-"):
-        found = [m.group(1) for _, cid, _ in cells if (m := re.match(pattern, cid or ""))]
-        found = [nb for nb in found if nb in core.NOTEBOOKS]
-        if found:
-            return max(set(found), key=found.count)
-    calls = [m.group(1) for _, _, src in cells for m in re.finditer(core.CHECK_CALL, src)]
-    if calls:
-        return max(set(calls), key=calls.count)
-    m = re.match(r"(\d\d)[_-]", path.name)
-    return m.group(1) if m and m.group(1) in core.NOTEBOOKS else None
-
-
-def read_submission(path, *, notebook: str | None = None, names: str = "file") -> Submission:
-    """Read a student's notebook as data: its cells, which course notebook it is, the student's name."""
-    import nbformat
-
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise NotGradable(f"cannot read {path} ({exc.strerror})") from None
-    if size > MAX_NOTEBOOK_BYTES:
-        raise NotGradable(f"{path.name} is {size / 2**20:.0f} MiB; a notebook over 64 MiB is not graded")
-    raw = path.read_bytes()
-    try:
-        nb = nbformat.reads(raw.decode("utf-8"), as_version=4)
-    except Exception as exc:
-        raise NotGradable(f"{path.name} is not a readable notebook ({type(exc).__name__})") from None
-    cells = [
-        (i + 1, str(c.get("id", "")), c.source if isinstance(c.source, str) else "".join(c.source))
-        for i, c in enumerate(nb.cells)
-        if c.get("cell_type") == "code"
-    ]
-    nb_id = core._nb(notebook) if notebook else which_notebook(cells, path)
-    if nb_id is None:
-        raise NotGradable(
-            f"{path.name} is not a course notebook with exercises (no exercise cells, no check calls, no NN_ "
-            "in its name); give --notebook NN if it is one"
-        )
-    return Submission(path, raw, nb_id, student_name(path, dict(nb.metadata), names), cells, dict(nb.metadata))
-
-
-def student_name(path: Path, metadata: dict, names: str) -> str:
-    """The student's name: the file's name (default), or ``names="metadata:KEY"`` (a dotted key of the
-    notebook's metadata, e.g. ``course.student``), falling back to the file's name when it is missing."""
-    if names.startswith("metadata:"):
-        value = metadata
-        for part in names.split(":", 1)[1].split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        if isinstance(value, str) and value.strip():
-            return value.strip()[:100]
-    return path.stem
-
-
-@dataclass
-class Binding:
-    """What the student's cells bind an exercise's name to (the last binding wins, as when they run)."""
-
-    kind: str = ""  # "def", "assign", "import" or "" (not bound in any cell the grader can read)
-    cell: int = 0
-    node: object = None
-    solution_cell: int = 0  # a cell that calls load_solution for this exercise (0: none)
-
-
-def student_cells(sub: Submission) -> tuple[list, list[str]]:
-    """The cells the grader runs (the student's: every code cell but the lecture's) and the lecture cells'
-    imports (run first, so the student's functions see the names they saw in the notebook)."""
-    lecture = re.compile(rf"{sub.notebook}-(?!ex-)")
-    run, imports = [], []
-    for position, cid, source in sub.cells:
-        if not lecture.match(cid):
-            run.append((position, source))
-            continue
-        tree = _parse(source)
-        for node in tree.body if tree else []:
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                imports.append(ast.unparse(node))
-    return run, imports
-
-
-def bindings(cells: list, exercises: list) -> dict[str, Binding]:
-    """For each exercise, what the cells bind its name to, and whether one calls ``load_solution`` for it."""
-    out = {ex.name: Binding() for ex in exercises}
-    wanted = {(ex.notebook, ex.name) for ex in exercises}
-    for position, source in cells:
-        tree = _parse(source)
-        if tree is None:
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and _called(node.func) == "load_solution" and len(node.args) >= 2:
-                args = [a.value if isinstance(a, ast.Constant) else None for a in node.args[:2]]
-                key = (str(args[0]).zfill(2), args[1])
-                if key in wanted:
-                    out[key[1]].solution_cell = position
-        for node in tree.body:
-            for name, kind in _binds(node):
-                if name in out:
-                    out[name].kind, out[name].cell, out[name].node = kind, position, node
-    return out
-
-
-def _called(func) -> str:
-    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-
-
-def _binds(node) -> list[tuple[str, str]]:
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return [(node.name, "def")]
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-        return [((a.asname or a.name).split(".")[0], "import") for a in node.names]
-    targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
-    names = []
-    for t in targets:
-        for n in ast.walk(t) if t is not None else ():
-            if isinstance(n, ast.Name):
-                names.append((n.id, "assign"))
-    return names
-
-
-def _shape(node) -> str:
-    """A function's code with its docstring and name left out: what "the same source" compares."""
-    node = ast.parse(ast.unparse(node)).body[0]
-    node.name = "_"
-    body = node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        node.body = body[1:] or [ast.Pass()]
-    return ast.dump(node, annotate_fields=False, include_attributes=False)
-
-
-def same_as_reference(ex, binding: Binding) -> bool:
-    """True when the student's ``def`` is the reference solution's, up to its docstring, comments and layout."""
-    import inspect
-    import textwrap
-
-    if binding.kind != "def":
-        return False
-    try:
-        reference = ast.parse(textwrap.dedent(inspect.getsource(core.solution(ex.notebook, ex.name)))).body[0]
-    except (CourseInputError, OSError, TypeError):
-        return False
-    return _shape(binding.node) == _shape(reference)
-
-
-# ---------------------------------------------------------------------------------------------
-# What comes out of the seal: plain data only
-# ---------------------------------------------------------------------------------------------
-
-
-class Opaque:
-    """Something the student's function returned that is not plain data: only its type's name came out."""
-
-    def __init__(self, type_name: str, text: str):
-        self.type_name, self.text = str(type_name)[:100], str(text)[:200]
-
-    def __repr__(self) -> str:
-        return f"<{self.type_name}: {self.text}>"
-
-
-def decode(x):
-    """Build the value ``answers.encode`` described: numbers, strings, lists, tuples, dicts, tensors. Runs no code
-    of the student's (JSON in, plain objects and tensors of the known dtypes out)."""
-    if isinstance(x, list):
-        return [decode(v) for v in x]
-    if not isinstance(x, dict):
-        return x
-    if "__tuple__" in x:
-        return tuple(decode(v) for v in x["__tuple__"])
-    if "__dict__" in x:
-        out = {}
-        for k, v in x["__dict__"]:
-            k = decode(k)
-            try:
-                out[k] = decode(v)
-            except TypeError:  # an unhashable key (a list): not a dict the check can use
-                return Opaque("dict", "with unhashable keys")
-        return out
-    if "__tensor__" in x:
-        import torch
-
-        from .answers import TENSOR_DTYPES
-
-        name, shape, data = x["__tensor__"]
-        if name not in TENSOR_DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
-            return Opaque("Tensor", "of an unknown kind")
-        dtype = getattr(torch, name)
-        raw = base64.b64decode(data)
-        numel = 1
-        for s in shape:
-            numel *= s
-        if numel * torch.empty((), dtype=dtype).element_size() != len(raw):
-            return Opaque("Tensor", "whose bytes do not match its shape")
-        if not numel:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
-    if "__opaque__" in x:
-        return Opaque(x["__opaque__"], x.get("repr", ""))
-    return Opaque("dict", "unreadable")
-
-
-# ---------------------------------------------------------------------------------------------
-# Calling the student's function from here
-# ---------------------------------------------------------------------------------------------
-
-
-class StudentRaised(Exception):
-    """The student's function raised; ``line`` says what, in one line."""
-
-    def __init__(self, line: str):
-        super().__init__(line)
-        self.line = line
-
-
-class CallTimedOut(Exception):
-    pass
-
-
-class CallDied(Exception):
-    pass
-
-
-class _Call:
-    """The student's function, as the course's ``judge`` sees it: each call runs inside the seal, in a fresh
-    child of the student's process, and returns the decoded answer. A folder named in the arguments travels
-    by value (the seal has its own filesystem): the function gets the path of a copy."""
-
-    def __init__(self, seal: Seal, name: str, deadline: float):
-        self.seal, self.name, self.deadline = seal, name, deadline
-
-    def __call__(self, *args, **kwargs):
-        import cloudpickle
-
-        trees = {}
-        for v in (*args, *kwargs.values()):
-            if isinstance(v, (str, os.PathLike)) and os.path.isabs(str(v)) and os.path.isdir(v):
-                trees[str(v)] = _tar(Path(v))
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise CallTimedOut
-        request = {
-            "op": "call",
-            "name": self.name,
-            "args": base64.b64encode(cloudpickle.dumps((args, kwargs))).decode(),
-            "trees": trees,
-            "timeout_s": left,
-        }
-        try:
-            answer = self.seal.ask(request, left + 10.0)
-        except TimeoutError:  # the student's process itself stopped answering, not only the call
-            raise SealEnded(self.seal.close(kind="stuck")) from None
-        if "value" in answer:
-            return decode(answer["value"])
-        if answer.get("not_done"):
-            raise NotImplementedError
-        if answer.get("timeout"):
-            raise CallTimedOut
-        if "died" in answer:
-            raise CallDied(str(answer["died"])[:200])
-        raised = answer.get("raised")
-        if isinstance(raised, dict):
-            where = f" ({raised.get('where')})" if raised.get("where") else ""
-            msg = f": {raised.get('message')}" if raised.get("message") else ""
-            raise StudentRaised(f"it raised {str(raised.get('type'))[:60]}{msg}{where}"[:400])
-        raise StudentRaised("the student's process answered nonsense (its machinery was changed by a cell)")
-
-
-def _tar(folder: Path) -> str:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        tar.add(folder, arcname=".")
-    return base64.b64encode(buffer.getvalue()).decode()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,7 +244,7 @@ def _note(binding: Binding, status: str) -> str:
 
 def _judge_here(seal: Seal, ex) -> tuple[str, str]:
     """An in-process check, run here; the student's function is called inside the seal."""
-    call = _Call(seal, ex.name, time.monotonic() + ex.timeout_s)
+    call = Call(seal, ex.name, time.monotonic() + ex.timeout_s)
     try:
         try:
             ex.judge(call)

@@ -5,9 +5,10 @@ asks the sealed process for what the student's functions return and judges that 
 
 With root (a teacher's server, CI), on Linux, each notebook gets:
 
-- **its own namespaces** (``unshare --mount --net --pid``): a network with only loopback up (the exercises'
-  ranks still meet on 127.0.0.1; nothing else answers), and a PID namespace whose first process is the seal's
-  own init (``_sealinit``);
+- **its own namespaces** (``unshare --mount --net --pid --ipc --uts``): a network with only loopback up (the
+  exercises' ranks still meet on 127.0.0.1; nothing else answers, not even the host's loopback or its abstract
+  sockets), System V IPC of its own, and a PID namespace whose first process is the seal's own init
+  (``_sealinit``);
 - **a filesystem of its own**: a fresh root holding the system's and Python's folders read-only, a fresh
   ``/proc``, and ``/tmp``, the only writable place, where ``/tmp/work`` holds the copy of the notebook. The
   teacher's files, the class's other notebooks and the course's reference solutions are not in it;
@@ -43,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import CourseInputError
+from .cgroups import Cgroups, v1_dirs, v2_dir
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -111,175 +113,16 @@ class Capabilities:
         return out + self.notes
 
 
-def _mounts() -> list[tuple[str, str, str]]:
-    """(mount point, type, super options) of every mount."""
-    out = []
-    try:
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            left, _, right = line.partition(" - ")
-            parts, rparts = left.split(), right.split()
-            out.append((parts[4], rparts[0], rparts[-1] if len(rparts) > 2 else ""))
-    except OSError:
-        pass
-    return out
-
-
-def _own_cgroups() -> dict[str, str]:
-    """This process's cgroup per controller ("" for the v2 hierarchy)."""
-    out = {}
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            for c in controllers.split(",") if controllers else [""]:
-                out[c] = path
-    except OSError:
-        pass
-    return out
-
-
-def _v1_dirs() -> dict[str, Path]:
-    """cgroup v1: the writable folder under which this process may create cgroups, per controller."""
-    own = _own_cgroups()
-    out = {}
-    for point, kind, opts in _mounts():
-        if kind != "cgroup":
-            continue
-        for c in ("memory", "pids", "cpuacct"):
-            if c in opts.split(",") and c not in out:
-                base = Path(point) / own.get(c, "/").lstrip("/")
-                if os.access(base, os.W_OK):
-                    out[c] = base
-    return out
-
-
-def _v2_dir() -> Path | None:
-    """cgroup v2: a folder where children get the memory and pids controllers, or None."""
-    own = _own_cgroups().get("")
-    for point, kind, _ in _mounts():
-        if kind != "cgroup2" or own is None:
-            continue
-        base = Path(point) / own.lstrip("/")
-        try:
-            have = (base / "cgroup.controllers").read_text().split()
-            if {"memory", "pids"} <= set(have) and os.access(base, os.W_OK):
-                enabled = (base / "cgroup.subtree_control").read_text().split()
-                if not {"memory", "pids"} <= set(enabled):
-                    (base / "cgroup.subtree_control").write_text("+memory +pids" + (" +cpu" if "cpu" in have else ""))
-                return base
-        except OSError:  # a cgroup holding processes cannot enable controllers for children
-            continue
-    return None
-
-
 def probe() -> Capabilities:
     """What the seal can use on this machine (cheap: reads /proc, makes nothing)."""
     root = hasattr(os, "geteuid") and os.geteuid() == 0
     caps = Capabilities(root=root, unshare=shutil.which("unshare"), cgroup=None)
     if caps.linux and root:
-        if {"memory", "pids"} <= set(_v1_dirs()):
+        if {"memory", "pids"} <= set(v1_dirs()):
             caps.cgroup = "v1"
-        elif _v2_dir() is not None:
+        elif v2_dir() is not None:
             caps.cgroup = "v2"
     return caps
-
-
-# ---------------------------------------------------------------------------------------------
-# Cgroups: the meter and the limits
-# ---------------------------------------------------------------------------------------------
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
-def _field(text: str, key: str) -> int:
-    for line in text.splitlines():
-        k, _, v = line.partition(" ")
-        if k == key and v.strip().isdigit():
-            return int(v)
-    return 0
-
-
-class _Cgroups:
-    """One seal's cgroups (v1: one per controller; v2: one), with its limits set."""
-
-    def __init__(self, kind: str, name: str, limits: Limits):
-        self.kind, self.dirs = kind, {}
-        if kind == "v1":
-            for c, base in _v1_dirs().items():
-                self.dirs[c] = base / name
-                self.dirs[c].mkdir()
-            mem = self.dirs["memory"]
-            (mem / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
-            if (mem / "memory.memsw.limit_in_bytes").exists():
-                try:  # no swap beyond the limit either (where swap accounting is on)
-                    (mem / "memory.memsw.limit_in_bytes").write_text(str(limits.memory_bytes))
-                except OSError:
-                    pass
-            (self.dirs["pids"] / "pids.max").write_text(str(limits.pids))
-        else:
-            path = _v2_dir() / name
-            path.mkdir()
-            self.dirs = {"memory": path, "pids": path, "cpu": path}
-            (path / "memory.max").write_text(str(limits.memory_bytes))
-            if (path / "memory.swap.max").exists():
-                (path / "memory.swap.max").write_text("0")
-            (path / "pids.max").write_text(str(limits.pids))
-
-    def procs_files(self) -> list[str]:
-        return sorted({str(d / "cgroup.procs") for d in self.dirs.values()})
-
-    def stats(self) -> dict:
-        mem, pids = self.dirs["memory"], self.dirs["pids"]
-        if self.kind == "v1":
-            cpu = self.dirs.get("cpuacct")
-            return {
-                "memory_peak": int(_read(mem / "memory.max_usage_in_bytes").strip() or 0),
-                "oom_kills": _field(_read(mem / "memory.oom_control"), "oom_kill"),
-                "memory_hits": int(_read(mem / "memory.failcnt").strip() or 0),
-                "pids_hits": _field(_read(pids / "pids.events"), "max"),
-                "cpu_s": int(_read(cpu / "cpuacct.usage").strip() or 0) / 1e9 if cpu else None,
-            }
-        events = _read(mem / "memory.events")
-        return {
-            "memory_peak": int(_read(mem / "memory.peak").strip() or 0),
-            "oom_kills": _field(events, "oom_kill"),
-            "memory_hits": _field(events, "max"),
-            "pids_hits": _field(_read(pids / "pids.events"), "max"),
-            "cpu_s": _field(_read(mem / "cpu.stat"), "usage_usec") / 1e6,
-        }
-
-    def kill_all(self) -> int:
-        """SIGKILL whatever is still in the cgroup (nothing, when the PID namespace did its job)."""
-        killed = 0
-        for _ in range(50):
-            pids = {int(p) for f in self.procs_files() for p in _read(Path(f)).split()}
-            if not pids:
-                break
-            if self.kind == "v2" and (self.dirs["pids"] / "cgroup.kill").exists():
-                (self.dirs["pids"] / "cgroup.kill").write_text("1")
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed += 1
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.02)
-        return killed
-
-    def remove(self) -> None:
-        for d in set(self.dirs.values()):
-            for _ in range(100):
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # still emptying: a killed process leaves its cgroup a moment later
-                    time.sleep(0.02)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,7 +229,7 @@ class Seal:
             self._root = tempfile.mkdtemp(prefix="course-seal-")
             os.chmod(self._root, 0o755)
             if self.caps.cgroup:
-                self._cgroups = _Cgroups(self.caps.cgroup, os.path.basename(self._root), limits)
+                self._cgroups = Cgroups(self.caps.cgroup, os.path.basename(self._root), limits)
             binds, links = _paths_to_bind(course_dir)
             solutions = course_dir / "exercises" / "solutions"
             config = {
@@ -394,7 +237,7 @@ class Seal:
                 "uid": self.uid,
                 "gid": self.uid,
                 "disk_bytes": limits.disk_bytes,
-                "nproc": limits.pids,
+                "nproc": limits.pids + 64,  # a backstop: the cgroup's limit comes first, and is counted
                 "wall_s": limits.wall_s + 5.0,  # the grader ends it first; this is the init's own backstop
                 "binds": binds,
                 "links": links,
@@ -406,7 +249,7 @@ class Seal:
                 "report_fd": report_w,
                 "lifeline_fd": lifeline_r,
             }
-            command = [self.caps.unshare, "--mount", "--net", "--pid", "--fork", "--kill-child"]
+            command = [self.caps.unshare, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
             command += [sys.executable, "-I", "-S", str(INIT)]
             fds = (req_r, resp_w, report_w, lifeline_r)
             self._proc = subprocess.Popen(
@@ -493,6 +336,8 @@ class Seal:
             if not ready:
                 if self._proc.poll() is not None:
                     raise SealEnded(self.close())
+                if self.stats().get("pids_hits"):  # a fork bomb: nothing it runs after this is fair to judge
+                    raise SealEnded(self.close(kind="processes"))
                 continue
             chunk = os.read(self._resp_r, 1 << 20)
             if not chunk:
