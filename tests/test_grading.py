@@ -24,7 +24,7 @@ import pytest
 import student_work as sw
 
 from course_utils import cli
-from course_utils.exercises import calls, core, grading, seal, submission
+from course_utils.exercises import calls, cgroups, core, grading, seal, submission
 from course_utils.exercises.solutions import mistakes
 
 CAPS = seal.probe()
@@ -288,6 +288,9 @@ def attacked(tmp_path_factory):
             core.REGISTRY.clear()
             core.REGISTRY.update(saved)
             os.environ.pop("COURSE_TEST_CANARY", None)
+        seal_users = range(seal.UID_BASE, seal.UID_BASE + 1000)
+        leftovers = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _uid(p) in seal_users]
+        leftovers += [str(d) for base in cgroups.v1_dirs().values() for d in base.glob("course-seal-*")]
         document = json.loads((out / "grades.json").read_text())
         grades = {g["student"]: g for g in document["notebooks"]}
         seen = {
@@ -297,11 +300,19 @@ def attacked(tmp_path_factory):
             "far": far.connections(),
             "near": near.connections(),
             "csv": (out / "grades.csv").read_text(),
+            "leftovers": leftovers,
         }
         return grades, seen
     finally:
         far.close()
         near.close()
+
+
+def _uid(proc: Path) -> int | None:
+    try:
+        return proc.stat().st_uid
+    except OSError:
+        return None
 
 
 def _outcomes(grade: dict) -> dict:
@@ -397,6 +408,8 @@ def test_a_notebook_that_breaks_its_seal_is_reported_and_the_others_graded(attac
     assert not g["graded"] and words in g["reason"], g["reason"]
     assert {r["outcome"] for r in g["rows"]} == {core.UNGRADED}
     assert seen["status"] == 1  # some notebooks could not be graded
+    assert seen["leftovers"] == [], "a process or a cgroup of a seal outlived the grading"
+    assert all(g["killed_after"] == 0 for g in grades.values())  # the PID namespaces ended every process
     assert "student,file,notebook,exercise,outcome,message,seconds" in seen["csv"]
 
 

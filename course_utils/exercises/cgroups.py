@@ -138,31 +138,47 @@ class Cgroups:
             "cpu_s": _field(_read(mem / "cpu.stat"), "usage_usec") / 1e6,
         }
 
-    def kill_all(self) -> int:
-        """SIGKILL whatever is still in the cgroup (nothing, when the PID namespace did its job)."""
-        killed = 0
-        for _ in range(50):
-            pids = {int(p) for f in self.procs_files() for p in _read(Path(f)).split()}
-            if not pids:
+    def procs(self) -> set[int]:
+        return {int(p) for f in self.procs_files() for p in _read(Path(f)).split()}
+
+    def empty(self, wait_s: float = 30.0) -> int:
+        """Wait until no process is left in the cgroup, and return how many had to be killed to get there.
+
+        The PID namespace's processes are already killed when this runs, but they leave the cgroup only once
+        they are gone, which takes a moment (seconds, for hundreds of them on a loaded machine). What is still
+        there halfway through ``wait_s`` gets SIGKILL: 0 means the PID namespace ended every process.
+        """
+        start, killed = time.monotonic(), 0
+        while pids := self.procs():
+            waited = time.monotonic() - start
+            if waited > wait_s:
                 break
-            if self.kind == "v2" and (self.dirs["pids"] / "cgroup.kill").exists():
-                (self.dirs["pids"] / "cgroup.kill").write_text("1")
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed += 1
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.02)
+            if waited > wait_s / 2:
+                if self.kind == "v2" and (self.dirs["pids"] / "cgroup.kill").exists():
+                    (self.dirs["pids"] / "cgroup.kill").write_text("1")
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        killed += 1
+                    except ProcessLookupError:
+                        pass
+            time.sleep(0.05)
         return killed
 
-    def remove(self) -> None:
+    def remove(self, wait_s: float = 10.0) -> list[str]:
+        """Remove the cgroups; return those that could not be (a process still leaving, after ``wait_s``)."""
+        left = []
         for d in set(self.dirs.values()):
-            for _ in range(100):
+            deadline = time.monotonic() + wait_s
+            while True:
                 try:
                     d.rmdir()
                     break
                 except FileNotFoundError:
                     break
-                except OSError:  # still emptying: a killed process leaves its cgroup a moment later
-                    time.sleep(0.02)
+                except OSError:
+                    if time.monotonic() > deadline:
+                        left.append(str(d))
+                        break
+                    time.sleep(0.05)
+        return left

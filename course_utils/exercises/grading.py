@@ -78,6 +78,7 @@ class NotebookGrade:
     memory_peak: int | None = None
     cell_errors: list = field(default_factory=list)
     log_tail: str = ""
+    killed_after: int = 0  # processes the grader had to kill after its seal ended (0: its PID namespace did)
     started_at: float = 0.0  # time.time() when its seal started and ended
     ended_at: float = 0.0
 
@@ -197,7 +198,7 @@ def grade_notebook(
     finally:
         end = seal.close() if end is None else end
     grade.wall_s, grade.cpu_s, grade.memory_peak, grade.log_tail = end.wall_s, end.cpu_s, end.memory_peak, end.log_tail
-    grade.ended_at = time.time()
+    grade.ended_at, grade.killed_after = time.time(), end.killed_after
     if len(outcomes) < len(exs):
         grade.graded, grade.reason = False, end.reason
     for ex in exs:

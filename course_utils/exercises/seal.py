@@ -148,7 +148,8 @@ class SealEnd:
     cpu_s: float | None = None
     memory_peak: int | None = None
     disk_used: int | None = None
-    killed_after: int = 0  # processes found in the cgroup after the end (0: the PID namespace ended them all)
+    killed_after: int = 0  # processes the grader had to kill after the end (0: the PID namespace ended them all)
+    cgroups_left: list = field(default_factory=list)  # cgroups that could not be removed (should be none)
     log_tail: str = ""
 
     def to_dict(self) -> dict:
@@ -387,9 +388,9 @@ class Seal:
                 report = {}
         stats = {}
         if self._cgroups is not None:
-            end.killed_after = self._cgroups.kill_all()
+            end.killed_after = self._cgroups.empty()
             stats = self._cgroups.stats()
-            self._cgroups.remove()
+            end.cgroups_left = self._cgroups.remove()
         for fd in (self._req_w, self._resp_r):
             try:
                 os.close(fd)
