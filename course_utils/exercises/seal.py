@@ -28,6 +28,7 @@ read and reach the network, and a process that leaves the session can outlive th
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pwd
@@ -98,7 +99,7 @@ class Capabilities:
     def missing(self) -> list[str]:
         out = []
         if not self.namespaces:
-            why = "not root" if not self.root else "no unshare command" if self.linux else "not Linux"
+            why = "not root" if not self.root else "no usable unshare" if self.linux else "not Linux"
             out += [
                 f"a user of its own ({why}: the student's code runs as you and can read what you can read)",
                 f"a network namespace ({why}: the student's code can reach the network)",
@@ -113,10 +114,28 @@ class Capabilities:
         return out + self.notes
 
 
+NAMESPACES = ("--mount", "--net", "--pid", "--ipc", "--uts")
+
+
+@functools.cache
+def _unshare_works(unshare: str) -> str:
+    """ "" when ``unshare`` can make the seal's namespaces here (a container may forbid it), else why not."""
+    try:
+        out = subprocess.run([unshare, *NAMESPACES, "--fork", "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    return "" if out.returncode == 0 else (out.stderr.strip().splitlines() or ["it failed"])[-1]
+
+
 def probe() -> Capabilities:
-    """What the seal can use on this machine (cheap: reads /proc, makes nothing)."""
+    """What the seal can use on this machine (reads /proc, and tries unshare once per process)."""
     root = hasattr(os, "geteuid") and os.geteuid() == 0
     caps = Capabilities(root=root, unshare=shutil.which("unshare"), cgroup=None)
+    if caps.linux and root and caps.unshare:
+        why = _unshare_works(caps.unshare)
+        if why:
+            caps.unshare = None
+            caps.notes.append(f"unshare cannot make namespaces here ({why[:200]})")
     if caps.linux and root:
         if {"memory", "pids"} <= set(v1_dirs()):
             caps.cgroup = "v1"
@@ -250,7 +269,7 @@ class Seal:
                 "report_fd": report_w,
                 "lifeline_fd": lifeline_r,
             }
-            command = [self.caps.unshare, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
+            command = [self.caps.unshare, *NAMESPACES, "--fork", "--kill-child"]
             command += [sys.executable, "-I", "-S", str(INIT)]
             fds = (req_r, resp_w, report_w, lifeline_r)
             self._proc = subprocess.Popen(
