@@ -79,6 +79,9 @@ def main(argv=None) -> int:
         out = Path(args.out)
         (out / "grading.md").write_text(markdown(json.loads((out / "grading.json").read_text())))
         return 0
+    missing = [ex.key for ex in core.exercises(args.notebook) if ex.name not in student_work.STUDENT]
+    if missing:
+        raise SystemExit(f"tests/student_work.py has no student's answer for {', '.join(missing)}: add one to STUDENT")
     answers = {ex.name: student_work.STUDENT[ex.name] for ex in core.exercises(args.notebook)}
     solved = student_work.notebook(args.notebook, answers)
     results = []

@@ -10,8 +10,9 @@ Requests (``op``):
 
 - ``cells``: run the notebook's cells in an IPython shell (the names a notebook cell defines, as in Jupyter);
   answer which exercise names are defined, which are untouched stubs, and how each cell ended;
-- ``call``: call one of the student's functions in a forked child (an endless loop, a crash or a memory bomb
-  there ends the child, not this process) and answer its return value, what it raised, or how it died;
+- ``call``: call one of the student's functions in a forked worker, one per exercise (an endless loop, a crash
+  or a memory bomb there ends the worker and what it started, not this process), and answer its return value,
+  what it raised, or how it died; ``done``: the grader is done with that exercise, end its worker;
 - ``ranks``: run the distributed checks' ``on_rank`` on real ranks (``launch``, gloo on loopback) with the
   student's functions, and answer every rank's observations;
 - ``bye``: exit.
