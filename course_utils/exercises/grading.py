@@ -277,8 +277,8 @@ def _on_ranks(seal: Seal, nproc: int, batch: list) -> list[tuple[str, str]]:
     request = {"op": "ranks", "nproc": nproc, "jobs": [[ex.notebook, ex.name] for ex in batch], "timeout_s": timeout}
     try:
         answer = seal.ask(request, timeout + LAUNCH_GRACE_S)
-    except TimeoutError:
-        raise SealEnded(seal.close(kind="time")) from None
+    except TimeoutError:  # the launch ends itself at its timeout: no answer means the process itself is stuck
+        raise SealEnded(seal.close(kind="stuck")) from None
     if "launch_error" in answer:
         message = core.ranks_failed(str(answer["launch_error"])[:300])
         return [(core.FAILED, message)] * len(batch)
