@@ -94,9 +94,9 @@ UNIT_WORKERS     := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 NOTEBOOK_WORKERS := -n $(TEST_WORKERS) --dist loadscope
 endif
 
-# ruff (rules and format in pyproject.toml): the package, the tests, the tools, the solutions and the notebooks,
+# ruff (rules and format in pyproject.toml): the package (the solutions too), the tests, the tools and the notebooks,
 # linted by the same rules and formatted by the one formatter.
-LINTED := course_utils tests tools solutions notebooks
+LINTED := course_utils tests tools notebooks
 lint: setup
 	@echo "==> lint (ruff check and ruff format --check: $(LINTED))"
 	@$(BIN)/ruff check $(LINTED) && $(BIN)/ruff format --check $(LINTED)

@@ -31,8 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("course_utils.plan", "choose a data-parallel strategy for a model and cluster (notebook 05)"),
     "rehearse": ("course_utils.rehearse", "a real-size FSDP2 run on fake tensors: peak memory per GPU (notebook 05b)"),
     "exercises": (
-        "course_utils.exercises.core",
-        "list the exercises, run their checks on the solutions or stubs, grade a student's notebook (notebooks 01-06)",
+        "course_utils.exercises.command",
+        "list the exercises, run their checks on the solutions or stubs, grade a class, sealed (notebooks 01-06)",
     ),
     "ft": ("course_utils.ft", "TorchFT: lose a replica group, keep training, heal it from a live peer (notebook 06)"),
     "bench": (

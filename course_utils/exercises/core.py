@@ -16,7 +16,7 @@ Notebook side::
     averaging_hook = load_solution("02", "averaging_hook")   # prints the reference, defines it
 
 Teacher side: ``python -m course_utils exercises --json | --run solutions | --run stubs |
---grade STUDENT.ipynb`` (see ``exercises_command``).
+--grade NOTEBOOKS...`` (``command``); grading a class, sealed, is ``grading``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-import json
-import os
 import sys
 import textwrap
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,11 +35,17 @@ from pathlib import Path
 from ..errors import CourseInputError
 
 NOTEBOOKS = ("01", "02", "03", "04", "05", "06")
-#: Where ``check`` appends its outcomes when set (the grader sets it for the notebook it runs).
-REPORT_ENV = "COURSE_EXERCISE_REPORT"
 #: What an untouched stub raises; any NotImplementedError counts as "not done".
 STUB_MARKER = "NotImplementedError"
 PASSED, FAILED, NOT_DONE = "passed", "failed", "not done"
+#: Only the grader says these: the reference solution was used; the notebook could not be graded.
+REFERENCE, UNGRADED = "reference used", "could not be graded"
+#: Held while a check launches the course's own code for a reference (``nb04.measured_layouts``,
+#: ``nb06.uninterrupted``): a grader judges several notebooks at once, from threads, and one launch at a time
+#: keeps the launcher's agent server to one caller.
+REFERENCE_LAUNCH = threading.Lock()
+#: A check cell: ``check("NN", "name", ...)``.
+CHECK_CALL = r"""check\(\s*["'](\d\d)["']\s*,\s*["'](\w+)["']"""
 
 
 class Wrong(Exception):
@@ -54,6 +59,15 @@ class Exercise:
     Either ``judge(fn)`` runs in this process and raises ``Wrong("...")`` on a wrong answer, or
     (distributed exercises, ``nproc`` > 0) ``on_rank(fn, info)`` runs on every rank of a launch
     and returns plain data, and ``verdict(results_by_rank)`` raises ``Wrong`` on a wrong answer.
+
+    The contract that lets a teacher trust a grade (``grading``): the student's code runs where ``fn``
+    is called, and everything there can be changed by it. So ``on_rank`` only reports what the
+    student's code produced (tensors, numbers) and what was measured around it, and ``verdict``
+    computes every reference itself (from the course's functions, or a cached launch of the course's
+    own code) and decides: it runs in the grader's process, where no student code ever runs. A
+    ``judge`` calls ``fn`` and compares its return values; the grader hands it a stand-in that runs
+    the student's function in the seal and returns plain data. Plain data only, both ways: numbers,
+    strings, lists, tuples, dicts and tensors.
     """
 
     notebook: str
@@ -102,7 +116,7 @@ class Outcome:
         return {"notebook": self.notebook, "name": self.name, "status": self.status, "message": self.message}
 
     def __str__(self) -> str:
-        mark = {PASSED: "PASSED", FAILED: "NOT YET", NOT_DONE: "NOT DONE"}[self.status]
+        mark = {PASSED: "PASSED", FAILED: "NOT YET", NOT_DONE: "NOT DONE"}.get(self.status, self.status.upper())
         return f"[{mark}] exercise {self.notebook}.{self.name}" + (f": {self.message}" if self.message else "")
 
     def _repr_pretty_(self, p, cycle) -> None:  # IPython shows the sentence, not a dataclass dump
@@ -278,7 +292,7 @@ def _verdict(ex: Exercise, per_rank: dict) -> Outcome:
     return _outcome(ex, PASSED, f"matches the course's reference on {len(per_rank)} real ranks")
 
 
-def check_many(pairs: list, *, record: bool = True) -> list[Outcome]:
+def check_many(pairs: list) -> list[Outcome]:
     """Check several ``(exercise, fn)`` pairs; the distributed ones share one launch per world size.
 
     Each launch costs about a second, so the tests and ``--run`` batch their checks here.
@@ -302,22 +316,20 @@ def check_many(pairs: list, *, record: bool = True) -> list[Outcome]:
             # correctness and bytes, which the CPU shows exactly (NCCL needs every tensor on a GPU).
             run = launch(run_on_ranks, nproc=nproc, args=(jobs,), timeout_s=timeout, progress=False, backend="gloo")
         except LaunchError as exc:
-            first = str(exc).strip().splitlines()[0]
             for i in idxs:
-                results[i] = _outcome(
-                    pairs[i][0],
-                    FAILED,
-                    f"the ranks did not finish together ({first}); a collective that some "
-                    "ranks call and others do not waits forever: call the same collectives, "
-                    "in the same order, on every rank",
-                )
+                results[i] = _outcome(pairs[i][0], FAILED, ranks_failed(str(exc).strip().splitlines()[0]))
             continue
         for j, i in enumerate(idxs):
             results[i] = _verdict(pairs[i][0], {rank: values[j] for rank, values in run.items()})
-    out = [results[i] for i in range(len(pairs))]
-    if record:
-        _record(out)
-    return out
+    return [results[i] for i in range(len(pairs))]
+
+
+def ranks_failed(first_line: str) -> str:
+    """What a distributed check says when its launch did not return (a hang, a crash of a rank)."""
+    return (
+        f"the ranks did not finish together ({first_line}); a collective that some ranks call and others do "
+        "not waits forever: call the same collectives, in the same order, on every rank"
+    )
 
 
 def check(notebook, name: str, fn) -> Outcome:
@@ -327,15 +339,6 @@ def check(notebook, name: str, fn) -> Outcome:
     ``Outcome``, so a notebook with untouched stubs still runs to the end.
     """
     return check_many([(get(notebook, name), fn)])[0]
-
-
-def _record(outcomes: list[Outcome]) -> None:
-    path = os.environ.get(REPORT_ENV)
-    if not path:
-        return
-    with open(path, "a") as fh:
-        for o in outcomes:
-            fh.write(json.dumps(o.to_dict()) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,28 +356,36 @@ def hint_text(notebook, name: str, n: int) -> str:
 
 
 def show_hint(notebook, name: str, n: int = 1) -> None:
-    """Print hint ``n`` of an exercise; the hints open one at a time (notebooks 01-06)."""
-    print(hint_text(notebook, name, n))
+    """Print hint ``n`` of an exercise; the hints open one at a time (notebooks 01-06).
+
+    Asking past the last hint (or for hint 0) prints one line saying which hints there are, never a traceback.
+    """
+    ex = get(notebook, name)
+    if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= len(ex.hints):
+        print(hint_text(notebook, name, n))
+    else:
+        print(
+            f"Exercise {ex.key} has hints 1 to {len(ex.hints)}; there is no hint {n!r}. Still stuck? "
+            f"load_solution({ex.notebook!r}, {ex.name!r}) shows the reference solution."
+        )
 
 
 def solutions_dir() -> Path:
-    """The repository's ``solutions/`` folder (reference solutions, kept out of the notebooks)."""
-    return Path(__file__).resolve().parents[2] / "solutions"
+    """The reference solutions (``course_utils/exercises/solutions/``: installed with the package, so
+    ``load_solution`` works wherever a notebook runs; a graded notebook's seal leaves them out)."""
+    return Path(__file__).resolve().parent / "solutions"
 
 
 def solution(notebook, name: str):
-    """The reference solution of an exercise, imported from ``solutions/nbNN.py``."""
+    """The reference solution of an exercise, from ``course_utils.exercises.solutions.nbNN``."""
     ex = get(notebook, name)
-    folder = solutions_dir()
-    if not (folder / f"nb{ex.notebook}.py").is_file():
+    try:
+        module = importlib.import_module(f"{__package__}.solutions.nb{ex.notebook}")
+    except ModuleNotFoundError:
         raise CourseInputError(
-            f"the reference solutions are not installed here (no {folder.name}/nb{ex.notebook}.py); "
-            "use a source checkout of the course"
-        )
-    root = str(folder.parent)
-    if root not in sys.path:
-        sys.path.append(root)  # the launcher puts the same folder on the workers' path
-    module = importlib.import_module(f"solutions.nb{ex.notebook}")
+            f"the reference solutions are not available here (no solutions/nb{ex.notebook}.py next to "
+            f"{Path(__file__).name}): a notebook being graded runs without them"
+        ) from None
     return getattr(module, ex.name)
 
 
@@ -397,10 +408,8 @@ def run_stub(ex: Exercise):
 
 
 # ---------------------------------------------------------------------------------------------
-# For teachers and CI: list, run on solutions or stubs, grade a student's notebook
+# For teachers and CI: run every check on the solutions or the stubs (grading a class: ``grading``)
 # ---------------------------------------------------------------------------------------------
-
-_CHECK_CALL = r"""check\(\s*["'](\d\d)["']\s*,\s*["'](\w+)["']"""
 
 
 def run_all(which: str) -> list[Outcome]:
@@ -408,133 +417,4 @@ def run_all(which: str) -> list[Outcome]:
     if which not in ("solutions", "stubs"):
         raise CourseInputError(f"--run takes 'solutions' or 'stubs', got {which!r}")
     pairs = [(ex, solution(ex.notebook, ex.name) if which == "solutions" else run_stub(ex)) for ex in exercises()]
-    return check_many(pairs, record=False)
-
-
-def grade(path, *, timeout_s: float = 900.0) -> list[Outcome]:
-    """Execute a student's notebook headless (papermill) and report every exercise in it (notebooks 01-06).
-
-    Each exercise whose check cell appears in the notebook is passed, failed (with its message)
-    or not done; an exercise whose check cell never ran (the notebook stopped earlier) is failed
-    with the error that stopped it.
-    """
-    import re
-    import tempfile
-
-    import nbformat
-    import papermill
-
-    path = Path(path)
-    if not path.is_file():
-        raise CourseInputError(f"no notebook at {path}; give the path of the student's .ipynb")
-    try:
-        nb = nbformat.read(path, as_version=4)
-    except Exception as exc:
-        raise CourseInputError(f"{path} is not a readable notebook ({exc}); give a .ipynb file") from None
-    wanted = []
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            for nb_id, name in re.findall(_CHECK_CALL, cell.source):
-                if (nb_id, name) not in wanted:
-                    wanted.append((nb_id, name))
-    if not wanted:
-        raise CourseInputError(
-            f'{path} has no exercise check cells (check("NN", "name", fn)); is it a course notebook?'
-        )
-    stopped = ""
-    with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
-        report = Path(tmp) / "outcomes.jsonl"
-        before = os.environ.get(REPORT_ENV)
-        os.environ[REPORT_ENV] = str(report)
-        try:
-            papermill.execute_notebook(
-                str(path),
-                str(Path(tmp) / "executed.ipynb"),
-                cwd=str(path.parent),
-                progress_bar=False,
-                execution_timeout=timeout_s,
-                kernel_name="python3",
-            )
-        except papermill.PapermillExecutionError as exc:
-            first = exc.evalue.splitlines()[0] if exc.evalue else ""
-            stopped = f"the notebook stopped at cell {exc.exec_count} ({exc.ename}: {first})"
-        finally:
-            if before is None:
-                os.environ.pop(REPORT_ENV, None)
-            else:
-                os.environ[REPORT_ENV] = before
-        seen = {}
-        if report.exists():
-            for line in report.read_text().splitlines():
-                o = json.loads(line)
-                seen[(o["notebook"], o["name"])] = Outcome(**o)  # the last check of an exercise counts
-    return [
-        seen.get(key) or Outcome(*key, FAILED, f"its check cell did not run: {stopped or 'it was not executed'}")
-        for key in wanted
-    ]
-
-
-def table_text(outcomes: list[Outcome]) -> str:
-    """Outcomes as a plain-text table: exercise, status, message."""
-    rows = [(f"{o.notebook}.{o.name}", o.status, o.message) for o in outcomes]
-    width = max([len("exercise")] + [len(r[0]) for r in rows])
-    lines = [f"{'exercise':<{width}}  {'status':<8}  message"]
-    lines += [f"{a:<{width}}  {b:<8}  {c}" for a, b, c in rows]
-    counts = {s: sum(o.status == s for o in outcomes) for s in (PASSED, FAILED, NOT_DONE)}
-    lines.append(f"{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[NOT_DONE]} not done, of {len(outcomes)}")
-    return "\n".join(lines)
-
-
-def exercises_arguments(parser) -> None:
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument(
-        "--run",
-        choices=("solutions", "stubs"),
-        help="run every check on the reference solutions (all must pass) or on the untouched stubs "
-        "(all must be 'not done')",
-    )
-    group.add_argument(
-        "--grade",
-        metavar="STUDENT.ipynb",
-        nargs="+",
-        help="execute each student's notebook headless and report every exercise in it",
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def exercises_command(args) -> int:
-    """``python -m course_utils exercises``: list, run or grade the exercises (notebooks 01-06).
-
-    Exit status: 0, or 1 when ``--run solutions`` has a check that does not pass or ``--run stubs``
-    one that is not "not done".
-    """
-    if args.run is None and not args.grade:
-        listing = [ex.describe() for ex in exercises()]
-        if args.json:
-            print(json.dumps(listing, indent=1))
-        else:
-            for row in listing:
-                where = f"{row['nproc']} ranks" if row["distributed"] else "in process"
-                print(f"{row['notebook']}.{row['name']:<24} {where:<10} {row['checks']}")
-        return 0
-    if args.run:
-        outcomes = run_all(args.run)
-        want = PASSED if args.run == "solutions" else NOT_DONE
-        status = 0 if all(o.status == want for o in outcomes) else 1
-        graded = {"run": args.run, "outcomes": [o.to_dict() for o in outcomes]}
-    else:
-        graded = {"grades": {}}
-        status = 0
-        for path in args.grade:
-            outcomes = grade(path)
-            graded["grades"][str(path)] = [o.to_dict() for o in outcomes]
-            if not args.json:
-                print(f"== {path}")
-                print(table_text(outcomes))
-        if not args.json:
-            return status
-    if args.json:
-        print(json.dumps(graded, indent=1))
-    else:
-        print(table_text(outcomes))
-    return status
+    return check_many(pairs)

@@ -6,6 +6,8 @@ References: the full-batch gradient of one process (what data parallelism must r
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.distributed as dist
 
@@ -25,52 +27,56 @@ def _grads(model, x, y) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def hook_on_rank(fn, info) -> dict:
-    """Every parameter gets the student's hook; this rank's gradients against the full batch's."""
+@cache
+def reference_grads(world: int) -> tuple[dict, list[dict]]:
+    """The full batch's gradients on one process, and each rank's own batch's (no averaging)."""
     cfg = get_config("tiny")
     model = build_model(cfg, seed=0)
     kw = dict(batch=BATCH, seq=cfg.seq, vocab=cfg.vocab)
-    full = _grads(model, *batch_for_rank(0, 0, 1, **kw))  # one process, the whole batch
-    x, y = batch_for_rank(0, info.rank, info.world_size, **kw)
-    local = _grads(model, x, y)  # this rank's batch, no averaging
-    model.zero_grad(set_to_none=True)
+    full = _grads(model, *batch_for_rank(0, 0, 1, **kw))
+    return full, [_grads(model, *batch_for_rank(0, r, world, **kw)) for r in range(world)]
+
+
+def hook_on_rank(fn, info) -> dict:
+    """Every parameter gets the student's hook; this rank's gradients after the backward (the verdict compares)."""
+    cfg = get_config("tiny")
+    model = build_model(cfg, seed=0)
+    x, y = batch_for_rank(0, info.rank, info.world_size, batch=BATCH, seq=cfg.seq, vocab=cfg.vocab)
     handles = [p.register_hook(fn) for p in model.parameters()]
     model(x, y).backward()
     for h in handles:
         h.remove()
-    worst = None
-    for name, p in model.named_parameters():
-        ref = full[name]
-        err = ((p.grad - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-        if worst is None or err > worst["rel_err"]:
-            worst = {
-                "name": name,
-                "rel_err": err,
-                "ratio": (p.grad.norm() / ref.norm().clamp_min(1e-30)).item(),
-                "is_local": torch.equal(p.grad, local[name]),
-            }
-    return worst
+    return {"grads": {name: p.grad for name, p in model.named_parameters()}}
 
 
 def hook_verdict(per_rank: dict) -> None:
     n = len(per_rank)
-    for rank, w in sorted(per_rank.items()):
-        if w["rel_err"] <= 1e-5:
-            continue
-        where = f"rank {rank}'s gradient for {w['name']}"
-        if w["is_local"] and n > 1:
-            raise Wrong(f"{where} is its own batch's gradient: the hook must all-reduce it with the other ranks")
-        if abs(w["ratio"] - n) < 0.05 * n:
+    full, local = reference_grads(n)
+    for rank, r in sorted(per_rank.items()):
+        for name, ref in full.items():
+            g = r["grads"].get(name)
+            if not isinstance(g, torch.Tensor) or g.shape != ref.shape:
+                raise Wrong(
+                    f"after the backward rank {rank} has no gradient of {name}'s shape: return the new gradient"
+                )
+            err = ((g - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if err <= 1e-5:
+                continue
+            where = f"rank {rank}'s gradient for {name}"
+            ratio = (g.norm() / ref.norm().clamp_min(1e-30)).item()
+            if torch.equal(g, local[rank][name]) and n > 1:
+                raise Wrong(f"{where} is its own batch's gradient: the hook must all-reduce it with the other ranks")
+            if abs(ratio - n) < 0.05 * n:
+                raise Wrong(
+                    f"{where} is {ratio:.2f}x the reference: did you average over ranks "
+                    f"(divide the all-reduced sum by the world size, {n})?"
+                )
+            if abs(ratio - 1 / n) < 0.05 / n:
+                raise Wrong(f"{where} is 1/{n} of the reference: did you divide by the world size twice?")
             raise Wrong(
-                f"{where} is {w['ratio']:.2f}x the reference: did you average over ranks "
-                f"(divide the all-reduced sum by the world size, {n})?"
+                f"{where} differs from the full-batch gradient by {err:.2g} (relative): "
+                "after the hook every rank must hold the mean of all ranks' gradients"
             )
-        if abs(w["ratio"] - 1 / n) < 0.05 / n:
-            raise Wrong(f"{where} is 1/{n} of the reference: did you divide by the world size twice?")
-        raise Wrong(
-            f"{where} differs from the full-batch gradient by {w['rel_err']:.2g} (relative): "
-            "after the hook every rank must hold the mean of all ranks' gradients"
-        )
 
 
 register(
@@ -133,19 +139,23 @@ class _Recorder:
         return Work()
 
 
-def buckets_on_rank(fn, info) -> dict:
+def _buckets(world: int, rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s gradients packed as the course packs them (``ddp.make_buckets``)."""
     cfg = get_config("tiny")
     model = build_model(cfg, seed=0)
-    buckets = make_buckets(model, CAP_BYTES)
-    kw = dict(batch=BATCH, seq=cfg.seq, vocab=cfg.vocab)
+    grads = _grads(model, *batch_for_rank(0, rank, world, batch=BATCH, seq=cfg.seq, vocab=cfg.vocab))
+    names = {p: n for n, p in model.named_parameters()}
+    return [torch.cat([grads[names[p]].reshape(-1) for p in b.params]) for b in make_buckets(model, CAP_BYTES)]
 
-    def fill(rank):  # rank r's gradients, packed as the course packs them
-        grads = _grads(model, *batch_for_rank(0, rank, info.world_size, **kw))
-        names = {p: n for n, p in model.named_parameters()}
-        return [torch.cat([grads[names[p]].reshape(-1) for p in b.params]) for b in buckets]
 
-    want = [sum(parts) / info.world_size for parts in zip(*(fill(r) for r in range(info.world_size)))]
-    mine = [t.clone() for t in fill(info.rank)]
+@cache
+def reference_buckets(world: int) -> list[torch.Tensor]:
+    """Every bucket's mean over the ranks: what each rank's buckets must hold afterwards."""
+    return [sum(parts) / world for parts in zip(*(_buckets(world, r) for r in range(world)))]
+
+
+def buckets_on_rank(fn, info) -> dict:
+    mine = _buckets(info.world_size, info.rank)
     recorder = _Recorder(mine)
     dist.all_reduce = recorder.all_reduce
     try:
@@ -153,23 +163,21 @@ def buckets_on_rank(fn, info) -> dict:
             fn(mine)
     finally:
         dist.all_reduce = recorder.real
-    sent = sum(v["sent_bytes"] for v in comm.summary().values())
-    total = sum(t.numel() * t.element_size() for t in mine)
     return {
         "issued": recorder.issued,
         "waited": sorted(recorder.waited),
         "first_wait_after": recorder.first_wait_after,
-        "n": len(mine),
-        "bad": [i for i, (a, b) in enumerate(zip(mine, want)) if not torch.allclose(a, b, rtol=1e-5, atol=1e-8)],
-        "ratio": [(a.norm() / b.norm()).item() for a, b in zip(mine, want)],
-        "sent": sent,
-        "expected_sent": all_reduce_sent(total, info.world_size),
+        "buckets": mine,
+        "sent": sum(v["sent_bytes"] for v in comm.summary().values()),
     }
 
 
 def buckets_verdict(per_rank: dict) -> None:
     n_ranks = len(per_rank)
+    want = reference_buckets(n_ranks)
+    total = sum(t.numel() * t.element_size() for t in want)
     for rank, r in sorted(per_rank.items()):
+        r = dict(r, n=len(want))
         order = [i for i, _ in r["issued"]]
         if order != list(range(r["n"])):
             raise Wrong(
@@ -193,19 +201,25 @@ def buckets_verdict(per_rank: dict) -> None:
                 f"you waited on a bucket after issuing only {r['first_wait_after']} of {r['n']}: start every "
                 "all-reduce first, then wait, so the buckets overlap on the wire"
             )
-        if r["bad"]:
-            i = r["bad"][0]
-            ratio = r["ratio"][i]
+        for i, (got, ref) in enumerate(zip(r["buckets"], want)):
+            if (
+                isinstance(got, torch.Tensor)
+                and got.shape == ref.shape
+                and torch.allclose(got, ref, rtol=1e-5, atol=1e-8)
+            ):
+                continue
+            ratio = (got.norm() / ref.norm()).item() if isinstance(got, torch.Tensor) and got.shape == ref.shape else 0
             why = (
                 f" ({ratio:.2f}x the mean: divide the sum by the world size, after the wait)"
                 if abs(ratio - n_ranks) < 0.05 * n_ranks
                 else ""
             )
             raise Wrong(f"rank {rank}'s bucket {i} does not hold the mean of the ranks' gradients{why}")
-        if abs(r["sent"] - r["expected_sent"]) > 1e-6 * r["expected_sent"]:
+        expected_sent = all_reduce_sent(total, n_ranks)
+        if abs(r["sent"] - expected_sent) > 1e-6 * expected_sent:
             raise Wrong(
                 f"rank {rank} sent {r['sent']:.0f} bytes; one all-reduce per bucket sends "
-                f"2(N-1)/N of the buckets' bytes, {r['expected_sent']:.0f}"
+                f"2(N-1)/N of the buckets' bytes, {expected_sent:.0f}"
             )
 
 

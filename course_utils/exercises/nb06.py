@@ -11,16 +11,19 @@ import gc
 import json
 import shutil
 import tempfile
+from functools import cache
 from pathlib import Path
 
 import torch.distributed as dist
 
 from .. import checkpoint
+from .. import dist as cdist
 from ..data import batch_for_rank
 from ..instrument import weights_sha256
+from ..launch import launch
 from ..loop import TrainConfig, resolve_strategy
 from ..models import build_model, get_config
-from .core import Exercise, Wrong, register
+from .core import REFERENCE_LAUNCH, Exercise, Wrong, register
 
 
 def _step(root: Path, name: str, *, metadata=True, commit_step=None, extra=()) -> None:
@@ -131,16 +134,35 @@ def _run(info, cfg, steps, prepared=None):
     return prepared
 
 
+def uninterrupted_on_rank() -> dict:
+    """Worker: what a resume must reproduce: the weights after STEPS uninterrupted steps, and the Adam step
+    counts a checkpoint at step SAVED holds (the course's code only)."""
+    with cdist.session() as info:
+        cfg = TrainConfig(strategy="ddp", nproc=info.world_size, steps=STEPS)
+        saved = _run(info, cfg, range(SAVED))
+        saved_steps = sorted({int(s["step"]) for s in saved.optimizer.state.values()})
+        whole = _run(info, cfg, range(SAVED, STEPS), saved)
+        return {"sha": weights_sha256(whole.full_state_dict()), "saved_steps": saved_steps}
+
+
+@cache
+def _uninterrupted(world: int) -> dict:
+    return launch(uninterrupted_on_rank, nproc=world, progress=False, echo=False, backend="gloo")[0]
+
+
+def uninterrupted(world: int) -> dict:
+    """``uninterrupted_on_rank``'s answer, launched once per process and world size (graders call it from threads)."""
+    with REFERENCE_LAUNCH:
+        return _uninterrupted(world)
+
+
 def resume_on_rank(fn, info) -> dict:
     cfg = TrainConfig(strategy="ddp", nproc=info.world_size, steps=STEPS)
-    whole = _run(info, cfg, range(STEPS))
-    want = weights_sha256(whole.full_state_dict())
     holder = [tempfile.mkdtemp(prefix="resume-exercise-") if info.rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     root = Path(holder[0])
     first = _run(info, cfg, range(SAVED))
     checkpoint.save(root, SAVED, first, info, batch=cfg.batch, strategy="ddp", keep=3)
-    saved_steps = sorted({int(s["step"]) for s in first.optimizer.state.values()})
     _run(info, cfg, range(SAVED, STEPS), first)
     checkpoint.save(root, STEPS, first, info, batch=cfg.batch, strategy="ddp", keep=3)
     if info.rank == 0:  # the kill came after DCP's .metadata, before the commit: step-4 is not complete
@@ -156,12 +178,13 @@ def resume_on_rank(fn, info) -> dict:
     dist.barrier()
     if info.rank == 0:
         shutil.rmtree(root, ignore_errors=True)
-    del whole, first, fresh
+    del first, fresh
     gc.collect()
-    return {"start": start, "sha": got, "want": want, "optimizer_steps": state_steps, "saved_steps": saved_steps}
+    return {"start": start if isinstance(start, int) else None, "sha": got, "optimizer_steps": state_steps}
 
 
 def resume_verdict(per_rank: dict) -> None:
+    want = uninterrupted(len(per_rank))
     for rank, r in sorted(per_rank.items()):
         if r["start"] != SAVED:
             why = (
@@ -170,14 +193,14 @@ def resume_verdict(per_rank: dict) -> None:
                 else f"the newest complete checkpoint is step-{SAVED}"
             )
             raise Wrong(f"rank {rank}'s resume returned {r['start']!r}: {why}; return the step it restored")
-        if r["optimizer_steps"] != r["saved_steps"]:
+        if r["optimizer_steps"] != want["saved_steps"]:
             steps = r["optimizer_steps"] or "empty"
             raise Wrong(
                 f"rank {rank} resumed without its optimizer state (Adam's step count is {steps}, "
-                f"saved {r['saved_steps']}): load the checkpoint's 'optim' entry too, or Adam restarts its "
+                f"saved {want['saved_steps']}): load the checkpoint's 'optim' entry too, or Adam restarts its "
                 "moments from zero and the run diverges from the uninterrupted one"
             )
-        if r["sha"] != r["want"]:
+        if r["sha"] != want["sha"]:
             raise Wrong(
                 f"rank {rank}'s weights after resuming and training to step {STEPS} differ from the "
                 "uninterrupted run's (weights_sha256): restore the model's weights from the checkpoint too"

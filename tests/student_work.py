@@ -1,0 +1,119 @@
+"""Students' notebooks for the grading tests and benchmark: the course's own notebook with the stubs filled in.
+
+``STUDENT`` holds correct answers written the way a student would (not the reference solutions' text: a copy of
+the reference is graded "reference used"); ``notebook(nb, answers, extra)`` is the course's notebook ``nb`` with
+those answers in its stub cells and ``extra`` cells (an attack, a stray print) added at its end.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+from course_utils.exercises import core
+
+ROOT = Path(__file__).resolve().parent.parent
+
+STUDENT = {
+    "model_state_bill": """def model_state_bill(psi, nd, stage, k=12):
+    sharded = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[stage]
+    parts = [k * psi, 2 * psi, 2 * psi]  # optimizer, gradients, weights: sharded in that order
+    return sum(p / nd if i < sharded else p for i, p in enumerate(parts))
+""",
+    "block_activation_bytes": """def block_activation_bytes(block, x):
+    skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    sizes = {}
+
+    def keep(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            sizes[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        block(x)
+    total = 0
+    for n in sizes.values():
+        total += n
+    return total
+""",
+    "averaging_hook": """def averaging_hook(grad):
+    mean = grad.detach().clone() / dist.get_world_size()
+    dist.all_reduce(mean)
+    return mean
+""",
+    "bucketed_all_reduce": """def bucketed_all_reduce(buckets):
+    pending = []
+    for b in buckets:
+        pending.append((b, dist.all_reduce(b, async_op=True)))
+    n = dist.get_world_size()
+    for b, work in pending:
+        work.wait()
+        b /= n
+""",
+    "zero2_step": """def zero2_step(params, grads, lr):
+    n, r = dist.get_world_size(), dist.get_rank()
+    size = params.numel() // n
+    mine = torch.zeros(size, dtype=grads.dtype)
+    dist.reduce_scatter_single(mine, grads)
+    params[r * size : (r + 1) * size].sub_(lr * mine / n)
+    dist.all_gather_single(params, params[r * size : (r + 1) * size].clone())
+""",
+    "sharded_optimizer": """def sharded_optimizer(params, optimizer_class, **defaults):
+    n, r = dist.get_world_size(), dist.get_rank()
+    size = params.numel() // n
+    piece = params[r * size : (r + 1) * size].detach().clone().requires_grad_(True)
+    inner = optimizer_class([piece], **defaults)
+
+    def step(grads):
+        g = torch.zeros_like(piece)
+        dist.reduce_scatter_single(g, grads)
+        piece.grad = g / n
+        inner.step()
+        dist.all_gather_single(params, piece.detach())
+
+    return step
+""",
+}
+
+
+def course_notebook(nb: str) -> dict:
+    return json.loads(next((ROOT / "notebooks").glob(f"{nb}_*.ipynb")).read_text())
+
+
+def code_cell(source: str, cid: str | None = None) -> dict:
+    return {
+        "cell_type": "code",
+        "id": cid or uuid.uuid4().hex[:8],
+        "metadata": {},
+        "execution_count": None,
+        "outputs": [],
+        "source": source,
+    }
+
+
+def notebook(nb: str, answers: dict | None = None, extra: list[str] = (), keep=None, section_only=False) -> dict:
+    """The course's notebook ``nb``, its stubs replaced by ``answers`` (name -> source), ``extra`` code cells
+    added at its end, (``keep``: names) every other exercise's cells deleted, and (``section_only``) its
+    lecture left out: only the exercises section (the grader runs only that and the lecture's imports)."""
+    data = course_notebook(nb)
+    if section_only:
+        data["cells"] = [c for c in data["cells"] if c["id"].startswith(f"{nb}-ex-")]
+    answers = answers or {}
+    exs = core.exercises(nb)
+    cells = []
+    for c in data["cells"]:
+        src = c["source"] if isinstance(c["source"], str) else "".join(c["source"])
+        owner = next((ex for ex in exs if ex.name in src and c["id"].startswith(f"{nb}-ex-")), None)
+        if keep is not None and owner is not None and owner.name not in keep and c["cell_type"] == "code":
+            continue
+        if c["cell_type"] == "code" and owner is not None and src.strip() == owner.stub.strip():
+            c = dict(c, source=answers.get(owner.name, src))
+        cells.append(c)
+    return dict(data, cells=cells + [code_cell(src) for src in extra])
+
+
+def write(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data, indent=1))
+    return path
