@@ -4,6 +4,7 @@ is pinned, and a failed install stops the notebook with one sentence (tools/cola
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -108,3 +109,71 @@ def test_setup_cell_does_nothing_outside_colab(monkeypatch):
     monkeypatch.delitem(sys.modules, "google.colab", raising=False)
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("the set-up cell ran pip outside Colab"))
     exec(compile(colab.setup_source(colab.metadata()), "setup-cell", "exec"), {})
+
+
+# ---------------------------------------------------------------------------------------------
+# The oldest torch pyproject.toml allows: the names torch 2.13 introduced, hidden
+# ---------------------------------------------------------------------------------------------
+
+NEW_NAMES = ("all_gather_single", "reduce_scatter_single")
+
+
+def test_renamed_collectives_fall_back_to_the_old_names(monkeypatch):
+    import torch.distributed as dist
+
+    from course_utils import compat
+
+    assert compat.all_gather_single is dist.all_gather_single  # torch 2.13: the names that do not warn
+    assert compat.reduce_scatter_single is dist.reduce_scatter_single
+    assert compat.provide_renamed_collectives() == []  # nothing to add
+    for name in NEW_NAMES:  # as on torch < 2.13
+        monkeypatch.delattr(dist, name)
+    assert compat.all_gather_single is dist.all_gather_into_tensor
+    assert compat.reduce_scatter_single is dist.reduce_scatter_tensor
+    assert compat.provide_renamed_collectives() == list(NEW_NAMES)
+    assert dist.all_gather_single is dist.all_gather_into_tensor and compat.provide_renamed_collectives() == []
+    monkeypatch.delattr(dist, "all_gather_single")
+    monkeypatch.delattr(dist, "all_gather_into_tensor")  # as on torch < 1.13: one sentence, the fix in it
+    with pytest.raises(Exception, match="install torch >= 1.13"):
+        compat.newest_collective("all_gather_single", "all_gather_into_tensor")
+
+
+HIDE = """
+# Loaded by every Python process of the test (PYTHONPATH): torch as it was before 2.13, without its new names.
+import torch.distributed as dist
+for name in {names!r}:
+    delattr(dist, name)
+"""
+
+RUN_ON_OLD_NAMES = """
+import torch.distributed as dist
+from course_utils.exercises import core
+from course_utils.launch import launch
+from solutions import nb03, nb04
+
+def names_on_this_rank():
+    return hasattr(dist, "all_gather_single"), hasattr(dist, "all_gather_into_tensor")
+
+print("names", sorted(launch(names_on_this_rank, nproc=2, progress=False).values()))
+pairs = [(core.get("03", "zero2_step"), nb03.zero2_step), (core.get("03", "sharded_optimizer"), nb03.sharded_optimizer),
+         (core.get("04", "unshard"), nb04.unshard), (core.get("04", "clip_sharded"), nb04.clip_sharded)]
+for outcome in core.check_many(pairs, record=False):
+    print(outcome)
+"""
+
+
+def test_the_course_runs_where_torch_lacks_the_new_names(tmp_path):
+    """Every process (this one and each rank) starts with torch.distributed.all_gather_single and
+    reduce_scatter_single removed; the solutions, written with those names as the hints teach them, and
+    per_param's own collectives (exercise 04.clip_sharded shards with it) still pass on two real ranks."""
+    (tmp_path / "sitecustomize.py").write_text(HIDE.format(names=NEW_NAMES))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]), COURSE_HEADLESS="1")
+    # torch 2.13's old names warn where an older torch's do not: not what this test is about
+    env["PYTHONWARNINGS"] = "ignore::FutureWarning"
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_ON_OLD_NAMES], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcomes = [line for line in done.stdout.splitlines() if " exercise 0" in line]
+    assert len(outcomes) == 4 and all(o.startswith("[PASSED]") for o in outcomes), done.stdout + done.stderr[-2000:]
+    assert "names [(False, True), (False, True)]" in done.stdout, "the ranks did not start without the new names"
