@@ -170,6 +170,8 @@ def fingerprint(nb) -> str:
 
 
 _WIDGET = "application/vnd.jupyter.widget-view+json"
+#: The mark of an instant view (course_utils.instant.MARKER): self-contained HTML a deck keeps as it is.
+_INSTANT = "data-course-instant="
 _DROPPED_MIME = (_WIDGET, "application/javascript", "application/vnd.jupyter.widget-state+json")
 
 
@@ -197,6 +199,8 @@ def deck_outputs(outputs: list) -> list:
             had_widget = _WIDGET in data
             for mime in _DROPPED_MIME:
                 data.pop(mime, None)
+            if _INSTANT in "".join(data.get("text/html", "")):  # course_utils.instant: live in the deck too
+                data.pop("image/png", None)  # (its static image is for readers that run no script)
             if had_widget:
                 data.pop("text/plain", None)  # the repr of a widget object, e.g. "VBox(children=...)"
             if not data:
