@@ -109,9 +109,11 @@ notebook-tests: export COURSE_HEADLESS = 1
 notebooks: export COURSE_HEADLESS = 1
 unit-tests: export COURSE_HEADLESS = 1
 
+# tools/quiet_outputs.py rides along as a plugin: each cell's output is checked for warnings, temporary
+# paths and launcher frames right after nbval ran it (no second execution).
 notebook-tests: setup
-	@echo "==> executing every notebook as a test (pytest --nbval-lax notebooks/, $(TEST_WORKERS) workers)"
-	@$(BIN)/python -m pytest --nbval-lax -q -p no:cacheprovider $(NOTEBOOK_WORKERS) notebooks
+	@echo "==> executing every notebook as a test (pytest --nbval-lax notebooks/, $(TEST_WORKERS) workers, quiet outputs)"
+	@$(BIN)/python -m pytest --nbval-lax -q -p no:cacheprovider -p tools.quiet_outputs $(NOTEBOOK_WORKERS) notebooks
 
 # tools/lab.py: a free port of 127.0.0.1, a token made for this run, the URL printed once; the lab's
 # settings (news prompt off) live in build/lab/, not in your home.
