@@ -489,8 +489,14 @@ def test_memory_chart_responds_in_jupyterlab(lab_page):
     label_before, label, latency = _instant_step_up(browser, ".course-memory-model", ".course-memory-readout")
     after = _text(browser, ".course-memory-readout")
     assert after != before and _html(browser, ".course-memory-chart") != chart, "the chart and readout follow"
-    assert latency < 100, f"the readout followed the slider after {latency:.0f} ms in JupyterLab"
     browser.save_screenshot(str(SHOTS / "lab_01_memory_chart_after.png"))
+    # four more steps up: the time from key press to redraw is the page's own (a few ms), but one sample on a
+    # loaded machine can include the renderer being descheduled, so the median of five is what is held
+    latencies = [latency] + [
+        _instant_step_up(browser, ".course-memory-model", ".course-memory-readout")[2] for _ in range(4)
+    ]
+    assert sorted(latencies)[2] < 100, f"the readout followed the slider after {latencies} ms in JupyterLab"
+    (SHOTS / "lab_01_memory_chart_latency_ms.json").write_text(json.dumps(latencies))
 
     sizes = dict(widgets._model_options())
     assert label in sizes and sizes[label] > sizes[label_before], (label_before, label)
