@@ -12,7 +12,7 @@
   if (window.CourseInstant && window.CourseInstant.version === VERSION) return;
 
   var SVG = "http://www.w3.org/2000/svg";
-  var W = 760, H = 400; // the SVG's own coordinates; it scales with its box
+  var W = 720, H = 400; // the SVG's own coordinates: drawn 1:1 at 720 px wide, it scales with its box
   var PLOT = { left: 86, right: 16, top: 14, bottom: 58 };
 
   function svg(tag, attrs, parent) {
@@ -145,12 +145,16 @@
     return [lo, hi];
   }
 
+  /* The view's four parts in a grid (instant.py's style): controls, title, chart and readout stacked in a
+     notebook's output; on a wider page (a deck's 1280 px slide) the title on top, the chart at its own size
+     on the left and the controls and readout beside it, so the slide holds it without shrinking a label. */
   function setup(root, d) {
-    var box = { controls: tag("div", { "class": "ci-controls" }, root) };
-    box.title = tag("div", { "class": "ci-title" }, root);
+    var grid = tag("div", { "class": "ci-grid" }, root);
+    var box = { controls: tag("div", { "class": "ci-controls" }, grid) };
+    box.title = tag("div", { "class": "ci-title" }, grid);
     box.chart = svg("svg", { viewBox: "0 0 " + W + " " + H, "class": "ci-chart " + d.css + "-chart",
-                             role: "img" }, root);
-    box.readout = tag("div", { "class": "ci-readout " + d.css + "-readout" }, root);
+                             role: "img" }, grid);
+    box.readout = tag("div", { "class": "ci-readout " + d.css + "-readout" }, grid);
     return box;
   }
 
@@ -191,7 +195,7 @@
       svg("line", { x1: f.x(nd), x2: f.x(nd), y1: f.y0, y2: f.y1, stroke: "#999", "stroke-dasharray": "2 3" }, box.chart);
       svg("line", { x1: f.x0, x2: f.x1, y1: f.y(gpu), y2: f.y(gpu), stroke: "#c0392b", "stroke-dasharray": "7 4",
                     "stroke-width": 1.5 }, box.chart);
-      label(box.chart, f.x0 + 6, f.y(gpu) - 6, d.gpuLine[s.g], { fill: "#c0392b", "class": "ci-note" });
+      label(box.chart, f.x1 - 6, f.y(gpu) - 6, d.gpuLine[s.g], { fill: "#c0392b", "text-anchor": "end", "class": "ci-note" });
       bytes.forEach(function (row, j) {
         polyline(box.chart, axis, d.axis.map(function (i) { return row[i]; }), f, d.colors[j]);
         svg("circle", { cx: f.x(nd), cy: f.y(row[s.n]), r: 6, fill: "none", stroke: d.colors[j], "stroke-width": 2 },
@@ -204,12 +208,13 @@
       clear(box.readout);
       tag("b", {}, box.readout, "Ψ = " + d.models[s.m] + ", K = " + d.kShort[s.k] + ", Nd = " + nd + ", GPU " +
           d.gpuShort[s.g]);
-      var table = tag("table", {}, box.readout);
+      var table = tag("table", {}, box.readout), head = tag("tr", {}, table);
+      ["", "bytes per GPU", "", ""].forEach(function (h) { tag("th", { "class": h ? "ci-num" : "" }, head, h); });
       d.stageNames.forEach(function (name, j) {
         var first = d.firstFit[s.m][s.k][s.g][j], fits = first !== null && nd >= first;
         var tr = tag("tr", { "class": fits ? "ci-fits" : "ci-too-big" }, table);
         tag("td", {}, tr, name);
-        tag("td", { "class": "ci-num" }, tr, d.exact[s.m][s.k][j][s.n] + " bytes");
+        tag("td", { "class": "ci-num" }, tr, d.exact[s.m][s.k][j][s.n]);
         tag("td", { "class": "ci-num" }, tr, d.sizes[s.m][s.k][j][s.n]);
         tag("td", {}, tr, fits ? "fits" : "does not fit");
       });
@@ -315,7 +320,7 @@
                       fill: "none", stroke: "#222", "stroke-width": 2.5 }, box.chart);
       }
       // right: what each GPU has sent so far, by kind, against plain DP
-      var bx0 = 430, bx1 = W - 70, by = 34, bh = Math.min(44, (H - 110) / nd);
+      var bx0 = 410, bx1 = W - 70, by = 34, bh = Math.min(44, (H - 110) / nd);
       var xs = function (v) { return bx0 + v / d.xmax * (bx1 - bx0); };
       label(box.chart, bx0, 20, "sent by each GPU so far (units of Ψ)", { "class": "ci-axis" });
       for (g = 0; g < nd; g++) {

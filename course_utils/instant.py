@@ -37,7 +37,15 @@ MARKER = "data-course-instant"
 
 _STYLE = """
 .course-instant{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;font-size:14px;color:#222;
- background:#fff;max-width:780px;padding:4px 0;line-height:1.3}
+ background:#fff;padding:4px 0;line-height:1.3;container-type:inline-size}
+.course-instant .ci-grid{display:grid;grid-template-columns:minmax(0,720px);gap:4px 24px;
+ grid-template-areas:"controls" "title" "chart" "readout"}
+@container (min-width:1080px){.course-instant .ci-grid{grid-template-columns:720px minmax(0,1fr);align-items:start;
+ grid-template-areas:"title title" "chart controls" "chart readout";grid-template-rows:auto auto 1fr}}
+.course-instant .ci-controls{grid-area:controls}
+.course-instant .ci-title{grid-area:title}
+.course-instant .ci-chart{grid-area:chart}
+.course-instant .ci-readout{grid-area:readout}
 .course-instant .ci-row{display:flex;flex-wrap:wrap;align-items:center;gap:6px 18px;margin:2px 0}
 .course-instant .ci-control{display:inline-flex;align-items:center;gap:6px;white-space:nowrap}
 .course-instant .ci-name{font-weight:600}
@@ -54,8 +62,10 @@ _STYLE = """
 .course-instant .ci-bold{font-weight:700}
 .course-instant .ci-readout{font-variant-numeric:tabular-nums}
 .course-instant .ci-readout table{border-collapse:collapse;margin:2px 0}
-.course-instant .ci-readout td{padding:1px 10px 1px 0;border:none;text-align:left}
-.course-instant .ci-readout td.ci-num{text-align:right}
+.course-instant .ci-readout td,.course-instant .ci-readout th{padding:1px 8px 1px 0;border:none;text-align:left;
+ white-space:nowrap;background:none}
+.course-instant .ci-readout th{font-weight:400;color:#555}
+.course-instant .ci-readout .ci-num{text-align:right}
 .course-instant .ci-too-big{color:#8a8a8a}
 """
 

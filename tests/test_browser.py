@@ -503,7 +503,8 @@ def test_memory_chart_responds_in_jupyterlab(lab_page):
     head = re.search(r"Ψ = (\S+), K = ([\d.]+), Nd = (\d+)", after)
     assert head and head.group(1) == label, f"the readout shows another model: {after[:200]}"
     k, nd = float(head.group(2)), int(head.group(3))
-    shown = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) bytes", after)]
+    rows = [line.split("\t") for line in after.splitlines()]  # the readout table, as the reader sees it
+    shown = [int(r[1].replace(",", "")) for r in rows if r[0] in memory.STAGE_NAMES.values()]
     expected = memory.bytes_per_gpu(sizes[label], nd, k=k)
     assert shown == [round(expected[s]) for s in memory.STAGES], "the readout is the formula for the new Ψ"
 

@@ -360,7 +360,8 @@ def _exercise(driver, where: str, goto=lambda kind: None) -> dict:
     head = re.search(r"Ψ = (\S+), K = ([\d.]+), Nd = (\d+)", after)
     sizes = dict(widgets._model_options())
     assert head and head.group(1) == "70B" and "7.5B" in before, (before[:80], after[:80])  # 13B, 30B, 70B
-    shown = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) bytes", after)]
+    rows = [line.split("\t") for line in after.splitlines()]  # the readout table, as the reader sees it
+    shown = [int(r[1].replace(",", "")) for r in rows if r[0] in memory.STAGE_NAMES.values()]
     expected = memory.bytes_per_gpu(sizes["70B"], int(head.group(3)), k=float(head.group(2)))
     assert shown == [round(expected[s]) for s in memory.STAGES], "the readout is the formula for the new Ψ"
     times["memory: Nd slider"] = _moved(driver, mem, ".course-memory-nd", [chart, readout], three_right)
