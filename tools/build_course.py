@@ -29,8 +29,9 @@ How a notebook becomes a deck (slides/README.md says the same for teachers):
   a heading, a table, code, an output or a "Predict" question), then shrinks further (not below 70 %).
   Width too: a table or displayed formula wider than the slide gets smaller type (down to 14 px), and
   scrolls sideways in its own box only if it is still too wide.
-- Widget views, stderr (warnings) and JavaScript outputs are left out; a notebook with an error
-  output is refused. Remote images (the Colab badge) become plain links, so a deck loads nothing
+- Widget views, stderr (warnings) and JavaScript outputs are left out; an instant view (the HTML
+  output marked ``data-course-instant``, course_utils.instant) is kept as it is, live in the deck, and
+  the static image beside it dropped; a notebook with an error output is refused. Remote images (the Colab badge) become plain links, so a deck loads nothing
   from the network: reveal.js and KaTeX are vendored under slides/.
 """
 
