@@ -61,9 +61,9 @@ _STYLE = """
 .course-instant .ci-axis{font-size:15px;fill:#222}
 .course-instant .ci-bold{font-weight:700}
 .course-instant .ci-readout{font-variant-numeric:tabular-nums}
-.course-instant .ci-readout table{border-collapse:collapse;margin:2px 0}
+.course-instant .ci-readout table{border-collapse:collapse;margin:2px 0;font-size:14px}
 .course-instant .ci-readout td,.course-instant .ci-readout th{padding:1px 8px 1px 0;border:none;text-align:left;
- white-space:nowrap;background:none}
+ white-space:nowrap;background:none;font-size:14px;line-height:1.3}
 .course-instant .ci-readout th{font-weight:400;color:#555}
 .course-instant .ci-readout .ci-num{text-align:right}
 .course-instant .ci-too-big{color:#8a8a8a}
