@@ -31,8 +31,9 @@ How a notebook becomes a deck (slides/README.md says the same for teachers):
   scrolls sideways in its own box only if it is still too wide.
 - Widget views, stderr (warnings) and JavaScript outputs are left out; an instant view (the HTML
   output marked ``data-course-instant``, course_utils.instant) is kept as it is, live in the deck, and
-  the static image beside it dropped; a notebook with an error output is refused. Remote images (the Colab badge) become plain links, so a deck loads nothing
-  from the network: reveal.js and KaTeX are vendored under slides/.
+  the static image beside it dropped; a notebook with an error output is refused. Remote images (the
+  Colab badge) become plain links, so a deck loads nothing from the network: reveal.js and KaTeX are
+  vendored under slides/.
 """
 
 from __future__ import annotations
