@@ -2,7 +2,8 @@
 #   make course   set up, execute every notebook into build/notebooks/, export slide decks into build/slides/
 #   make publish-slides  (teachers) refresh the committed decks in slides/ from build/slides/
 #   make test     set up, lint (ruff), run the unit tests, execute every notebook as a test (nbval + papermill)
-#   make lab      set up, open JupyterLab on the notebooks (localhost only, a free port, a token; prints the URL)
+#   make lab      set up, open JupyterLab on your own copies of the notebooks, my-notebooks/ (localhost only,
+#                 a free port, a token; prints the URL); make lab FRESH=03: a fresh copy of notebook 03
 #   make bench    set up, run the benchmarks into benchmarks/
 #   make stress   set up, run the launcher's stress test (2 x 300 launches) into benchmarks/
 #   make gpu-check  on a CUDA machine: the course's GPU paths, measured into benchmarks/gpu.md (< 10 min)
@@ -26,7 +27,7 @@ INSTALL_ARGS = -c constraints.txt $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
 	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch -e ".[notebooks,test,ft]"
 QUIET_PIP = 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup browser-setup course notebooks slides publish-slides test lint unit-tests notebook-tests lab bench stress gpu-check clean
+.PHONY: setup browser-setup course notebooks slides publish-slides test lint unit-tests notebook-tests lab lab-authors bench stress gpu-check clean
 
 setup: $(STAMP)
 
@@ -109,14 +110,22 @@ notebook-tests: export COURSE_HEADLESS = 1
 notebooks: export COURSE_HEADLESS = 1
 unit-tests: export COURSE_HEADLESS = 1
 
+# tools/quiet_outputs.py rides along as a plugin: each cell's output is checked for warnings, temporary
+# paths and launcher frames right after nbval ran it (no second execution).
 notebook-tests: setup
-	@echo "==> executing every notebook as a test (pytest --nbval-lax notebooks/, $(TEST_WORKERS) workers)"
-	@$(BIN)/python -m pytest --nbval-lax -q -p no:cacheprovider $(NOTEBOOK_WORKERS) notebooks
+	@echo "==> executing every notebook as a test (pytest --nbval-lax notebooks/, $(TEST_WORKERS) workers, quiet outputs)"
+	@$(BIN)/python -m pytest --nbval-lax -q -p no:cacheprovider -p tools.quiet_outputs $(NOTEBOOK_WORKERS) notebooks
 
 # tools/lab.py: a free port of 127.0.0.1, a token made for this run, the URL printed once; the lab's
-# settings (news prompt off) live in build/lab/, not in your home.
+# settings (news prompt off) live in build/lab/, not in your home. It opens your own copies in
+# my-notebooks/ (ignored by git; notebooks/ stays the course's): `make lab FRESH=03` replaces your copy of
+# notebook 03 with a fresh one (after asking; yours is kept in my-notebooks/old/). Authors editing the
+# course itself: `make lab-authors` opens notebooks/.
 lab: setup
-	@$(BIN)/python tools/lab.py
+	@$(BIN)/python tools/lab.py $(if $(FRESH),--fresh $(FRESH))
+
+lab-authors: setup
+	@$(BIN)/python tools/lab.py --course
 
 bench: setup
 	@echo "==> benchmarks into benchmarks/"

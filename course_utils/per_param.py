@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 
+from .compat import all_gather_single, reduce_scatter_single
 from .instrument import tensor_bytes
 from .predict import peak_gathered_bytes
 from .zero import GatheredBytes, assign_units
@@ -112,7 +113,7 @@ class ShardedParam:
         send = self.padded.to(self.compute_dtype)
         if out is None:
             out = torch.empty((self.nd * self.c, *self.shape[1:]), dtype=self.compute_dtype, device=send.device)
-        dist.all_gather_single(out, send, group=self.group)
+        all_gather_single(out, send, group=self.group)
         return out
 
     def reduce_scatter(self, grad_full: torch.Tensor) -> torch.Tensor:
@@ -120,7 +121,7 @@ class ShardedParam:
         padded = grad_full.new_zeros((self.nd * self.c, *self.shape[1:]))
         padded[: self.shape[0]] = grad_full
         out = grad_full.new_empty((self.c, *self.shape[1:]))
-        dist.reduce_scatter_single(out, padded.contiguous(), group=self.group)
+        reduce_scatter_single(out, padded.contiguous(), group=self.group)
         out.div_(self.nd)
         return out[: self.local.shape[0]].to(self.local.dtype)
 
@@ -293,7 +294,7 @@ class PerParamSharded(nn.Module):
         values = {}
         for sp in self.sharded_params():
             gathered = torch.empty((sp.nd * sp.c, *sp.shape[1:]), dtype=sp.padded.dtype, device=sp.padded.device)
-            dist.all_gather_single(gathered, sp.padded, group=sp.group)
+            all_gather_single(gathered, sp.padded, group=sp.group)
             values[sp.local] = unshard_rows(gathered, sp.shape[0]).clone()
         out = {}
         for key, value in self.module.state_dict(keep_vars=True).items():

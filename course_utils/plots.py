@@ -557,6 +557,14 @@ def measured_memory_figure(view: dict, measured: dict, *, title: str = "", width
     return fig
 
 
+#: One colour per kind of stage-3 traffic (``stepper.TRAFFIC_KINDS``), in the figure and the live stepper.
+TRAFFIC_COLORS = {
+    "forward all-gather": PART_COLORS["weights"],
+    "backward all-gather": "#b392d6",
+    "reduce-scatter": PART_COLORS["gradients"],
+}
+
+
 def zero3_schedule_figure(state, *, width: float = 10.0, height: float = 4.2):
     """One state of the stage-3 schedule: the GPUs × layers grid and what each GPU has sent (notebook 03).
 
@@ -616,15 +624,10 @@ def _draw_stage3(grid, bars, state, *, legend: bool = True) -> None:
     grid.set_title(
         f"step {state.step}: {state.phase}" + (f", layer {state.layer}" if state.layer is not None else ""), fontsize=10
     )
-    colors = {
-        "forward all-gather": PART_COLORS["weights"],
-        "backward all-gather": "#b392d6",
-        "reduce-scatter": PART_COLORS["gradients"],
-    }
     left = np.zeros(nd)
     for kind in TRAFFIC_KINDS:
         values = np.array([state.sent[g][kind] for g in range(nd)])
-        bars.barh(range(nd)[::-1], values, left=left, color=colors[kind], label=kind, height=0.6)
+        bars.barh(range(nd)[::-1], values, left=left, color=TRAFFIC_COLORS[kind], label=kind, height=0.6)
         left += values
     for g in range(nd):
         bars.text(left[g], nd - 1 - g, f" {left[g]:.3g}Ψ", va="center", fontsize=9)

@@ -1,22 +1,25 @@
-"""Interactive views for the notebooks: ipywidgets controls over the same figures ``plots`` draws
-(introduced in notebook 01).
+"""Interactive views for the notebooks (introduced in notebook 01).
 
-Rule of the house: a widget function returns
+Two kinds:
 
-- in JupyterLab, an ipywidgets box: controls, the chart (an ``Image`` widget holding the PNG
-  that ``plots`` draws) and a readout of exact values (an ``HTML`` widget);
-- when the notebook runs headless (``is_headless()``: ``COURSE_HEADLESS=1``, set by the
-  Makefile and the test runs), a ``plots.StaticFigure`` of the same view, so executed
-  notebooks hold the chart as a PNG image and the readout as text.
+- **instant views** (the memory chart and the bill of notebook 01, the stage-3 stepper and the measured
+  chart of notebook 03): every state their controls offer is computed here, once, from the arithmetic
+  modules (``memory``, ``stepper``), and the browser only redraws (``course_utils.instant``): a slider
+  answers at once, in JupyterLab, Colab and the exported decks, with no kernel and no network. When the
+  notebook runs headless (``is_headless()``: ``COURSE_HEADLESS=1``, set by the Makefile and the test
+  runs) the output also holds the opening state as a PNG, drawn by ``plots``.
+- **the planner** (notebook 05), an ipywidgets box whose controls ask the kernel for ``plan.plan``: its
+  nine controls span millions of states, too many to compute beforehand. Headless, a
+  ``plots.StaticFigure`` of the same view.
 
-What a chart shows is computed by a pure function (``memory.memory_chart_view``,
-``memory.bill_bars``, ``plan.plan``) that the tests call without a browser; the widgets only
-wire controls to it.
+What a chart shows is computed by a pure function (``memory.memory_chart_view``, ``memory.bill_bars``,
+``stepper.stage3_schedule``, ``plan.plan``) that the tests call without a browser; the views only wire
+controls to it.
 
 Stable hooks for browser tests: every control and readout carries a CSS class
-(``course-<view>-<role>``) and a ``description``; see each function's docstring.
+(``course-<view>-<role>``) and a label; see each function's docstring.
 
-Sections: shared helpers; notebook 01; notebook 05. Other notebooks append their own below.
+Sections: shared helpers; notebook 01; notebook 05; notebook 03.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ from __future__ import annotations
 import html
 import os
 
+import numpy as np
+
 from . import memory, plots
 from .errors import CourseInputError
+from .instant import InstantView
 from .units import GB, fmt_count, fmt_size
 
 # ---------------------------------------------------------------------------------------------
@@ -84,18 +90,75 @@ def _model_options(extra=()):
 # ---------------------------------------------------------------------------------------------
 
 
-def _readout_html(view: dict) -> str:
-    rows = "".join(
-        f"<tr><td>{html.escape(memory.STAGE_NAMES[s])}</td>"
-        f"<td style='text-align:right'>{view['readout'][s]:,.0f} bytes</td>"
-        f"<td style='text-align:right'>{fmt_size(view['readout'][s])}</td>"
-        f"<td>{'fits' if view['fits'][s] else 'does not fit'}</td></tr>"
-        for s in memory.STAGES
-    )
-    return (
-        f"<div><b>Ψ = {fmt_count(view['psi'])}, K = {view['k']:g}, Nd = {view['nd']}, "
-        f"GPU {view['gpu_mem'] / GB:g} GB</b><table>{rows}</table></div>"
-    )
+def _static(fig) -> dict:
+    """The opening state as a PNG, for an instant view shown headless (readers that run no script)."""
+    if not is_headless():
+        return {}
+    still = plots.StaticFigure(fig)
+    return {"png": still.png, "size": still.size}
+
+
+def _choices(options: dict, value, fmt) -> list:
+    """``options`` (label -> value) as a list of pairs, plus ``value`` under the label ``fmt(value)`` when
+    it is not one of them: a view accepts any value a notebook passes in."""
+    pairs = list(options.items())
+    if float(value) not in options.values():
+        pairs.append((fmt(value), float(value)))
+    return pairs
+
+
+def _index(pairs: list, value) -> int:
+    return [float(v) for _, v in pairs].index(float(value))
+
+
+def memory_chart_states(models: list, ks: list, nds: list, gpus: list, *, nm=1, nd_max: int = 1024) -> dict:
+    """Everything the memory chart shows in every state of its controls, from ``memory`` (notebook 01).
+
+    ``models``, ``ks``, ``gpus``: ``(label, value)`` pairs; ``nds``: the Nd choices (they include the
+    chart's axis, ``memory.chart_nds(nd_max)``). Returns the instant view's data: bytes per GPU
+    ``[model][k][row][nd]`` (``memory.model_state_bytes``), the same as exact and short text, the
+    smallest Nd at which each row fits ``[model][k][gpu][row]`` (``memory.smallest_nd_that_fits``: a row
+    fits at Nd exactly when Nd reaches it, which is ``memory_chart_view``'s ``fits``) and the chart's
+    title per ``[model][k][gpu]``. A few thousand numbers, computed in tens of milliseconds.
+    """
+    psis = np.array([v for _, v in models], dtype=float)
+    nd_array = np.array(nds, dtype=float)
+    values = np.empty((len(models), len(ks), len(memory.STAGES), len(nds)))
+    for j, (_, k) in enumerate(ks):
+        for r, stage in enumerate(memory.STAGES):
+            values[:, j, r, :] = memory.model_state_bytes(psis[:, None], nd_array[None, :], stage, k=k, nm=nm)
+    first_fit, titles = [], []
+    for psi in psis:
+        first_fit.append([])
+        titles.append([])
+        for _, k in ks:
+            fits = [{s: memory.smallest_nd_that_fits(psi, s, g, k=k, nm=nm) for s in memory.STAGES} for _, g in gpus]
+            first_fit[-1].append([[f[s] for s in memory.STAGES] for f in fits])
+            # memory_chart_view's own title (one definition), from the same first_fit it computes
+            titles[-1].append(
+                [memory._chart_title({"psi": psi, "gpu_mem": g, "first_fit": f}) for (_, g), f in zip(gpus, fits)]
+            )
+    axis = set(memory.chart_nds(nd_max).tolist())
+    return {
+        "models": [label for label, _ in models],
+        "ks": [label for label, _ in ks],
+        "kShort": [f"{k:g}" for _, k in ks],
+        "nds": [int(n) for n in nds],
+        "axis": [i for i, n in enumerate(nds) if n in axis],
+        "gpus": [label for label, _ in gpus],
+        "gpuBytes": [float(g) for _, g in gpus],
+        "gpuShort": [f"{g / GB:g} GB" for _, g in gpus],
+        "gpuLine": [f"one {g / GB:g} GB GPU" for _, g in gpus],
+        "bytes": values.tolist(),
+        "exact": [[[[f"{v:,.0f}" for v in row] for row in kk] for kk in m] for m in values],
+        "sizes": [[[[fmt_size(v) for v in row] for row in kk] for kk in m] for m in values],
+        "firstFit": first_fit,
+        "titles": titles,
+        "stageNames": [memory.STAGE_NAMES[s] for s in memory.STAGES],
+        "colors": [plots.STAGE_COLORS[s] for s in memory.STAGES],
+        "scale": GB,
+        "ylabel": "memory per GPU, GB (10^9 bytes)",
+    }
 
 
 def memory_chart(
@@ -103,70 +166,52 @@ def memory_chart(
 ):
     """The paper's memory chart, live: Nd on a log axis, memory per GPU, one curve per row (notebook 01).
 
-    Controls (CSS class, description): model size ``course-memory-model`` ("Model Ψ"), presets
-    ``course-memory-presets`` (7.5B, 128B, 1T), K ``course-memory-k`` ("K"), Nd
-    ``course-memory-nd`` ("Nd"), GPU ``course-memory-gpu`` ("GPU"). Readout of exact values at
-    the chosen Nd: ``course-memory-readout`` (an HTML widget). Chart: ``course-memory-chart``.
-    Headless: a ``plots.StaticFigure`` of ``memory.memory_chart_view(psi, nd=nd, k=k, ...)``.
+    An instant view: moving a control redraws in the browser at once. Controls (CSS class, label):
+    model size ``course-memory-model`` ("Model Ψ", a slider), presets ``course-memory-presets`` (7.5B,
+    128B, 1T), K ``course-memory-k`` ("K"), Nd ``course-memory-nd`` ("Nd", a slider), GPU
+    ``course-memory-gpu`` ("GPU"). Readout of exact values at the chosen Nd: ``course-memory-readout``.
+    Chart: ``course-memory-chart`` (SVG). Its text is ``memory.memory_chart_view(psi, nd=nd, k=k, ...)``'s
+    readout; headless, the same view as a PNG too.
     """
     view = memory.memory_chart_view(psi, nd=nd, k=k, nm=nm, gpu_mem=gpu_mem)
-    if is_headless():
-        return plots.StaticFigure(plots.memory_chart_figure(view), view["readout_text"])
-    w = _ipw()
-    model = _classed(
-        w.SelectionSlider(
-            options=_model_options([psi]), value=float(psi), description="Model Ψ", continuous_update=False
-        ),
-        "course-memory-model",
+    models = _choices(dict(_model_options()), psi, fmt_count)
+    models.sort(key=lambda pair: pair[1])
+    ks = _choices(K_CHOICES, k, lambda v: f"{v:g} bytes")
+    gpus = _choices(memory.GPU_CHOICES, gpu_mem, lambda v: f"{v / GB:g} GB")
+    nds = _with((int(n) for n in memory.chart_nds()), int(nd))
+    data = memory_chart_states(models, ks, nds, gpus, nm=nm)
+    data.update(
+        css="course-memory",
+        model=_index(models, psi),
+        k=_index(ks, k),
+        nd=nds.index(int(nd)),
+        gpu=_index(gpus, gpu_mem),
+        presets=[[name, _index(models, size)] for name, size in memory.MODEL_PRESETS.items()],
     )
-    presets = _classed(
-        w.ToggleButtons(options=list(memory.MODEL_PRESETS), value=None, description="Presets"), "course-memory-presets"
+    return InstantView(
+        "memory-chart", data, view["readout_text"], **_static_of(lambda: plots.memory_chart_figure(view))
     )
-    k_options = dict(K_CHOICES)
-    if float(k) not in k_options.values():
-        k_options[f"{k:g} bytes"] = float(k)
-    k_box = _classed(
-        _fit_labels(w.Dropdown(options=list(k_options.items()), value=float(k), description="K")), "course-memory-k"
-    )
-    nd_box = _classed(
-        w.SelectionSlider(
-            options=_with((int(n) for n in memory.chart_nds()), int(nd)),
-            value=int(nd),
-            description="Nd",
-            continuous_update=False,
-        ),
-        "course-memory-nd",
-    )
-    gpus = dict(memory.GPU_CHOICES)
-    if float(gpu_mem) not in gpus.values():
-        gpus[f"{gpu_mem / GB:g} GB"] = float(gpu_mem)
-    gpu_box = _classed(
-        _fit_labels(w.Dropdown(options=list(gpus.items()), value=float(gpu_mem), description="GPU")),
-        "course-memory-gpu",
-    )
-    image = _classed(w.Image(format="png"), "course-memory-chart")
-    readout = _classed(w.HTML(), "course-memory-readout")
 
-    def redraw(*_):
-        v = memory.memory_chart_view(model.value, nd=nd_box.value, k=k_box.value, nm=nm, gpu_mem=gpu_box.value)
-        image.value = plots.png(plots.memory_chart_figure(v))
-        readout.value = _readout_html(v)
 
-    def preset(change):
-        if change["new"]:
-            model.value = memory.MODEL_PRESETS[change["new"]]
+def _static_of(draw) -> dict:
+    """``_static(draw())`` when headless, without drawing otherwise (matplotlib costs the kernel time)."""
+    return _static(draw()) if is_headless() else {}
 
-    def preset_follows_model(change):
-        # a preset stays highlighted only while the slider is on its size (it stayed lit after a move away)
-        presets.value = next((name for name, size in memory.MODEL_PRESETS.items() if size == change["new"]), None)
 
-    presets.observe(preset, names="value")
-    model.observe(preset_follows_model, names="value")
-    preset_follows_model({"new": model.value})
-    for control in (model, k_box, nd_box, gpu_box):
-        control.observe(redraw, names="value")
-    redraw()
-    return w.VBox([w.HBox([model, presets]), w.HBox([k_box, nd_box, gpu_box]), image, readout])
+def _bill_state(psi, nd_, k_, *, activations, unit, gpu_mem):
+    """One state of the bill: ``memory.bill_bars`` and the title and text it reads as."""
+    bars = memory.bill_bars(psi, nd_, k=k_, activations=activations)
+    totals = {s: sum(p["held"] for p in bars[s].values()) for s in bars}
+    scale = {"bytes": 1, "GB": GB}[unit]
+    text = f"Ψ = {fmt_count(psi)}, Nd = {nd_}, K = {k_:g}: " + " · ".join(
+        f"{memory.STAGE_NAMES[s]} {totals[s] / scale:.4g} {unit}" for s in bars
+    )
+    title = (
+        f"One GPU's bill for Ψ = {fmt_count(psi)} on Nd = {nd_}: "
+        + ", ".join(f"{totals[s] / scale:.3g}" for s in bars)
+        + f" {unit}"
+    )
+    return bars, totals, scale, text, title
 
 
 def bill_bars(
@@ -180,61 +225,59 @@ def bill_bars(
 ):
     """The bill as stacked bars per GPU for each row, dashed where a stage no longer holds a part (notebook 01).
 
-    Controls: Nd ``course-bill-nd`` ("Nd"), K ``course-bill-k`` ("K"); readout ``course-bill-readout``.
-    Headless: a ``plots.StaticFigure`` of ``memory.bill_bars(psi, nd, k=k, activations=...)``.
+    An instant view. Controls: Nd ``course-bill-nd`` ("Nd", a slider), K ``course-bill-k`` ("K"); readout
+    ``course-bill-readout``; chart ``course-bill-chart``. Every state is ``memory.bill_bars(psi, nd, k=k,
+    activations=...)``; headless, the opening state as a PNG too.
     """
-
-    def draw(nd_, k_):
-        bars = memory.bill_bars(psi, nd_, k=k_, activations=activations)
-        totals = {s: sum(p["held"] for p in bars[s].values()) for s in bars}
-        scale = {"bytes": 1, "GB": GB}[unit]
-        text = f"Ψ = {fmt_count(psi)}, Nd = {nd_}, K = {k_:g}: " + " · ".join(
-            f"{memory.STAGE_NAMES[s]} {totals[s] / scale:.4g} {unit}" for s in bars
-        )
-        title = (
-            f"One GPU's bill for Ψ = {fmt_count(psi)} on Nd = {nd_}: "
-            + ", ".join(f"{totals[s] / scale:.3g}" for s in bars)
-            + f" {unit}"
-        )
-        return plots.bill_bars_figure(bars, unit=unit, title=title, gpu_mem=gpu_mem), text
-
-    if is_headless():
-        fig, text = draw(nd, k)
-        return plots.StaticFigure(fig, text)
-    w = _ipw()
-    nd_box = _classed(
-        w.SelectionSlider(
-            options=_with((int(n) for n in memory.chart_nds()), int(nd)),
-            value=int(nd),
-            description="Nd",
-            continuous_update=False,
-        ),
-        "course-bill-nd",
-    )
-    k_box = _classed(
-        _fit_labels(
-            w.Dropdown(
-                options=list(K_CHOICES.items())
-                if float(k) in K_CHOICES.values()
-                else list(K_CHOICES.items()) + [(f"{k:g} bytes", float(k))],
-                value=float(k),
-                description="K",
+    ks = _choices(K_CHOICES, k, lambda v: f"{v:g} bytes")
+    nds = _with((int(n) for n in memory.chart_nds()), int(nd))
+    states = []
+    for nd_ in nds:
+        states.append([])
+        for _, k_ in ks:
+            bars, totals, scale, text, title = _bill_state(
+                psi, nd_, k_, activations=activations, unit=unit, gpu_mem=gpu_mem
             )
-        ),
-        "course-bill-k",
+            full = max(sum(p["full"] for p in bars[s].values()) for s in bars) / scale
+            states[-1].append(
+                {
+                    "bars": [
+                        {
+                            "held": [bars[s][p]["held"] / scale for p in memory.BILL_PARTS],
+                            "dropped": [(bars[s][p]["full"] - bars[s][p]["held"]) / scale for p in memory.BILL_PARTS],
+                            "label": f"{totals[s] / scale:.3g}",
+                        }
+                        for s in bars
+                    ],
+                    "top": max(full, (gpu_mem or 0) / scale) * 1.12,
+                    "gpu": None if gpu_mem is None else gpu_mem / scale,
+                    "title": title,
+                    "text": text,
+                }
+            )
+    bars0 = memory.bill_bars(psi, nd, k=k, activations=activations)
+    data = {
+        "css": "course-bill",
+        "nds": nds,
+        "nd": nds.index(int(nd)),
+        "ks": [label for label, _ in ks],
+        "k": _index(ks, k),
+        "states": states,
+        "stageNames": [memory.STAGE_NAMES[s] for s in memory.STAGES],
+        "stageLines": [memory.STAGE_NAMES[s].replace(" (", "\n(").split("\n") for s in memory.STAGES],
+        "parts": list(memory.BILL_PARTS),
+        "partColors": [plots.PART_COLORS[p] for p in memory.BILL_PARTS],
+        "partShown": [any(bars0[s][p]["full"] > 0 for s in bars0) for p in memory.BILL_PARTS],
+        "gpuLine": "" if gpu_mem is None else f"{gpu_mem / GB:g} GB GPU",
+        "ylabel": "memory per GPU, " + ("bytes" if unit == "bytes" else "GB (10^9 bytes)"),
+    }
+    first = states[data["nd"]][data["k"]]
+    return InstantView(
+        "bill-bars",
+        data,
+        first["text"],
+        **_static_of(lambda: plots.bill_bars_figure(bars0, unit=unit, title=first["title"], gpu_mem=gpu_mem)),
     )
-    image = _classed(w.Image(format="png"), "course-bill-chart")
-    readout = _classed(w.HTML(), "course-bill-readout")
-
-    def redraw(*_):
-        fig, text = draw(nd_box.value, k_box.value)
-        image.value = plots.png(fig)
-        readout.value = html.escape(text)
-
-    for control in (nd_box, k_box):
-        control.observe(redraw, names="value")
-    redraw()
-    return w.VBox([w.HBox([nd_box, k_box]), image, readout])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,52 +441,64 @@ def planner(
 
 
 def _stage3_readout(state) -> str:
+    """The exact values of one state of the schedule, as HTML (its caption is the view's title)."""
     sent = state.sent_total(0)
     rows = "".join(
         f"<tr><td>GPU {g}</td><td>{state.held_psi(g):.3g}Ψ of parameters held</td>"
-        f"<td style='text-align:right'>{state.sent_total(g):.4g}Ψ sent</td></tr>"
+        f"<td class='ci-num'>{state.sent_total(g):.4g}Ψ sent</td></tr>"
         for g in range(state.nd)
     )
     return (
-        f"<div><b>{html.escape(state.caption)}</b><br>step {state.step}, every GPU has sent {sent:.4g}Ψ "
+        f"<div>step {state.step}, every GPU has sent {sent:.4g}Ψ "
         f"(plain DP sends {2 * (state.nd - 1) / state.nd:.4g}Ψ per step)<table>{rows}</table></div>"
     )
 
 
 def zero3_stepper(nd: int = 4):
-    """Stage 3 step by step: GPUs × shards, a Step button through forward and backward (notebook 03).
+    """Stage 3 step by step: GPUs × shards, Step, Back and Reset through forward and backward (notebook 03).
 
-    Controls (CSS class, description): ``course-zero3-step`` ("Step"), ``course-zero3-back``
-    ("Back"), ``course-zero3-reset`` ("Reset"); the picture ``course-zero3-chart``; the readout
-    of exact values ``course-zero3-readout``. The states come from ``stepper.Stage3Stepper``.
-    Headless: a ``plots.StaticFigure`` of four states, one per row: the start, layer 0 gathered
-    in the forward pass, the last layer reduce-scattered in the backward pass, and the end (every
-    GPU has sent 3(Nd-1)/Nd·Ψ); its text is the last caption.
+    An instant view of every state of ``stepper.stage3_schedule(nd)``. Controls (CSS class, label):
+    ``course-zero3-step`` ("Step"), ``course-zero3-back`` ("Back"), ``course-zero3-reset`` ("Reset") and
+    a slider over the steps, ``course-zero3-slider``; the picture ``course-zero3-chart``; the readout of
+    exact values ``course-zero3-readout``. Headless, the PNG is four states, one per row: the start,
+    layer 0 gathered in the forward pass, the last layer reduce-scattered in the backward pass, and the end
+    (every GPU has sent 3(Nd-1)/Nd·Ψ).
     """
-    from .stepper import Stage3Stepper
+    from .stepper import TRAFFIC_KINDS, stage3_schedule
 
-    machine = Stage3Stepper(nd)
-    if is_headless():
-        states = machine.states
-        frames = [states[0], states[1], states[2 * nd + 2], states[-1]]
-        return plots.StaticFigure(plots.zero3_schedule_frames(frames), states[-1].caption)
-    w = _ipw()
-    step = _classed(w.Button(description="Step", button_style="primary"), "course-zero3-step")
-    back = _classed(w.Button(description="Back"), "course-zero3-back")
-    reset = _classed(w.Button(description="Reset"), "course-zero3-reset")
-    image = _classed(w.Image(format="png"), "course-zero3-chart")
-    readout = _classed(w.HTML(), "course-zero3-readout")
+    states = stage3_schedule(nd)
+    dp = 2 * (nd - 1) / nd
+    data = {
+        "css": "course-zero3",
+        "nd": nd,
+        "layers": len(states[0].held[0]),
+        "dp": dp,
+        "dpLabel": f"plain DP: {dp:.3g}Ψ",
+        "xmax": 3 * (nd - 1) / nd * 1.25,
+        "kinds": list(TRAFFIC_KINDS),
+        "kindColors": [plots.TRAFFIC_COLORS[kind] for kind in TRAFFIC_KINDS],
+        "colors": {"weights": plots.PART_COLORS["weights"], "gradients": plots.PART_COLORS["gradients"]},
+        "states": [
+            {
+                "step": st.step,
+                "heading": f"step {st.step}: {st.phase}" + (f", layer {st.layer}" if st.layer is not None else ""),
+                "layer": st.layer,
+                "whole": [[h == "whole" for h in row] for row in st.held],
+                "grads": list(st.grads),
+                "sent": [[st.sent[g][kind] for kind in TRAFFIC_KINDS] for g in range(nd)],
+                "totals": [f"{st.sent_total(g):.3g}Ψ" for g in range(nd)],
+                "caption": st.caption,
+                "readout": _stage3_readout(st),
+            }
+            for st in states
+        ],
+    }
 
-    def redraw():
-        image.value = plots.png(plots.zero3_schedule_figure(machine.state))
-        readout.value = _stage3_readout(machine.state)
-        step.disabled, back.disabled = machine.done, machine.index == 0
+    def still():
+        return plots.zero3_schedule_frames([states[0], states[1], states[2 * nd + 2], states[-1]])
 
-    step.on_click(lambda _: (machine.step(), redraw()))
-    back.on_click(lambda _: (machine.back(), redraw()))
-    reset.on_click(lambda _: (machine.reset(), redraw()))
-    redraw()
-    return w.VBox([w.HBox([step, back, reset]), image, readout])
+    # its text (what a reader that runs no script reads beside the frames) is where the schedule ends
+    return InstantView("zero3-stepper", data, states[-1].caption, **_static_of(still))
 
 
 def measured_memory_chart(
@@ -451,9 +506,10 @@ def measured_memory_chart(
 ):
     """The notebook-01 memory chart for a real run's Ψ, with the bytes measured per rank as points (notebook 03).
 
-    ``measured``: ``{row: [(nd, bytes per rank), ...]}`` from real runs. Control: Nd
-    ``course-measured-nd`` ("Nd") moves the readout ``course-measured-readout`` (exact bytes of
-    each row's formula at that Nd). Headless: a ``plots.StaticFigure`` at ``nd``.
+    ``measured``: ``{row: [(nd, bytes per rank), ...]}`` from real runs. An instant view: Nd
+    ``course-measured-nd`` ("Nd", a slider) moves the marker and the readout ``course-measured-readout``
+    (exact bytes of each row's formula at that Nd, ``memory.memory_chart_view``). Chart:
+    ``course-measured-chart``. Headless, the chart at ``nd`` as a PNG too.
     """
 
     def text(v):
@@ -462,27 +518,24 @@ def measured_memory_chart(
         )
 
     view = memory.memory_chart_view(psi, nd=nd, k=k, nd_max=nd_max)
-    if is_headless():
-        return plots.StaticFigure(plots.measured_memory_figure(view, measured, title=title), text(view))
-    w = _ipw()
-    nd_box = _classed(
-        w.SelectionSlider(
-            options=_with((int(n) for n in view["nds"]), int(nd)),
-            value=int(nd),
-            description="Nd",
-            continuous_update=False,
-        ),
-        "course-measured-nd",
+    nds = _with((int(n) for n in view["nds"]), int(nd))
+    views = [memory.memory_chart_view(psi, nd=n, k=k, nd_max=nd_max) for n in nds]
+    data = {
+        "css": "course-measured",
+        "nds": nds,
+        "nd": nds.index(int(nd)),
+        "axis": [int(n) for n in view["nds"]],
+        "curves": [[float(b) for b in view["curves"][s]] for s in memory.STAGES],
+        "points": [[[int(n), float(b)] for n, b in measured.get(s, [])] for s in memory.STAGES],
+        "at": [[float(v["readout"][s]) for s in memory.STAGES] for v in views],
+        "texts": [text(v) for v in views],
+        "stageNames": [memory.STAGE_NAMES[s] for s in memory.STAGES],
+        "colors": [plots.STAGE_COLORS[s] for s in memory.STAGES],
+        "title": title or "Measured bytes per rank sit on the paper's curves",
+    }
+    return InstantView(
+        "measured-chart",
+        data,
+        text(view),
+        **_static_of(lambda: plots.measured_memory_figure(view, measured, title=title)),
     )
-    image = _classed(
-        w.Image(format="png", value=plots.png(plots.measured_memory_figure(view, measured, title=title))),
-        "course-measured-chart",
-    )
-    readout = _classed(w.HTML(), "course-measured-readout")
-
-    def redraw(*_):
-        readout.value = html.escape(text(memory.memory_chart_view(psi, nd=nd_box.value, k=k, nd_max=nd_max)))
-
-    nd_box.observe(redraw, names="value")
-    redraw()
-    return w.VBox([nd_box, image, readout])

@@ -39,23 +39,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single / reduce_scatter_single;
+# compat resolves the newest name this torch has (an older torch, Colab's say, has only the old ones)
+from .compat import all_gather_single, newest_collective, reduce_scatter_single  # noqa: F401 (newest_collective)
 from .errors import CourseInputError
-
-
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (torch >= 1.13) to all_gather_single /
-# reduce_scatter_single and made the old names deprecated aliases; an older torch (Colab's, say) has only
-# the old names. Both run the same c10d ops (_allgather_base_, _reduce_scatter_base_), so CommCounter
-# counts them alike.
-def newest_collective(*names: str):
-    """The first of ``names`` that this ``torch.distributed`` has (notebook 03)."""
-    for name in names:
-        if hasattr(dist, name):
-            return getattr(dist, name)
-    raise CourseInputError(f"this torch has none of torch.distributed.{', '.join(names)}: install torch >= 1.13")
-
-
-all_gather_single = newest_collective("all_gather_single", "all_gather_into_tensor")
-reduce_scatter_single = newest_collective("reduce_scatter_single", "reduce_scatter_tensor")
 
 # ---------------------------------------------------------------------------------------------
 # Padding and the flat layout

@@ -49,7 +49,8 @@ def test_notebook_runs_with_ci_parameters(path, monkeypatch):
         if o.get("output_type") == "error"
     ]
     assert not errors
-    # the widgets were live: every notebook that builds one holds a widget view, no static stand-in
+    # the views were live: every notebook that builds one holds a widget view or an instant view (its
+    # self-contained HTML with no static image beside it), no static stand-in
     sources = "".join("".join(c["source"]) for c in executed["cells"] if c["cell_type"] == "code")
     if "widgets.memory_chart(" in sources or "widgets.planner(" in sources or "widgets.zero3_stepper(" in sources:
         views = [
@@ -58,5 +59,9 @@ def test_notebook_runs_with_ci_parameters(path, monkeypatch):
             if c["cell_type"] == "code"
             for o in c.get("outputs", [])
             if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+            or (
+                "data-course-instant=" in "".join(o.get("data", {}).get("text/html", ""))
+                and "image/png" not in o["data"]
+            )
         ]
         assert views, f"{path.name}: no live widget was built (COURSE_HEADLESS leaked into the kernel?)"

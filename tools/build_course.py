@@ -29,9 +29,11 @@ How a notebook becomes a deck (slides/README.md says the same for teachers):
   a heading, a table, code, an output or a "Predict" question), then shrinks further (not below 70 %).
   Width too: a table or displayed formula wider than the slide gets smaller type (down to 14 px), and
   scrolls sideways in its own box only if it is still too wide.
-- Widget views, stderr (warnings) and JavaScript outputs are left out; a notebook with an error
-  output is refused. Remote images (the Colab badge) become plain links, so a deck loads nothing
-  from the network: reveal.js and KaTeX are vendored under slides/.
+- Widget views, stderr (warnings) and JavaScript outputs are left out; an instant view (the HTML
+  output marked ``data-course-instant``, course_utils.instant) is kept as it is, live in the deck, and
+  the static image beside it dropped; a notebook with an error output is refused. Remote images (the
+  Colab badge) become plain links, so a deck loads nothing from the network: reveal.js and KaTeX are
+  vendored under slides/.
 """
 
 from __future__ import annotations
@@ -170,6 +172,8 @@ def fingerprint(nb) -> str:
 
 
 _WIDGET = "application/vnd.jupyter.widget-view+json"
+#: The mark of an instant view (course_utils.instant.MARKER): self-contained HTML a deck keeps as it is.
+_INSTANT = "data-course-instant="
 _DROPPED_MIME = (_WIDGET, "application/javascript", "application/vnd.jupyter.widget-state+json")
 
 
@@ -197,6 +201,8 @@ def deck_outputs(outputs: list) -> list:
             had_widget = _WIDGET in data
             for mime in _DROPPED_MIME:
                 data.pop(mime, None)
+            if _INSTANT in "".join(data.get("text/html", "")):  # course_utils.instant: live in the deck too
+                data.pop("image/png", None)  # (its static image is for readers that run no script)
             if had_widget:
                 data.pop("text/plain", None)  # the repr of a widget object, e.g. "VBox(children=...)"
             if not data:

@@ -13,6 +13,7 @@ from functools import cache
 import torch
 
 from ..comm import all_gather_sent, reduce_scatter_sent
+from ..compat import provide_renamed_collectives
 from ..instrument import CommCounter
 from ..models import build_model, param_count
 from ..zero import padded_numel, shard_bounds
@@ -43,6 +44,7 @@ def flat_grad(step: int, rank: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def zero2_on_rank(fn, info) -> dict:
+    provide_renamed_collectives()  # the hints' torch 2.13 names, also on an older torch
     params = flat_start(info.world_size)
     with CommCounter() as comm:
         fn(params, flat_grad(0, info.rank, params), LR)
@@ -106,8 +108,9 @@ register(
         hints=(
             "S = params.numel() // dist.get_world_size(); rank r owns params[r*S:(r+1)*S].",
             "`dist.reduce_scatter_single(out, grads)` leaves in `out` (S elements) the sum over ranks of this "
-            "rank's slice; divide by the world size.",
-            "Update the slice in place, then `dist.all_gather_single(params, params[r*S:(r+1)*S].clone())`.",
+            "rank's slice (the name since torch 2.13; `reduce_scatter_tensor` before); divide by the world size.",
+            "Update the slice in place, then `dist.all_gather_single(params, params[r*S:(r+1)*S].clone())` "
+            "(the name since torch 2.13; `all_gather_into_tensor` before).",
         ),
         on_rank=zero2_on_rank,
         verdict=zero2_verdict,
@@ -165,6 +168,7 @@ def reference_steps(world: int) -> list[dict]:
 
 
 def sharded_opt_on_rank(fn, info) -> list:
+    provide_renamed_collectives()
     out = []
     for name, kw in OPTIMIZERS:
         params = flat_start(info.world_size)

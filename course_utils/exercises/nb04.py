@@ -15,6 +15,7 @@ import torch
 from .. import dist as cdist
 from .. import per_param
 from ..comm import all_gather_sent
+from ..compat import provide_renamed_collectives
 from ..data import batch_for_rank
 from ..instrument import CommCounter
 from ..launch import launch
@@ -115,6 +116,7 @@ def _full(shape) -> torch.Tensor:
 
 
 def unshard_on_rank(fn, info) -> list:
+    provide_renamed_collectives()  # the hint's torch 2.13 name, also on an older torch
     out = []
     for shape in SHAPES:
         shard = per_param.padded_shard(_full(shape), info.rank, info.world_size)
@@ -171,7 +173,8 @@ register(
         '    raise NotImplementedError("exercise 04.unshard: your code here")\n',
         hints=(
             "The gathered tensor has world_size · c rows: `torch.empty((N * shard.shape[0], *shard.shape[1:]))`.",
-            "`dist.all_gather_single(out, shard)` puts rank r's shard at rows [r·c, (r+1)·c).",
+            "`dist.all_gather_single(out, shard)` puts rank r's shard at rows [r·c, (r+1)·c) (the name since "
+            "torch 2.13; `all_gather_into_tensor` before).",
             "Return `out[:dim0]`: the rows past dim0 are padding.",
         ),
         on_rank=unshard_on_rank,
