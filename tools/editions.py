@@ -553,9 +553,9 @@ def cell_notes(cell, filled: dict | None) -> dict:
 #: Sentences addressed to a teacher. A lexicon is only half of the check: every notes cell and every
 #: code cell that displays notes counts as teacher text whatever it says (``teacher_text``).
 TEACHER_PHRASES = [
-    r"\*\*\s*(point|ask|remember|next)\s*:?\s*\*\*",
+    r"\*\*\s*(point|ask|remember)\s*:?\s*\*\*",
     r"(^|\n)\s*(the point|point|ask|remember)\s*:",
-    r"\bask\b\s*(:|the (room|class|audience|students)\b|(for|who|them|which|what|how|why|whether)\b)",
+    r"(?<!you )(?<!we )(?<!they )\bask\b\s*(:|the (room|class|audience|students)\b|(for|who|them|which|what|how|why|whether)\b)",
     r"\b(the|to the|of the|for the) (room|audience)\b",
     r"\b(ask|tell|show|poll) the class\b",
     r"\bthe class\b.{0,20}\b(predict|guess|answer|vote)",

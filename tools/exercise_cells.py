@@ -61,10 +61,8 @@ def section(nb: str) -> list[dict]:
             "markdown",
             f"{nb}-ex-notes",
             "Before anyone writes code, ask the room for the answer each task asks to predict: the check "
-            "compares the code with the reference, the prediction is theirs to compare. A check runs the code "
-            "the way the notebook ran the course's own (on real ranks where the idea is distributed) and answers "
-            "in a few seconds; until a stub is filled in it says *not done*. The Stuck? cell under each task "
-            "shows the hints and, last, the reference.",
+            "compares the code with the reference, the prediction is theirs to compare. A check answers in a "
+            "few seconds; until a stub is filled in it says *not done*.",
             "notes",
         ),
         _cell(
