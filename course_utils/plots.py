@@ -60,8 +60,40 @@ def new_figure(width: float = 7.5, height: float = 4.5):
 SHOW_SCALE = 2
 
 
+#: The smallest text a chart draws, in pixels at the figure's own size: a label a room can read on a
+#: 1280 x 720 slide, where a deck shows every chart at least at its own size (issue 28). ``png`` raises
+#: any smaller text to it, so the sizes the figures below ask for are a lower bound.
+MIN_TEXT_PX = 14
+
+
+def _readable(fig) -> None:
+    """Raise every text of ``fig`` below ``MIN_TEXT_PX`` to it (tick labels through their axis, so new ticks follow)."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()  # the ticks and their labels exist once the figure is drawn
+    floor = MIN_TEXT_PX * 72 / fig.dpi  # points
+    for ax in fig.get_axes():
+        for axis in (ax.xaxis, ax.yaxis):
+            for which in ("major", "minor"):
+                labels = axis.get_ticklabels(which=which)
+                if labels and min(t.get_fontsize() for t in labels) < floor:
+                    axis.set_tick_params(which=which, labelsize=floor)
+    for text in fig.findobj(Text):
+        if text.get_text().strip() and text.get_fontsize() < floor:
+            text.set_fontsize(floor)
+
+
+def min_text_px(fig) -> float:
+    """The smallest text ``fig`` draws, in pixels at its own size (the decks check it reaches 14 px)."""
+    from matplotlib.text import Text
+
+    sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    return min(sizes) * fig.dpi / 72 if sizes else float(MIN_TEXT_PX)
+
+
 def png(fig, scale: float = 1) -> bytes:
-    """The figure as PNG bytes, at ``scale`` times its own dpi (notebook 01)."""
+    """The figure as PNG bytes, at ``scale`` times its own dpi, no text under ``MIN_TEXT_PX`` (notebook 01)."""
+    _readable(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=fig.dpi * scale)
     return buf.getvalue()
@@ -78,6 +110,7 @@ class StaticFigure:
         self.png = png(fig, SHOW_SCALE)
         width, height = fig.get_size_inches() * fig.dpi
         self.size = {"width": int(round(width)), "height": int(round(height))}  # CSS pixels
+        self.size["course_min_text_px"] = round(min_text_px(fig), 2)  # for the decks' check of label sizes
         self.text = text
 
     def _repr_png_(self):

@@ -416,16 +416,17 @@ def zero3_stepper(nd: int = 4):
     Controls (CSS class, description): ``course-zero3-step`` ("Step"), ``course-zero3-back``
     ("Back"), ``course-zero3-reset`` ("Reset"); the picture ``course-zero3-chart``; the readout
     of exact values ``course-zero3-readout``. The states come from ``stepper.Stage3Stepper``.
-    Headless: a ``plots.StaticFigure`` of four states, one per row: the start, layer 0 gathered
-    in the forward pass, the last layer reduce-scattered in the backward pass, and the end (every
-    GPU has sent 3(Nd-1)/Nd·Ψ); its text is the last caption.
+    Headless: a ``plots.StaticFigure`` of two states, one per row: layer 0 gathered in the forward
+    pass, and the end (every slice's gradients reduce-scattered, every GPU has sent 3(Nd-1)/Nd·Ψ); its
+    text is the last caption. Two, not more: on a 1280 x 720 slide more rows would shrink the labels
+    below 14 px (issue 28).
     """
     from .stepper import Stage3Stepper
 
     machine = Stage3Stepper(nd)
     if is_headless():
         states = machine.states
-        frames = [states[0], states[1], states[2 * nd + 2], states[-1]]
+        frames = [states[1], states[-1]]
         return plots.StaticFigure(plots.zero3_schedule_frames(frames), states[-1].caption)
     w = _ipw()
     step = _classed(w.Button(description="Step", button_style="primary"), "course-zero3-step")

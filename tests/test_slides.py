@@ -487,3 +487,41 @@ def test_deck_lint_finds_what_a_teacher_trips_over():
     assert not any("slide 1 " in p for p in problems)
     assert any("reads z" in p for p in problems) and not any("reads x" in p for p in problems)
     assert any("1 notes cell(s) in the student's notebook" in p for p in problems)
+
+
+def test_deck_lint_finds_long_tables_and_shown_picture_calls():
+    nb = nbformat.v4.new_notebook()
+    spoken = "The point, a question for the room and the number to remember, said in a sentence or two. " * 2
+    rows = "\n".join(["| a | b |", "|---|---|"] + [f"| {i} | {i * 2} |" for i in range(11)])
+    nb.cells = [
+        _md("# 99 · Title"),
+        _notes(_md("## Eleven rows\n\n" + rows, kind="slide"), notes=spoken),
+        _notes(_md("## Ten rows\n\n" + "\n".join(rows.splitlines()[:-1]), kind="slide"), notes=spoken),
+        _notes(
+            _code("plots.show(plots.memory_chart_figure(view))", [], kind="slide", tags=(bc.SHOW_CODE_TAG,)),
+            notes=spoken,
+        ),
+        _notes(_code("print(view)", [], kind="slide", tags=(bc.SHOW_CODE_TAG,)), notes=spoken),
+    ]
+    problems = bc.deck_lint(nb, "99_test")
+    assert any("slide 2" in p and "table of 11 rows" in p for p in problems)
+    assert not any("slide 3" in p for p in problems), "ten rows fit"
+    assert any("slide 4" in p and "draws a picture" in p for p in problems)
+    assert not any("slide 5" in p and "picture" in p for p in problems), "code that draws nothing may be shown"
+
+
+def test_charts_say_their_smallest_text_and_draw_none_under_14_px():
+    """plots.png raises any text a figure asks for below MIN_TEXT_PX, and StaticFigure records the smallest
+    text it drew, which the decks use to show every chart large enough for it (issue 28)."""
+    from course_utils import plots
+
+    fig = plots.new_figure(7.5, 4.5)
+    ax = fig.subplots()
+    ax.plot([1, 2, 3], label="a line")
+    ax.legend(fontsize=6)
+    ax.set_xticks([0, 1, 2], ["a", "b", "c"], fontsize=5)
+    assert plots.min_text_px(fig) < 9  # what the figure asked for
+    chart = plots.StaticFigure(fig)
+    assert plots.MIN_TEXT_PX == 14 and chart.size["course_min_text_px"] >= plots.MIN_TEXT_PX
+    assert min(t.get_fontsize() for t in ax.get_xticklabels()) * fig.dpi / 72 >= plots.MIN_TEXT_PX
+    assert chart.size["width"] == 750 and chart.size["height"] == 450  # the CSS size the deck scales from

@@ -375,6 +375,11 @@ SLIDE_PROSE_CHARS = 450
 NOTES_MIN_CHARS = 120
 #: The most a teacher can take in at a glance while speaking (issue 28): the rest goes into More.
 NOTES_MAX_WORDS = editions.NOTES_MAX_WORDS
+#: The most rows a table on one slide can have and still be read at 90% of its size (issue 28: 03's
+#: summary, 12 rows, was shown at 75%); a longer table is split over two slides.
+TABLE_MAX_ROWS = 10
+#: A call that draws a picture: on a slide, the picture is the point, not the call (issue 28).
+_DRAWS = re.compile(r"\b(plots\.show|widgets\.\w+|R\.\w+_figure)\s*\(")
 _MATH = re.compile(r"\$\$.*?\$\$|\$[^$\n]+\$", re.S)
 _CODE_SPAN = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 #: Maths written by hand where KaTeX would typeset it: a caret power (10^12), a subscript (N_d), a
@@ -411,10 +416,12 @@ def deck_lint(nb, name: str) -> list[str]:
 
     Every slide needs speaker notes (``metadata.course.notes`` of one of its cells, computed or not:
     tools/editions.py), at least ``NOTES_MIN_CHARS`` and at most ``NOTES_MAX_WORDS`` words (the rest goes
-    into ``more``); carries at most ``SLIDE_PROSE_CHARS`` of prose; has a heading (the title slide aside);
-    does not end on a colon that introduces nothing; and writes its maths for KaTeX ($16\\Psi/N_d$), not by
-    hand (16Ψ/Nd, 10^12). The notebook holds no notes cells (teacher text a student would read), and every
-    computed note reads only names its notebook defines before it.
+    into ``more``); carries at most ``SLIDE_PROSE_CHARS`` of prose and tables of at most ``TABLE_MAX_ROWS``
+    rows; shows no call that draws a picture; has a heading (the title slide aside); does not end on a colon
+    that introduces nothing; and writes its maths for KaTeX ($16\\Psi/N_d$), not by hand (16Ψ/Nd, 10^12).
+    The notebook holds no notes cells (teacher text a student would read), and every computed note reads
+    only names its notebook defines before it. What needs the run or a browser (label sizes, a table
+    printed by a cell, notes once filled in) is checked by test_notebooks.py and test_browser.py.
     """
     problems = []
     old = [c.get("id") for c in nb["cells"] if editions.is_notes_cell(c)]
@@ -458,6 +465,25 @@ def deck_lint(nb, name: str) -> list[str]:
             if raw:
                 problems.append(f"{where}: maths written by hand ({raw.group()!r}); write it in $...$ for KaTeX")
                 break
+        for s in markdown:
+            rows = [
+                ln for ln in s.splitlines() if ln.lstrip().startswith("|") and not re.match(r"\s*\|[\s|:-]+\|\s*$", ln)
+            ]
+            if len(rows) - 1 > TABLE_MAX_ROWS:
+                problems.append(
+                    f"{where}: a table of {len(rows) - 1} rows (at most {TABLE_MAX_ROWS} on a slide, read at 90% of "
+                    "its size or more); split it over two slides"
+                )
+        for c in shown:
+            if (
+                c["cell_type"] == "code"
+                and SHOW_CODE_TAG in c.get("metadata", {}).get("tags", [])
+                and _DRAWS.search(_source(c))
+            ):
+                problems.append(
+                    f"{where}: cell {c.get('id')} shows the call that draws a picture (tag {SHOW_CODE_TAG}); the "
+                    "slide's point is the picture: drop the tag"
+                )
     return problems
 
 
