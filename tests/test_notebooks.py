@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import sys
 
-import nbformat
 import pytest
 from conftest import ROOT
 
@@ -36,19 +35,11 @@ def _ci_parameters(path):
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", [p for p in NOTEBOOKS if _ci_parameters(p)], ids=lambda p: p.name)
 def test_notebook_runs_with_ci_parameters(path, monkeypatch):
-    import papermill
-
     monkeypatch.delenv("COURSE_HEADLESS", raising=False)  # live widgets: ipywidgets objects, not static PNGs
     out = ROOT / "build" / "test-notebooks" / path.name
     out.parent.mkdir(parents=True, exist_ok=True)
-    papermill.execute_notebook(
-        ed.teacher_notebook(nbformat.read(path, as_version=4)),
-        str(out),
-        parameters=_ci_parameters(path),
-        cwd=str(ROOT / "notebooks"),
-        kernel_name="python3",
-        progress_bar=False,
-        execution_timeout=300,
+    bc.run_teacher_edition(
+        path, out, parameters=_ci_parameters(path), cwd=str(ROOT / "notebooks"), execution_timeout=300
     )
     executed = json.loads(out.read_text())
     errors = [

@@ -107,13 +107,36 @@ def select(paths, names) -> list[Path]:
     return chosen
 
 
+def run_teacher_edition(path: Path, out: Path, **papermill_args):
+    """Execute notebook ``path`` as the teacher's edition (``editions.teacher_notebook``) into ``out``.
+
+    papermill runs a file, not the notebook object: given an object it records the whole notebook as its
+    ``input_path`` metadata (and serialises it at every cell's save), so the edition goes through a
+    temporary file, and the executed copy then names the real notebook it came from.
+    """
+    import nbformat
+    import papermill
+
+    with tempfile.TemporaryDirectory(prefix="course-edition-") as tmp:
+        teacher = Path(tmp) / path.name
+        nbformat.write(editions.teacher_notebook(nbformat.read(path, as_version=4)), teacher)
+        try:
+            papermill.execute_notebook(
+                str(teacher), str(out), kernel_name="python3", progress_bar=False, log_output=False, **papermill_args
+            )
+        finally:
+            if out.exists():  # also after a failure: the executed copy shows where it stopped
+                executed = nbformat.read(out, as_version=4)
+                executed.metadata.get("papermill", {})["input_path"] = str(path)
+                nbformat.write(executed, out)
+
+
 def execute(names=()) -> int:
     """Run notebooks with papermill into build/notebooks/; a failing notebook is reported, the rest still run.
 
     What runs is the teacher's edition (``editions.teacher_notebook``): the notebook, plus after each cell
     with computed speaker notes a cell that fills them in from the run; the deck reads them from there.
     """
-    import nbformat
     import papermill
 
     os.environ["COURSE_HEADLESS"] = "1"
@@ -123,15 +146,7 @@ def execute(names=()) -> int:
         start = time.monotonic()
         print(f"    {path.name} ...", end="", flush=True)
         try:
-            papermill.execute_notebook(
-                editions.teacher_notebook(nbformat.read(path, as_version=4)),
-                str(BUILD / path.name),
-                cwd=str(NOTEBOOKS),
-                kernel_name="python3",
-                progress_bar=False,
-                log_output=False,
-                kernel_manager_class=IPC_KERNEL_MANAGER,
-            )
+            run_teacher_edition(path, BUILD / path.name, cwd=NOTEBOOKS, kernel_manager_class=IPC_KERNEL_MANAGER)
         except papermill.PapermillExecutionError as err:
             failed.append(path.name)
             print(f" FAILED in cell {err.exec_count}: {err.ename}: {err.evalue}", flush=True)
