@@ -452,14 +452,22 @@ def ddp_timelines_figure(timelines: list, *, title: str = "", width: float = 8.5
     """Every rank's DDP step, one panel per rank, each on its own clock (notebook 02).
 
     ``timelines`` is a row's ``"timelines"`` from ``ddp.bucket_sweep``: one ``ddp_timeline_figure``
-    timeline per rank, times in ms after that rank's backward began.
+    timeline per rank, times in ms after that rank's backward began. Two panels to a row (12.5 inches
+    wide), so two ranks fit a 1280 x 720 slide with their labels at 14 px (issue 28).
     """
     buckets = len({r["bucket"] for r in timelines[0]["ready"]})
-    fig = new_figure(width, 1.2 + len(timelines) * (0.6 + 0.3 * (buckets + 1)))
-    axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False)[:, 0]
+    cols = min(2, len(timelines))
+    rows = -(-len(timelines) // cols)
+    fig = new_figure(width if cols == 1 else 12.5, 1.2 + rows * (0.6 + 0.3 * (buckets + 1)))
+    axes = fig.subplots(rows, cols, sharex=True, squeeze=False).ravel()
     for rank, (ax, timeline) in enumerate(zip(axes, timelines)):
-        _draw_ddp_timeline(ax, timeline, legend=rank == len(timelines) - 1, xlabel=rank == len(timelines) - 1)
+        _draw_ddp_timeline(ax, timeline, legend=False, xlabel=rank >= len(timelines) - cols)
         ax.set_title(f"rank {rank}", fontsize=9, loc="left")
+        ax.tick_params(labelleft=rank % cols == 0)  # the same buckets on every rank: named once a row
+        ax.tick_params(labelbottom=rank >= len(timelines) - cols)  # times under the last panel of each column
+    for ax in axes[len(timelines) :]:
+        ax.set_visible(False)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=8, frameon=False)
     fig.suptitle(title or "Each bucket's all-reduce starts as soon as its last gradient is ready", fontsize=10)
     return fig
 

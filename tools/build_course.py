@@ -25,8 +25,10 @@ How a notebook becomes a deck (slides/README.md says the same for teachers):
   speaker notes of 120 characters to ``NOTES_MAX_WORDS`` words, at most ``SLIDE_PROSE_CHARS`` of prose,
   a heading, no dangling colon, maths in $...$.
 - A code cell in the deck shows its outputs. Its source is shown too (small) when it is at most
-  ``SHORT_CODE_LINES`` lines and draws no picture (a slide whose point is a chart shows the chart, not the
-  call), or when tagged ``slide-code``; ``slide-no-code`` hides a short one.
+  ``SHORT_CODE_LINES`` lines and displays no result (a slide whose point is a chart or a table shows it,
+  not the call), or when tagged ``slide-code``; ``slide-no-code`` hides a short one. A cell tagged
+  ``slide-text-in-notes`` keeps only its pictures on the slide; its printed text and tables go to the
+  slide's speaker notes, under More (detail beside a chart, or reading matter longer than a slide).
 - Each slide is fitted to the 1280 x 720 canvas when the deck opens (deck_template/deck.js): charts
   take the height the slide leaves free; a slide that overflows shrinks its text a little (85 %),
   then moves its trailing prose, in order, into its speaker notes (never a cell's first paragraph,
@@ -72,6 +74,9 @@ from tools.kernels import IPCKernelManager as IPC_KERNEL_MANAGER  # noqa: E402
 #: Code cells this short show their source on the slide (the call that drew the chart).
 SHORT_CODE_LINES = 3
 SHOW_CODE_TAG, HIDE_CODE_TAG = "slide-code", "slide-no-code"
+#: A cell whose printed text and tables are detail beside its picture, or reading matter too long for a
+#: slide: the slide keeps its pictures, and the text goes to the slide's speaker notes, under More.
+TEXT_TO_NOTES_TAG = "slide-text-in-notes"
 
 #: What the decks load, from the npm registry (`vendor` re-fetches exactly these files).
 VENDOR = {
@@ -267,13 +272,34 @@ def _markdown_cell(source: str, kind: str, cell_id: str):
     return cell
 
 
-def _shows_a_picture(outputs: list) -> bool:
-    """Outputs that draw something (a chart, a widget): the slide shows the picture, not the call."""
+def _shows_a_result(outputs: list) -> bool:
+    """Outputs that are the slide's point (a chart, a widget, a table or other displayed markdown): the slide
+    shows them, not the call that made them."""
     return any(
-        m.startswith("image/") or m in (_WIDGET, "application/vnd.jupyter.widget-state+json")
+        m.startswith("image/")
+        or m in (_WIDGET, "application/vnd.jupyter.widget-state+json", "text/markdown", "text/html")
         for o in outputs
+        if o.get("output_type") in ("display_data", "execute_result")
         for m in o.get("data", {})
     )
+
+
+def _text_outputs(outputs: list) -> tuple[list, str]:
+    """(the picture outputs, the rest as markdown for the speaker notes) of a cell tagged ``slide-text-in-notes``."""
+    kept, text = [], []
+    for out in outputs:
+        data = out.get("data", {})
+        if any(m.startswith("image/") or m == _WIDGET for m in data):
+            kept.append(out)
+        elif out.get("output_type") == "stream":
+            text.append("```\n" + "".join(out.get("text", "")).rstrip() + "\n```")
+        elif "text/markdown" in data:
+            text.append(
+                "".join(data["text/markdown"]) if isinstance(data["text/markdown"], list) else data["text/markdown"]
+            )
+        elif "text/plain" in data:
+            text.append("```\n" + "".join(data["text/plain"]).rstrip() + "\n```")
+    return kept, "\n\n".join(text)
 
 
 def deck_notebook(nb, name: str):
@@ -321,7 +347,10 @@ def deck_notebook(nb, name: str):
                 f"{name}: the computed speaker notes of cell {cell.get('id')} were not filled in (the notebook "
                 "was not run as the teacher's edition): run `make notebooks`"
             ) from None
-        cells.extend(_cell_for_deck(cell, kind, index, name, warnings))
+        shown, detail = _cell_for_deck(cell, kind, index, name, warnings)
+        cells.extend(shown)
+        if detail:
+            more.append(detail)
         if said["notes"].strip():
             cells.append(_markdown_cell(_deck_markdown(said["notes"]), "notes", f"notes-{cell.get('id', index)}"))
         if said["more"].strip():
@@ -350,36 +379,40 @@ def deck_notebook(nb, name: str):
     return out, warnings
 
 
-def _cell_for_deck(cell, kind, index: int, name: str, warnings: list) -> list:
-    """What one notebook cell puts on its slide: [] or [the cell as the deck shows it]."""
+def _cell_for_deck(cell, kind, index: int, name: str, warnings: list) -> tuple[list, str]:
+    """What one notebook cell puts on its slide ([] or [the cell as the deck shows it]), and the text it sends
+    to the slide's speaker notes instead (a cell tagged ``slide-text-in-notes``)."""
     if kind is None:
         if cell.cell_type == "code" and any(_is_image(o) for o in cell.get("outputs", [])):
             warnings.append(
                 f"{name}: cell {index} draws a chart but has no slideshow metadata, so the "
                 "deck leaves it out (give it slide='subslide', or 'skip' to silence this)"
             )
-        return []
+        return [], ""
     if kind == "skip" or cell.cell_type == "raw":
-        return []
+        return [], ""
     if cell.cell_type == "markdown":
         text = _deck_markdown(cell.source)
         if kind == "notes":  # the old form: a notes cell (tools/editions.py convert moves it into metadata)
-            return [_markdown_cell(text, "notes", cell.get("id", f"c{index}"))]
+            return [_markdown_cell(text, "notes", cell.get("id", f"c{index}"))], ""
         cell.source = text
-        return [cell]
+        return [cell], ""
     if kind == "notes":  # the old form: notes computed by the run, its printed or displayed text
         said = _notes_text(cell.get("outputs", []))
-        return [_markdown_cell(said, "notes", cell.get("id", f"c{index}"))] if said else []
-    picture = _shows_a_picture(cell.get("outputs", []))
+        return ([_markdown_cell(said, "notes", cell.get("id", f"c{index}"))] if said else []), ""
+    result = _shows_a_result(cell.get("outputs", []))
     cell.outputs = deck_outputs(cell.get("outputs", []))
     tags = set(cell.metadata.get("tags", []))
+    detail = ""
+    if TEXT_TO_NOTES_TAG in tags:
+        cell.outputs, detail = _text_outputs(cell.outputs)
     lines = len(cell.source.strip().splitlines())
-    show = SHOW_CODE_TAG in tags or (lines <= SHORT_CODE_LINES and HIDE_CODE_TAG not in tags and not picture)
+    show = SHOW_CODE_TAG in tags or (lines <= SHORT_CODE_LINES and HIDE_CODE_TAG not in tags and not result)
     if not show:
         cell.metadata["transient"] = {"remove_source": True}
         if not cell.outputs and kind not in ("slide", "subslide"):
-            return []  # nothing left to show (a cell that starts a slide stays: the count of slides is fixed)
-    return [cell]
+            return [], detail  # nothing left to show (a cell that starts a slide stays: the count of slides is fixed)
+    return [cell], detail
 
 
 #: What a slide may carry (issue 23): the headline, the chart or table, a line or two of text and the

@@ -156,7 +156,7 @@
       var px = parseFloat(window.getComputedStyle(el).fontSize);
       var least = el.tagName === "TABLE" ? Math.max(WIDE_MIN_PX, TABLE_MIN * px) : WIDE_MIN_PX;
       while (pastRightEdge(section, el) > 0.5 && px > least) {
-        px -= 1;
+        px = Math.max(px - 1, least);
         el.style.fontSize = (px / parentPx) + "em";  // em: the slide's own shrinking (below) still applies
       }
       narrowed += 1;
@@ -236,10 +236,22 @@
     sizeOutputs(section);
     fitWidth(section);
     var scale = 1;
+    // No table below TABLE_MIN of its own size, counting what fitWidth already took from a wide one.
+    function tablesReadable() {
+      return tables.every(function (t) {
+        return parseFloat(window.getComputedStyle(t).fontSize) >= TABLE_MIN * parseFloat(t.dataset.courseTablePx) - 0.01;
+      });
+    }
     function shrink(floor) {
       while (overflow(section) > 0 && scale > floor + 1e-6) {
+        var before = scale;
         scale = Math.round((scale - 0.05) * 100) / 100;
         section.style.fontSize = Math.round(scale * 100) + "%";
+        if (!tablesReadable()) {  // one step too far for a table: take it back and stop
+          scale = before;
+          section.style.fontSize = Math.round(scale * 100) + "%";
+          break;
+        }
       }
     }
     shrink(tables.length ? TABLE_MIN : MILD);
