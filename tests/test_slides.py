@@ -525,3 +525,33 @@ def test_charts_say_their_smallest_text_and_draw_none_under_14_px():
     assert plots.MIN_TEXT_PX == 14 and chart.size["course_min_text_px"] >= plots.MIN_TEXT_PX
     assert min(t.get_fontsize() for t in ax.get_xticklabels()) * fig.dpi / 72 >= plots.MIN_TEXT_PX
     assert chart.size["width"] == 750 and chart.size["height"] == 450  # the CSS size the deck scales from
+
+
+def _timeline(buckets=8):
+    return {
+        "ready": [{"bucket": b, "t_ms": 10.0 + 18 * b, "param": f"p{b}"} for b in range(buckets)],
+        "all_reduce": [{"bucket": b, "start_ms": 15.0 + 18 * b, "end_ms": 40.0 + 20 * b} for b in range(buckets)],
+        "forward_ms": 60.0,
+        "backward_end_ms": 170.0,
+        "synced_ms": 190.0,
+    }
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda plots: plots.ddp_timelines_figure([_timeline(), _timeline()]),
+        lambda plots: plots.zero3_schedule_frames(
+            [__import__("course_utils.stepper").stepper.Stage3Stepper(4).states[i] for i in (1, -1)]
+        ),
+    ],
+    ids=["ddp_timelines_two_ranks", "stage3_two_moments"],
+)
+def test_stacked_charts_fit_a_slide_with_readable_labels(draw):
+    """The two charts that stacked panels (notebook 02's DDP timelines, notebook 03's stage-3 moments)
+    fit a 1280 x 720 slide under a heading at their own size, where their labels are 14 px or more."""
+    from course_utils import plots
+
+    chart = plots.StaticFigure(draw(plots))
+    assert chart.size["course_min_text_px"] >= plots.MIN_TEXT_PX
+    assert chart.size["width"] <= 1270 and chart.size["height"] <= 640, chart.size
