@@ -60,8 +60,40 @@ def new_figure(width: float = 7.5, height: float = 4.5):
 SHOW_SCALE = 2
 
 
+#: The smallest text a chart draws, in pixels at the figure's own size: a label a room can read on a
+#: 1280 x 720 slide, where a deck shows every chart at least at its own size (issue 28). ``png`` raises
+#: any smaller text to it, so the sizes the figures below ask for are a lower bound.
+MIN_TEXT_PX = 14
+
+
+def _readable(fig) -> None:
+    """Raise every text of ``fig`` below ``MIN_TEXT_PX`` to it (tick labels through their axis, so new ticks follow)."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()  # the ticks and their labels exist once the figure is drawn
+    floor = MIN_TEXT_PX * 72 / fig.dpi  # points
+    for ax in fig.get_axes():
+        for axis in (ax.xaxis, ax.yaxis):
+            for which in ("major", "minor"):
+                labels = axis.get_ticklabels(which=which)
+                if labels and min(t.get_fontsize() for t in labels) < floor:
+                    axis.set_tick_params(which=which, labelsize=floor)
+    for text in fig.findobj(Text):
+        if text.get_text().strip() and text.get_fontsize() < floor:
+            text.set_fontsize(floor)
+
+
+def min_text_px(fig) -> float:
+    """The smallest text ``fig`` draws, in pixels at its own size (the decks check it reaches 14 px)."""
+    from matplotlib.text import Text
+
+    sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    return min(sizes) * fig.dpi / 72 if sizes else float(MIN_TEXT_PX)
+
+
 def png(fig, scale: float = 1) -> bytes:
-    """The figure as PNG bytes, at ``scale`` times its own dpi (notebook 01)."""
+    """The figure as PNG bytes, at ``scale`` times its own dpi, no text under ``MIN_TEXT_PX`` (notebook 01)."""
+    _readable(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=fig.dpi * scale)
     return buf.getvalue()
@@ -78,6 +110,7 @@ class StaticFigure:
         self.png = png(fig, SHOW_SCALE)
         width, height = fig.get_size_inches() * fig.dpi
         self.size = {"width": int(round(width)), "height": int(round(height))}  # CSS pixels
+        self.size["course_min_text_px"] = round(min_text_px(fig), 2)  # for the decks' check of label sizes
         self.text = text
 
     def _repr_png_(self):
@@ -419,14 +452,22 @@ def ddp_timelines_figure(timelines: list, *, title: str = "", width: float = 8.5
     """Every rank's DDP step, one panel per rank, each on its own clock (notebook 02).
 
     ``timelines`` is a row's ``"timelines"`` from ``ddp.bucket_sweep``: one ``ddp_timeline_figure``
-    timeline per rank, times in ms after that rank's backward began.
+    timeline per rank, times in ms after that rank's backward began. Two panels to a row (12.5 inches
+    wide), so two ranks fit a 1280 x 720 slide with their labels at 14 px (issue 28).
     """
     buckets = len({r["bucket"] for r in timelines[0]["ready"]})
-    fig = new_figure(width, 1.2 + len(timelines) * (0.6 + 0.3 * (buckets + 1)))
-    axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False)[:, 0]
+    cols = min(2, len(timelines))
+    rows = -(-len(timelines) // cols)
+    fig = new_figure(width if cols == 1 else 12.5, 1.2 + rows * (0.6 + 0.3 * (buckets + 1)))
+    axes = fig.subplots(rows, cols, sharex=True, squeeze=False).ravel()
     for rank, (ax, timeline) in enumerate(zip(axes, timelines)):
-        _draw_ddp_timeline(ax, timeline, legend=rank == len(timelines) - 1, xlabel=rank == len(timelines) - 1)
+        _draw_ddp_timeline(ax, timeline, legend=False, xlabel=rank >= len(timelines) - cols)
         ax.set_title(f"rank {rank}", fontsize=9, loc="left")
+        ax.tick_params(labelleft=rank % cols == 0)  # the same buckets on every rank: named once a row
+        ax.tick_params(labelbottom=rank >= len(timelines) - cols)  # times under the last panel of each column
+    for ax in axes[len(timelines) :]:
+        ax.set_visible(False)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=8, frameon=False)
     fig.suptitle(title or "Each bucket's all-reduce starts as soon as its last gradient is ready", fontsize=10)
     return fig
 

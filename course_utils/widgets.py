@@ -460,9 +460,9 @@ def zero3_stepper(nd: int = 4):
     An instant view of every state of ``stepper.stage3_schedule(nd)``. Controls (CSS class, label):
     ``course-zero3-step`` ("Step"), ``course-zero3-back`` ("Back"), ``course-zero3-reset`` ("Reset") and
     a slider over the steps, ``course-zero3-slider``; the picture ``course-zero3-chart``; the readout of
-    exact values ``course-zero3-readout``. Headless, the PNG is four states, one per row: the start,
-    layer 0 gathered in the forward pass, the last layer reduce-scattered in the backward pass, and the end
-    (every GPU has sent 3(Nd-1)/Nd·Ψ).
+    exact values ``course-zero3-readout``. Headless, the PNG is two states, one per row: layer 0 gathered in
+    the forward pass, and the end (every GPU has sent 3(Nd-1)/Nd·Ψ). Two, not more: on a 1280 x 720 slide more
+    rows would shrink the labels below 14 px (issue 28).
     """
     from .stepper import TRAFFIC_KINDS, stage3_schedule
 
@@ -495,7 +495,7 @@ def zero3_stepper(nd: int = 4):
     }
 
     def still():
-        return plots.zero3_schedule_frames([states[0], states[1], states[2 * nd + 2], states[-1]])
+        return plots.zero3_schedule_frames([states[1], states[-1]])
 
     # its text (what a reader that runs no script reads beside the frames) is where the schedule ends
     return InstantView("zero3-stepper", data, states[-1].caption, **_static_of(still))

@@ -4,8 +4,11 @@ driven by selenium).
 1. Every slide deck, opened from disk (file://, no network): its slides counted against the
    notebook's slide metadata, no blank slide, no slide cut off at the bottom or the right edge
    (nothing wider than the 1280 px canvas but inside a box that scrolls), every chart drawn and large,
-   math typeset, speaker notes available. A screenshot of the deck's first chart slide goes to
-   build/screenshots/NN_name.png (`python tools/build_course.py docs-shot` copies one to docs/).
+   math typeset, speaker notes available. What a teacher glances at (issue 28): every slide but the
+   title has speaker notes of at most about 120 words (the rest under More); every chart's smallest
+   label is at least 14 px on the canvas; no table is shown below 90% of its size; a slide whose point
+   is a picture shows the picture, not the code that drew it. A screenshot of the deck's first chart
+   slide goes to build/screenshots/NN_name.png (`python tools/build_course.py docs-shot` copies one to docs/).
 2. JupyterLab on a free port of 127.0.0.1, with a token and live widgets (COURSE_HEADLESS unset in
    its kernel): notebook 01 runs to the end with no error; moving the model-size slider of the memory
    chart (an instant view: no kernel round trip) changes the readout to the formula's bytes for the new
@@ -46,6 +49,12 @@ pytestmark = pytest.mark.browser
 DECKS = sorted((ROOT / os.environ.get("COURSE_DECKS_DIR", "slides")).glob(f"*{bc.DECK_SUFFIX}"))
 SHOTS = ROOT / "build" / "screenshots"
 WIDTH, HEIGHT = 1280, 720  # the decks' canvas; the browser's viewport is set to the same
+LABEL_PX = 14  # the smallest chart label a room can read on that canvas
+TABLE_MIN = 0.9  # the smallest a table may be shown, against its own size
+#: Speaker notes a teacher takes in at a glance: deck_lint holds each slide to 120 words of the notes'
+#: source (a {field} one word); rendered text counts a little differently (a formula's symbols, a code
+#: span's parts), hence the margin here.
+NOTES_WORDS = 130
 
 
 def _missing(what: str):
@@ -169,7 +178,23 @@ return {
         loaded: img.complete && img.naturalWidth > 0,
         height: parseFloat(img.style.height) || 0,
         width: img.naturalWidth ? (parseFloat(img.style.height) || 0) * img.naturalWidth / img.naturalHeight : 0,
+        // the chart's smallest text on the canvas: its size at the figure's own size, times the scale shown
+        label: img.dataset.minTextPx
+          ? parseFloat(img.dataset.minTextPx) * (parseFloat(img.style.height) || 0) / parseFloat(img.dataset.cssHeight)
+          : null,
       })),
+      tables: Array.from(s.querySelectorAll('table')).filter(t => !t.closest('aside')).map(t => ({
+        rows: t.querySelectorAll('tr').length,
+        scale: parseFloat(getComputedStyle(t).fontSize) / parseFloat(t.dataset.courseTablePx || getComputedStyle(t).fontSize),
+      })),
+      code: Array.from(s.querySelectorAll('.jp-CodeCell')).filter(c => c.querySelector(':scope > .jp-Cell-inputWrapper')
+        && !c.classList.contains('celltag_slide-code')).length,
+      notes: Array.from(s.querySelectorAll('aside.notes')).filter(a => !a.classList.contains('course-moved')).map(a => {
+        const cell = a.querySelector('.jp-Cell');
+        const id = cell ? cell.id.replace('cell-id=', '') : '';
+        const words = a.textContent.split(/\\s+/).filter(w => /[A-Za-z0-9]/.test(w)).length;
+        return {kind: id.startsWith('more-') ? 'more' : id === 'deck-keys' ? 'keys' : 'notes', words: words};
+      }),
     };
   }),
 };
@@ -210,6 +235,29 @@ def test_deck_in_the_browser(browser, deck):
     small = [c for c in charts if c["height"] < 0.4 * HEIGHT and c["width"] < 0.6 * WIDTH]
     assert not small, f"{deck.name}: charts too small to read from the back of the room: {small}"
 
+    where = lambda s: f"slide {s['h']}.{s['v']} ({s['text'][:40]!r})"  # noqa: E731
+    unlabelled = [where(s) for s in slides for c in s["charts"] if c["label"] is None]
+    assert not unlabelled, f"{deck.name}: charts not drawn by course_utils.plots (no smallest text): {unlabelled}"
+    tiny = [f"{where(s)}: {c['label']:.1f} px" for s in slides for c in s["charts"] if c["label"] < LABEL_PX - 0.25]
+    assert not tiny, f"{deck.name}: chart labels under {LABEL_PX} px at {WIDTH}x{HEIGHT}: " + "; ".join(tiny)
+    shrunk = [
+        f"{where(s)}: a {t['rows']}-row table at {t['scale']:.0%}"
+        for s in slides
+        for t in s["tables"]
+        if t["scale"] < TABLE_MIN - 0.005
+    ]
+    assert not shrunk, f"{deck.name}: tables shown below {TABLE_MIN:.0%} (split them): " + "; ".join(shrunk)
+    calls = [where(s) for s in slides if s["charts"] and s["code"]]
+    assert not calls, f"{deck.name}: slides whose point is a picture show the code that drew it: {calls}"
+    mute = [where(s) for s in slides[1:] if not any(n["kind"] == "notes" and n["words"] for n in s["notes"])]
+    assert not mute, f"{deck.name}: slides without speaker notes: {mute}"
+    long = [
+        f"{where(s)}: {sum(n['words'] for n in s['notes'] if n['kind'] == 'notes')} words"
+        for s in slides
+        if sum(n["words"] for n in s["notes"] if n["kind"] == "notes") > NOTES_WORDS
+    ]
+    assert not long, f"{deck.name}: speaker notes too long to glance at (the rest goes under More): {long}"
+
     assert not info["katexErrors"], f"{deck.name}: KaTeX could not typeset {info['katexErrors']}"
     if re.search(
         r"\$[^$\n]+\$",
@@ -232,10 +280,10 @@ def test_deck_in_the_browser(browser, deck):
 
 def test_wide_tables_shrink_to_the_width_or_scroll(browser, tmp_path):
     """deck.js fits width as well as height: a table a little too wide gets smaller type (every column on
-    the canvas), one too wide even at the smallest type scrolls sideways in its own box."""
+    the canvas, the type not below 90% of its size), one too wide even then scrolls sideways in its own box."""
     row = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
-    # nine columns of 15-character numbers that cannot wrap: about 2,000 px at the deck's table type, 1,200 at 14 px
-    a_bit_wide = [row(f"c{i}" for i in range(9)), row(["---"] * 9), row(f"{123456789012 + i:,}" for i in range(9))]
+    # six columns of 17 digits that cannot wrap: a few percent wider than the canvas at the table's type
+    a_bit_wide = [row(f"c{i}" for i in range(6)), row(["---"] * 6), row("9" * 17 for i in range(6))]
     far_too_wide = [row(f"{i}" * 24 for i in range(10)), row(["---"] * 10), row(f"{i}" * 24 for i in range(10))]
     nb = nbformat.v4.new_notebook()
     nb.cells = [
@@ -260,6 +308,53 @@ def test_wide_tables_shrink_to_the_width_or_scroll(browser, tmp_path):
                  s.querySelectorAll('.course-scroll table').length]);""")
     assert fitted[1] == ["1", None, 0], "a table a little too wide fits by its type size alone"
     assert fitted[2] == ["1", "1", 1], "a table too wide at the smallest type scrolls in its own box"
+
+
+def test_charts_keep_readable_labels_and_tables_their_size(browser, tmp_path):
+    """deck.js gives a course chart the height at which its smallest text is 14 px, moving prose to the
+    notes rather than shrinking the chart; a slide with a table shrinks no further than 90%."""
+    import base64
+
+    from course_utils import plots
+
+    fig = plots.new_figure(7.5, 4.5)
+    ax = fig.subplots()
+    ax.plot([1, 2, 3], label="a line")
+    ax.legend(fontsize=7)  # asks for 9.7 px; plots.png raises it to 14
+    chart = plots.StaticFigure(fig, "the readout")
+    image = {
+        "output_type": "display_data",
+        "metadata": {"image/png": chart.size},
+        "data": {"image/png": base64.b64encode(chart.png).decode(), "text/plain": "the readout"},
+    }
+    prose = "\n\n".join(f"A paragraph of prose that takes room on the slide, number {i}." for i in range(6))
+    table = "\n".join(
+        ["| claim | measured |", "|---|---|"] + [f"| row {i} of the summary | {i * 1.5:.2f} |" for i in range(11)]
+    )
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("# 97 · Readable"),
+        nbformat.v4.new_markdown_cell("## A chart under prose\n\n" + prose),
+        nbformat.v4.new_code_cell("draw()", outputs=[nbformat.from_dict(image)]),
+        nbformat.v4.new_markdown_cell("## A long table\n\n" + prose[:300] + "\n\n" + table),
+    ]
+    for i, cell in enumerate(nb.cells):
+        cell.metadata["slideshow"] = {"slide_type": "slide" if i != 2 else "-"}
+        cell["id"] = f"r-{i}"
+    nbformat.write(nb, tmp_path / "97_readable.ipynb")
+    html, _ = bc.export_deck(tmp_path / "97_readable.ipynb")
+    bc._vendored(tmp_path)
+    deck = tmp_path / f"97_readable{bc.DECK_SUFFIX}"
+    deck.write_text(html)
+    browser.get(deck.as_uri())
+    _wait(lambda: browser.execute_script("return document.body.dataset.courseFitted === '1'"), 30, "the deck to fit")
+    slides = browser.execute_script(SURVEY)["slides"]
+    assert chart.size["course_min_text_px"] >= LABEL_PX
+    (label,) = [c["label"] for c in slides[1]["charts"]]
+    assert label >= LABEL_PX - 0.25, f"the chart's smallest text is {label:.1f} px on the canvas"
+    assert slides[1]["code"] == 0, "the call that drew the chart is not on the slide"
+    assert [t["scale"] >= TABLE_MIN - 0.005 for t in slides[2]["tables"]] == [True]
+    assert not slides[1]["overflow"] and not slides[2]["overflow"]
 
 
 # ---------------------------------------------------------------------------------------------

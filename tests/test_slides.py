@@ -17,6 +17,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 from tools import build_course as bc  # noqa: E402
+from tools import editions as ed  # noqa: E402
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 DECKS = sorted((ROOT / "slides").glob(f"*{bc.DECK_SUFFIX}"))
@@ -164,9 +165,23 @@ def _image(text="the readout"):
     return {"output_type": "display_data", "metadata": {}, "data": {"image/png": PNG, "text/plain": text}}
 
 
+def _notes(cell, notes="", more="", computed=False):
+    cell.metadata["course"] = {k: v for k, v in (("notes", notes), ("more", more), ("computed", computed)) if v}
+    return cell
+
+
+def _filled(nb, cell_id, notes, more=""):
+    """Put the text the build's filler cell displays after running (tools/editions.py) into ``nb``."""
+    filler = next(c for c in nb.cells if c.get("id") == f"{cell_id}-filled")
+    data = {"cell": cell_id, "notes": notes} | ({"more": more} if more else {})
+    filler.outputs = [
+        nbformat.from_dict({"output_type": "display_data", "metadata": {}, "data": {ed.NOTES_MIME: data}})
+    ]
+
+
 @pytest.fixture
 def executed():
-    """A small executed notebook with one of each kind of cell the course uses."""
+    """A small executed notebook (the teacher's edition the build runs) with one of each kind of cell."""
     nb = nbformat.v4.new_notebook()
     nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
     nb.cells = [
@@ -176,23 +191,17 @@ def executed():
         ),
         _code("steps = 2", [], tags=("parameters",)),
         _code("import sys  # Colab set-up", [], kind="skip"),
-        _md("## With $N$ ranks\n\nThe sum is $N(N+1)/2$; next: [notebook 02](02_next.ipynb)."),
-        _md("Say this aloud, do not show it.", kind="notes"),
-        _code(
-            "notes(total)",
-            [
-                {
-                    "output_type": "display_data",
-                    "metadata": {},
-                    "data": {
-                        "text/markdown": "The number to remember: **42 bytes**.",
-                        "text/plain": "<IPython.core.display.Markdown object>",
-                    },
-                }
-            ],
-            kind="notes",
+        _notes(
+            _md("## With $N$ ranks\n\nThe sum is $N(N+1)/2$; next: [notebook 02](02_next.ipynb)."),
+            notes="Say this aloud, do not show it.",
+            more="The long story, for when there is time.",
         ),
-        _code("result = 3\nassert result == 3", [_stdout("checked\n")]),
+        _md("The notebook's own explanation, under the slide.", kind=None),
+        _notes(
+            _code("result = 3\nassert result == 3", [_stdout("checked\n")]),
+            notes="The number to remember: **{result * 14} bytes**.",
+            computed=True,
+        ),
         _code(
             "chart()",
             [
@@ -223,24 +232,54 @@ def executed():
             tags=(bc.SHOW_CODE_TAG,),
         ),
         _code("hidden_call()", [_stdout("short but hidden\n")], kind="-", tags=(bc.HIDE_CODE_TAG,)),
+        _code("short_call()", [_stdout("short and shown\n")], kind="-"),
         _code("unmarked_chart()", [_image("not in the deck")]),
         _md("## Summary\n\n| a | b |\n|---|---|\n| 1 | 2 |"),
     ]
     for i, cell in enumerate(nb.cells):
         cell["id"] = f"t-{i:03d}"
+    nb = ed.teacher_notebook(nb)
+    _filled(nb, "t-005", "The number to remember: **42 bytes**.")
     return nb
 
 
 def test_deck_keeps_slide_cells_only(executed):
     deck, warnings = bc.deck_notebook(executed, "99_test")
     sources = [c.source for c in deck.cells]
-    assert not any("steps = 2" in s or "Colab set-up" in s or "assert result" in s for s in sources)
+    assert not any("steps = 2" in s or "Colab set-up" in s or "assert result" in s or "filled in" in s for s in sources)
     kinds = [bc.slide_type(c) for c in deck.cells]
-    assert kinds.count("notes") == 3  # the notes cell, the computed notes and the deck's own keys note
-    assert "The number to remember: **42 bytes**." in sources
-    assert len(warnings) == 1 and "cell 11" in warnings[0] and "chart" in warnings[0]
+    assert kinds.count("notes") == 4  # two cells' notes, the slide's More, the deck's own keys note
+    assert "The number to remember: **42 bytes**." in sources  # computed: the run's filled-in text
+    assert "Say this aloud, do not show it." in sources
+    more = next(s for s in sources if "The long story" in s)
+    assert more.startswith("**More**") and "*In the notebook:*" in more and "under the slide" in more
+    assert len(warnings) == 1 and "unmarked" not in warnings[0] and "chart" in warnings[0]
     assert "widgets" not in deck.metadata
     assert deck.metadata["title"] == "99 · A test deck"
+
+
+def test_notes_follow_their_slide(executed):
+    """Each cell's notes sit on its slide: the main notes after the cell, the More part at the slide's end."""
+    deck, _ = bc.deck_notebook(executed, "99_test")
+    order = [(bc.slide_type(c), c.source.split("\n")[0][:20]) for c in deck.cells]
+    at = [i for i, (k, _) in enumerate(order) if k == "subslide"][0]  # the chart's slide starts here
+    before = [src for k, src in order[:at] if k == "notes"]
+    assert before[-1].startswith("**More**") and any(s.startswith("Say this") for s in before)
+    assert any(s.startswith("The number") for s in before), "notes of a cell outside the deck reach its slide"
+
+
+def test_computed_notes_must_have_been_filled_in(executed):
+    for cell in executed.cells:
+        if ed.INJECTED_TAG in cell.metadata.get("tags", []):
+            cell.outputs = []
+    with pytest.raises(ValueError, match="make notebooks"):
+        bc.deck_notebook(executed, "99_test")
+
+
+def test_fingerprint_follows_the_notes(executed):
+    before = bc.fingerprint(executed)
+    executed.cells[3].metadata["course"]["notes"] += " And one more thing."
+    assert bc.fingerprint(executed) != before, "a deck whose notes changed is stale"
 
 
 def test_deck_outputs_leave_out_widgets_and_warnings(executed):
@@ -252,16 +291,18 @@ def test_deck_outputs_leave_out_widgets_and_warnings(executed):
 
 
 def test_deck_shows_short_code_and_hides_long_code(executed):
+    """A short cell shows its source, small; a long one, one tagged slide-no-code, and any cell that draws a
+    picture (the point is the picture, not the call) show only their outputs, unless tagged slide-code."""
     deck, _ = bc.deck_notebook(executed, "99_test")
     hidden = {c.source.splitlines()[-1] for c in deck.cells if c.get("metadata", {}).get("transient")}
     shown = {c.source.splitlines()[-1] for c in deck.cells if c.cell_type == "code"} - hidden
-    assert hidden == {"print('long cell')", "hidden_call()"}
-    assert shown == {"chart()", "print('shown')"}
+    assert hidden == {"print('long cell')", "hidden_call()", "chart()"}
+    assert shown == {"print('shown')", "short_call()"}
 
 
 def test_deck_markdown_loads_nothing_remote_and_links_decks(executed):
     deck, _ = bc.deck_notebook(executed, "99_test")
-    title, section = deck.cells[0].source, deck.cells[2].source
+    title, section = deck.cells[0].source, deck.cells[2].source  # [1]: the deck's keys note
     assert (
         "colab-badge.svg" not in title and "[Open In Colab](https://colab.research.google.com/x/99_test.ipynb)" in title
     )
@@ -269,7 +310,7 @@ def test_deck_markdown_loads_nothing_remote_and_links_decks(executed):
 
 
 def test_deck_refuses_a_notebook_with_an_error(executed):
-    executed.cells[6].outputs.append(
+    executed.cells[5].outputs.append(
         nbformat.from_dict({"output_type": "error", "ename": "AssertionError", "evalue": "", "traceback": []})
     )
     with pytest.raises(ValueError, match="AssertionError"):
@@ -283,7 +324,8 @@ def test_exported_deck(executed, tmp_path):
     assert bc.remote_loads(html) == []
     assert _leaf_sections(html) == bc.expected_slides(executed) == int(_meta(html, "course-slides")) == 5
     assert int(_meta(html, "course-charts")) == 1 and 'alt="the readout"' in html
-    assert html.count('<aside class="notes">') == 3 and "Say this aloud" in html and "42 bytes" in html
+    assert html.count('<aside class="notes">') == 4 and "Say this aloud" in html and "42 bytes" in html
+    assert "{result * 14}" not in html and "filled in from this run" not in html
     assert "'long cell'" not in html and "long cell" in html  # source hidden, output shown
     assert "'shown'" in html  # source shown: tagged slide-code
     assert "$N(N+1)/2$" in html  # KaTeX typesets it when the deck opens
@@ -342,7 +384,7 @@ def test_export_scrubs_machine_paths(executed, tmp_path):
     import tempfile
 
     tmp = tempfile.gettempdir()
-    executed.cells[6].outputs = [
+    executed.cells[5].outputs = [
         nbformat.from_dict(
             _stdout(
                 f'File "{ROOT}/course_utils/examples.py", line 12\n'
@@ -351,7 +393,7 @@ def test_export_scrubs_machine_paths(executed, tmp_path):
             )
         )
     ]
-    executed.cells[6].metadata["slideshow"] = {"slide_type": "subslide"}
+    executed.cells[5].metadata["slideshow"] = {"slide_type": "subslide"}
     path = tmp_path / "99_test.ipynb"
     nbformat.write(executed, path)
     html, _ = bc.export_deck(path)
@@ -416,28 +458,100 @@ def test_every_slide_can_be_presented(notebook):
 def test_deck_lint_finds_what_a_teacher_trips_over():
     nb = nbformat.v4.new_notebook()
     long = "A sentence that says a little more than it should. " * 12
+    spoken = "The point is X; ask the class what happens at 4 ranks; the number to remember is 2 bytes. "
     nb.cells = [
         _md("# 99 · Title"),
-        _md("## One point\n\nShort and clear.", kind="slide"),
-        _md(
-            "The point is X; ask the class what happens at 4 ranks; the number to remember is 2 bytes. " * 2,
-            kind="notes",
-        ),
+        _notes(_md("## One point\n\nShort and clear.", kind="slide"), notes=spoken * 2, more=spoken * 20),
         _md("## Too long\n\n" + long, kind="slide"),
-        _md("Notes long enough to speak from, saying the point and asking a question of the room. " * 2, kind="notes"),
+        _notes(_code("x = 2", []), notes="Notes long enough to speak from, with the point and a question. " * 2),
         _code("chart()", [], kind="subslide"),
         _md("## Dangling\n\nThe result is:", kind="slide"),
-        _code("notes(x)", [], kind="notes"),
+        _notes(_code("y = x + 1", []), notes="The run says {x} and then {y:,}; " * 6, computed=True),
         _md("## Maths by hand\n\nEach rank keeps 16Ψ/Nd bytes, or $16\\Psi/N_d$ written well.", kind="slide"),
-        _md("Too short.", kind="notes"),
+        _notes(_md("Under the slide.", kind=None), notes="Too short."),
+        _notes(_md("## Talks too much", kind="slide"), notes=spoken * 8),
+        _notes(_md("## Reads what nobody defined", kind="slide"), notes="{z:.1f} and {x} " * 9, computed=True),
+        _md("Left in the old form, a teacher's note the student would read.", kind="notes"),
     ]
     problems = bc.deck_lint(nb, "99_test")
-    assert len(bc.slides_of(nb)) == 6
+    assert len(bc.slides_of(nb)) == 8
     assert any("slide 3" in p and "characters of prose" in p for p in problems)
     assert any("slide 4" in p and "notes missing" in p for p in problems)
     assert any("slide 4" in p and "no heading" in p for p in problems)
     assert any("slide 5" in p and "colon" in p for p in problems)
-    assert not any("slide 5" in p and "notes" in p for p in problems), "a code cell's computed notes count"
+    assert not any("slide 5" in p and "notes" in p for p in problems), "computed notes count, a field as a word"
     assert any("slide 6" in p and "'Ψ'" in p for p in problems)
     assert any("slide 6" in p and "notes missing" in p for p in problems)
-    assert not any("slide 2" in p for p in problems) and not any("slide 1 " in p for p in problems)
+    assert any("slide 7" in p and "words of speaker notes" in p for p in problems)
+    assert not any("slide 2" in p for p in problems), "More may be long: only the notes are glanced at"
+    assert not any("slide 1 " in p for p in problems)
+    assert any("reads z" in p for p in problems) and not any("reads x" in p for p in problems)
+    assert any("1 notes cell(s) in the student's notebook" in p for p in problems)
+
+
+def test_deck_lint_finds_long_tables_and_shown_picture_calls():
+    nb = nbformat.v4.new_notebook()
+    spoken = "The point, a question for the room and the number to remember, said in a sentence or two. " * 2
+    rows = "\n".join(["| a | b |", "|---|---|"] + [f"| {i} | {i * 2} |" for i in range(11)])
+    nb.cells = [
+        _md("# 99 · Title"),
+        _notes(_md("## Eleven rows\n\n" + rows, kind="slide"), notes=spoken),
+        _notes(_md("## Ten rows\n\n" + "\n".join(rows.splitlines()[:-1]), kind="slide"), notes=spoken),
+        _notes(
+            _code("plots.show(plots.memory_chart_figure(view))", [], kind="slide", tags=(bc.SHOW_CODE_TAG,)),
+            notes=spoken,
+        ),
+        _notes(_code("print(view)", [], kind="slide", tags=(bc.SHOW_CODE_TAG,)), notes=spoken),
+    ]
+    problems = bc.deck_lint(nb, "99_test")
+    assert any("slide 2" in p and "table of 11 rows" in p for p in problems)
+    assert not any("slide 3" in p for p in problems), "ten rows fit"
+    assert any("slide 4" in p and "draws a picture" in p for p in problems)
+    assert not any("slide 5" in p and "picture" in p for p in problems), "code that draws nothing may be shown"
+
+
+def test_charts_say_their_smallest_text_and_draw_none_under_14_px():
+    """plots.png raises any text a figure asks for below MIN_TEXT_PX, and StaticFigure records the smallest
+    text it drew, which the decks use to show every chart large enough for it (issue 28)."""
+    from course_utils import plots
+
+    fig = plots.new_figure(7.5, 4.5)
+    ax = fig.subplots()
+    ax.plot([1, 2, 3], label="a line")
+    ax.legend(fontsize=6)
+    ax.set_xticks([0, 1, 2], ["a", "b", "c"], fontsize=5)
+    assert plots.min_text_px(fig) < 9  # what the figure asked for
+    chart = plots.StaticFigure(fig)
+    assert plots.MIN_TEXT_PX == 14 and chart.size["course_min_text_px"] >= plots.MIN_TEXT_PX
+    assert min(t.get_fontsize() for t in ax.get_xticklabels()) * fig.dpi / 72 >= plots.MIN_TEXT_PX
+    assert chart.size["width"] == 750 and chart.size["height"] == 450  # the CSS size the deck scales from
+
+
+def _timeline(buckets=8):
+    return {
+        "ready": [{"bucket": b, "t_ms": 10.0 + 18 * b, "param": f"p{b}"} for b in range(buckets)],
+        "all_reduce": [{"bucket": b, "start_ms": 15.0 + 18 * b, "end_ms": 40.0 + 20 * b} for b in range(buckets)],
+        "forward_ms": 60.0,
+        "backward_end_ms": 170.0,
+        "synced_ms": 190.0,
+    }
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda plots: plots.ddp_timelines_figure([_timeline(), _timeline()]),
+        lambda plots: plots.zero3_schedule_frames(
+            [__import__("course_utils.stepper").stepper.Stage3Stepper(4).states[i] for i in (1, -1)]
+        ),
+    ],
+    ids=["ddp_timelines_two_ranks", "stage3_two_moments"],
+)
+def test_stacked_charts_fit_a_slide_with_readable_labels(draw):
+    """The two charts that stacked panels (notebook 02's DDP timelines, notebook 03's stage-3 moments)
+    fit a 1280 x 720 slide under a heading at their own size, where their labels are 14 px or more."""
+    from course_utils import plots
+
+    chart = plots.StaticFigure(draw(plots))
+    assert chart.size["course_min_text_px"] >= plots.MIN_TEXT_PX
+    assert chart.size["width"] <= 1270 and chart.size["height"] <= 640, chart.size

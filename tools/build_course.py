@@ -16,13 +16,19 @@ that refreshes the committed decks. Every deck has the build machine's paths scr
 How a notebook becomes a deck (slides/README.md says the same for teachers):
 
 - Only cells that carry ``slideshow`` metadata go into the deck; cells without it (the parameters,
-  imports, asserting cells) stay in the notebook. ``skip`` drops a cell, ``notes`` makes it speaker notes
-  (a markdown cell's text, or what a code cell printed or displayed: notes whose numbers the run computed).
+  imports, asserting cells, the notebook's own prose) stay in the notebook. ``skip`` drops a cell.
+- Speaker notes are the teacher's edition (tools/editions.py): ``metadata.course.notes`` of each cell of
+  a slide (computed ones filled in by the run: ``execute`` runs ``editions.teacher_notebook``), then the
+  slide's More part: the notes' ``more`` and the notebook's own prose of that slide. A student's
+  notebook holds none of it.
 - ``deck_lint`` checks every slide a teacher will present (``make test`` runs it on every notebook):
-  speaker notes, at most ``SLIDE_PROSE_CHARS`` of prose, a heading, no dangling colon, maths in $...$.
+  speaker notes of 120 characters to ``NOTES_MAX_WORDS`` words, at most ``SLIDE_PROSE_CHARS`` of prose,
+  a heading, no dangling colon, maths in $...$.
 - A code cell in the deck shows its outputs. Its source is shown too (small) when it is at most
-  ``SHORT_CODE_LINES`` lines, the one call that drew the chart, or when tagged ``slide-code``;
-  ``slide-no-code`` hides a short one.
+  ``SHORT_CODE_LINES`` lines and displays no result (a slide whose point is a chart or a table shows it,
+  not the call), or when tagged ``slide-code``; ``slide-no-code`` hides a short one. A cell tagged
+  ``slide-text-in-notes`` keeps only its pictures on the slide; its printed text and tables go to the
+  slide's speaker notes, under More (detail beside a chart, or reading matter longer than a slide).
 - Each slide is fitted to the 1280 x 720 canvas when the deck opens (deck_template/deck.js): charts
   take the height the slide leaves free; a slide that overflows shrinks its text a little (85 %),
   then moves its trailing prose, in order, into its speaker notes (never a cell's first paragraph,
@@ -64,11 +70,15 @@ TEMPLATE_DIR = Path(__file__).resolve().parent / "deck_template"
 #: no reason to print its "Kernel is running over TCP without encryption" warning once per notebook.
 if str(ROOT) not in sys.path:  # run as a script, this folder is on sys.path, not the repository
     sys.path.insert(0, str(ROOT))
+from tools import editions  # noqa: E402
 from tools.kernels import IPCKernelManager as IPC_KERNEL_MANAGER  # noqa: E402
 
 #: Code cells this short show their source on the slide (the call that drew the chart).
 SHORT_CODE_LINES = 3
 SHOW_CODE_TAG, HIDE_CODE_TAG = "slide-code", "slide-no-code"
+#: A cell whose printed text and tables are detail beside its picture, or reading matter too long for a
+#: slide: the slide keeps its pictures, and the text goes to the slide's speaker notes, under More.
+TEXT_TO_NOTES_TAG = "slide-text-in-notes"
 
 #: What the decks load, from the npm registry (`vendor` re-fetches exactly these files).
 VENDOR = {
@@ -104,8 +114,36 @@ def select(paths, names) -> list[Path]:
     return chosen
 
 
+def run_teacher_edition(path: Path, out: Path, **papermill_args):
+    """Execute notebook ``path`` as the teacher's edition (``editions.teacher_notebook``) into ``out``.
+
+    papermill runs a file, not the notebook object: given an object it records the whole notebook as its
+    ``input_path`` metadata (and serialises it at every cell's save), so the edition goes through a
+    temporary file, and the executed copy then names the real notebook it came from.
+    """
+    import nbformat
+    import papermill
+
+    with tempfile.TemporaryDirectory(prefix="course-edition-") as tmp:
+        teacher = Path(tmp) / path.name
+        nbformat.write(editions.teacher_notebook(nbformat.read(path, as_version=4)), teacher)
+        try:
+            papermill.execute_notebook(
+                str(teacher), str(out), kernel_name="python3", progress_bar=False, log_output=False, **papermill_args
+            )
+        finally:
+            if out.exists():  # also after a failure: the executed copy shows where it stopped
+                executed = nbformat.read(out, as_version=4)
+                executed.metadata.get("papermill", {})["input_path"] = str(path)
+                nbformat.write(executed, out)
+
+
 def execute(names=()) -> int:
-    """Run notebooks with papermill into build/notebooks/; a failing notebook is reported, the rest still run."""
+    """Run notebooks with papermill into build/notebooks/; a failing notebook is reported, the rest still run.
+
+    What runs is the teacher's edition (``editions.teacher_notebook``): the notebook, plus after each cell
+    with computed speaker notes a cell that fills them in from the run; the deck reads them from there.
+    """
     import papermill
 
     os.environ["COURSE_HEADLESS"] = "1"
@@ -115,15 +153,7 @@ def execute(names=()) -> int:
         start = time.monotonic()
         print(f"    {path.name} ...", end="", flush=True)
         try:
-            papermill.execute_notebook(
-                str(path),
-                str(BUILD / path.name),
-                cwd=str(NOTEBOOKS),
-                kernel_name="python3",
-                progress_bar=False,
-                log_output=False,
-                kernel_manager_class=IPC_KERNEL_MANAGER,
-            )
+            run_teacher_edition(path, BUILD / path.name, cwd=NOTEBOOKS, kernel_manager_class=IPC_KERNEL_MANAGER)
         except papermill.PapermillExecutionError as err:
             failed.append(path.name)
             print(f" FAILED in cell {err.exec_count}: {err.ename}: {err.evalue}", flush=True)
@@ -148,15 +178,15 @@ def slide_type(cell) -> str | None:
 
 
 def _is_injected(cell) -> bool:
-    """A cell papermill added: its parameters, or the banner it puts above a failed cell."""
-    return bool({"injected-parameters", "papermill-error-cell-tag"} & set(cell.get("metadata", {}).get("tags", [])))
+    """A cell a build added: papermill's parameters or error banner, or a cell that fills in computed notes."""
+    return editions.is_injected(cell)
 
 
 def fingerprint(nb) -> str:
-    """A hash of what a deck is made from: every cell's type, source, slide type and tags.
+    """A hash of what a deck is made from: every cell's type, source, slide type, tags and speaker notes.
 
-    The same for a stripped notebook and its executed copy (outputs and papermill's
-    bookkeeping do not count), so a deck can say which version of its notebook it shows.
+    The same for a stripped notebook and its executed copy (outputs, papermill's bookkeeping and the
+    cells that fill in computed notes do not count), so a deck can say which version of its notebook it shows.
     """
     cells = [
         [
@@ -165,6 +195,7 @@ def fingerprint(nb) -> str:
             slide_type(c),
             sorted(c.get("metadata", {}).get("tags", [])),
         ]
+        + ([editions.notes_of(c)] if editions.notes_of(c) else [])
         for c in nb["cells"]
         if not _is_injected(c)
     ]
@@ -247,16 +278,62 @@ def _markdown_cell(source: str, kind: str, cell_id: str):
     return cell
 
 
+def _shows_a_result(outputs: list) -> bool:
+    """Outputs that are the slide's point (a chart, a widget, a table or other displayed markdown): the slide
+    shows them, not the call that made them."""
+    return any(
+        m.startswith("image/")
+        or m in (_WIDGET, "application/vnd.jupyter.widget-state+json", "text/markdown", "text/html")
+        for o in outputs
+        if o.get("output_type") in ("display_data", "execute_result")
+        for m in o.get("data", {})
+    )
+
+
+def _text_outputs(outputs: list) -> tuple[list, str]:
+    """(the picture outputs, the rest as markdown for the speaker notes) of a cell tagged ``slide-text-in-notes``."""
+    kept, text = [], []
+    for out in outputs:
+        data = out.get("data", {})
+        if any(m.startswith("image/") or m == _WIDGET for m in data):
+            kept.append(out)
+        elif out.get("output_type") == "stream":
+            text.append("```\n" + "".join(out.get("text", "")).rstrip() + "\n```")
+        elif "text/markdown" in data:
+            text.append(
+                "".join(data["text/markdown"]) if isinstance(data["text/markdown"], list) else data["text/markdown"]
+            )
+        elif "text/plain" in data:
+            text.append("```\n" + "".join(data["text/plain"]).rstrip() + "\n```")
+    return kept, "\n\n".join(text)
+
+
 def deck_notebook(nb, name: str):
     """The notebook a deck is exported from: the slide cells of ``nb``, ready for reveal.js.
 
+    Speaker notes come from the cells' metadata (``editions``): each cell's notes follow it on its slide
+    (a cell outside the deck gives its notes to the slide it sits in), computed ones as the run filled them
+    in; each slide ends with its More part: the notes' longer material, then the notebook's own prose of
+    that slide (markdown cells without slide metadata), so the teacher has every sentence once.
     Returns (notebook, warnings). ``name`` is the notebook's stem, for the title slide's notes.
-    Raises ValueError when the notebook holds an error output or has no slide cells.
+    Raises ValueError when the notebook holds an error output, computed notes it was not run to fill
+    in, or no slide cells.
     """
     import nbformat
 
     nb = copy.deepcopy(nb)
-    cells, warnings = [], []
+    filled = editions.filled_notes(nb)
+    cells, warnings, more, prose = [], [], [], []
+
+    def end_of_slide():
+        if more or prose:
+            text = "\n\n".join(more)
+            if prose:
+                text += ("\n\n" if text else "") + "*In the notebook:*\n\n" + "\n\n".join(prose)
+            cells.append(_markdown_cell("**More**\n\n" + text, "notes", f"more-{len(cells)}"))
+            more.clear()
+            prose.clear()
+
     for index, cell in enumerate(nb.cells):
         if _is_injected(cell):
             continue
@@ -267,38 +344,26 @@ def deck_notebook(nb, name: str):
                 f"{errors[0].get('ename')}; fix the notebook and run `make notebooks` again"
             )
         kind = slide_type(cell)
-        if kind is None:
-            if cell.cell_type == "code" and any(_is_image(o) for o in cell.get("outputs", [])):
-                warnings.append(
-                    f"{name}: cell {index} draws a chart but has no slideshow metadata, so the "
-                    "deck leaves it out (give it slide='subslide', or 'skip' to silence this)"
-                )
-            continue
-        if kind == "skip" or cell.cell_type == "raw":
-            continue
-        if cell.cell_type == "markdown":
-            text = _deck_markdown(cell.source)
-            if kind == "notes":
-                cells.append(_markdown_cell(text, "notes", cell.get("id", f"c{index}")))
-                continue
-            cell.source = text
-            cells.append(cell)
-            continue
-        # a code cell
-        if kind == "notes":  # notes computed by the run: its printed or displayed text becomes the notes
-            said = _notes_text(cell.get("outputs", []))
-            if said:
-                cells.append(_markdown_cell(said, "notes", cell.get("id", f"c{index}")))
-            continue
-        cell.outputs = deck_outputs(cell.get("outputs", []))
-        tags = set(cell.metadata.get("tags", []))
-        lines = len(cell.source.strip().splitlines())
-        show = SHOW_CODE_TAG in tags or (lines <= SHORT_CODE_LINES and HIDE_CODE_TAG not in tags)
-        if not show:
-            cell.metadata["transient"] = {"remove_source": True}
-            if not cell.outputs and kind not in ("slide", "subslide"):
-                continue  # nothing left to show (a cell that starts a slide stays: the count of slides is fixed)
-        cells.append(cell)
+        if kind in ("slide", "subslide") and cell.cell_type != "raw":
+            end_of_slide()
+        try:
+            said = editions.cell_notes(cell, filled)
+        except KeyError:
+            raise ValueError(
+                f"{name}: the computed speaker notes of cell {cell.get('id')} were not filled in (the notebook "
+                "was not run as the teacher's edition): run `make notebooks`"
+            ) from None
+        shown, detail = _cell_for_deck(cell, kind, index, name, warnings)
+        cells.extend(shown)
+        if detail:
+            more.append(detail)
+        if said["notes"].strip():
+            cells.append(_markdown_cell(_deck_markdown(said["notes"]), "notes", f"notes-{cell.get('id', index)}"))
+        if said["more"].strip():
+            more.append(_deck_markdown(said["more"]))
+        if kind is None and cell.cell_type == "markdown":
+            prose.append(_deck_markdown(cell.source))
+    end_of_slide()
     if not any(slide_type(c) not in ("notes",) for c in cells):
         raise ValueError(f"{name}: no cell carries slideshow metadata, so there is no deck to export")
     title = _title(nb)
@@ -320,11 +385,55 @@ def deck_notebook(nb, name: str):
     return out, warnings
 
 
+def _cell_for_deck(cell, kind, index: int, name: str, warnings: list) -> tuple[list, str]:
+    """What one notebook cell puts on its slide ([] or [the cell as the deck shows it]), and the text it sends
+    to the slide's speaker notes instead (a cell tagged ``slide-text-in-notes``)."""
+    if kind is None:
+        if cell.cell_type == "code" and any(_is_image(o) for o in cell.get("outputs", [])):
+            warnings.append(
+                f"{name}: cell {index} draws a chart but has no slideshow metadata, so the "
+                "deck leaves it out (give it slide='subslide', or 'skip' to silence this)"
+            )
+        return [], ""
+    if kind == "skip" or cell.cell_type == "raw":
+        return [], ""
+    if cell.cell_type == "markdown":
+        text = _deck_markdown(cell.source)
+        if kind == "notes":  # the old form: a notes cell (tools/editions.py convert moves it into metadata)
+            return [_markdown_cell(text, "notes", cell.get("id", f"c{index}"))], ""
+        cell.source = text
+        return [cell], ""
+    if kind == "notes":  # the old form: notes computed by the run, its printed or displayed text
+        said = _notes_text(cell.get("outputs", []))
+        return ([_markdown_cell(said, "notes", cell.get("id", f"c{index}"))] if said else []), ""
+    result = _shows_a_result(cell.get("outputs", []))
+    cell.outputs = deck_outputs(cell.get("outputs", []))
+    tags = set(cell.metadata.get("tags", []))
+    detail = ""
+    if TEXT_TO_NOTES_TAG in tags:
+        cell.outputs, detail = _text_outputs(cell.outputs)
+    lines = len(cell.source.strip().splitlines())
+    show = SHOW_CODE_TAG in tags or (lines <= SHORT_CODE_LINES and HIDE_CODE_TAG not in tags and not result)
+    if not show:
+        cell.metadata["transient"] = {"remove_source": True}
+        if not cell.outputs and kind not in ("slide", "subslide"):
+            return [], detail  # nothing left to show (a cell that starts a slide stays: the count of slides is fixed)
+    return [cell], detail
+
+
 #: What a slide may carry (issue 23): the headline, the chart or table, a line or two of text and the
-#: prediction question. Prose beyond this goes into the slide's speaker notes (a ``notes`` cell).
+#: prediction question. Prose beyond this goes into the notebook's own prose (a markdown cell with no
+#: slide metadata, which the deck gives to the teacher under More) or the teacher's notes.
 SLIDE_PROSE_CHARS = 450
 #: The shortest speaker notes a teacher can speak from: the point, a question for the class, a number.
 NOTES_MIN_CHARS = 120
+#: The most a teacher can take in at a glance while speaking (issue 28): the rest goes into More.
+NOTES_MAX_WORDS = editions.NOTES_MAX_WORDS
+#: The most rows a table on one slide can have and still be read at 90% of its size (issue 28: 03's
+#: summary, 12 rows, was shown at 75%); a longer table is split over two slides.
+TABLE_MAX_ROWS = 10
+#: A call that draws a picture: on a slide, the picture is the point, not the call (issue 28).
+_DRAWS = re.compile(r"\b(plots\.show|widgets\.\w+|R\.\w+_figure)\s*\(")
 _MATH = re.compile(r"\$\$.*?\$\$|\$[^$\n]+\$", re.S)
 _CODE_SPAN = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 #: Maths written by hand where KaTeX would typeset it: a caret power (10^12), a subscript (N_d), a
@@ -343,19 +452,13 @@ def _visible_prose(source: str) -> str:
 
 
 def slides_of(nb) -> list[list]:
-    """The deck's slides as lists of the notebook cells they are made of, notes cells included."""
-    out: list[list] = []
-    for cell in nb["cells"]:
-        kind = slide_type(cell)
-        if kind in (None, "skip") or cell["cell_type"] == "raw" or _is_injected(cell):
-            continue
-        if not out or kind in ("slide", "subslide"):
-            if kind == "notes" and out:
-                out[-1].append(cell)
-                continue
-            out.append([])
-        out[-1].append(cell)
-    return out
+    """The deck's slides as lists of the notebook cells that belong to them: the cells it shows, and the
+    cells outside the deck that sit between them (their notes and prose belong to that slide)."""
+    return [c for c in editions.slides(nb["cells"]) if any(_in_deck(x) for x in c)]
+
+
+def _in_deck(cell) -> bool:
+    return slide_type(cell) not in (None, "skip", "notes") and cell["cell_type"] != "raw"
 
 
 def _source(cell) -> str:
@@ -363,31 +466,49 @@ def _source(cell) -> str:
 
 
 def deck_lint(nb, name: str) -> list[str]:
-    """What a teacher would trip over in the deck of ``nb``, one line per slide (issue 23).
+    """What a teacher would trip over in the deck of ``nb``, one line per slide (issues 23 and 28).
 
-    Every slide needs speaker notes (a ``notes`` cell after it: markdown, or a code cell whose output
-    is the notes, so numbers in the notes are computed); carries at most ``SLIDE_PROSE_CHARS`` of prose;
-    has a heading (the title slide aside); does not end on a colon that introduces nothing; and
-    writes its maths for KaTeX ($16\\Psi/N_d$), not by hand (16Ψ/Nd, 10^12).
+    Every slide needs speaker notes (``metadata.course.notes`` of one of its cells, computed or not:
+    tools/editions.py), at least ``NOTES_MIN_CHARS`` and at most ``NOTES_MAX_WORDS`` words (the rest goes
+    into ``more``); carries at most ``SLIDE_PROSE_CHARS`` of prose and tables of at most ``TABLE_MAX_ROWS``
+    rows; shows no call that draws a picture; has a heading (the title slide aside); does not end on a colon
+    that introduces nothing; and writes its maths for KaTeX ($16\\Psi/N_d$), not by hand (16Ψ/Nd, 10^12).
+    The notebook holds no notes cells (teacher text a student would read), and every computed note reads
+    only names its notebook defines before it. What needs the run or a browser (label sizes, a table
+    printed by a cell, notes once filled in) is checked by test_notebooks.py and test_browser.py.
     """
     problems = []
+    old = [c.get("id") for c in nb["cells"] if editions.is_notes_cell(c)]
+    if old:
+        problems.append(
+            f"{name}: {len(old)} notes cell(s) in the student's notebook ({', '.join(map(str, old[:5]))}): "
+            f"`python tools/editions.py convert {name}` moves them into the metadata of the cell they follow"
+        )
+    problems += [f"{name}: {p}" for p in editions.template_problems(nb)]
     for number, cells in enumerate(slides_of(nb), 1):
-        shown = [c for c in cells if slide_type(c) != "notes"]
-        notes = [c for c in cells if slide_type(c) == "notes"]
+        shown = [c for c in cells if _in_deck(c)]
+        notes = [editions.notes_of(c).get("notes", "") for c in cells]
+        notes += [_source(c) for c in cells if editions.is_notes_cell(c)]
         markdown = [_source(c) for c in shown if c["cell_type"] == "markdown"]
         heading = next((m.group(1) for s in markdown for m in [re.search(r"^#+\s+(.+)$", s, re.M)] if m), None)
         where = f"{name} slide {number} ({(heading or 'no heading')[:50]})"
-        said = sum(len(_source(c)) for c in notes)
-        if number > 1 and (not notes or (said < NOTES_MIN_CHARS and all(c["cell_type"] == "markdown" for c in notes))):
+        said = sum(len(n.strip()) for n in notes)
+        if number > 1 and said < NOTES_MIN_CHARS:
             problems.append(
-                f"{where}: speaker notes missing or under {NOTES_MIN_CHARS} characters; add a "
-                "`notes` cell after it: the point, a question for the class, the number to remember"
+                f"{where}: speaker notes missing or under {NOTES_MIN_CHARS} characters; give one of its cells "
+                "`course.notes` in its metadata: the point, a question for the class, the number to remember"
+            )
+        spoken = sum(editions.words(n) for n in notes)
+        if spoken > NOTES_MAX_WORDS:
+            problems.append(
+                f"{where}: {spoken} words of speaker notes (at most {NOTES_MAX_WORDS}, what a teacher takes in at "
+                "a glance); keep the point, the question and the number, and move the rest into `course.more`"
             )
         prose = sum(len(_visible_prose(s)) for s in markdown)
         if prose > SLIDE_PROSE_CHARS:
             problems.append(
-                f"{where}: {prose} characters of prose on the slide (at most {SLIDE_PROSE_CHARS}); "
-                "keep the point on the slide and move the rest into a `notes` cell"
+                f"{where}: {prose} characters of prose on the slide (at most {SLIDE_PROSE_CHARS}); keep the point "
+                "on the slide and move the rest into the notebook's prose (a markdown cell with no slide metadata)"
             )
         if number > 1 and heading is None:
             problems.append(f"{where}: no heading; start the slide with a markdown heading that states its point")
@@ -398,6 +519,25 @@ def deck_lint(nb, name: str) -> list[str]:
             if raw:
                 problems.append(f"{where}: maths written by hand ({raw.group()!r}); write it in $...$ for KaTeX")
                 break
+        for s in markdown:
+            rows = [
+                ln for ln in s.splitlines() if ln.lstrip().startswith("|") and not re.match(r"\s*\|[\s|:-]+\|\s*$", ln)
+            ]
+            if len(rows) - 1 > TABLE_MAX_ROWS:
+                problems.append(
+                    f"{where}: a table of {len(rows) - 1} rows (at most {TABLE_MAX_ROWS} on a slide, read at 90% of "
+                    "its size or more); split it over two slides"
+                )
+        for c in shown:
+            if (
+                c["cell_type"] == "code"
+                and SHOW_CODE_TAG in c.get("metadata", {}).get("tags", [])
+                and _DRAWS.search(_source(c))
+            ):
+                problems.append(
+                    f"{where}: cell {c.get('id')} shows the call that draws a picture (tag {SHOW_CODE_TAG}); the "
+                    "slide's point is the picture: drop the tag"
+                )
     return problems
 
 

@@ -8,6 +8,8 @@ Each exercise's task, stub and check cell come from its ``Exercise`` record in
 
 Only cells whose id starts with ``NN-ex-`` are replaced; the rest of the notebook is untouched.
 Slides: the task is a slide, the stub and the check stay out of the deck (the task, not the solution).
+The teacher's notes (how to run the exercises with a class, what each check compares) are written as
+notes cells and moved into cell metadata by ``tools/editions.py`` (the student's notebook holds none).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 from course_utils.exercises import core
+from tools import editions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,13 +60,9 @@ def section(nb: str) -> list[dict]:
         _cell(
             "markdown",
             f"{nb}-ex-notes",
-            "Each exercise gives a task, a stub to fill in and a check cell. The check runs your code the "
-            "way this notebook ran the course's own (on real ranks where the idea is distributed) and "
-            "compares it with the course's reference. Until you fill a stub in, its check says "
-            "*not done*. Stuck? `show_hint(notebook, name, 1)` opens the first hint (then 2, 3); "
-            "`load_solution(notebook, name)` prints the reference and defines it.\n\n"
-            "Ask the room to predict the answer each task asks for before anyone writes code; the check "
-            "compares the code, the prediction is theirs to compare.",
+            "Before anyone writes code, ask the room for the answer each task asks to predict: the check "
+            "compares the code with the reference, the prediction is theirs to compare. A check answers in a "
+            "few seconds; until a stub is filled in it says *not done*.",
             "notes",
         ),
         _cell(
@@ -89,7 +88,8 @@ def section(nb: str) -> list[dict]:
             ),
             _cell("markdown", cid(), f"What the check compares: {ex.checks}.", "notes"),
         ]
-    return cells
+    editions.convert(section := {"cells": cells})  # notes cells into the metadata of the cell before them
+    return section["cells"]
 
 
 def notebook_path(nb: str) -> Path:

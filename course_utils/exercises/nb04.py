@@ -45,7 +45,13 @@ EXTRA_CELLS = [
         "model unchanged; an optimizer that is not element-wise (Shampoo, Adafactor's row and column statistics, "
         "LAMB's per-tensor trust ratio) sees a block of rows, not the whole tensor, and needs the tensor gathered "
         "or its statistics reduced across ranks; gradient-norm clipping must add every rank's squares before the "
-        "square root (exercise 04.3). Ask the class: why does a 10-row weight on 4 ranks leave rank 3 one real row?",
+        "square root (exercise 04.3).",
+        None,
+    ),
+    (
+        "markdown",
+        "Ask the class: why does a 10-row weight on 4 ranks leave rank 3 one real row? (Each rank keeps "
+        "c = ⌈10/4⌉ = 3 rows: ranks 0 to 2 hold nine, rank 3 the tenth and two zero rows; the next cell asserts it.)",
         "notes",
     ),
     (

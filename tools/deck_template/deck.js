@@ -9,24 +9,30 @@
          other text never goes below OUTPUT_WRAP_PX for that, and a line too long even there wraps, so
          one long line (a path, a traceback) does not shrink a whole output to footnote size;
       w. a table or displayed formula wider than the slide gets smaller type until it fits the width
-         (down to WIDE_MIN_PX); one still too wide scrolls sideways in its own box (a last resort that
-         keeps every column reachable instead of cut off at the canvas edge);
+         (down to WIDE_MIN_PX; a table not below TABLE_MIN of its own size); one still too wide scrolls
+         sideways in its own box (a last resort that keeps every column reachable instead of cut off at
+         the canvas edge);
       b. if the slide overflows, printed outputs get smaller (down to OUTPUT_MIN_PX), then its
          text shrinks a little, down to MILD;
       c. if it still overflows, its trailing prose (last list items, last paragraphs; never a cell's
          first paragraph, a heading, a table, code, an output or a "Predict" question) moves, in
          order, into the slide's speaker notes;
-      d. if it still overflows, its text shrinks further, never below SMALLEST;
+      d. if it still overflows, its text shrinks further, never below SMALLEST (TABLE_MIN on a slide
+         with a table: a table the room cannot read is no table);
       e. printed outputs shrunk in b grow back, up to their size from a, while the slide still fits
          (moving prose into the notes may have freed the room); on a slide with a chart, the chart
          instead grows into whatever height is left.
+   A course chart (plots.StaticFigure) carries its smallest text and its own size (data-min-text-px,
+   data-css-width, data-css-height): it is never drawn smaller than the size at which that text is
+   LABEL_PX on the canvas, unless the slide's width forbids it (the browser test then fails the slide).
    Each slide records what was done (data-course-fit, data-course-moved, data-course-overflow,
-   data-course-narrowed, data-course-scrolled);
+   data-course-narrowed, data-course-scrolled); each table its own size before any fitting
+   (data-course-table-px);
    document.body.dataset.courseFitted = "1" once all slides are fitted (the browser tests wait for it). */
 (function () {
   "use strict";
-  var WIDTH = 1280, HEIGHT = 720, MIN_CHART = 0.45, MILD = 0.85, SMALLEST = 0.7;
-  var OUTPUT_PX = 24, OUTPUT_WRAP_PX = 19, OUTPUT_MIN_PX = 15, WIDE_MIN_PX = 14;
+  var WIDTH = 1280, HEIGHT = 720, MIN_CHART = 0.45, MILD = 0.85, SMALLEST = 0.7, TABLE_MIN = 0.9;
+  var OUTPUT_PX = 24, OUTPUT_WRAP_PX = 19, OUTPUT_MIN_PX = 15, WIDE_MIN_PX = 14, LABEL_PX = 14;
   var slides = document.querySelector(".reveal .slides");
   var toArray = function (list) { return Array.prototype.slice.call(list); };
 
@@ -54,11 +60,19 @@
 
   function chartsOf(section) { return toArray(section.querySelectorAll(".jp-OutputArea-output img")); }
 
+  // The height (canvas px) at which a course chart's smallest text is LABEL_PX; 0 when it does not say.
+  function readableHeight(img) {
+    var px = parseFloat(img.dataset.minTextPx), h = parseFloat(img.dataset.cssHeight);
+    return px > 0 && h > 0 ? Math.ceil(h * LABEL_PX / px) : 0;
+  }
+
   function sizeCharts(section, free) {
     var charts = chartsOf(section);
     charts.forEach(function (img) {
       var ratio = img.naturalWidth ? img.naturalHeight / img.naturalWidth : 0.6;
-      var h = Math.min(free / charts.length, (section.clientWidth - 8) * ratio);
+      var widest = (section.clientWidth - 8) * ratio;  // as tall as the slide's width allows
+      var h = Math.min(free / charts.length, widest);
+      h = Math.max(h, Math.min(readableHeight(img), widest));  // never so small that a label goes under LABEL_PX
       img.style.maxHeight = "none";
       img.style.width = "auto";
       img.style.height = Math.floor(Math.max(h, 80)) + "px";
@@ -140,8 +154,9 @@
       if (el.closest("aside") || el.parentNode.closest("table, .katex-display") || pastRightEdge(section, el) <= 0.5) return;
       var parentPx = parseFloat(window.getComputedStyle(el.parentNode).fontSize) || 16;
       var px = parseFloat(window.getComputedStyle(el).fontSize);
-      while (pastRightEdge(section, el) > 0.5 && px > WIDE_MIN_PX) {
-        px -= 1;
+      var least = el.tagName === "TABLE" ? Math.max(WIDE_MIN_PX, TABLE_MIN * px) : WIDE_MIN_PX;
+      while (pastRightEdge(section, el) > 0.5 && px > least) {
+        px = Math.max(px - 1, least);
         el.style.fontSize = (px / parentPx) + "em";  // em: the slide's own shrinking (below) still applies
       }
       narrowed += 1;
@@ -215,23 +230,37 @@
     var saved = shown.map(function (el) { return el.style.display; });
     shown.forEach(function (el) { el.style.display = "block"; });
     var charts = chartsOf(section).length;
+    var tables = toArray(section.querySelectorAll("table")).filter(function (t) { return !t.closest("aside"); });
+    tables.forEach(function (t) { t.dataset.courseTablePx = window.getComputedStyle(t).fontSize; });
     if (charts) sizeCharts(section, HEIGHT * MIN_CHART);
     sizeOutputs(section);
     fitWidth(section);
     var scale = 1;
+    // No table below TABLE_MIN of its own size, counting what fitWidth already took from a wide one.
+    function tablesReadable() {
+      return tables.every(function (t) {
+        return parseFloat(window.getComputedStyle(t).fontSize) >= TABLE_MIN * parseFloat(t.dataset.courseTablePx) - 0.01;
+      });
+    }
     function shrink(floor) {
       while (overflow(section) > 0 && scale > floor + 1e-6) {
+        var before = scale;
         scale = Math.round((scale - 0.05) * 100) / 100;
         section.style.fontSize = Math.round(scale * 100) + "%";
+        if (!tablesReadable()) {  // one step too far for a table: take it back and stop
+          scale = before;
+          section.style.fontSize = Math.round(scale * 100) + "%";
+          break;
+        }
       }
     }
-    shrink(MILD);
+    shrink(tables.length ? TABLE_MIN : MILD);
     var moved = 0, units = movable(section);
     while (overflow(section) > 0 && units.length) {
       moveToNotes(section, units.pop());
       moved += 1;
     }
-    shrink(SMALLEST);
+    shrink(tables.length ? TABLE_MIN : SMALLEST);
     if (charts) {
       chartsOf(section).forEach(function (img) { img.style.height = "0px"; });
       sizeCharts(section, HEIGHT - section.scrollHeight - 8);
