@@ -1,0 +1,102 @@
+"""What every chart of the course shares: a figure on the Agg canvas, PNG bytes, a static image for a notebook,
+Markdown tables, the course's colours (notebook 01).
+
+pyplot is never used: figures are built on the Agg canvas directly, so nothing here depends on the
+notebook's plotting backend or leaves global state behind.
+"""
+
+from __future__ import annotations
+
+import io
+
+from ..strategies import RECORD
+from ..units import GB
+
+#: One colour per part of the bill, and per strategy (its row's ``color``), used by every chart.
+PART_COLORS = {
+    "weights": "#7b5ea7",
+    "gradients": "#e8883a",
+    "optimizer": "#3a7dc9",
+    "activations": "#5aa469",
+    "buffers": "#9a9a9a",
+}
+# ---------------------------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def new_figure(width: float = 7.5, height: float = 4.5):
+    """A fresh Figure on the Agg canvas (no pyplot state) (notebook 01)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+#: Pixel density of the charts ``show`` displays: drawn at twice the figure's 100 dpi and shown at its
+#: size, so they stay sharp on a high-density screen and on a projector (widgets keep 1x).
+SHOW_SCALE = 2
+
+
+def png(fig, scale: float = 1) -> bytes:
+    """The figure as PNG bytes, at ``scale`` times its own dpi (notebook 01)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=fig.dpi * scale)
+    return buf.getvalue()
+
+
+class StaticFigure:
+    """A rendered chart a notebook displays as a PNG image, with its readout as text (notebook 01).
+
+    What a widget returns when the notebook runs headless (``widgets.is_headless()``), and what
+    ``show`` displays: executed notebooks then hold the chart as ``image/png``.
+    """
+
+    def __init__(self, fig, text: str = ""):
+        self.png = png(fig, SHOW_SCALE)
+        width, height = fig.get_size_inches() * fig.dpi
+        self.size = {"width": int(round(width)), "height": int(round(height))}  # CSS pixels
+        self.text = text
+
+    def _repr_png_(self):
+        return self.png, self.size
+
+    def __repr__(self):
+        return self.text or "<chart>"
+
+
+def show(fig, text: str = ""):
+    """Display a figure in the notebook as a PNG image (and ``text`` under it) (notebook 01)."""
+    from IPython.display import display
+
+    display(StaticFigure(fig, text))
+
+
+def _bytes_axis(ax, axis: str = "y", unit: str = "GB"):
+    """Label an axis that holds bytes, scaled to ``unit`` (GB = 10^9; "bytes" for raw bytes)."""
+    label = "bytes" if unit == "bytes" else f"{unit} ({'10^9' if unit == 'GB' else '2^30'} bytes)"
+    (ax.set_ylabel if axis == "y" else ax.set_xlabel)(f"memory per GPU, {label}")
+
+
+def _scale(unit: str) -> float:
+    return {"bytes": 1.0, "GB": float(GB), "GiB": float(2**30)}[unit]
+
+
+def table_markdown(header: list, rows: list) -> str:
+    """A Markdown table from a header and rows of already formatted cells (notebook 02)."""
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def show_table(header: list, rows: list) -> None:
+    """Display ``table_markdown(header, rows)`` in the notebook (notebook 02)."""
+    from IPython.display import Markdown, display
+
+    display(Markdown(table_markdown(header, rows)))
+
+
+#: Each strategy's colour, read from its row of the record.
+STAGE_COLORS = {s.name: s.color for s in RECORD.values()}
