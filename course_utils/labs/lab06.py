@@ -351,7 +351,7 @@ def _local_shapes(prepared) -> dict:
     return {k: list((v.to_local() if hasattr(v, "to_local") else v).shape) for k, v in state.items()}
 
 
-def rank_named_pitfall(config: dict, folder: str, phase: str) -> dict:
+def _pitfall_phase(config: dict, folder: str, phase: str, info) -> dict:
     """Checkpoint files named by rank, saved at one world size and read at another (notebook 06).
 
     ``phase="save"``: every rank ``torch.save``s its local shards to ``rank<r>.pt`` (the
@@ -360,11 +360,6 @@ def rank_named_pitfall(config: dict, folder: str, phase: str) -> dict:
     only). ``phase="load"``: rank r reads ``rank<r>.pt`` and compares its shapes with what it
     holds now. Returns what each rank saw.
     """
-    with cdist.session() as info:
-        return _pitfall_phase(config, folder, phase, info)
-
-
-def _pitfall_phase(config: dict, folder: str, phase: str, info) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     prepared = _one_step(config, info)
@@ -400,7 +395,7 @@ def _pitfall_phase(config: dict, folder: str, phase: str, info) -> dict:
 
 
 def runs_in_one_group(configs: list, pitfall: tuple | None = None) -> dict:
-    """Several training runs, then optionally a phase of ``rank_named_pitfall``, in ONE process group (notebook 06).
+    """Several training runs, then optionally a phase of the rank-named pitfall, in ONE process group (notebook 06).
 
     Starting a group (processes, imports, rendezvous) costs seconds; a run of the course model well
     under one. Each config is a ``TrainConfig`` dict; a run with a ``checkpoint_dir`` resumes from
