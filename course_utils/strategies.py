@@ -18,12 +18,12 @@ price rows the loop cannot run here (the offload rows below; DeepSpeed's own sta
 The types (``Strategy``, ``Collective``) and the registry are ``course_utils.strategy_spec``, re-exported
 here: torchtitan's spec type in a small module. Why the rows live here, beside their apply functions
 (``course_utils.apply``), and not in the mechanism modules as torchtitan registers its specs beside its
-models: the arithmetic (``memory``, ``predict``,
-``plan``) reads the rows, and ``python -m course_utils memory`` and ``plan`` must start in a fraction of
-a second. The mechanism modules import torch (3-4 s of CPU here); ``apply`` imports the mechanism only
-when a function is called. Measured (CPU seconds, mean of 6 runs on the 2-core machine): ``memory``
-0.34 s before this record held callables, 0.36 s after; ``plan`` 0.35 s before, 0.39 s after. The layering that follows, held by ``tests/test_layers.py`` (imports inside
-functions counted): no string import paths (a row holds the function itself); no upward import and no
+models: the arithmetic (``memory``, ``predict``, ``plan``) reads the rows, and ``python -m course_utils
+memory`` and ``plan`` must start in a fraction of a second. The mechanism modules import torch (3-4 s of
+CPU here); ``apply`` imports the mechanism only when a function is called. Measured (CPU seconds, mean of
+6 runs): ``memory`` 0.34 s before this record held callables, 0.36 s after; ``plan`` 0.35 s before,
+0.39 s after. The layering that follows, held by ``tests/test_layers.py`` (imports inside functions
+counted): no string import paths (a row holds the function itself); no upward import and no
 cycle (mechanism, then ``apply``, then this record, then the arithmetic); the arithmetic modules start
 no process and import no ``torch.distributed``.
 

@@ -146,7 +146,11 @@ def test_tables_and_charts_render(small_runs):
     rows = R.summary_rows(runs)
     for fig in (R.rehearsal_figure(view), R.agreement_figure(rows)):
         assert png(fig)[:4] == b"\x89PNG"
-    tables = (R.markdown_table(runs, gpu_mem=1e9), R.markdown_summary(rows), R.markdown_compare(runs[0], R.compare(runs[0])))
+    tables = (
+        R.markdown_table(runs, gpu_mem=1e9),
+        R.markdown_summary(rows),
+        R.markdown_compare(runs[0], R.compare(runs[0])),
+    )
     for text in tables:
         assert text.count("\n|") >= 3
 

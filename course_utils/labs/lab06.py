@@ -202,15 +202,11 @@ def interval_tradeoff(
 
 
 def _trained_more(net, opt, model: str, step: int, seed: int = 0) -> None:
-    """One AdamW step of the course model on step ``step``'s batch of the course's data (one process)."""
-    from ..data import batch_for_rank
-    from ..models import get_config
+    """One AdamW step of the course model on step ``step``'s batch of the course's data (one process, the one loop)."""
+    from ..loop import Prepared, TrainConfig, one_process, run_steps
 
-    cfg = get_config(model)
-    x, y = batch_for_rank(step, 0, 1, batch=8, seq=cfg.seq, vocab=cfg.vocab, seed=seed)
-    net(x, y).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    prepared = Prepared(model=net, optimizer=opt, full_state_dict=net.state_dict, held=lambda: ((), (), ()))
+    run_steps(prepared, TrainConfig(model=model, batch=8, seed=seed), one_process(), range(step, step + 1))
 
 
 def _trained(model: str = "tiny", steps: int = 1, seed: int = 0):
