@@ -8,37 +8,12 @@ notebook that introduces it. Import cost is kept low: submodules are loaded on f
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 __version__ = "0.1.0"
 
-_SUBMODULES = {
-    "errors",
-    "units",
-    "strategies",
-    "memory",
-    "comm",
-    "plan",
-    "launch",
-    "dist",
-    "models",
-    "data",
-    "instrument",
-    "loop",
-    "train",
-    "ddp",
-    "zero",
-    "fsdp",
-    "checkpoint",
-    "stepper",
-    "widgets",
-    "plots",
-    "predict",
-    "rehearse",
-    "bench",
-    "examples",
-    "labs",
-    "compat",
-}
+#: Every module and subpackage of the package, read from its folder (so a new room needs no entry here).
+_SUBMODULES = {m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")}
 
 
 def __getattr__(name: str):

@@ -658,7 +658,9 @@ def state_format(strategy: str) -> str:
     torch state dicts by parameter name ("torch"), which DCP reshards between all of them.
     ``tests/test_checkpoint.py`` checks this against ``state_of`` for every strategy.
     """
-    return "zero-flat" if strategy in ("zero1", "zero2", "zero3") else "torch"
+    from .strategies import get
+
+    return get(strategy).state
 
 
 def set_aside(root, step: int, why: str) -> Path:

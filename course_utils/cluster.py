@@ -748,7 +748,7 @@ def links_vs_planner(
     for r in out["rows"]:
         rate = None if r["link"] == "loopback" else parse_link(r["link"]).bytes_per_s
         machines = plan.Cluster(gpus_per_node=nproc_per_node, nodes=nodes, inter_bw=rate or 1e12)
-        net = plan.network_step(strategy(r["strategy"]).plan_row, psi, machines, bytes_per_value=4)
+        net = plan.network_step(strategy(r["strategy"]), psi, machines, bytes_per_value=4)
         r["planned_cross_node_bytes"] = net["cross_node_bytes"]
         r["link_bytes"] = net["network_s"] * machines.inter_bw  # what the busiest cable carries per step
         r["planned_step_time_s"] = (

@@ -9,8 +9,10 @@ elements sent per rank, in the ZeRO paper's accounting (§7):
     all-gather       (N−1)/N · Ψ
 
 and per training step, for Ψ parameters over Nd data-parallel ranks: DDP and ZeRO stages 1 and
-2 send 2(Nd−1)/Nd · Ψ, stage 3 sends 3(Nd−1)/Nd · Ψ (one more all-gather of the weights).
-``course_utils.instrument`` counts real runs with the same factors.
+2 send 2(Nd−1)/Nd · Ψ, stage 3 sends 3(Nd−1)/Nd · Ψ (one more all-gather of the weights): the sum,
+over a strategy's collectives (its row of the record, ``course_utils.strategies``), of these factors.
+``RING_FACTOR`` is the one copy of them: ``course_utils.instrument`` counts real runs with it, the
+predictions and the planner price strategies with it. Nothing here imports torch or the record.
 """
 
 from __future__ import annotations
@@ -21,13 +23,23 @@ import numpy as np
 
 from .errors import CourseInputError
 
-#: collectives each strategy runs per step, as multiples of a Ψ-element payload (notebook 03 uses it too)
-STEP_COLLECTIVES = {
-    "ddp": ("all_reduce",),
-    "zero1": ("reduce_scatter", "all_gather"),
-    "zero2": ("reduce_scatter", "all_gather"),
-    "zero3": ("all_gather", "all_gather", "reduce_scatter"),
+#: Bytes one rank sends in a ring collective over N ranks, per byte of payload (the tensor the
+#: collective is about: the gradient all-reduced, the full parameter gathered, the full gradient
+#: scattered). Broadcast and reduce: a pipelined ring, the root sends the payload once.
+RING_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+    "reduce": lambda n: 1.0 if n > 1 else 0.0,
+    "all_to_all": lambda n: (n - 1) / n,
+    "barrier": lambda n: 0.0,
 }
+
+
+def ring_bytes_sent(kind: str, payload_bytes: float, group_size: int) -> float:
+    """Bytes one rank sends for one collective in the ring model (``RING_FACTOR``) (notebook 02)."""
+    return RING_FACTOR[kind](group_size) * payload_bytes
 
 
 def _check(psi, n) -> None:
@@ -54,17 +66,26 @@ def all_reduce_sent(psi: float, n: int) -> float:
     return reduce_scatter_sent(psi, n) + all_gather_sent(psi, n)
 
 
-_SENT = {"all_reduce": all_reduce_sent, "reduce_scatter": reduce_scatter_sent, "all_gather": all_gather_sent}
+def step_sent(strategy, psi: float, nproc: int, node_size: int | None = None) -> float:
+    """Elements one rank sends per training step, by the paper's ring formulas, no padding (notebook 02).
 
-
-def step_sent(stage: str, psi: float, nd: int) -> float:
-    """Elements one rank sends per training step for ``stage`` in ("ddp", "zero1", "zero2", "zero3") (notebook 02).
-
-    2(Nd−1)/Nd · Ψ for DDP and ZeRO stages 1, 2; 3(Nd−1)/Nd · Ψ for stage 3 (the paper's 2Ψ vs 3Ψ).
+    ``strategy``: a row of the record (``strategies.get("zero2")``); every collective it issues in a
+    step moves Ψ elements (a "grad_shard", already reduce-scattered over the shard group, Ψ/Nd) over
+    its mesh dimension's group, for N = ``nproc`` ranks in nodes of ``node_size`` (2-D meshes; one
+    node when left out). 2(N−1)/N · Ψ for DDP and ZeRO stages 1, 2; 3(N−1)/N · Ψ for stage 3 (the
+    paper's 2Ψ vs 3Ψ); HYBRID_SHARD: stage 3 inside a node of n ranks plus an all-reduce of the
+    Ψ/n-element shard across the N/n nodes.
     """
-    if stage not in STEP_COLLECTIVES:
-        raise CourseInputError(f"unknown stage {stage!r}; choose one of {', '.join(STEP_COLLECTIVES)}")
-    return sum(_SENT[kind](psi, nd) for kind in STEP_COLLECTIVES[stage])
+    _check(psi, nproc)
+    if not hasattr(strategy, "collectives"):
+        raise CourseInputError(f"step_sent takes a row of the record, e.g. strategies.get('zero2'), not {strategy!r}")
+    shape, names = strategy.mesh_shape(nproc, node_size or nproc)
+    sizes = dict(zip(names, shape))
+    shard = strategy.shard_group_size(nproc, node_size or nproc)
+    return sum(
+        RING_FACTOR[c.kind](sizes.get(c.over, 1)) * (psi / shard if c.of == "grad_shard" else psi)
+        for c in strategy.collectives
+    )
 
 
 @dataclass

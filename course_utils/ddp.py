@@ -1,15 +1,15 @@
 """Data parallelism: torch's DistributedDataParallel, and a bucketed DDP built by hand (notebook 02).
 
-- ``apply_ddp``: torch ``DistributedDataParallel``, the library version every later notebook
-  compares against.
-- ``BucketedDDP`` and ``apply_ddp_scratch``: the same design written out, following PyTorch's
+- torch's ``DistributedDataParallel`` (the record's ``ddp`` row, ``apply.apply_ddp``): the library
+  version every later notebook compares against.
+- ``BucketedDDP`` (the ``ddp_scratch`` row): the same design written out, following PyTorch's
   DDP design note. Rank 0 broadcasts its weights at construction; gradients are packed into
   buckets in roughly the reverse of ``parameters()`` order, capped by a byte size; a hook fires
   as each gradient is ready; a full bucket's all-reduce starts at once, asynchronously, and the
   all-reduces go out in bucket-index order; before the optimizer step every handle is waited on
   and the mean gradient is written into ``param.grad``. It never calls torch's DDP.
-- The notebook's experiments (``bucket_sweep``, ``unused_parameters_demo``,
-  ``mismatched_order``) are ``course_utils.labs.lab02``.
+- The notebook's experiments (the bucket sweep, unused parameters, mismatched collective order) are
+  ``course_utils.labs.lab02``.
 
 Every rank holds the full model, its gradients and its optimizer state: 16Ψ bytes (fp32 Adam:
 4 + 4 + 8; mixed-precision Adam: 2 + 2 + 12). Only the gradients are communicated.
@@ -23,36 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 
-from .loop import Prepared, TrainConfig, make_optimizer, module_held
 from .units import MiB  # torch's bucket_cap_mb counts MiB (2^20 bytes); so does BucketedDDP
-
-# ---------------------------------------------------------------- torch DDP
-
-
-def apply_ddp(model, cfg: TrainConfig, info) -> Prepared:
-    """Wrap ``model`` in torch DDP (notebook 02).
-
-    Args:
-        model: the course model, built from the same seed on every rank.
-        cfg: the run's config; ``cfg.bucket_cap_mb`` caps DDP's gradient buckets (in MiB).
-        info: this rank's ``DistInfo`` (device, rank).
-
-    Every rank keeps the full model, gradients and Adam state: 16Ψ bytes.
-    """
-    ddp = DistributedDataParallel(
-        model, device_ids=[info.device.index] if info.device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_cap_mb
-    )
-    optimizer = make_optimizer(ddp.parameters(), cfg)
-    return Prepared(
-        model=ddp,
-        optimizer=optimizer,
-        full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
-        held=lambda: module_held(model, optimizer),
-        info={"bucket_cap_mb": cfg.bucket_cap_mb},
-    )
-
 
 # ---------------------------------------------------------------- DDP by hand
 
@@ -122,6 +94,7 @@ class BucketedDDP(nn.Module):
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None, timeline: bool = False):
         super().__init__()
         self.module = module
+        self.bucket_cap_mb = bucket_cap_mb
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.timeline = [] if timeline else None
@@ -189,33 +162,15 @@ class BucketedDDP(nn.Module):
         if self.timeline is not None:
             self.timeline.append((time.perf_counter(), event, bucket, name))
 
+    def full_state_dict(self) -> dict:
+        """The weights of the wrapped module, keyed like its ``state_dict()`` (every rank holds them whole)."""
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
     def describe(self) -> dict:
         """Bucket layout for reports: cap, count, bytes and parameter names per bucket."""
         return {
+            "bucket_cap_mb": self.bucket_cap_mb,
             "buckets": len(self.buckets),
             "bucket_bytes": [b.nbytes for b in self.buckets],
             "bucket_params": [b.names for b in self.buckets],
         }
-
-
-def apply_ddp_scratch(model, cfg: TrainConfig, info) -> Prepared:
-    """Wrap ``model`` in the hand-built ``BucketedDDP`` (notebook 02).
-
-    Args:
-        model: the course model (rank 0's weights are broadcast to every rank).
-        cfg: the run's config; ``cfg.bucket_cap_mb`` caps the buckets (MiB).
-        info: this rank's ``DistInfo``.
-
-    Every rank keeps the full model, gradients and Adam state (16Ψ bytes), plus the flat
-    bucket buffers (one more gradient-sized copy, 4Ψ in fp32), as torch DDP does by default.
-    """
-    ddp = BucketedDDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
-    optimizer = make_optimizer(ddp.parameters(), cfg)
-    return Prepared(
-        model=ddp,
-        optimizer=optimizer,
-        full_state_dict=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
-        held=lambda: module_held(model, optimizer),
-        before_step=ddp.finish_gradient_synchronization,
-        info={"bucket_cap_mb": cfg.bucket_cap_mb, **ddp.describe()},
-    )

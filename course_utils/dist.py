@@ -296,11 +296,6 @@ def report_progress(step: int, total: int, **fields) -> None:
     os.replace(tmp, os.path.join(folder, f"rank{rank}.json"))
 
 
-def is_torchrun() -> bool:
-    """True when this process was started by torchrun or the elastic agent (notebook 00)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or "MASTER_ADDR" in os.environ
-
-
 def environment_report(nproc: int = 2) -> dict:
     """What this machine offers the course, and which backend ``launch`` picks for ``nproc`` ranks (notebook 00)."""
     import platform

@@ -56,78 +56,15 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from . import dist as cdist
 from .errors import CourseInputError
 from .instrument import Observer
-from .loop import Prepared, TrainConfig, make_optimizer, module_held
-from .models import UNIT_GRANULARITIES, Block, init_weights, unit_modules
-from .predict import unit_table
-from .strategies import get_fsdp, mesh_shape
-
-#: Accepted values of the strategy knobs in ``TrainConfig.options``; the first is the default.
-OPTIONS = {
-    "api": ("fsdp2", "fsdp1"),
-    "wrap": UNIT_GRANULARITIES,
-    "prefetch": ("default", "explicit", "none"),
-    "offload": (False, True),
-}
-
-
-def fsdp_options(cfg: TrainConfig) -> dict:
-    """The FSDP knobs of a run, defaults filled in, bad values refused (notebook 04)."""
-    unknown = sorted(set(cfg.options) - set(OPTIONS))
-    if unknown:
-        raise CourseInputError(f"unknown FSDP option(s) {', '.join(unknown)}; choose from {', '.join(OPTIONS)}")
-    out = {}
-    for key, choices in OPTIONS.items():
-        value = cfg.options.get(key, choices[0])
-        if isinstance(value, str) and choices[0] is False:
-            value = {"true": True, "false": False}.get(value.lower(), value)
-        if value not in choices:
-            raise CourseInputError(f"option {key}={value!r} is not one of {', '.join(map(str, choices))}")
-        out[key] = value
-    if out["api"] == "fsdp1" and (out["wrap"] == "linear" or out["prefetch"] != "default" or out["offload"]):
-        raise CourseInputError(
-            "api=fsdp1 is the mapping to older code: use it with wrap=block or wrap=model and "
-            "the default prefetch, without offload"
-        )
-    if out["api"] == "fsdp1" and cfg.strategy == "hybrid_shard" and cfg.node_size == 1:
-        # Measured on torch 2.13: FSDP1 then all-reduces over the one-rank shard group only, so the
-        # replicas never average their gradients and silently drift apart.
-        raise CourseInputError(
-            "FSDP1's HYBRID_SHARD with node_size 1 does not average gradients across nodes; "
-            "use node_size >= 2, or api=fsdp2 (or no_shard)"
-        )
-    return out
-
+from .models import Block, unit_modules
 
 # ---------------------------------------------------------------------------------------------
-# Meshes, units, prefetching, policies
+# Units, prefetching, policies
 # ---------------------------------------------------------------------------------------------
-
-#: Meshes already built in this process, keyed by (device type, shape, names); each entry keeps
-#: the default process group it was built under, so a new session never reuses a stale one.
-_MESHES: dict = {}
-
-
-def fsdp_mesh(info, strategy: str, node_size: int = 2):
-    """The ``DeviceMesh`` for ``strategy`` on this run's device type (notebook 04).
-
-    The device type comes from ``info.device``: on a host with CUDA, FSDP2's default mesh would
-    be a CUDA mesh even for gloo/CPU workers, so it is always passed explicitly. A mesh is built
-    once per process and shape (building one creates process groups; DTensor also caches its
-    sharding decisions per mesh, so many runs in one launch share the work).
-    """
-    shape, names = mesh_shape(strategy, info.world_size, node_size)
-    key = (info.device.type, shape, names)
-    world, mesh = _MESHES.get(key, (None, None))
-    if world is not dist.group.WORLD:
-        mesh = cdist.init_mesh(info, shape, names)
-        _MESHES[key] = (dist.group.WORLD, mesh)
-    return mesh
 
 
 def set_prefetch(units: list, mode: str = "default", depth: int = 1) -> None:
@@ -147,7 +84,7 @@ def set_prefetch(units: list, mode: str = "default", depth: int = 1) -> None:
             unit.set_modules_to_backward_prefetch([unit])
         return
     if mode != "explicit":
-        raise CourseInputError(f"prefetch must be one of {', '.join(OPTIONS['prefetch'])}, got {mode!r}")
+        raise CourseInputError(f"prefetch must be one of default, explicit, none, got {mode!r}")
     if layers:
         root.set_modules_to_forward_prefetch(layers[:depth])
         root.set_modules_to_backward_prefetch(layers[-depth:][::-1])
@@ -156,8 +93,11 @@ def set_prefetch(units: list, mode: str = "default", depth: int = 1) -> None:
         unit.set_modules_to_backward_prefetch(layers[max(0, i - depth) : i][::-1])
 
 
-def mixed_precision_policy(cfg: TrainConfig):
+def mixed_precision_policy(precision: str):
     """``MixedPrecisionPolicy``: bf16 working parameters, fp32 gradient reduction, or None in fp32 (notebook 04).
+
+    ``precision``: "mixed" (a run's ``TrainConfig.precision``) or "bf16" (the dress rehearsal's word for
+    it) give the bf16 policy; "fp32" gives None (``fully_shard``'s default: no casting).
 
     The sharded parameters stay fp32 (they are the master copy the optimizer updates); the
     all-gathered working copy is bf16, so the all-gathers and the gathered bytes halve, while
@@ -165,7 +105,7 @@ def mixed_precision_policy(cfg: TrainConfig):
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if cfg.precision != "mixed":
+    if precision not in ("mixed", "bf16"):
         return None
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -195,14 +135,15 @@ def shard_model(
 ) -> list:
     """Apply ``fully_shard`` bottom-up: each unit module, then the root; return the units, root last (notebook 04).
 
-    The one wrapping function of the course: real runs (``apply_full_shard`` and the other
-    FSDP strategies) and the dress rehearsal (notebook 05b) both wrap through it.
+    The one wrapping function of the course: real runs (``apply.apply_fsdp``, for every FSDP row of
+    the record) and the dress rehearsal (notebook 05b) both wrap through it.
 
     Args:
         model: the course model (same seed on every rank).
-        mesh: from ``fsdp_mesh``: 1-D shards over it, 2-D shards over dim 1, replicates over dim 0.
+        mesh: from ``loop.device_mesh``: 1-D shards over it, 2-D shards over dim 1, replicates over dim 0.
         reshard_after_forward: True frees each unit after its forward (FULL_SHARD), False keeps
-            it gathered until its backward (SHARD_GRAD_OP); the record's ``reshard_after_forward``.
+            it gathered until its backward (SHARD_GRAD_OP), an integer k reshards to groups of k;
+            the record's ``reshard_after_forward``.
         granularity: what a unit is (``unit_modules``).
         mp_policy, offload: ``mixed_precision_policy`` / ``offload_policy`` results, or None.
         prefetch: ``set_prefetch`` mode.
@@ -320,19 +261,6 @@ class UnshardedTracker(Observer):
 # ---------------------------------------------------------------------------------------------
 
 
-def full_state_dict(model: nn.Module) -> dict:
-    """Every rank gets the full, unsharded weights keyed like ``build_model().state_dict()`` (notebook 04).
-
-    ``get_model_state_dict(full_state_dict=True)`` all-gathers each DTensor (FSDP2) or unshards
-    each flat parameter (FSDP1); the tied ``head.weight`` appears under its own key as in an
-    unsharded model, so ``weights_sha256`` compares across strategies.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: v.detach().clone() for k, v in sd.items()}
-
-
 def full_state_dict_via_dtensor(model: nn.Module) -> dict:
     """The same full state dict assembled by hand: ``DTensor.full_tensor()`` on each sharded value (notebook 04)."""
     return {
@@ -340,116 +268,15 @@ def full_state_dict_via_dtensor(model: nn.Module) -> dict:
     }
 
 
-def _apply_fsdp(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
-    opts = fsdp_options(cfg)
-    meta = next(model.parameters()).is_meta
-    if opts["api"] == "fsdp1":
-        if meta:
-            init_weights(model, cfg.seed, info.device)
-        return apply_fsdp1(model, cfg, info, strategy)
-    mesh = fsdp_mesh(info, strategy, cfg.node_size)
-    mp = mixed_precision_policy(cfg)
-    spec = get_fsdp(strategy)
-    shard_model(
-        model,
-        mesh,
-        reshard_after_forward=spec.reshard_after_forward,
-        granularity=opts["wrap"],
-        mp_policy=mp,
-        offload=offload_policy(opts["offload"], info.device),
-        prefetch=opts["prefetch"],
-    )
-    if meta:  # built on the meta device (loop.prepare): each rank materialises only its shards
-        init_weights(model, cfg.seed, "cpu" if opts["offload"] else info.device)
-    optimizer = make_optimizer(model.parameters(), cfg)  # after sharding: over this rank's DTensor shards
-    report = {
-        "library": "FSDP2 fully_shard",
-        "fsdp1_name": spec.fsdp1_name,
-        "mesh": {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names)},
-        "reshard_after_forward": spec.reshard_after_forward,
-        **opts,
-        "compute_bytes_per_element": 2 if mp else 4,
-        "units": unit_table(model, mesh.shape[-1], unit_modules(model, opts["wrap"])),
-        "peak_unsharded_bytes": 0,
-    }
-    tracker = UnshardedTracker(model, report)
-    report["tracker_units"] = len(tracker.units)
-    return Prepared(
-        model=model,
-        optimizer=optimizer,
-        full_state_dict=lambda: full_state_dict(model),
-        held=lambda: module_held(model, optimizer),
-        info=report,
-        observers=[tracker],
-    )
-
-
-def apply_full_shard(model, cfg: TrainConfig, info) -> Prepared:
-    """FULL_SHARD (ZeRO stage 3): ``fully_shard(reshard_after_forward=True)`` per block, then the root (notebook 04).
-
-    Args:
-        model: the course model, built from the same seed on every rank.
-        cfg: the run's ``TrainConfig``; ``cfg.options`` may set ``api``, ``wrap``, ``prefetch``,
-            ``offload``; ``precision="mixed"`` uses bf16 working parameters.
-        info: this rank's ``DistInfo`` (device, world size).
-
-    Each rank holds 16Ψ/N bytes at rest (fp32 parameters, gradients, Adam's two moments, each
-    a 1/N shard); per step and unit: two all-gathers and one reduce-scatter.
-    """
-    return _apply_fsdp(model, cfg, info, "full_shard")
-
-
-def apply_shard_grad_op(model, cfg: TrainConfig, info) -> Prepared:
-    """SHARD_GRAD_OP (ZeRO stage 2): ``fully_shard(reshard_after_forward=False)`` (notebook 04).
-
-    Args:
-        model, cfg, info: as for ``apply_full_shard``.
-
-    One all-gather and one reduce-scatter per unit and step (2(N-1)/N·Ψ sent, as DDP). Units stay
-    gathered from forward to backward, so the whole model (4Ψ bytes in fp32) is unsharded at the
-    end of the forward; at rest FSDP2 keeps 16Ψ/N, as FULL_SHARD does. Held plus gathered at that
-    peak: 4Ψ + 16Ψ/N, stage 2's row (4Ψ + 12Ψ/N) plus the fp32 parameter shard (4Ψ/N).
-    """
-    return _apply_fsdp(model, cfg, info, "shard_grad_op")
-
-
-def apply_no_shard(model, cfg: TrainConfig, info) -> Prepared:
-    """NO_SHARD (plain data parallelism): ``fully_shard`` over an (N, 1) mesh (notebook 04).
-
-    Args:
-        model, cfg, info: as for ``apply_full_shard``.
-
-    Why this API: it is public FSDP2 (the same function, DTensor state dicts and counters as the
-    other strategies) and it is exactly HYBRID_SHARD with one rank per node: the shard is the
-    whole tensor, so there is nothing to gather or scatter, and each unit's gradients are
-    all-reduced over the replicate dimension, 2(N-1)/N·Ψ sent per rank as in DDP. Every rank
-    holds 16Ψ bytes. See the module docstring for the alternatives and the working copy FSDP2
-    computes on.
-    """
-    return _apply_fsdp(model, cfg, info, "no_shard")
-
-
-def apply_hybrid_shard(model, cfg: TrainConfig, info) -> Prepared:
-    """HYBRID_SHARD (HSDP): FULL_SHARD inside nodes of ``cfg.node_size`` ranks, replicated across nodes (notebook 04).
-
-    Args:
-        model, info: as for ``apply_full_shard``.
-        cfg: ``cfg.node_size`` = n ranks per node; N must divide by n (4 CPU processes = 2 nodes
-            x 2 ranks). The mesh is ``(N/n, n)`` with names ("replicate", "shard").
-
-    Each rank holds 16Ψ/n bytes. All-gathers and reduce-scatters run inside a node (group of n);
-    one all-reduce per unit of the reduce-scattered shard (Ψ/n elements) runs across the N/n nodes.
-    """
-    return _apply_fsdp(model, cfg, info, "hybrid_shard")
-
-
-def apply_fsdp1(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
+def apply_fsdp1(model: nn.Module, mesh, options):
     """The same strategy through the FSDP1 class ``FullyShardedDataParallel(sharding_strategy=...)`` (notebook 04).
 
     Args:
-        model, cfg, info: as for ``apply_full_shard``; ``cfg.options["wrap"]`` "block" uses
-            ``ModuleWrapPolicy({Block})`` (one unit per block, like ``shard_model``), "model" none.
-        strategy: one of ``strategies.FSDP_STRATEGIES``; HYBRID_SHARD gets the same 2-D mesh as FSDP2.
+        model: the course model, built whole on every rank from the same seed.
+        mesh: the strategy's device mesh; HYBRID_SHARD (a 2-D mesh) gets it, the others FSDP1's default group.
+        options: ``apply.ApplyOptions``: ``fsdp1`` (the ``ShardingStrategy`` member), the ``wrap`` knob
+            ("block" uses ``ModuleWrapPolicy({Block})``, one unit per block like ``shard_model``; "model"
+            none), ``precision``, ``device``.
 
     FSDP1 flattens each unit's parameters into one ``FlatParameter`` and shards that (padded to a
     multiple of N); the optimizer sees the flat shards. On CPU ``device_id`` is the CPU device.
@@ -457,40 +284,21 @@ def apply_fsdp1(model, cfg: TrainConfig, info, strategy: str) -> Prepared:
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    opts = fsdp_options(cfg)
     kwargs = {}
-    if strategy == "hybrid_shard":
-        kwargs["device_mesh"] = fsdp_mesh(info, strategy, cfg.node_size)
-    if cfg.precision == "mixed":
+    if options.shard_over == "node":  # HYBRID_SHARD: its two groups come from the 2-D mesh
+        kwargs["device_mesh"] = mesh
+    if options.precision == "mixed":
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    policy = ModuleWrapPolicy({Block}) if opts["wrap"] == "block" else None
+    policy = ModuleWrapPolicy({Block}) if options.knob("wrap") == "block" else None
     with warnings.catch_warnings():  # FSDP1 announces its own deprecation; the notebook says so in words
         warnings.simplefilter("ignore", FutureWarning)
-        wrapped = FullyShardedDataParallel(
+        return FullyShardedDataParallel(
             model,
-            sharding_strategy=ShardingStrategy[get_fsdp(strategy).fsdp1_name],
-            device_id=info.device,
+            sharding_strategy=ShardingStrategy[options.fsdp1],
+            device_id=options.device,
             auto_wrap_policy=policy,
             **kwargs,
         )
-    optimizer = make_optimizer(wrapped.parameters(), cfg)
-    report = {
-        "library": "FSDP1 FullyShardedDataParallel",
-        "fsdp1_name": get_fsdp(strategy).fsdp1_name,
-        **opts,
-        "flat_shard_numel": [p.numel() for p in wrapped.parameters()],
-    }
-    return Prepared(
-        model=wrapped,
-        optimizer=optimizer,
-        full_state_dict=lambda: full_state_dict(wrapped),
-        held=lambda: module_held(wrapped, optimizer),
-        info=report,
-    )
-
-
-def _b(n) -> str:
-    return "–" if n is None else f"{n:,.0f}"
 
 
 def calls_text(comm: dict) -> str:
@@ -500,20 +308,12 @@ def calls_text(comm: dict) -> str:
 
 
 __all__ = [
-    "OPTIONS",
-    "fsdp_options",
-    "fsdp_mesh",
     "set_prefetch",
     "mixed_precision_policy",
     "offload_policy",
     "shard_model",
     "UnshardedTracker",
-    "full_state_dict",
     "full_state_dict_via_dtensor",
-    "apply_full_shard",
-    "apply_shard_grad_op",
-    "apply_no_shard",
-    "apply_hybrid_shard",
     "apply_fsdp1",
     "calls_text",
 ]

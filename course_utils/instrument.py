@@ -1,6 +1,6 @@
 """Counting what a run holds and what it sends, the same way for every strategy (notebook 02).
 
-- ``held_bytes``: bytes of the real local tensors a rank holds (parameters, gradients,
+- ``rank_bytes``: bytes of the real local tensors a rank holds (parameters, gradients,
   optimizer state), a tensor shared by two names (a tied weight) counted once, a DTensor
   counted by its local shard.
 - ``CommCounter``: a ``TorchDispatchMode`` that sees every c10d collective this process
@@ -17,7 +17,8 @@ is what one rank puts on the wire in a ring algorithm over a group of N ranks:
     reduce-scatter   (N-1)/N × payload   (payload = the full input)
     broadcast              1 × payload   (pipelined ring; the root sends it once)
 
-which is the accounting behind the ZeRO paper's 2Ψ (stages 1, 2) against 3Ψ (stage 3).
+which is the accounting behind the ZeRO paper's 2Ψ (stages 1, 2) against 3Ψ (stage 3); the factors
+are ``comm.RING_FACTOR``, the same the predictions and the planner use.
 
 Across nodes (notebook 05): given ``node_size`` (ranks per node; rank r lives on node
 r // node_size, as torchrun numbers them), each collective is also marked by whether its
@@ -37,6 +38,7 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .comm import ring_bytes_sent
 from .errors import CourseInputError
 
 # c10d op name -> (kind, index of the tensor argument whose size is the payload)
@@ -68,16 +70,6 @@ _FUNCTIONAL = {
     "broadcast": "broadcast",
     "broadcast_": "broadcast",
     "all_to_all_single": "all_to_all",
-}
-
-RING_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
-    "reduce": lambda n: 1.0 if n > 1 else 0.0,
-    "all_to_all": lambda n: (n - 1) / n,
-    "barrier": lambda n: 0.0,
 }
 
 
@@ -126,11 +118,6 @@ def _spans_nodes(args, node_size: int | None) -> bool:
     group = _group(args)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
     return len({r // node_size for r in ranks}) > 1
-
-
-def ring_bytes_sent(kind: str, payload_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends for one collective in the ring model above (notebook 02)."""
-    return RING_FACTOR[kind](group_size) * payload_bytes
 
 
 class CommCounter(TorchDispatchMode):
@@ -202,7 +189,14 @@ def tensor_bytes(tensors) -> int:
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    """Every tensor in a torch optimizer's state (momentum, variance, master copies...) (notebook 02)."""
+    """Every tensor in a torch optimizer's state (momentum, variance, master copies...) (notebook 02).
+
+    torch's ``ZeroRedundancyOptimizer`` keeps its rank's share in the optimizer it wraps (``.optim``):
+    that is what this rank holds.
+    """
+    inner = getattr(optimizer, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner
     out = []
     for state in optimizer.state.values():
         for value in state.values():
@@ -211,8 +205,8 @@ def optimizer_tensors(optimizer) -> list[torch.Tensor]:
     return out
 
 
-def held_bytes(params, grads, optim) -> dict:
-    """``{"params", "grads", "optim", "total"}`` bytes held by this rank (notebook 02)."""
+def rank_bytes(params, grads, optim) -> dict:
+    """``{"params", "grads", "optim", "total"}``: bytes of the local tensors this rank holds, by part (notebook 02)."""
     row = {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optim": tensor_bytes(optim)}
     row["total"] = sum(row.values())
     return row
@@ -276,6 +270,10 @@ class Observer:
     def after_step(self, step: int, losses: list) -> None:
         pass
 
+    def result(self):
+        """What the caller gets back from a run it watched (``train``'s report, ``observed``); None by default."""
+        return None
+
 
 class CountCollectives(Observer):
     """Bytes sent per group: every collective of the loop, counted by ``CommCounter`` (notebook 02);
@@ -302,7 +300,7 @@ class CountCollectives(Observer):
 
 
 class HeldAtRest(Observer):
-    """Bytes held: ``held_bytes`` of ``held()`` after the update of step ``at``, gradients still present (notebook 02);
+    """Bytes held: ``rank_bytes`` of ``held()`` after the update of step ``at``, gradients still present (notebook 02);
     with ``peak=True``, also the most bytes the update of that step held (notebook 03).
 
     Args:
@@ -314,7 +312,7 @@ class HeldAtRest(Observer):
             ``torch.distributed._tools.mem_tracker.MemTracker`` (the base of the ``FSDPMemTracker`` that
             notebook 05b rehearses with; here on the real tensors). ``update_extra`` is then the most bytes
             the update held at any moment above what was held when it began, and ``update_peak`` that plus
-            ``held_bytes`` at its start: the peak of the bytes held during the update. The tracker sees
+            ``rank_bytes`` at its start: the peak of the bytes held during the update. The tracker sees
             every tensor the rank's operators create (not a collective library's internal buffers).
         optimizer: the torch optimizer inside the strategy's optimizer, so that its 0-dim step counters
             are counted from the start (the tracker would otherwise count them when first touched).
@@ -334,7 +332,7 @@ class HeldAtRest(Observer):
             from torch.distributed._tools.mem_tracker import MemTracker
 
             params, grads, optim = self.held()
-            self._start = held_bytes(params, grads, optim)["total"]
+            self._start = rank_bytes(params, grads, optim)["total"]
             self._tracker = MemTracker()
             self._tracker.track_external(
                 *[t for t in (*params, *grads, *optim) if t is not None],
@@ -351,7 +349,7 @@ class HeldAtRest(Observer):
                 self.update_peak = self._start + self.update_extra
                 self._tracker = None
             parts = self.held()
-            self.bytes = held_bytes(*parts)
+            self.bytes = rank_bytes(*parts)
             self.extra = {name: fn(*parts) for name, fn in self.also.items()}
 
 

@@ -17,73 +17,14 @@ is what lets the notebooks compare strategies bit for bit.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import CourseInputError
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Shape of the course model (notebook 00). Ψ is ``param_count(cfg)``."""
-
-    vocab: int = 256  # tokens in the vocabulary
-    seq: int = 32  # context length (tokens per sample)
-    layers: int = 2  # transformer blocks (L)
-    width: int = 64  # hidden size (h)
-    heads: int = 4  # attention heads; must divide width
-    mlp_ratio: int = 4  # MLP hidden size = mlp_ratio * width (when mlp_hidden is 0)
-    tie_weights: bool = True  # output head shares the token embedding (GPT-2 style)
-    # Llama's block (notebook 05b's published shapes); the defaults keep GPT-2's.
-    arch: str = "gpt2"  # "gpt2": LayerNorm, learned positions, GELU MLP, biases; "llama": see the module doc
-    kv_heads: int = 0  # key/value heads (grouped-query attention); 0 = heads (multi-head attention)
-    mlp_hidden: int = 0  # MLP hidden size (Llama's intermediate_size); 0 = mlp_ratio * width
-    rope_theta: float = 10000.0  # rotary base (arch "llama"; Llama 2 used 10^4, Llama 3 5·10^5)
-
-    def __post_init__(self):
-        for name in ("vocab", "seq", "layers", "width", "heads", "mlp_ratio"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise CourseInputError(f"model {name} must be a positive integer, got {value!r}")
-        for name in ("kv_heads", "mlp_hidden"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise CourseInputError(f"model {name} must be a whole number (0 for the default), got {value!r}")
-        if self.arch not in ARCHS:
-            raise CourseInputError(f"model arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
-        if self.width % self.heads:
-            raise CourseInputError(
-                f"model width {self.width} is not divisible by heads {self.heads}; pick heads that divide it"
-            )
-        if self.heads % self.n_kv_heads:
-            raise CourseInputError(
-                f"model kv_heads {self.kv_heads} does not divide heads {self.heads}; "
-                "pick a divisor (8 for Llama's 70B), or 0 for multi-head attention"
-            )
-        if self.arch == "llama" and (self.width // self.heads) % 2:
-            raise CourseInputError(
-                f"rotary positions need an even head size, not {self.width // self.heads}; "
-                "pick heads so that width / heads is even"
-            )
-
-    @property
-    def n_kv_heads(self) -> int:
-        """Key/value heads: ``kv_heads``, or ``heads`` when it is 0 (multi-head attention)."""
-        return self.kv_heads or self.heads
-
-    @property
-    def hidden(self) -> int:
-        """The MLP's hidden size: ``mlp_hidden``, or ``mlp_ratio * width`` when it is 0."""
-        return self.mlp_hidden or self.mlp_ratio * self.width
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-ARCHS = ("gpt2", "llama")
+from .presets import ARCHS, UNIT_GRANULARITIES, GPTConfig  # noqa: F401 (the course model's shape, read here too)
 
 #: Named sizes. "tiny" is what the notebooks' defaults train on a 2-core CPU.
 PRESETS: dict[str, GPTConfig] = {
@@ -218,10 +159,6 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-#: What one sharding unit of the course model can be (``unit_modules``); the first is the default.
-UNIT_GRANULARITIES = ("block", "model", "linear")
-
-
 def unit_modules(model: nn.Module, granularity: str = "block") -> list[nn.Module]:
     """The submodules that become their own sharding unit, in forward order; the root is always one more (notebook 04).
 
@@ -237,6 +174,29 @@ def unit_modules(model: nn.Module, granularity: str = "block") -> list[nn.Module
     if granularity == "linear":
         return [m for block in model.blocks for m in block.modules() if isinstance(m, nn.Linear)]
     raise CourseInputError(f"wrap must be one of {', '.join(UNIT_GRANULARITIES)}, got {granularity!r}")
+
+
+def unit_table(model: nn.Module, shard_size: int, units: list[nn.Module]) -> list[dict]:
+    """Each unit's parameters: ``[{"name", "numel", "padded"}]`` in forward order, the root last (notebook 04).
+
+    ``units``: the unit modules below the root (``models.unit_modules``, the modules
+    ``fsdp.shard_model`` wraps). A unit owns the parameters of its subtree that no other unit
+    owns (a tied weight counts once). ``padded``: FSDP2 pads dim 0 of every parameter to a
+    multiple of the shard size before splitting it, so an all-gather moves ``padded`` elements.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    seen, rows = set(), []
+    for module in [*units, model]:  # units do not nest; whatever they leave belongs to the root
+        numel = padded = 0
+        for p in module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            dim0 = p.shape[0] if p.dim() else 1
+            numel += p.numel()
+            padded += -(-dim0 // shard_size) * shard_size * (p.numel() // max(dim0, 1))
+        rows.append({"name": names[id(module)] or "(root)", "numel": numel, "padded": padded})
+    return rows
 
 
 def build_model(cfg: GPTConfig | str = "tiny", seed: int = 0, device="cpu") -> GPT:

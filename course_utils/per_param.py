@@ -27,13 +27,13 @@ gathers them again just before its backward (FULL_SHARD); the root stays gathere
 same: it would be gathered again at once for the backward). FSDP2 packs a unit's shards into one
 all-gather and one reduce-scatter; here there is one collective per parameter, which keeps the code
 short and sends the same bytes. ``tests/test_per_param.py`` checks it against one process with
-SGD, Adam and AdamW, tied and frozen weights, fp32 and bf16, on 2 and 4 ranks, and against
-``fully_shard``'s own local shards.
+SGD, Adam and AdamW, tied and frozen weights, fp32 and bf16, on 2 and 4 ranks, against
+``fully_shard``'s own local shards, and the norm of a gradient clipped across shards (the sum of every
+rank's squares, one all-reduce: notebook 04's exercise) against one process's.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -42,8 +42,6 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from .compat import all_gather_single, reduce_scatter_single
-from .instrument import tensor_bytes
-from .predict import peak_gathered_bytes
 from .zero import GatheredBytes, assign_units
 
 # ---------------------------------------------------------------------------------------------
@@ -300,209 +298,3 @@ class PerParamSharded(nn.Module):
         for key, value in self.module.state_dict(keep_vars=True).items():
             out[key] = values[value] if value in values else value.detach().clone()
         return out
-
-
-# ---------------------------------------------------------------------------------------------
-# What per-parameter sharding changes: clipping, and the formulas
-# ---------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
-    """Clip the gradient norm of a sharded model: the norm of the *whole* gradient (notebook 04).
-
-    Each rank holds only its rows, so the squares are summed locally, all-reduced, and the
-    square root taken of the total; every rank then scales its shards by the same factor, exactly
-    what ``torch.nn.utils.clip_grad_norm_`` does to the full gradients of one process.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-    for g in grads:
-        total += g.float().pow(2).sum()
-    dist.all_reduce(total, group=group)
-    norm = total.sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(scale.to(g.dtype))
-    return norm
-
-
-def expected_shard_bytes(model: nn.Module, nd: int, bytes_per_element: int = 4) -> int:
-    """Bytes of padded shards one rank keeps: Σ over parameters of c·(other dims) (notebook 04).
-
-    Every rank keeps c rows of every parameter (a rank past the end keeps c zero rows of padding
-    in its storage): Ψ/Nd plus at most Nd-1 rows of padding per parameter.
-    """
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += chunk_rows(p.shape[0], nd) * math.prod(p.shape[1:])
-    return total * bytes_per_element
-
-
-def expected_traffic(
-    model: nn.Module, units, nd: int, *, reshard_after_forward: bool = True, bytes_per_element: int = 4
-) -> dict:
-    """Bytes one rank sends per step by kind, in the ring model (notebook 04).
-
-    all-gather: every parameter's Nd·c rows once for the forward, and again for the backward for
-    the blocks when ``reshard_after_forward``; reduce-scatter: every trainable parameter once.
-    Each sends (Nd-1)/Nd of the gathered (padded) bytes.
-    """
-    frac = (nd - 1) / nd
-    out = {"all_gather": 0.0, "reduce_scatter": 0.0}
-    for name, _mod, params in assign_units(model, list(units)):
-        for p in params:
-            nbytes = nd * chunk_rows(p.shape[0], nd) * math.prod(p.shape[1:]) * bytes_per_element
-            again = reshard_after_forward and name != "(root)"
-            out["all_gather"] += frac * nbytes * (2 if again else 1)
-            if p.requires_grad:
-                out["reduce_scatter"] += frac * nbytes
-    return out
-
-
-def held(model: PerParamSharded, optimizer) -> dict:
-    """Bytes held at rest (shards, gradient shards, optimizer state), as ``instrument.held_bytes`` reports."""
-    from .instrument import optimizer_tensors
-
-    params = [sp.padded for sp in model.sharded_params()]
-    grads = [sp.local.grad for sp in model.sharded_params()]
-    return {
-        "params": tensor_bytes(params),
-        "grads": tensor_bytes(grads),
-        "optim": tensor_bytes(optimizer_tensors(optimizer)) if optimizer is not None else 0,
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# Against one process, and against fully_shard (one launch runs several cases)
-# ---------------------------------------------------------------------------------------------
-
-
-def _freeze(model: nn.Module, names) -> None:
-    for name, p in model.named_parameters():
-        if name in names:
-            p.requires_grad_(False)
-
-
-def compare_worker(cases: list[dict]) -> list[dict]:
-    """Train the course model with ``PerParamSharded`` and with one process; report the differences (notebook 04).
-
-    Each case: ``optimizer`` ("SGD", "Adam", "AdamW"), ``compute_dtype`` (None or "bfloat16"),
-    ``frozen`` (parameter names), ``reshard_after_forward``, ``steps``. Returns per case the
-    relative weight difference (``instrument.weight_diff``), the bytes held and sent with their
-    formulas, the peak of gathered bytes, and the rows each rank keeps against ``fully_shard``'s.
-    """
-    from . import dist as cdist
-    from .data import batch_for_rank
-    from .instrument import CommCounter, weight_diff
-    from .models import build_model, get_config
-
-    cfg = get_config("tiny")
-    out = []
-    with cdist.session() as info:
-        kw = dict(batch=8, seq=cfg.seq, vocab=cfg.vocab, device=info.device)
-        for case in cases:
-            opt_kw = {
-                "SGD": {"lr": 0.05, "momentum": 0.9},
-                "Adam": {"lr": 3e-3},
-                "AdamW": {"lr": 3e-3, "weight_decay": 0.1},
-            }[case["optimizer"]]
-            cls = getattr(torch.optim, case["optimizer"])
-            dtype = getattr(torch, case["compute_dtype"]) if case.get("compute_dtype") else None
-            reshard = case.get("reshard_after_forward", True)
-            ref, model = build_model(cfg, seed=0, device=info.device), build_model(cfg, seed=0, device=info.device)
-            for m in (ref, model):
-                _freeze(m, case.get("frozen", ()))
-            sharded = PerParamSharded(
-                model, units=list(model.blocks), reshard_after_forward=reshard, compute_dtype=dtype
-            )
-            ref_opt = cls([p for p in ref.parameters() if p.requires_grad], **opt_kw)
-            opt = cls([p for p in sharded.parameters() if p.requires_grad], **opt_kw)  # unchanged torch.optim
-            steps = case.get("steps", 3)
-            with CommCounter() as comm:
-                for step in range(steps):
-                    sharded(*batch_for_rank(step, info.rank, info.world_size, **kw)).backward()
-                    grads_are_shards = all(
-                        (sp.local.grad is not None and sp.local.grad.shape == sp.local.shape)
-                        if sp.local.requires_grad
-                        else sp.local.grad is None
-                        for sp in sharded.sharded_params()
-                    )
-                    opt.step()
-                    opt.zero_grad()
-            for step in range(steps):
-                ref(*batch_for_rank(step, 0, 1, **kw)).backward()
-                ref_opt.step()
-                ref_opt.zero_grad()
-            bpe = 2 if dtype is not None else 4
-            fresh = build_model(cfg, seed=0)
-            _freeze(fresh, case.get("frozen", ()))
-            units = [
-                {"name": n, "numel": sum(p.numel() for p in ps)} for n, _, ps in assign_units(fresh, list(fresh.blocks))
-            ]
-            sent = {k: v["sent_bytes"] for k, v in comm.summary(steps).items()}
-            out.append(
-                {
-                    **case,
-                    "rel_weight_diff": weight_diff(sharded.full_state_dict(), ref.state_dict())["relative"],
-                    "held_bytes": sharded.held_bytes(),
-                    "expected_held_bytes": expected_shard_bytes(build_model(cfg, seed=0), info.world_size),
-                    "real_elements": sum(sp.local.numel() for sp in sharded.sharded_params()),
-                    "sent": sent,
-                    "expected_sent": expected_traffic(
-                        fresh, list(fresh.blocks), info.world_size, reshard_after_forward=reshard, bytes_per_element=bpe
-                    ),
-                    "peak_gathered": sharded.tracker.peak,
-                    "expected_peak": peak_gathered_bytes(
-                        units, bpe, "full_shard" if reshard else "shard_grad_op", prefetch="none"
-                    )
-                    if info.world_size > 1
-                    else None,
-                    "grads_are_shards": grads_are_shards,
-                }
-            )
-        out.append({"fully_shard_rows_match": _rows_match_fully_shard(info)})
-    return out
-
-
-def _rows_match_fully_shard(info) -> bool:
-    """Does every parameter's shard here hold the same rows as ``fully_shard``'s local tensor?"""
-    from torch.distributed.fsdp import fully_shard
-
-    from .models import build_model
-
-    theirs = build_model("tiny", seed=0, device=info.device)
-    for block in theirs.blocks:
-        fully_shard(block)
-    fully_shard(theirs)
-    mine = build_model("tiny", seed=0, device=info.device)
-    PerParamSharded(mine, units=list(mine.blocks))
-    ours = dict(mine.named_parameters())
-    return all(torch.equal(ours[name].detach(), p.to_local().detach()) for name, p in theirs.named_parameters())
-
-
-def clip_worker(max_norm: float = 0.05) -> dict:
-    """``clip_grad_norm_`` on shards against ``torch.nn.utils.clip_grad_norm_`` on one process's full gradients (notebook 04)."""
-    from . import dist as cdist
-    from .data import batch_for_rank
-    from .models import build_model, get_config
-
-    cfg = get_config("tiny")
-    with cdist.session() as info:
-        kw = dict(batch=8, seq=cfg.seq, vocab=cfg.vocab, device=info.device)
-        ref, model = build_model(cfg, seed=0, device=info.device), build_model(cfg, seed=0, device=info.device)
-        ref(*batch_for_rank(0, 0, 1, **kw)).backward()
-        reference_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-        sharded = PerParamSharded(model, units=list(model.blocks))
-        sharded(*batch_for_rank(0, info.rank, info.world_size, **kw)).backward()
-        norm = clip_grad_norm_(sharded.parameters(), max_norm)
-        full = dict(ref.named_parameters())
-        worst = 0.0
-        for name, p in sharded.module.named_parameters():
-            start, stop = shard_rows(full[name].shape[0], info.world_size, info.rank)
-            want = full[name].grad[start:stop]
-            if want.numel():
-                worst = max(worst, ((p.grad - want).norm() / want.norm().clamp_min(1e-30)).item())
-        return {"norm": norm.item(), "reference_norm": reference_norm.item(), "max_rel_err": worst}

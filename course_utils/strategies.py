@@ -1,11 +1,31 @@
-"""The strategy record: every fact the course knows about a strategy, in one place (notebooks 02-05b).
+"""The strategy record: every fact the course knows about a strategy, in one row (notebooks 02-05b).
 
-One ``Strategy`` per name, the way torchtitan keeps one ``ModelSpec`` per model: which function
-applies it, what FSDP1 called it, which row of the ZeRO memory table its bytes follow at rest
-and at the peak of a step, which row of the planner it is, ``fully_shard``'s
-``reshard_after_forward``, and the device mesh it runs on for N ranks in nodes of n. Everything
-that needs a strategy fact (the training loop, the predictions, the planner bridge, the
-rehearsal, the benchmarks, the notebooks' tables) reads it here, so two copies cannot disagree.
+One ``Strategy`` per strategy, the way torchtitan keeps one spec per model. A row says what the strategy
+shards between steps and at the peak of a step (parameters, gradients, optimizer state), over which group
+(Nd: all ranks, one node, or nobody), what it gathers per unit and when it reshards (``fully_shard``'s
+``reshard_after_forward``, an integer included), which collectives it issues in every step, of what and
+over which mesh dimension (``Collective``), what it moves to host memory, its apply function and its
+optimizer wrapper (callables), its FSDP1 name, and what a user types for it in PyTorch and DeepSpeed.
+The training loop, the predictions, the memory bill, the planner, the rehearsal, the checkpointer and
+the views read these fields; none of them tests a strategy's name. Names exist for people: the command
+line's ``--strategy``, a notebook's parameters, the keys of a report.
+
+Adding a strategy is one row plus one apply function, registered where they are written
+(``register``); ``tests/test_strategies.py`` adds one from a test module and finds it in the planner,
+the predictions and a training run. A row may have no apply function: the planner and the predictions
+price rows the loop cannot run here (the offload rows below; DeepSpeed's own stages next).
+
+The types (``Strategy``, ``Collective``) and the registry are ``course_utils.strategy_spec``, re-exported
+here: torchtitan's spec type in a small module. Why the rows live here, beside their apply functions
+(``course_utils.apply``), and not in the mechanism modules as torchtitan registers its specs beside its
+models: the arithmetic (``memory``, ``predict``, ``plan``) reads the rows, and ``python -m course_utils
+memory`` and ``plan`` must start in a fraction of a second. The mechanism modules import torch (3-4 s of
+CPU here); ``apply`` imports the mechanism only when a function is called. Measured (CPU seconds, mean of
+6 runs): ``memory`` 0.34 s before this record held callables, 0.36 s after; ``plan`` 0.35 s before,
+0.39 s after. The layering that follows, held by ``tests/test_layers.py`` (imports inside functions
+counted): no string import paths (a row holds the function itself); no upward import and no
+cycle (mechanism, then ``apply``, then this record, then the arithmetic); the arithmetic modules start
+no process and import no ``torch.distributed``.
 
 Two facts checked against torch 2.13's source, because older copies of them disagreed:
 
@@ -16,160 +36,281 @@ Two facts checked against torch 2.13's source, because older copies of them disa
 - The shard group (Nd, what the bytes at rest divide by) is the size of the mesh's "shard"
   dimension: N for FULL_SHARD and the ZeRO stages, n for HYBRID_SHARD, 1 for NO_SHARD (an
   (N, 1) mesh: each rank's shard is the whole tensor) and for DDP.
-
-This module imports nothing from the package but ``errors``: every layer may read it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from .errors import CourseInputError
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One strategy's facts (notebooks 02-05b).
-
-    Attributes:
-        name: the course's name (``--strategy``).
-        notebook: the notebook that introduces it.
-        apply: ``"module:function"`` of its ``apply_NAME(model, cfg, info) -> Prepared``; the
-            training loop imports it when a run asks for it (``loop.resolve_strategy``).
-        mesh: "single" (one process), "replicate" (N,), "shard" (N,), "no_shard" (N, 1) or
-            "hybrid" (N/n, n): see ``mesh_shape``.
-        zero_row_at_rest: the row of ``memory.STAGES`` whose bytes a rank holds between steps.
-        zero_row_at_peak: the row it holds during a step (and whose traffic it sends): only
-            SHARD_GRAD_OP differs (FSDP2 reshards after backward, so at rest it is stage 3).
-        plan_row: its row in the planner (``plan.STRATEGIES``).
-        fsdp1_name: the FSDP1 ``ShardingStrategy`` member, or None for non-FSDP strategies.
-        reshard_after_forward: ``fully_shard``'s argument, or None for non-FSDP strategies.
-        abbrev: a short label for figure axes.
-    """
-
-    name: str
-    notebook: str
-    apply: str
-    mesh: str
-    zero_row_at_rest: str
-    zero_row_at_peak: str
-    plan_row: str
-    fsdp1_name: str | None = None
-    reshard_after_forward: bool | None = None
-    abbrev: str = ""
-
-    @property
-    def is_fsdp(self) -> bool:
-        """True for the four strategies built on ``fully_shard`` (notebook 04)."""
-        return self.fsdp1_name is not None
-
-
-_ALL = (
-    Strategy("single", "02", "course_utils.loop:apply_single", "single", "ddp", "ddp", "ddp"),
-    Strategy("ddp", "02", "course_utils.ddp:apply_ddp", "replicate", "ddp", "ddp", "ddp"),
-    Strategy("ddp_scratch", "02", "course_utils.ddp:apply_ddp_scratch", "replicate", "ddp", "ddp", "ddp"),
-    Strategy("zero1", "03", "course_utils.zero:apply_zero1", "shard", "zero1", "zero1", "zero1"),
-    Strategy("zero2", "03", "course_utils.zero:apply_zero2", "shard", "zero2", "zero2", "zero2"),
-    Strategy("zero3", "03", "course_utils.zero:apply_zero3", "shard", "zero3", "zero3", "zero3"),
-    Strategy(
-        "no_shard",
-        "04",
-        "course_utils.fsdp:apply_no_shard",
-        "no_shard",
-        "ddp",
-        "ddp",
-        "ddp",
-        fsdp1_name="NO_SHARD",
-        reshard_after_forward=False,
-        abbrev="NS",
-    ),
-    Strategy(
-        "shard_grad_op",
-        "04",
-        "course_utils.fsdp:apply_shard_grad_op",
-        "shard",
-        "zero3",
-        "zero2",
-        "zero2",
-        fsdp1_name="SHARD_GRAD_OP",
-        reshard_after_forward=False,
-        abbrev="SGO",
-    ),
-    Strategy(
-        "full_shard",
-        "04",
-        "course_utils.fsdp:apply_full_shard",
-        "shard",
-        "zero3",
-        "zero3",
-        "zero3",
-        fsdp1_name="FULL_SHARD",
-        reshard_after_forward=True,
-        abbrev="FS",
-    ),
-    Strategy(
-        "hybrid_shard",
-        "04",
-        "course_utils.fsdp:apply_hybrid_shard",
-        "hybrid",
-        "zero3",
-        "zero3",
-        "hsdp",
-        fsdp1_name="HYBRID_SHARD",
-        reshard_after_forward=True,
-        abbrev="HS",
-    ),
+from . import apply as ap
+from .strategy_spec import (  # noqa: F401 (the record's types and registry, read through this module)
+    ALL,
+    GRADS,
+    NOTHING,
+    OPTIM,
+    PARAMS,
+    PARTS,
+    RECORD,
+    STRATEGIES,
+    Collective,
+    Strategy,
+    get,
+    get_fsdp,
+    mesh_shape,
+    planned,
+    register,
+    runnable,
+    shard_group_size,
+    zero_table,
 )
 
-#: Every strategy ``train`` can run, by name, in the order the course introduces them.
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in _ALL}
+
+def _ag(over: str = "shard", when: str = "forward", per: str = "unit") -> Collective:
+    return Collective("all_gather", "params", over, when, per)
+
+
+def _rs(over: str = "shard", when: str = "backward", per: str = "unit", dtype: str = "compute") -> Collective:
+    return Collective("reduce_scatter", "grads", over, when, per, dtype)
+
+
+_FSDP_KNOBS = (
+    ("api", ap.FSDP_APIS),
+    ("wrap", ap.WRAPS),
+    ("prefetch", ap.PREFETCH),
+    ("offload", (False, True)),
+)
+_FSDP = dict(
+    gathers_units=True,
+    layout="per_parameter",
+    mixed="gathered",
+    apply=ap.apply_fsdp,
+    describe=ap.describe_fsdp,
+    observe=ap.watch_fsdp,
+    knobs=_FSDP_KNOBS,
+    builds_on_meta=True,
+)
+_FULL_SHARD_PYTORCH = "fully_shard(block) on every block, then fully_shard(model) (FSDP1: FULL_SHARD)"
+_STAGE3_SENDS = (_ag(), _ag(when="backward"), _rs(dtype="fp32"))
+
+SINGLE = Strategy(
+    "single", "02", "one process (the reference)", mesh=(), apply=ap.apply_as_is, pytorch="a plain training loop"
+)
+DDP = Strategy(
+    "ddp",
+    "02",
+    "plain DP (DDP, NO_SHARD)",
+    collectives=(Collective("all_reduce", "grads", "replicate", "backward", "bucket", "fp32"),),
+    apply=ap.apply_ddp,
+    describe=ap.describe_ddp,
+    pytorch="torch.nn.parallel.DistributedDataParallel (FSDP1's NO_SHARD is the same layout)",
+    deepspeed='"zero_optimization": {"stage": 0}',
+    paper="plain DP",
+    planned=True,
+    abbrev="DDP",
+    color="#444444",
+)
+DDP_SCRATCH = Strategy(
+    "ddp_scratch",
+    "02",
+    "DDP built by hand (BucketedDDP)",
+    collectives=DDP.collectives,
+    apply=ap.apply_bucketed_ddp,
+    pytorch=DDP.pytorch,
+    abbrev="DDP*",
+)
+_ZERO = dict(mesh=("shard",), shard_over="world", layout="flat", mixed="paper", state="zero-flat", planned=True)
+ZERO1 = Strategy(
+    "zero1",
+    "03",
+    "stage 1 (P_os)",
+    shards_at_rest=frozenset({OPTIM}),
+    shards_at_peak=frozenset({OPTIM}),
+    collectives=(_rs(when="step", per="buffer"), _ag(when="step", per="buffer")),
+    apply=ap.apply_as_is,
+    optimizer=ap.stage1_optimizer,
+    pytorch=(
+        "FSDP has no stage 1: DDP + torch.distributed.optim.ZeroRedundancyOptimizer (notebook 03; it "
+        "all-reduces full gradients, then broadcasts each owner's updated parameters), or DeepSpeed's "
+        "ZeRO stage 1"
+    ),
+    deepspeed='"zero_optimization": {"stage": 1}',
+    paper="stage 1 (P_os)",
+    abbrev="Z1",
+    color="#3a7dc9",
+    **_ZERO,
+)
+ZERO2 = Strategy(
+    "zero2",
+    "03",
+    "stage 2 (P_os+g, SHARD_GRAD_OP)",
+    shards_at_rest=frozenset({OPTIM, GRADS}),
+    shards_at_peak=frozenset({OPTIM, GRADS}),
+    collectives=(_rs(per="bucket"), _ag(when="step", per="bucket")),
+    apply=ap.apply_as_is,
+    optimizer=ap.stage2_optimizer,
+    pytorch=(
+        "fully_shard(block, reshard_after_forward=False) on every block and the root (FSDP1: SHARD_GRAD_OP); "
+        "FSDP2 keeps the parameters unsharded from forward to backward, stage 2's traffic"
+    ),
+    deepspeed='"zero_optimization": {"stage": 2}',
+    paper="stage 2 (P_os+g)",
+    abbrev="Z2",
+    color="#e8883a",
+    **_ZERO,
+)
+ZERO3 = Strategy(
+    "zero3",
+    "03",
+    "stage 3 (P_os+g+p, FULL_SHARD)",
+    shards_at_rest=ALL,
+    shards_at_peak=ALL,
+    collectives=(_ag(), _ag(when="backward"), _rs()),
+    gathers_units=True,
+    reshard_after_forward=True,
+    apply=ap.apply_stage3,
+    optimizer=ap.stage3_optimizer,
+    pytorch=_FULL_SHARD_PYTORCH,
+    deepspeed='"zero_optimization": {"stage": 3}',
+    paper="stage 3 (P_os+g+p)",
+    abbrev="Z3",
+    color="#7b5ea7",
+    **_ZERO,
+)
+TORCH_ZERO1 = Strategy(
+    "torch_zero1",
+    "03",
+    "DDP + ZeroRedundancyOptimizer (torch's stage 1)",
+    shards_at_rest=frozenset({OPTIM}),
+    shards_at_peak=frozenset({OPTIM}),
+    shard_over="world",
+    mesh=("shard",),
+    collectives=(
+        Collective("all_reduce", "grads", "shard", "backward", "bucket", "fp32"),
+        Collective("broadcast", "params", "shard", "step", "parameter", "fp32"),
+    ),
+    apply=ap.apply_ddp,
+    optimizer=ap.zero_redundancy_optimizer,
+    describe=ap.describe_zero_redundancy,
+    pytorch="DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class=...)",
+    abbrev="ZRO",
+)
+NO_SHARD = Strategy(
+    "no_shard",
+    "04",
+    "NO_SHARD (fully_shard over an (N, 1) mesh)",
+    mesh=("replicate", "shard"),
+    collectives=(Collective("all_reduce", "grads", "replicate", "backward", "unit", "fp32"),),
+    reshard_after_forward=False,
+    fsdp1="NO_SHARD",
+    pytorch="fully_shard(..., mesh=init_device_mesh('cuda', (N, 1), mesh_dim_names=('replicate', 'shard')))",
+    abbrev="NS",
+    color="#444444",
+    **_FSDP,
+)
+SHARD_GRAD_OP = Strategy(
+    "shard_grad_op",
+    "04",
+    "SHARD_GRAD_OP (fully_shard, reshard_after_forward=False)",
+    shards_at_rest=ALL,
+    shards_at_peak=frozenset({OPTIM, GRADS}),
+    shard_over="world",
+    mesh=("shard",),
+    collectives=(_ag(), _rs(dtype="fp32")),
+    reshard_after_forward=False,
+    fsdp1="SHARD_GRAD_OP",
+    pytorch=ZERO2.pytorch,
+    abbrev="SGO",
+    color="#e8883a",
+    **_FSDP,
+)
+FULL_SHARD = Strategy(
+    "full_shard",
+    "04",
+    "FULL_SHARD (fully_shard)",
+    shards_at_rest=ALL,
+    shards_at_peak=ALL,
+    shard_over="world",
+    mesh=("shard",),
+    collectives=_STAGE3_SENDS,
+    reshard_after_forward=True,
+    fsdp1="FULL_SHARD",
+    pytorch=_FULL_SHARD_PYTORCH,
+    deepspeed=ZERO3.deepspeed,
+    abbrev="FS",
+    color="#7b5ea7",
+    **_FSDP,
+)
+HYBRID_SHARD = Strategy(
+    "hybrid_shard",
+    "04",
+    "HSDP (HYBRID_SHARD: stage 3 per shard group)",
+    shards_at_rest=ALL,
+    shards_at_peak=ALL,
+    shard_over="node",
+    mesh=("replicate", "shard"),
+    collectives=(*_STAGE3_SENDS, Collective("all_reduce", "grad_shard", "replicate", "backward", "unit", "fp32")),
+    reshard_after_forward=True,
+    fsdp1="HYBRID_SHARD",
+    pytorch=(
+        "fully_shard(..., mesh=init_device_mesh('cuda', (replicas, shard_size), "
+        "mesh_dim_names=('replicate', 'shard'))) (FSDP1: HYBRID_SHARD)"
+    ),
+    planned=True,
+    abbrev="HS",
+    color="#2a9d8f",
+    **_FSDP,
+)
+_OFFLOAD = dict(offload=frozenset({OPTIM}), mesh=("shard",), shard_over="world", layout="flat", mixed="paper")
+ZERO2_OFFLOAD = Strategy(
+    "zero2_offload",
+    "05",
+    "stage 2 + optimizer offload (ZeRO-Offload)",
+    shards_at_rest=ZERO2.shards_at_rest,
+    shards_at_peak=ZERO2.shards_at_peak,
+    collectives=ZERO2.collectives,
+    pytorch="DeepSpeed's ZeRO-Offload (stage 2, optimizer state and Adam on the CPU); FSDP2 has no optimizer-only offload",
+    deepspeed='"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}',
+    planned=True,
+    color="#f4a261",
+    **_OFFLOAD,
+)
+ZERO3_OFFLOAD = Strategy(
+    "zero3_offload",
+    "05",
+    "stage 3 + optimizer offload (DeepSpeed ZeRO-3)",
+    shards_at_rest=ALL,
+    shards_at_peak=ALL,
+    collectives=ZERO3.collectives,
+    gathers_units=True,
+    reshard_after_forward=True,
+    pytorch=(
+        "DeepSpeed's ZeRO-3 with offload_optimizer (optimizer state and Adam on the CPU). FSDP2's "
+        "CPUOffloadPolicy is not this: it keeps parameters and gradients on the CPU too and copies "
+        "each unit's shard to the GPU for every gather (notebook 04)"
+    ),
+    deepspeed='"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}',
+    planned=True,
+    color="#b392d6",
+    **_OFFLOAD,
+)
+
+for _row in (
+    SINGLE,
+    DDP,
+    DDP_SCRATCH,
+    ZERO1,
+    ZERO2,
+    ZERO3,
+    TORCH_ZERO1,
+    NO_SHARD,
+    SHARD_GRAD_OP,
+    FULL_SHARD,
+    HYBRID_SHARD,
+    ZERO2_OFFLOAD,
+    ZERO3_OFFLOAD,
+):
+    register(_row)
+
+#: The ZeRO paper's memory table, its rows in order of how much they shard (notebook 01).
+ZERO_TABLE: tuple[Strategy, ...] = zero_table()
 
 #: The four FSDP strategies, in the order notebook 04 shows them.
-FSDP_STRATEGIES: tuple[str, ...] = ("no_shard", "shard_grad_op", "full_shard", "hybrid_shard")
-
-
-def get(name: str) -> Strategy:
-    """The record of ``name``; ``CourseInputError`` naming the choices otherwise (notebook 02)."""
-    if name not in STRATEGIES:
-        raise CourseInputError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
-    return STRATEGIES[name]
-
-
-def get_fsdp(name: str) -> Strategy:
-    """The record of an FSDP strategy; ``CourseInputError`` for any other name (notebook 04)."""
-    if name not in FSDP_STRATEGIES:
-        raise CourseInputError(f"unknown FSDP strategy {name!r}; choose one of {', '.join(FSDP_STRATEGIES)}")
-    return STRATEGIES[name]
-
-
-def mesh_shape(strategy: str, nproc: int, node_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """``(shape, names)`` of the device mesh a strategy runs on, N = ``nproc`` ranks (notebook 04).
-
-    full_shard, shard_grad_op and the ZeRO stages shard over all N ranks: ``(N,)`` "shard".
-    ddp replicates over them: ``(N,)`` "replicate". hybrid_shard shards inside nodes of
-    n = ``node_size`` ranks and replicates across the N/n nodes: ``(N/n, n)``. no_shard is the
-    2-D mesh with shard size 1: ``(N, 1)``. single: ``(1,)``.
-    """
-    kind = get(strategy).mesh
-    if kind == "single":
-        return (1,), ("shard",)
-    if kind in ("shard", "replicate"):
-        return (nproc,), (kind,)
-    if kind == "no_shard":
-        return (nproc, 1), ("replicate", "shard")
-    if node_size < 1 or nproc % node_size:
-        raise CourseInputError(
-            f"hybrid_shard needs nproc ({nproc}) divisible by node_size ({node_size}); "
-            "e.g. --nproc 4 --node-size 2 (2 nodes x 2 ranks)"
-        )
-    return (nproc // node_size, node_size), ("replicate", "shard")
-
-
-def shard_group_size(strategy: str, nproc: int, node_size: int) -> int:
-    """Nd: the ranks one piece of state is split across, the "shard" dimension of the mesh (notebook 04).
-
-    What the sharded bytes at rest divide by: N for the ZeRO stages, full_shard and
-    shard_grad_op; n = ``node_size`` for hybrid_shard; 1 for single, ddp and no_shard.
-    """
-    shape, names = mesh_shape(strategy, nproc, node_size)
-    return shape[names.index("shard")] if "shard" in names else 1
+FSDP_STRATEGIES: tuple[str, ...] = tuple(s.name for s in RECORD.values() if s.fsdp1)

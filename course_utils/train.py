@@ -20,9 +20,11 @@ Under plain torchrun (one machine, or the same line on every node of a multi-nod
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
         -m course_utils.train --strategy full_shard --steps 100
 
-A strategy is a plain function ``apply_NAME(model, cfg, info) -> Prepared`` (torchtitan's
-``apply_fsdp`` shape): it wraps the model, builds the optimizer over what this rank owns,
-and says how to read back the full weights and which tensors this rank holds.
+A strategy is a row of the record (``course_utils.strategies``) holding a plain function
+``apply(model, mesh, options) -> model`` (torchtitan's ``apply_fsdp`` shape); the loop builds the
+model, the mesh and the optimizer around it (``loop.prepare``). ``train(cfg, observers=[...])`` adds
+the caller's own observers to every rank's loop; they travel to the workers by value, and what each
+returns from ``result()`` comes back in the report (``observed``, one list per rank).
 """
 
 from __future__ import annotations
@@ -47,11 +49,11 @@ from .instrument import (
     Observer,
     StepTimer,
     global_mean_losses,
-    held_bytes,
+    rank_bytes,
     weights_sha256,
 )
 from .loop import TrainConfig, prepare, run_steps
-from .strategies import STRATEGIES
+from .strategies import STRATEGIES, Strategy, register
 
 #: Every how many steps a rank puts its loss on the progress line: fetching a loss from the
 #: device waits for the step to finish, so it is not done every step (notebook 04's lesson).
@@ -101,24 +103,28 @@ class _Progress(Observer):
             cdist.report_progress(done, self.total)
 
 
-def train_worker(config: dict, observe: bool = True) -> dict:
+def train_worker(config: dict, observe: bool = True, observers=(), strategy: Strategy | None = None) -> dict:
     """The training run every rank runs, under ``launch`` or ``torchrun`` (notebook 02).
 
     ``observe=True`` (the default; the notebooks, the tests and the command line) counts the
     bytes held and sent per step; ``observe=False`` is a timing run: no counting observer, and
-    ``held_bytes`` and ``comm_per_step`` are left out of the report. Rank 0 returns the whole
+    ``held_bytes`` and ``comm_per_step`` are left out of the report. ``observers``: the caller's own
+    (``train(cfg, observers=[...])``). ``strategy``: a row registered by the caller rather than one of
+    the course's own (a test module's), sent by value and registered here too. Rank 0 returns the whole
     report (every rank's bytes and traffic gathered to it); the other ranks return ``{"rank": r}``.
     """
+    if strategy is not None:
+        register(strategy)
     cfg = TrainConfig(**config).validate()
     with cdist.session(cfg.backend if cfg.backend != "auto" else None) as info:
-        return run_training(cfg, info, observe)
+        return run_training(cfg, info, observe, observers)
 
 
-def run_training(cfg: TrainConfig, info, observe: bool = True) -> dict:
+def run_training(cfg: TrainConfig, info, observe: bool = True, extra=()) -> dict:
     """``train_worker``'s run inside a process group that is already up (notebooks 02, 05).
 
     Several runs can share one group this way (``course_utils.cluster.sweep_worker``); the
-    report is the same.
+    report is the same. ``extra``: the caller's observers, in every run (counting or timing).
     """
     if info.world_size != cfg.nproc:
         cfg.nproc = info.world_size  # torchrun decides the world size; the batch split follows it
@@ -139,6 +145,8 @@ def run_training(cfg: TrainConfig, info, observe: bool = True) -> dict:
     if observe:
         count, held = CountCollectives(node_size=cfg.node_size), HeldAtRest(prepared.held, at=cfg.steps - 1)
         observers = [count, held, *prepared.observers, *observers]
+    extra = list(extra)
+    observers[-1:-1] = extra  # before the failure injection, after what the run itself counts
     if ckpt:  # saving is not training: its collectives are not counted
         observers.append(_Checkpointing(ckpt))
     observers.append(_Progress(cfg.steps))
@@ -147,7 +155,7 @@ def run_training(cfg: TrainConfig, info, observe: bool = True) -> dict:
     # Everything below is bookkeeping, outside the counted window.
     held_at_rest = None
     if observe:
-        held_at_rest = held.bytes if held.bytes is not None else held_bytes(*prepared.held())  # resumed at the end
+        held_at_rest = held.bytes if held.bytes is not None else rank_bytes(*prepared.held())  # resumed at the end
     losses = (ckpt.history if ckpt else []) + global_mean_losses(local_losses, info)
     full = rank0_full_weights(prepared, cfg.strategy)  # {} on the other ranks: no full copy on their devices
     if cfg.save_weights and info.rank == 0:  # for comparing strategies within a tolerance
@@ -156,6 +164,7 @@ def run_training(cfg: TrainConfig, info, observe: bool = True) -> dict:
         "held_bytes": held_at_rest,
         "comm_per_step": count and count.summary(max(1, len(steps))),
         "step_time_s": timer.seconds_per_step(),
+        "observed": [o.result() for o in extra],
     }
     everyone = [None] * info.world_size
     dist.all_gather_object(everyone, mine)  # rank 0 reports for all, under launch or torchrun
@@ -189,11 +198,17 @@ def run_training(cfg: TrainConfig, info, observe: bool = True) -> dict:
         "config": asdict(cfg),
         **recovery,
     }
+    if extra:
+        report["observed"] = [row["observed"] for row in everyone]
     return report
 
 
-def train(cfg: TrainConfig | None = None, *, echo: bool = False, **overrides) -> dict:
+def train(cfg: TrainConfig | None = None, *, echo: bool = False, observers=(), **overrides) -> dict:
     """Launch a training run on ``cfg.nproc`` local processes and return its report (notebook 02).
+
+    ``observers``: ``instrument.Observer`` objects of the caller's, copied to every rank and added to its
+    loop (a run of a strategy registered by the caller, ``strategies.register``, works the same way);
+    ``report["observed"]`` holds, per rank, what each returned from ``result()``.
 
     The report holds ``strategy``, ``world_size``, ``backend``, ``steps``, ``losses`` (global
     mean per step), ``weights_sha256`` (full fp32 weights), ``per_rank`` (bytes of params,
@@ -210,7 +225,7 @@ def train(cfg: TrainConfig | None = None, *, echo: bool = False, **overrides) ->
     results = launch(
         train_worker,
         nproc=cfg.nproc,
-        args=(asdict(cfg),),
+        args=(asdict(cfg), True, list(observers), STRATEGIES[cfg.strategy]),
         backend=cfg.backend,
         timeout_s=cfg.timeout_s,
         max_restarts=cfg.max_restarts,

@@ -99,10 +99,8 @@ def test_missing_strategy_is_reported_not_raised(monkeypatch):
     from course_utils import strategies
 
     assert bench.strategy_available("single") == (True, "")
-    ghost = dataclasses.replace(
-        strategies.STRATEGIES["ddp"], name="ghost", apply="course_utils.no_such_module:apply_ghost"
-    )
-    monkeypatch.setitem(strategies.STRATEGIES, "ghost", ghost)
+    ghost = dataclasses.replace(strategies.DDP, name="ghost", apply=None)  # priced by the record, run by nothing
+    monkeypatch.setitem(strategies.RECORD, "ghost", ghost)
     ok, why = bench.strategy_available("ghost")
     assert not ok and "not available" in why
     assert bench.strategy_available("zero9")[0] is False
@@ -332,12 +330,13 @@ def test_launch_phases_from_rank_clocks():
     assert empty["join_s"] == 0.0 and empty["after_s"] == pytest.approx(0.5)
 
 
-def test_cuda_path_maps_every_strategy_to_a_planner_row():
+def test_cuda_path_prices_every_strategy_with_the_planner():
     import torch
 
     from course_utils import plan, strategies
 
-    assert {s.plan_row for s in strategies.STRATEGIES.values()} <= set(plan.STRATEGIES)
+    for row in strategies.STRATEGIES.values():  # the planner prices any row of the record, by its facts
+        assert plan.memory_breakdown(plan.model_spec(7e9), plan.Cluster(), row)["total"] > 0
     if not torch.cuda.is_available():
         assert bench.cuda_section() == {"skipped": "no CUDA device on this host"}
 

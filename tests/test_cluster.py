@@ -155,7 +155,7 @@ def _planned(strategy: str) -> float:
 
 def test_cross_node_bytes_on_one_host_match_the_planner(one_host):
     got = {s: r["cross_node_bytes_per_step"] for s, r in one_host.items()}
-    assert got == {"hybrid_shard": _planned("hsdp"), "full_shard": _planned("zero3")}
+    assert got == {"hybrid_shard": _planned("hybrid_shard"), "full_shard": _planned("zero3")}
     assert 0 < got["hybrid_shard"] < got["full_shard"]
     # inside a node HSDP gathers; none of that crosses
     gathers = one_host["hybrid_shard"]["comm_per_step"]["all_gather"]
@@ -287,7 +287,11 @@ def test_short_form_hsdp_sends_less_across_nodes(as_root, one_host):
     assert r["world_size"] == 4 and r["link"] == {"rate": "100mbit", "delay": None, "netem": False}
     assert r["step_time_s"] > 0 and len(r["losses"]) == 2 and r["nodes"] == 2 and r["nproc_per_node"] == 2
     # across a real link, the same bytes as counted on one host and as the planner's ring formula
-    assert r["cross_node_bytes_per_step"] == one_host["hybrid_shard"]["cross_node_bytes_per_step"] == _planned("hsdp")
+    assert (
+        r["cross_node_bytes_per_step"]
+        == one_host["hybrid_shard"]["cross_node_bytes_per_step"]
+        == _planned("hybrid_shard")
+    )
     assert r["cross_node_bytes_per_step"] < one_host["full_shard"]["cross_node_bytes_per_step"]
     assert r["weights_sha256"] == one_host["hybrid_shard"]["weights_sha256"]  # and the same training, bit for bit
 

@@ -150,7 +150,7 @@ RUN_ON_OLD_NAMES = """
 import torch.distributed as dist
 from course_utils.exercises import core
 from course_utils.launch import launch
-from solutions import nb03, nb04
+from course_utils.exercises.solutions import nb03, nb04
 
 def names_on_this_rank():
     return hasattr(dist, "all_gather_single"), hasattr(dist, "all_gather_into_tensor")

@@ -7,11 +7,14 @@ from dataclasses import asdict
 import pytest
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 from course_utils import ddp
 from course_utils import dist as cdist
+from course_utils.instrument import Observer, weights_sha256
 from course_utils.labs import lab02
 from course_utils.launch import launch
+from course_utils.loop import Prepared, make_optimizer, module_held, run_steps
 from course_utils.models import build_model, param_count
 from course_utils.train import TrainConfig, train
 
@@ -113,7 +116,7 @@ def test_unused_parameter_is_a_clear_error(world_of_one):
 @pytest.fixture(scope="module")
 def against_torch():
     cfg = TrainConfig(strategy="ddp_scratch", nproc=2, steps=STEPS)
-    return launch(lab02.check_against_torch_ddp, nproc=2, args=(asdict(cfg), 0.1), echo=False)
+    return launch(check_against_torch_ddp, nproc=2, args=(asdict(cfg), 0.1), echo=False)
 
 
 def test_broadcast_makes_replicas_start_from_rank_0(against_torch):
@@ -235,3 +238,74 @@ def test_overlap_summary_reports_the_union_of_overlapping_all_reduces():
     assert got["in_flight_ms"] == 7.0  # [1, 8], not 5 + 5 + 4 = 14
     assert got["in_flight_during_backward_ms"] == 4.0  # [1, 5]
     assert got["step_ms"] == 10.0 and got["started_during_backward"] == 3
+
+
+# ---------------------------------------------------------------- the worker: both DDPs in the course's loop
+
+
+class _Gradients(Observer):
+    """Every trainable parameter's averaged gradient, copied before each update."""
+
+    def __init__(self, module):
+        self.module, self.steps = module, []
+
+    def before_update(self, step: int) -> None:
+        self.steps.append([p.grad.detach().clone() for p in self.module.parameters() if p.requires_grad])
+
+
+def check_against_torch_ddp(config: dict, cap_mb: float = 0.1) -> dict:
+    """BucketedDDP and torch DDP on every rank, each trained by the one loop on the same batches with the same
+    Adam; their averaged gradients compared step by step (each replica's arithmetic is its own, so training
+    one after the other changes no bit).
+
+    Each rank builds the course model from a *different* seed (so only rank 0's broadcast can
+    make the replicas agree) and freezes ``pos_emb.weight`` (a parameter that does not require
+    gradients); the head is tied to the token embedding.
+
+    Returns, per rank: whether both started from rank 0's weights, the largest gradient
+    difference between the two after each step's synchronisation, both losses, and both final
+    weight hashes.
+    """
+    cfg = TrainConfig(**config).validate()
+    with cdist.session() as info:
+
+        def replica():
+            m = build_model(cfg.model, seed=1000 + info.rank, device=info.device)
+            m.pos_emb.weight.requires_grad_(False)
+            return m
+
+        ours, theirs = (
+            ddp.BucketedDDP(replica(), bucket_cap_mb=cap_mb),
+            DistributedDataParallel(replica(), bucket_cap_mb=cap_mb),
+        )
+        rank0_start = weights_sha256(build_model(cfg.model, seed=1000).state_dict())
+        started = [weights_sha256(m.state_dict()) == rank0_start for m in (ours.module, theirs.module)]
+        runs = {}
+        for name, wrapped, sync in (
+            ("ours", ours, ours.finish_gradient_synchronization),
+            ("torch", theirs, lambda: None),
+        ):
+            optimizer = make_optimizer(wrapped.parameters(), cfg)
+            prepared = Prepared(
+                model=wrapped,
+                optimizer=optimizer,
+                full_state_dict=wrapped.module.state_dict,
+                held=lambda wrapped=wrapped, optimizer=optimizer: module_held(wrapped.module, optimizer),
+                before_step=sync,
+            )
+            grads = _Gradients(wrapped.module)
+            runs[name] = ([float(v) for v in run_steps(prepared, cfg, info, range(cfg.steps), [grads])], grads.steps)
+        (losses_ours, grads_ours), (losses_torch, grads_torch) = runs["ours"], runs["torch"]
+        return {
+            "rank": info.rank,
+            "grad_max_diff": [
+                max(float((a - b).abs().max()) for a, b in zip(mine, theirs_))
+                for mine, theirs_ in zip(grads_ours, grads_torch)
+            ],
+            "losses_ours": losses_ours,
+            "losses_torch": losses_torch,
+            "buckets": len(ours.buckets),
+            "started_from_rank0": started,
+            "sha_ours": weights_sha256(ours.module.state_dict()),
+            "sha_torch": weights_sha256(theirs.module.state_dict()),
+        }

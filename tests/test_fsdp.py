@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from course_utils import fsdp, predict, strategies
+from course_utils import apply, predict, strategies
 from course_utils.errors import CourseInputError
 from course_utils.labs import lab04
 from course_utils.models import build_model, get_config, param_count
@@ -107,14 +107,16 @@ def test_bad_settings_are_refused_with_a_sentence():
     with pytest.raises(CourseInputError, match="divisible by node_size"):
         strategies.mesh_shape("hybrid_shard", 6, 4)
     with pytest.raises(CourseInputError, match="prefetch"):
-        fsdp.fsdp_options(TrainConfig(strategy="full_shard", options={"prefetch": "sometimes"}))
+        TrainConfig(strategy="full_shard", options={"prefetch": "sometimes"}).validate()
     with pytest.raises(CourseInputError, match="unknown FSDP option"):
-        fsdp.fsdp_options(TrainConfig(strategy="full_shard", options={"wrapping": "block"}))
+        TrainConfig(strategy="full_shard", options={"wrapping": "block"}).validate()
     with pytest.raises(CourseInputError, match="fsdp1"):
         lab04.run_experiments([dict(strategy="full_shard", options={"api": "fsdp1", "wrap": "linear"})], nproc=2)
     with pytest.raises(CourseInputError, match="node_size 1"):
-        fsdp.fsdp_options(TrainConfig(strategy="hybrid_shard", nproc=2, node_size=1, options={"api": "fsdp1"}))
-    assert fsdp.fsdp_options(TrainConfig(options={"offload": "true"}))["offload"] is True
+        TrainConfig(strategy="hybrid_shard", nproc=2, node_size=1, options={"api": "fsdp1"}).validate()
+    assert dict(apply.check_knobs(strategies.FULL_SHARD, {"offload": "true"}, 2))["offload"] is True
+    with pytest.raises(CourseInputError, match="takes no --option"):
+        TrainConfig(strategy="ddp", nproc=2, options={"offload": True}).validate()
 
 
 # ---------------------------------------------------------------- real runs on 4 gloo ranks
@@ -256,7 +258,8 @@ def test_world_of_one_in_this_process_is_exactly_single():
 
 
 def test_state_dicts_round_trip(tmp_path):
-    out = lab04.state_dict_demo(nproc=2, run_dir=str(tmp_path), model=MODEL, steps=2)
+    run = dict(strategy="full_shard", model=MODEL, steps=2, kind="state_dict", run_dir=str(tmp_path))
+    out = lab04.run_experiments([run], nproc=2)[0]
     assert out["full_keys_match_model"] and out["full_dtensor_equals_api"]
     assert out["fresh_sha_before_load"] != out["trained_sha"]
     assert out["full_into_plain_sha"] == out["full_into_sharded_sha"] == out["trained_sha"]

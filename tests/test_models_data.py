@@ -7,6 +7,7 @@ import torch
 
 from course_utils.data import batch_for_rank, global_batch
 from course_utils.errors import CourseInputError
+from course_utils.instrument import weights_sha256
 from course_utils.models import GPTConfig, build_model, get_config, param_count
 
 
@@ -91,13 +92,31 @@ def test_meta_device_build_equals_the_eager_build_bit_for_bit(preset, seed):
     assert weights_sha256(built.state_dict()) == weights_sha256(eager.state_dict())
 
 
+def meta_init_worker(model: str = "tiny", seed: int = 0, node_size: int = 2) -> dict:
+    """On every rank: shard a meta-device build, initialise it, and compare with the eager build.
+
+    Returns ``{strategy: True/False}``: whether the full weights (gathered through DTensor) of
+    ``loop.prepare``'s meta-device build equal ``build_model(model, seed)``'s, bit for bit.
+    """
+    from course_utils import dist as cdist
+    from course_utils.loop import TrainConfig, prepare
+    from course_utils.strategies import FSDP_STRATEGIES
+
+    with cdist.session() as info:
+        eager = weights_sha256(build_model(model, seed=seed).state_dict())
+        out = {}
+        for strategy in FSDP_STRATEGIES:
+            cfg = TrainConfig(strategy=strategy, nproc=info.world_size, model=model, seed=seed, node_size=node_size)
+            out[strategy] = weights_sha256(prepare(cfg, info).full_state_dict()) == eager
+        return out
+
+
 def test_sharded_meta_device_build_equals_the_eager_build():
     # FSDP2 on 4 gloo ranks: every rank materialises only its shards, gathered they are the eager weights
-    from course_utils.labs import lab04
     from course_utils.launch import launch
     from course_utils.strategies import FSDP_STRATEGIES
 
-    result = launch(lab04.meta_init_worker, nproc=4, args=("tiny", 5), echo=False)
+    result = launch(meta_init_worker, nproc=4, args=("tiny", 5), echo=False)
     assert all(result[r] == {s: True for s in FSDP_STRATEGIES} for r in range(4)), dict(result)
 
 

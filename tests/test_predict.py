@@ -19,12 +19,12 @@ PSI_BENCH = 1000  # a round Ψ for the formulas worked by hand
 
 
 @pytest.mark.parametrize("precision,bill", [("mixed", "adam_mixed"), ("fp32", "adam_fp32")])
-def test_held_bytes_is_the_zero_table_of_notebook_01(precision, bill):
+def test_bill_bytes_is_the_zero_table_of_notebook_01(precision, bill):
     b = memory.OPTIMIZERS[bill]
     for stage in memory.STAGES:
         for nd in (1, 2, 3, 4, 7, 8):
             for psi in (PSI, PSI + 1, 7.5e9):
-                got = predict.held_bytes(stage, psi, nd, precision=precision)["total"]
+                got = predict.bill_bytes(stage, psi, nd, precision=precision)["total"]
                 ref = memory.model_state_bytes(
                     psi, nd, stage, k=b.k, weight_bytes=b.weight_bytes, grad_bytes=b.grad_bytes
                 )
@@ -38,7 +38,7 @@ def test_strategy_held_bytes_reads_the_record():
     bill through memory.model_state_bytes), for every strategy: the same bytes, to the byte."""
     b = memory.OPTIMIZERS["adam_fp32"]
     for name, record in strategies.STRATEGIES.items():
-        for nproc in (1,) if name == "single" else (2, 4, 8):
+        for nproc in (1,) if record.single_process else (2, 4, 8):
             nd = strategies.shard_group_size(name, nproc, 2)
             got = predict.strategy_held_bytes(name, PSI, nproc, 2)
             ref = memory.model_state_bytes(
@@ -56,7 +56,7 @@ def test_the_traffic_tables_add_up_to_the_ring_formulas():
     for n in (2, 3, 4, 8):
         for stage in ("zero1", "zero2", "zero3"):
             sent = sum(r["sent_bytes"] for r in predict.zero_traffic(stage, n, units, precision="fp32").values())
-            assert sent == pytest.approx(comm.step_sent(stage, PSI, n) * 4, rel=1e-12)
+            assert sent == pytest.approx(comm.step_sent(strategies.get(stage), PSI, n) * 4, rel=1e-12)
             assert predict.paper_sent_bytes(stage, PSI, n) == pytest.approx(sent, rel=1e-12)
         for name in ("no_shard", "shard_grad_op", "full_shard"):
             sent = sum(r["sent_bytes"] for r in predict.fsdp_collectives(name, units, n).values())
@@ -95,7 +95,7 @@ def test_precision_bytes_are_the_optimizer_bills():
             memory.OPTIMIZERS[name].k,
         )
     with pytest.raises(CourseInputError, match="precision"):
-        predict.held_bytes("zero1", PSI, 2, precision="fp16")
+        predict.bill_bytes("zero1", PSI, 2, precision="fp16")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +108,9 @@ def test_paper_traffic_formulas():
     assert predict.paper_sent_bytes("ddp", PSI_BENCH, 2) == 4 * PSI_BENCH
     assert predict.paper_sent_bytes("ddp_scratch", PSI_BENCH, 4) == pytest.approx(2 * 3 / 4 * 4 * PSI_BENCH)
     for s in ("zero1", "zero2", "shard_grad_op", "no_shard"):
-        assert predict.paper_sent_bytes(s, PSI_BENCH, 4) == pytest.approx(comm.step_sent("ddp", PSI_BENCH, 4) * 4)
+        assert predict.paper_sent_bytes(s, PSI_BENCH, 4) == pytest.approx(
+            comm.step_sent(strategies.DDP, PSI_BENCH, 4) * 4
+        )
     assert predict.paper_sent_bytes("zero3", PSI_BENCH, 4) == pytest.approx(3 * 3 / 4 * 4 * PSI_BENCH)
     assert predict.paper_sent_bytes("full_shard", PSI_BENCH, 2) == pytest.approx(1.5 * 4 * PSI_BENCH)
     # HSDP, 2 nodes x 2: stage 3 inside the node (1.5Ψ) + all-reduce of the Ψ/2 shard across 2 nodes (0.5Ψ)

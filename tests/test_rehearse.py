@@ -143,9 +143,15 @@ def test_tables_and_charts_render(small_runs):
     runs = [small_runs[4, "full_shard"], small_runs[4, "shard_grad_op"], small_runs[4, "full_shard+ckpt"]]
     view = R.bars_view(runs, gpu_mem=5.8e6, planned={"NO_SHARD": 1e7})
     assert view["title"].startswith("2 of 3 rehearsed fit")
-    for fig in (R.rehearsal_figure(view), R.agreement_figure(runs)):
+    rows = R.summary_rows(runs)
+    for fig in (R.rehearsal_figure(view), R.agreement_figure(rows)):
         assert png(fig)[:4] == b"\x89PNG"
-    for text in (R.markdown_table(runs, gpu_mem=1e9), R.markdown_summary(runs), R.markdown_compare(runs[0])):
+    tables = (
+        R.markdown_table(runs, gpu_mem=1e9),
+        R.markdown_summary(rows),
+        R.markdown_compare(runs[0], R.compare(runs[0])),
+    )
+    for text in tables:
         assert text.count("\n|") >= 3
 
 

@@ -48,18 +48,18 @@ def test_buckets_fill_from_the_last_parameter():
 
 def test_held_formulas_are_the_papers():
     # the annotated paper's tiny example: Ψ = 8 on 4 GPUs: 56, 44 and 32 bytes
-    assert [predict.held_bytes(s, 8, 4)["total"] for s in STAGES] == [56, 44, 32]
+    assert [predict.bill_bytes(s, 8, 4)["total"] for s in STAGES] == [56, 44, 32]
     for s in ("ddp",) + STAGES:
         for nd in (1, 4, 64):
-            assert predict.held_bytes(s, 7.5e9, nd)["total"] == pytest.approx(memory.model_state_bytes(7.5e9, nd, s))
+            assert predict.bill_bytes(s, 7.5e9, nd)["total"] == pytest.approx(memory.model_state_bytes(7.5e9, nd, s))
             fp32 = memory.model_state_bytes(7.5e9, nd, s, k=8, weight_bytes=4, grad_bytes=4)
-            assert predict.held_bytes(s, 7.5e9, nd, precision="fp32")["total"] == pytest.approx(fp32)
+            assert predict.bill_bytes(s, 7.5e9, nd, precision="fp32")["total"] == pytest.approx(fp32)
     # fp32 stage 1 is 8Ψ + 8Ψ/Nd; padding counts S = Nd·S/Nd elements in the sharded parts only
-    assert predict.held_bytes("zero1", 10, 4, precision="fp32", shard_numel=3)["total"] == 8 * 10 + 8 * 3
+    assert predict.bill_bytes("zero1", 10, 4, precision="fp32", shard_numel=3)["total"] == 8 * 10 + 8 * 3
     with pytest.raises(CourseInputError):
-        predict.held_bytes("zero4", 8, 4)
+        predict.bill_bytes("zero4", 8, 4)
     with pytest.raises(CourseInputError):
-        predict.held_bytes("zero1", 8, 4, precision="fp16")
+        predict.bill_bytes("zero1", 8, 4, precision="fp16")
 
 
 def test_traffic_formulas():
@@ -389,8 +389,8 @@ def test_bytes_held_are_the_formula_mixed(mixed2, stage):
     report = mixed2[stage]
     info = report["strategy_info"]
     assert info["psi"] == PSI and info["nd"] == 2 and info["precision"] == "mixed"
-    expected = predict.held_bytes(stage, PSI, 2, precision="mixed", shard_numel=info["shard_numel"])
-    paper = predict.held_bytes(stage, PSI, 2, precision="mixed")["total"]
+    expected = predict.bill_bytes(stage, PSI, 2, precision="mixed", shard_numel=info["shard_numel"])
+    paper = predict.bill_bytes(stage, PSI, 2, precision="mixed")["total"]
     for row in report["per_rank"]:
         assert {k: row[k] for k in expected} == expected
         assert abs(row["total"] - paper) <= 16 * info["padding"] / 2
@@ -403,11 +403,11 @@ def test_bytes_held_with_padding_fp32(fp32_3ranks, stage):
     info = report["strategy_info"]
     assert info["padding"] > 0
     assert info["shard_numel"] * 3 == sum(u["padded"] for u in info["units"])
-    expected = predict.held_bytes(stage, PSI, 3, precision="fp32", shard_numel=info["shard_numel"])
+    expected = predict.bill_bytes(stage, PSI, 3, precision="fp32", shard_numel=info["shard_numel"])
     for row in report["per_rank"]:
         assert {k: row[k] for k in expected} == expected
     sharded_bytes = {"zero1": 8, "zero2": 12, "zero3": 16}[stage]
-    gap = expected["total"] - predict.held_bytes(stage, PSI, 3, precision="fp32")["total"]
+    gap = expected["total"] - predict.bill_bytes(stage, PSI, 3, precision="fp32")["total"]
     assert gap == pytest.approx(sharded_bytes * info["padding"] / 3)
 
 

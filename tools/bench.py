@@ -425,16 +425,13 @@ def verdicts(results: dict) -> list[dict]:
 
 
 def strategy_available(name: str) -> tuple[bool, str]:
-    """``(True, "")`` if the strategy's module and function import, else ``(False, why)`` (README)."""
-    import importlib
+    """``(True, "")`` if the record has the strategy and something here runs it, else ``(False, why)`` (README)."""
+    from course_utils.strategies import RECORD
 
-    if name not in STRATEGIES:
-        return False, f"{name!r} is not in strategies.STRATEGIES"
-    module, _, fn = STRATEGIES[name].apply.partition(":")
-    try:
-        getattr(importlib.import_module(module), fn)
-    except (ImportError, AttributeError) as exc:
-        return False, f"not available ({type(exc).__name__}: {exc})"
+    if name not in RECORD:
+        return False, f"{name!r} is not in the strategy record (course_utils.strategies)"
+    if not RECORD[name].runnable:
+        return False, f"{name!r} is not available here: the record prices it, nothing here runs it"
     return True, ""
 
 
@@ -629,7 +626,7 @@ def theory_section(steps: int, shape: dict, cache: dict | None = None) -> dict:
     cache = {} if cache is None else cache
     psi = psi_of(shape)
     rows = []
-    runs = [(s, 1 if s == "single" else 4 if s == "hybrid_shard" else 2) for s in STRATEGIES]
+    runs = [(s, 1 if r.single_process else 4 if r.shard_over == "node" else 2) for s, r in STRATEGIES.items()]
     runs += [(s, 3) for s in PADDED_STRATEGIES if s in STRATEGIES]
     for s, n in runs:
         ok, why = strategy_available(s)
@@ -858,8 +855,7 @@ def cuda_section(steps: int = 20, strategies=None, peak_flops: float | None = No
             checkpointing=False,
         )
         cluster = cplan.Cluster(gpus_per_node=nproc, nodes=1, gpu_mem=gpu_mem)
-        row = STRATEGIES[s].plan_row if STRATEGIES[s].plan_row != "hsdp" else "zero3"
-        predicted = cplan.memory_breakdown(spec, cluster, row)["total"]
+        predicted = cplan.memory_breakdown(spec, cluster, STRATEGIES[s])["total"]  # the row's peak, one node
         measured = max(r.get("max_memory_allocated", 0) for r in rep["ranks"])
         rows.append(
             {

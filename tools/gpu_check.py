@@ -356,18 +356,18 @@ def fsdp_step_worker(shape: dict, micro_batch: int, steps: int = 10, warmup: int
     import torch
 
     from course_utils import dist as cdist
-    from course_utils import fsdp, rehearse
+    from course_utils import rehearse, strategies
     from course_utils.data import batch_for_rank
+    from course_utils.loop import device_mesh
     from course_utils.models import GPTConfig, build_model
 
     info = cdist.init(deterministic=False)  # a timing run: the fast kernels, no bit-for-bit claim
     try:
         cfg = GPTConfig(**shape)
         model = build_model(cfg, seed=0, device=info.device)
-        mesh = rehearse.make_mesh("full_shard", info.world_size, device_type=info.device.type)
-        fsdp.shard_model(
-            model, mesh, reshard_after_forward=True, mp_policy=rehearse.mixed_precision_policy("bf16"), act_ckpt=True
-        )
+        row = strategies.FULL_SHARD
+        mesh = device_mesh(row, info)
+        model = row.apply(model, mesh, rehearse.apply_options(row, "bf16", act_ckpt=True, device=info.device))
         opt = rehearse.make_optimizer(model)
         x, y = batch_for_rank(
             0,

@@ -15,12 +15,7 @@ from ..models import build_model, get_config
 from ..units import GB
 from .core import Exercise, Wrong, register
 
-FORMULA = {
-    "ddp": "(2 + 2 + K)·Ψ",
-    "zero1": "(2 + 2)·Ψ + K·Ψ/Nd",
-    "zero2": "2·Ψ + (2 + K)·Ψ/Nd",
-    "zero3": "(2 + 2 + K)·Ψ/Nd",
-}
+FORMULA = {stage: memory.formula_text(stage) for stage in memory.STAGES}  # "2·Ψ + (2 + K)·Ψ/Nd" for stage 2
 CASES = [
     (psi, nd, stage, k) for psi in (7.5e9, 1_000_003) for nd in (1, 4, 64) for stage in memory.STAGES for k in (12, 8)
 ]

@@ -20,17 +20,20 @@ from ..zero import padded_numel, shard_bounds
 from .core import Exercise, Wrong, register
 
 LR = 0.1
+#: The checks run on the tiny course model whatever the notebook's MODEL is: a check must answer in seconds,
+#: and the flat layout it checks is the same at any size (the check's sentence says so).
+CHECK_MODEL = "tiny"
 
 
 @cache
 def psi() -> int:
-    """Ψ of the tiny model (computed on first use: importing this module stays cheap)."""
-    return param_count(build_model("tiny", seed=0))
+    """Ψ of the model the checks run on (computed on first use: importing this module stays cheap)."""
+    return param_count(build_model(CHECK_MODEL, seed=0))
 
 
 def flat_start(world: int) -> torch.Tensor:
-    """The tiny model's weights end to end, padded with zeros to Nd·S (the course's flat layout)."""
-    model = build_model("tiny", seed=0)
+    """The checked model's weights end to end, padded with zeros to Nd·S (the course's flat layout)."""
+    model = build_model(CHECK_MODEL, seed=0)
     flat = torch.zeros(padded_numel(psi(), world))
     torch.cat([p.detach().reshape(-1) for p in model.parameters()], out=flat[: psi()])
     return flat
@@ -97,7 +100,8 @@ register(
         "zero2_step",
         "A ZeRO-2 step from reduce-scatter and all-gather",
         "every rank's weights after one SGD step against one process stepping on the mean gradient, and the bytes "
-        "each collective sent (CommCounter against (N-1)/N·Ψ each) on 2 ranks",
+        "each collective sent (CommCounter against (N-1)/N·Ψ each) on 2 ranks, with the tiny course model's weights "
+        "(whatever MODEL says: a check answers in seconds)",
         task="Write `zero2_step(params, grads, lr)`: `params` is the model's flat weights (padded to Nd·S, the same "
         "on every rank), `grads` this rank's full flat gradient. Reduce-scatter the gradients so rank r gets the "
         "mean of its slice `[r·S, (r+1)·S)`, take an SGD step on that slice only, and all-gather the slices back "
@@ -212,7 +216,7 @@ register(
         "sharded_optimizer",
         "A sharded optimizer for any element-wise torch optimizer",
         "weights after 3 steps of SGD with momentum, Adam and AdamW against one process, and the optimizer state "
-        "each rank keeps against K·Ψ/Nd bytes, on 2 ranks",
+        "each rank keeps against K·Ψ/Nd bytes, on 2 ranks, with the tiny course model's weights (whatever MODEL says)",
         task="Write `sharded_optimizer(params, optimizer_class, **defaults)` returning a function `step(grads)`: "
         "ZeRO stage 1 for any element-wise `torch.optim` class. `params` is the flat, padded weights (the same "
         "on every rank); each rank creates `optimizer_class` over its own slice only, and `step(grads)` "

@@ -6,7 +6,7 @@ notebook uses), over a grid of models and clusters.
 
 from __future__ import annotations
 
-from .. import plan
+from .. import plan, strategies
 from ..units import GB
 from .core import Exercise, Wrong, register
 
@@ -33,9 +33,10 @@ def _cluster_text(c: plan.Cluster) -> str:
 
 def judge_model_states(fn) -> None:
     for model, cluster in _cases():
-        for strategy in plan.STRATEGIES:
-            if not plan._applicable(strategy, cluster):
+        for row in strategies.planned():
+            if not plan.applicable(row, cluster):
                 continue
+            strategy = row.name
             m = plan.memory_breakdown(model, cluster, strategy)
             want = {"gpu": m["model_states"], "host": m["host_bytes"]}
             got = fn(model.params, cluster.gpus_per_node, cluster.nodes, cluster.mp, strategy)
@@ -43,11 +44,11 @@ def judge_model_states(fn) -> None:
                 raise Wrong("return a dict {'gpu': bytes, 'host': bytes}")
             for where in ("gpu", "host"):
                 if abs(got[where] - want[where]) > 1e-9 * max(1.0, want[where]):
-                    hint = {
-                        "hsdp": " (HSDP shards within one node: over gpus_per_node / Nm GPUs, replicates across nodes)",
-                        "zero2_offload": " (offload moves the K·Ψ optimizer bytes to the host)",
-                        "zero3_offload": " (offload moves the K·Ψ optimizer bytes to the host)",
-                    }.get(strategy, "")
+                    hint = ""
+                    if row.shard_over == "node":
+                        hint = " (HSDP shards within one node: over gpus_per_node / Nm GPUs, replicates across nodes)"
+                    elif row.offload:
+                        hint = " (offload moves the K·Ψ optimizer bytes to the host)"
                     raise Wrong(
                         f"{strategy} for {model.params:.3g} parameters on {_cluster_text(cluster)}: you put "
                         f"{got[where] / GB:.4g} GB on the {where}, the planner {want[where] / GB:.4g} GB{hint}"
@@ -103,7 +104,7 @@ register(
         "the chosen strategy for 6 model sizes on 5 clusters against plan.plan(...).recommendation, ties "
         "within plan.TIE_MARGIN included",
         task="Write `decide(numbers)`: `numbers` maps each applicable strategy (in `plan.STRATEGIES` order: ddp, "
-        'zero1, zero2, hsdp, zero3, zero2_offload, zero3_offload) to `{"fits", "total", "step_s"}` from '
+        'zero1, zero2, hybrid_shard, zero3, zero2_offload, zero3_offload) to `{"fits", "total", "step_s"}` from '
         'the planner. Return the strategy the notebook\'s rule picks, or `"none"`. Predict first: 13B on 2 '
         "nodes over 10 GbE fits stage 1 at 39 s a step and HSDP at 21 s; which does the rule pick?",
         stub="def decide(numbers):\n"

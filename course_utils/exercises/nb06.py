@@ -11,6 +11,7 @@ import gc
 import json
 import shutil
 import tempfile
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -21,8 +22,9 @@ from .. import dist as cdist
 from ..data import batch_for_rank
 from ..instrument import weights_sha256
 from ..launch import launch
-from ..loop import TrainConfig, resolve_strategy
-from ..models import build_model, get_config
+from ..loop import TrainConfig, prepare
+from ..models import get_config
+from ..strategies import DDP
 from .core import REFERENCE_LAUNCH, Exercise, Wrong, register
 
 
@@ -122,7 +124,7 @@ STEPS, SAVED = 4, 2
 def _run(info, cfg, steps, prepared=None):
     mcfg = get_config(cfg.model)
     if prepared is None:
-        prepared = resolve_strategy(cfg.strategy)(build_model(mcfg, seed=cfg.seed), cfg, info)
+        prepared = prepare(cfg, info)
     for step in steps:
         x, y = batch_for_rank(
             step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed
@@ -138,7 +140,7 @@ def uninterrupted_on_rank() -> dict:
     """Worker: what a resume must reproduce: the weights after STEPS uninterrupted steps, and the Adam step
     counts a checkpoint at step SAVED holds (the course's code only)."""
     with cdist.session() as info:
-        cfg = TrainConfig(strategy="ddp", nproc=info.world_size, steps=STEPS)
+        cfg = TrainConfig(strategy=DDP.name, nproc=info.world_size, steps=STEPS)
         saved = _run(info, cfg, range(SAVED))
         saved_steps = sorted({int(s["step"]) for s in saved.optimizer.state.values()})
         whole = _run(info, cfg, range(SAVED, STEPS), saved)
@@ -157,18 +159,18 @@ def uninterrupted(world: int) -> dict:
 
 
 def resume_on_rank(fn, info) -> dict:
-    cfg = TrainConfig(strategy="ddp", nproc=info.world_size, steps=STEPS)
+    cfg = TrainConfig(strategy=DDP.name, nproc=info.world_size, steps=STEPS)
     holder = [tempfile.mkdtemp(prefix="resume-exercise-") if info.rank == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     root = Path(holder[0])
     first = _run(info, cfg, range(SAVED))
-    checkpoint.save(root, SAVED, first, info, batch=cfg.batch, strategy="ddp", keep=3)
+    checkpoint.save(root, SAVED, first, info, batch=cfg.batch, strategy=cfg.strategy, keep=3)
     _run(info, cfg, range(SAVED, STEPS), first)
-    checkpoint.save(root, STEPS, first, info, batch=cfg.batch, strategy="ddp", keep=3)
+    checkpoint.save(root, STEPS, first, info, batch=cfg.batch, strategy=cfg.strategy, keep=3)
     if info.rank == 0:  # the kill came after DCP's .metadata, before the commit: step-4 is not complete
         (checkpoint.step_dir(root, STEPS) / checkpoint.COMMIT).unlink()
     dist.barrier()
-    fresh = resolve_strategy("ddp")(build_model(get_config(cfg.model), seed=cfg.seed + 1), cfg, info)
+    fresh = prepare(replace(cfg, seed=cfg.seed + 1), info)
     start = fn(str(root), fresh.model.module, fresh.optimizer)
     state_steps = sorted({int(s["step"]) for s in fresh.optimizer.state.values()}) if fresh.optimizer.state else []
     got = None

@@ -14,17 +14,22 @@ import torch.distributed as dist
 
 from .. import dist as cdist
 from ..data import batch_for_rank
-from ..instrument import CountCollectives, HeldAtRest, weights_sha256
+from ..instrument import CountCollectives, HeldAtRest, Observer, weights_sha256
 from ..launch import launch
-from ..loop import TrainConfig, apply_single, resolve_strategy, run_steps
+from ..loop import Prepared, TrainConfig, device_mesh, make_optimizer, prepare, run_steps
 from ..models import build_model, get_config
-from ..zero import ShardedOptimizer, apply_torch_zero1, shard_bounds
+from ..strategies import DDP, FULL_SHARD, SINGLE, TORCH_ZERO1, ZERO1, ZERO2, ZERO3, get
+from ..zero import ShardedOptimizer, shard_bounds
 
-#: The stages whose last update ``agreement_worker`` also watches for its peak (``predict.peak_check``); stage 3's
-#: peak is its gathered units (``zero.GatheredBytes``), during forward and backward.
-PEAK_WATCHED = ("zero1", "zero2")
-#: What ``agreement_worker`` can run besides the strategies of ``strategies.STRATEGIES``.
-REFERENCES = {"torch_zero1": apply_torch_zero1}
+#: What ``agreement`` compares with one process by default: plain DP, the three stages, torch's stage 1.
+COMPARED = tuple(s.name for s in (DDP, ZERO1, ZERO2, ZERO3, TORCH_ZERO1))
+
+
+def watches_update_peak(strategy) -> bool:
+    """The stages whose last update ``agreement_worker`` also watches for its peak (``predict.peak_check``):
+    the hand-built stages 1 and 2, flat buffers updated at the step. Stage 3's peak is its gathered units
+    (``zero.GatheredBytes``), during forward and backward (notebook 03)."""
+    return strategy.layout == "flat" and not strategy.gathers_units
 
 
 def _train_steps(
@@ -77,7 +82,7 @@ def _first_gradients(prepared, cfg, mcfg, rank: int, world: int, device) -> None
         prepared.optimizer.reduce_gradients()
 
 
-def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3", "torch_zero1")) -> dict:
+def agreement_worker(config: dict, strategies=COMPARED) -> dict:
     """Train ``single`` and each strategy in one launch; compare gradients and final weights with single's (notebook 03).
 
     Rank 0 trains the one-process reference on the whole global batch by itself (no
@@ -99,8 +104,8 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
     with cdist.session(cfg.backend if cfg.backend != "auto" else None) as info:
         reference = [None]
         if info.rank == 0:  # the one-process reference, on the whole global batch, without collectives
-            model = build_model(mcfg, seed=cfg.seed, device=info.device)
-            single = apply_single(model, cfg, info)
+            single = prepare(cfg, info, SINGLE)
+            model = single.model
             _first_gradients(single, cfg, mcfg, 0, 1, info.device)
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             single.optimizer.zero_grad(set_to_none=True)
@@ -116,19 +121,18 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
         ref_grads, ref, ref_losses = reference[0]
         ref_grads = {k: v.to(info.device) for k, v in ref_grads.items()}
         ref = {k: v.to(info.device) for k, v in ref.items()}
-        out = {"single": {"losses": ref_losses, "weights_sha256": weights_sha256(ref)}}
+        out = {SINGLE.name: {"losses": ref_losses, "weights_sha256": weights_sha256(ref)}}
         for name in strategies:
-            apply = REFERENCES.get(name) or resolve_strategy(name)
-            model = build_model(mcfg, seed=cfg.seed, device=info.device)
-            first = apply(model, cfg, info)
+            row = get(name)
+            first = prepare(cfg, info, row)
+            model = getattr(first.model, "module", first.model)  # the course model inside a DDP wrapper
             _first_gradients(first, cfg, mcfg, info.rank, info.world_size, info.device)
             grad_error = torch.tensor(gradient_error(first, model, ref_grads), device=info.device)
             dist.all_reduce(grad_error, op=dist.ReduceOp.MAX)
-            model = build_model(mcfg, seed=cfg.seed, device=info.device)
-            prepared = apply(model, cfg, info)
+            prepared = prepare(cfg, info, row)
             count = CountCollectives()  # the same counter as train(): ZeroRedundancyOptimizer's traffic too
             losses, held = _train_steps(
-                prepared, cfg, info, info.rank, info.world_size, count, peak=name in PEAK_WATCHED
+                prepared, cfg, info, info.rank, info.world_size, count, peak=watches_update_peak(row)
             )
             losses = torch.tensor(losses, device=info.device)
             dist.all_reduce(losses)
@@ -153,13 +157,13 @@ def agreement_worker(config: dict, strategies=("ddp", "zero1", "zero2", "zero3",
         return {"rank": info.rank, **out} if info.rank == 0 else {"rank": info.rank}
 
 
-def agreement(cfg=None, *, strategies=("ddp", "zero1", "zero2", "zero3", "torch_zero1"), **overrides) -> dict:
+def agreement(cfg=None, *, strategies=COMPARED, **overrides) -> dict:
     """Launch ``agreement_worker`` on ``cfg.nproc`` ranks and return rank 0's comparison (notebook 03).
 
     ``cfg`` is a ``loop.TrainConfig`` (or its fields as keyword arguments); the strategies
-    are names from ``strategies.STRATEGIES`` or ``REFERENCES``.
+    are names from ``strategies.STRATEGIES``.
     """
-    base = asdict(cfg or TrainConfig(strategy="zero1"))  # cfg.strategy is not used: ``strategies`` are
+    base = asdict(cfg or TrainConfig(strategy=ZERO1.name))  # cfg.strategy is not used: ``strategies`` are
     cfg = TrainConfig(**{**base, **overrides}).validate()
     result = launch(
         agreement_worker,
@@ -175,6 +179,23 @@ def agreement(cfg=None, *, strategies=("ddp", "zero1", "zero2", "zero3", "torch_
 
 
 # ---------------------------------------------------------------- FSDP2's own defaults, measured (notebook 03)
+
+
+class _CountAfterTheFirstStep(Observer):
+    """The collectives of every forward and backward but the first (``instrument.CommCounter``)."""
+
+    def __init__(self):
+        from ..instrument import CommCounter
+
+        self.comm = CommCounter()
+
+    def before_forward(self, step: int) -> None:
+        if step:
+            self.comm.__enter__()
+
+    def after_backward(self, step: int) -> None:
+        if step:
+            self.comm.__exit__(None, None, None)
 
 
 def fsdp2_facts(config: dict) -> dict | None:
@@ -194,32 +215,13 @@ def fsdp2_facts(config: dict) -> dict | None:
        to half that norm, gathered whole, against the reference clipped the same way.
     Rank 0 returns the facts; other ranks None.
     """
-    from contextlib import nullcontext
-
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
-
-    from ..fsdp import fsdp_mesh
-    from ..instrument import CommCounter
-    from ..loop import make_optimizer
 
     cfg = TrainConfig(**config).validate()
     mcfg = get_config(cfg.model)
     with cdist.session() as info:
-        mesh = fsdp_mesh(info, "full_shard")
-        batches = [
-            batch_for_rank(
-                step,
-                info.rank,
-                info.world_size,
-                batch=cfg.batch,
-                seq=mcfg.seq,
-                vocab=mcfg.vocab,
-                seed=cfg.seed,
-                device=info.device,
-            )
-            for step in range(cfg.steps)
-        ]
+        mesh = device_mesh(FULL_SHARD, info)
         out = {"comm": {}}
         for root in ("default", "reshard"):
             model = build_model(mcfg, seed=cfg.seed, device=info.device)
@@ -227,13 +229,10 @@ def fsdp2_facts(config: dict) -> dict | None:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh, **({} if root == "default" else {"reshard_after_forward": True}))
             optimizer = make_optimizer(model.parameters(), cfg)
-            comm = CommCounter()
-            for step, (x, y) in enumerate(batches):
-                with comm if step else nullcontext():  # step 0 includes lazy initialisation
-                    model(x, y).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            out["comm"][root] = comm.summary(max(1, cfg.steps - 1))
+            prepared = Prepared(model=model, optimizer=optimizer, full_state_dict=dict, held=lambda: ((), (), ()))
+            count = _CountAfterTheFirstStep()  # step 0 includes lazy initialisation
+            run_steps(prepared, cfg, info, range(cfg.steps), [count])
+            out["comm"][root] = count.comm.summary(max(1, cfg.steps - 1))
         # 2. per-parameter sharding, read from the last model
         params = dict(model.named_parameters())
         out["all_dtensor_shard0"] = all(
@@ -251,7 +250,18 @@ def fsdp2_facts(config: dict) -> dict | None:
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        model(*batches[0]).backward()
+        model(
+            *batch_for_rank(
+                0,
+                info.rank,
+                info.world_size,
+                batch=cfg.batch,
+                seq=mcfg.seq,
+                vocab=mcfg.vocab,
+                seed=cfg.seed,
+                device=info.device,
+            )
+        ).backward()
         grads = [p.grad for p in model.parameters()]
         local_sq = torch.stack([g.to_local().double().pow(2).sum() for g in grads]).sum()
         alone = float(local_sq.sqrt())

@@ -17,28 +17,12 @@ import torch
 import torch.distributed as dist
 
 from .. import dist as cdist
-from ..fsdp import fsdp_options, full_state_dict, full_state_dict_via_dtensor
+from ..fsdp import full_state_dict_via_dtensor
 from ..instrument import CountCollectives, HeldAtRest, Observer, StepTimer, weight_diff, weights_sha256
-from ..loop import Prepared, TrainConfig, prepare, run_steps
+from ..loop import Prepared, TrainConfig, full_state_dict, prepare, run_steps
 from ..models import build_model
-from ..predict import _meta_model
-from ..strategies import FSDP_STRATEGIES
-
-
-def meta_init_worker(model: str = "tiny", seed: int = 0, strategies=FSDP_STRATEGIES, node_size: int = 2) -> dict:
-    """On every rank: shard a meta-device build, initialise it, and compare with the eager build (notebook 04).
-
-    Returns ``{strategy: True/False}``: whether the full weights (gathered through DTensor) of
-    ``loop.prepare``'s meta-device build equal ``build_model(model, seed)``'s, bit for bit.
-    """
-    with cdist.session() as info:
-        eager = weights_sha256(build_model(model, seed=seed).state_dict())
-        out = {}
-        for strategy in strategies:
-            cfg = TrainConfig(strategy=strategy, nproc=info.world_size, model=model, seed=seed, node_size=node_size)
-            prepared = prepare(cfg, info)
-            out[strategy] = weights_sha256(prepared.full_state_dict()) == eager
-        return out
+from ..predict.runs import _meta_model
+from ..strategies import FULL_SHARD, get
 
 
 def bit_identical_groups(rows: list) -> list[list[str]]:
@@ -94,7 +78,7 @@ def run_one(cfg: TrainConfig, info, *, sync_every_step: bool = True, cross_check
     different order: the two agree within ``TOLERANCE``, not bit for bit.) Returns rank 0's
     row (other ranks: None).
     """
-    single = cfg.strategy == "single"
+    single = get(cfg.strategy).single_process
     if single and info.rank != 0:
         return None
     rank, world = (0, 1) if single else (info.rank, info.world_size)
@@ -233,7 +217,8 @@ def experiments_worker(runs: list[dict]) -> list[dict] | None:
         for i, run in enumerate(runs):
             extra = {k: run[k] for k in RUN_KEYS if k in run}
             cfg = TrainConfig(**{k: v for k, v in run.items() if k not in RUN_KEYS})
-            cfg.nproc = 1 if cfg.strategy == "single" else info.world_size
+            single = get(cfg.strategy).single_process
+            cfg.nproc = 1 if single else info.world_size
             cfg.validate()
             if extra.get("kind") == "state_dict":
                 Path(extra["run_dir"]).mkdir(parents=True, exist_ok=True)
@@ -249,7 +234,7 @@ def experiments_worker(runs: list[dict]) -> list[dict] | None:
             if info.rank != 0:
                 continue
             row["label"] = extra.get("label", cfg.strategy)
-            if cfg.strategy == "single" and reference is None:
+            if single and reference is None:
                 reference = row
             if reference is not None and "full_state_dict" in row:
                 diff = weight_diff(row["full_state_dict"], reference["full_state_dict"])
@@ -271,12 +256,10 @@ def run_experiments(runs: list[dict], *, nproc: int, backend: str = "auto", time
     """
     from ..launch import launch
 
-    for run in runs:
+    for run in runs:  # the options are checked too (``TrainConfig.validate``: the row's knobs)
         fields = {k: v for k, v in run.items() if k not in RUN_KEYS}
-        strategy = fields.get("strategy", "single")
-        cfg = TrainConfig(**{**fields, "nproc": 1 if strategy == "single" else nproc}).validate()
-        if strategy in FSDP_STRATEGIES:
-            fsdp_options(cfg)
+        single = get(fields.get("strategy", TrainConfig.strategy)).single_process
+        TrainConfig(**{**fields, "nproc": 1 if single else nproc}).validate()
     result = launch(
         experiments_worker, nproc=nproc, args=(list(runs),), backend=backend, timeout_s=timeout_s, echo=False
     )
@@ -376,7 +359,7 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
     out["next_step_equal"] = weights_sha256(full_state_dict(model)) == weights_sha256(full_state_dict(resumed.model))
 
     # 3. FSDP1: full_optim_state_dict(rank0_only=True), written by every rank
-    old = _fresh(TrainConfig(**{**asdict(cfg), "options": {"api": "fsdp1"}}), info, "full_shard", seed_offset=0)
+    old = _fresh(TrainConfig(**{**asdict(cfg), "options": {"api": "fsdp1"}}), info, FULL_SHARD.name, seed_offset=0)
     _train_steps(old, cfg, info, range(cfg.steps))
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -400,18 +383,3 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
     out["rank0_only_files"] = everyone
     dist.barrier()
     return out
-
-
-def state_dict_demo(
-    cfg: TrainConfig | None = None,
-    *,
-    nproc: int,
-    run_dir: str,
-    backend: str = "auto",
-    timeout_s: float = 300.0,
-    **overrides,
-) -> dict:
-    """Launch ``state_dict_round_trip`` alone on ``nproc`` processes; files go under ``run_dir`` (notebook 04)."""
-    cfg = TrainConfig(**{**asdict(cfg or TrainConfig(strategy="full_shard")), **overrides})
-    run = {**asdict(cfg), "kind": "state_dict", "run_dir": str(run_dir), "label": "state dicts"}
-    return run_experiments([run], nproc=nproc, backend=backend, timeout_s=timeout_s)[0]

@@ -1,8 +1,8 @@
 """Notebook 05b's bridge to reality: the rehearsal's wrapping on real gloo ranks, bytes counted on real shards.
 
 ``bridge`` runs one real optimizer step per strategy through the one loop (``loop.run_steps``)
-with ``fsdp.shard_model`` and the rehearsal's optimizer, and holds the bytes each rank holds
-against what the rehearsal (``course_utils.rehearse``) says for the same setting.
+with the strategy's row applied as the rehearsal applies it and the rehearsal's optimizer, and holds the
+bytes each rank holds against what the rehearsal (``course_utils.rehearse``) says for the same setting.
 """
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ from __future__ import annotations
 import torch
 
 from .. import dist as cdist
-from ..fsdp import shard_model
 from ..instrument import HeldAtRest
 from ..launch import launch
-from ..loop import Prepared, TrainConfig, run_steps
+from ..loop import Prepared, TrainConfig, device_mesh, run_steps
 from ..models import GPTConfig, build_model
-from ..rehearse import check_setting, make_mesh, make_optimizer, mixed_precision_policy, model_config, rehearse
-from ..strategies import get_fsdp
+from ..rehearse.run import apply_options, check_setting, make_optimizer, model_config, rehearse
+from ..strategies import FULL_SHARD, SHARD_GRAD_OP, get_fsdp
 
 
 def real_state_worker(
@@ -24,7 +23,7 @@ def real_state_worker(
 ) -> dict:
     """One real optimizer step per strategy of the course model on this rank; bytes held (notebook 05b).
 
-    A worker for ``launch``: the same ``fsdp.shard_model`` and ``make_optimizer`` as the rehearsal,
+    A worker for ``launch``: the same apply function, options and ``make_optimizer`` as the rehearsal,
     on real ranks: gloo on CPU, or NCCL on a CUDA mesh where there is a GPU per rank. Returns
     ``{strategy: {"params", "grads", "optim", "total", "loss"}}``, the bytes of the local shards
     this rank holds after the step, counted by ``instrument.tensor_bytes`` (the optimizer's 0-dim
@@ -36,14 +35,10 @@ def real_state_worker(
         run = TrainConfig(model=gcfg, batch=micro_batch * info.world_size, seed=seed)  # the rehearsal's step
         out = {}
         for strategy in strategies:
-            mesh = make_mesh(strategy, info.world_size, node_size, info.device.type)
+            row = get_fsdp(strategy)
+            mesh = device_mesh(row, info, node_size)
             net = build_model(gcfg, seed, device=info.device)
-            shard_model(
-                net,
-                mesh,
-                reshard_after_forward=get_fsdp(strategy).reshard_after_forward,
-                mp_policy=mixed_precision_policy(mixed_precision),
-            )
+            net = row.apply(net, mesh, apply_options(row, mixed_precision, node_size, device=info.device))
             opt = make_optimizer(net)
 
             def held(net=net, opt=opt):  # the optimizer's 0-dim step counters included
@@ -62,7 +57,7 @@ def real_state_worker(
 
 def bridge(
     nproc: int = 2,
-    strategies=("full_shard", "shard_grad_op"),
+    strategies=(FULL_SHARD.name, SHARD_GRAD_OP.name),
     *,
     model: str | GPTConfig = "tiny",
     node_size: int = 2,

@@ -202,15 +202,11 @@ def interval_tradeoff(
 
 
 def _trained_more(net, opt, model: str, step: int, seed: int = 0) -> None:
-    """One AdamW step of the course model on step ``step``'s batch of the course's data (one process)."""
-    from ..data import batch_for_rank
-    from ..models import get_config
+    """One AdamW step of the course model on step ``step``'s batch of the course's data (one process, the one loop)."""
+    from ..loop import Prepared, TrainConfig, one_process, run_steps
 
-    cfg = get_config(model)
-    x, y = batch_for_rank(step, 0, 1, batch=8, seq=cfg.seq, vocab=cfg.vocab, seed=seed)
-    net(x, y).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    prepared = Prepared(model=net, optimizer=opt, full_state_dict=net.state_dict, held=lambda: ((), (), ()))
+    run_steps(prepared, TrainConfig(model=model, batch=8, seed=seed), one_process(), range(step, step + 1))
 
 
 def _trained(model: str = "tiny", steps: int = 1, seed: int = 0):
@@ -351,7 +347,7 @@ def _local_shapes(prepared) -> dict:
     return {k: list((v.to_local() if hasattr(v, "to_local") else v).shape) for k, v in state.items()}
 
 
-def rank_named_pitfall(config: dict, folder: str, phase: str) -> dict:
+def _pitfall_phase(config: dict, folder: str, phase: str, info) -> dict:
     """Checkpoint files named by rank, saved at one world size and read at another (notebook 06).
 
     ``phase="save"``: every rank ``torch.save``s its local shards to ``rank<r>.pt`` (the
@@ -360,11 +356,6 @@ def rank_named_pitfall(config: dict, folder: str, phase: str) -> dict:
     only). ``phase="load"``: rank r reads ``rank<r>.pt`` and compares its shapes with what it
     holds now. Returns what each rank saw.
     """
-    with cdist.session() as info:
-        return _pitfall_phase(config, folder, phase, info)
-
-
-def _pitfall_phase(config: dict, folder: str, phase: str, info) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     prepared = _one_step(config, info)
@@ -400,7 +391,7 @@ def _pitfall_phase(config: dict, folder: str, phase: str, info) -> dict:
 
 
 def runs_in_one_group(configs: list, pitfall: tuple | None = None) -> dict:
-    """Several training runs, then optionally a phase of ``rank_named_pitfall``, in ONE process group (notebook 06).
+    """Several training runs, then optionally a phase of the rank-named pitfall, in ONE process group (notebook 06).
 
     Starting a group (processes, imports, rendezvous) costs seconds; a run of the course model well
     under one. Each config is a ``TrainConfig`` dict; a run with a ``checkpoint_dir`` resumes from

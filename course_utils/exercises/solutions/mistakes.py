@@ -98,9 +98,15 @@ def layout_always_reshard(budget_bytes, units):
 # 05 -------------------------------------------------------------------------------------------
 def hsdp_sharded_over_every_gpu(params, gpus_per_node, nodes, mp, strategy):
     p, nd = params / mp, gpus_per_node * nodes // mp
-    sharded = {"ddp": 0, "zero1": 12, "zero2": 14, "zero3": 16, "hsdp": 16, "zero2_offload": 14, "zero3_offload": 16}[
-        strategy
-    ]
+    sharded = {
+        "ddp": 0,
+        "zero1": 12,
+        "zero2": 14,
+        "zero3": 16,
+        "hybrid_shard": 16,
+        "zero2_offload": 14,
+        "zero3_offload": 16,
+    }[strategy]
     gpu, host = (16 - sharded) * p + sharded * p / nd, 0.0
     if strategy.endswith("_offload"):
         host = 12 * p / nd

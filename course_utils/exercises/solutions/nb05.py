@@ -11,11 +11,11 @@ def model_states_per_gpu(params, gpus_per_node, nodes, mp, strategy):
         "zero1": ("optimizer",),
         "zero2": ("optimizer", "gradients"),
         "zero3": ("optimizer", "gradients", "weights"),
-        "hsdp": ("optimizer", "gradients", "weights"),
+        "hybrid_shard": ("optimizer", "gradients", "weights"),
         "zero2_offload": ("optimizer", "gradients"),
         "zero3_offload": ("optimizer", "gradients", "weights"),
     }[strategy]
-    over = gpus_per_node // mp if strategy == "hsdp" else nd  # HSDP: shard inside one node
+    over = gpus_per_node // mp if strategy == "hybrid_shard" else nd  # HSDP: shard inside one node
     held = {k: v / over if k in sharded else v for k, v in parts.items()}
     host = 0.0
     if strategy.endswith("_offload"):

@@ -1,0 +1,314 @@
+"""The plan: every strategy weighed for a model on a cluster, and the one to run, with its reason (notebook 05).
+
+The decision rule of the course (the lesson on the stages, and the ZeRO paper's §5 and §7): among the
+strategies that fit, the fastest by estimated step time; a tie (``TIE_MARGIN``) goes to the simpler one,
+in the order the record sorts the planned rows (``Strategy.sort_key``: less sharding, no offload first).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..errors import CourseInputError
+from ..memory import bill
+from ..strategies import PARAMS, RECORD, ZERO3, get, planned
+from ..units import GB
+from .inputs import Cluster, ModelSpec, _need, model_spec
+from .network import network_class, overlap_curve
+from .offload import offload_modes
+from .price import applicable, block_overlap, hsdp_shard_sizes, limits, memory_breakdown, step_time
+
+#: The rows the planner weighs by default, in the order it prefers them when they tie (``strategies.planned``).
+STRATEGIES = tuple(s.name for s in planned())
+#: Every row's name as the planner's tables print it (PyTorch FSDP's names in brackets).
+STRATEGY_NAMES = {s.name: s.title for s in RECORD.values()}
+#: Tokens per micro-batch (b·s) the overlap chart spans, 64 to a million.
+OVERLAP_TOKENS = np.geomspace(64, 1 << 20, 60)
+#: The recommendation when nothing fits.
+NOTHING_FITS = (
+    "no data-parallel strategy fits: activations / a single FSDP unit are the limit; use activation "
+    "checkpointing, a smaller micro-batch, context (sequence) parallelism for long sequences, smaller "
+    "FSDP units, tensor or pipeline parallelism"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StrategyPlan:
+    """One strategy's numbers per GPU (notebook 05). Bytes, seconds; ``block`` is None for
+    strategies that do not gather parameters block by block."""
+
+    strategy: str
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float
+    host_bytes: float  # bytes this GPU parks in host memory (offload)
+    fits: bool
+    headroom: float  # usable GPU bytes left (negative: over by that much)
+    why_not: str  # empty when it fits
+    link: str  # the slowest link its collectives cross
+    step_comm_bytes: float  # bytes each GPU receives over the network/NVLink per step
+    pcie_bytes: float  # bytes each GPU moves to/from host per step (offload)
+    compute_s: float
+    exposed_comm_s: float
+    step_s: float
+    block: dict | None = field(default=None)
+    shard_size: int | None = None  # HSDP: GPUs per shard group (the planner picks it)
+
+    @property
+    def model_states(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.buffers
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(model_states=self.model_states, total=self.total)
+        return d
+
+
+@dataclass
+class Plan:
+    """What ``plan()`` returns (notebook 05): inputs, one ``StrategyPlan`` per strategy, the
+    recommendation and its one-sentence reason."""
+
+    model: ModelSpec
+    cluster: Cluster
+    k: float
+    strategies: dict
+    recommendation: dict
+    limits: dict
+    offload: dict = field(default_factory=dict)  # offload_modes(): each library's offload, under its own name
+    overlap: dict | None = None  # overlap_curve() over OVERLAP_TOKENS: what the overlap chart draws (not in to_dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": asdict(self.model),
+            "cluster": {**asdict(self.cluster), "network": network_class(self.cluster.inter_bw)},
+            "k": self.k,
+            "strategies": {s: p.to_dict() for s, p in self.strategies.items()},
+            "recommendation": dict(self.recommendation),
+            "limits": dict(self.limits),
+            "offload": {name: dict(row) for name, row in self.offload.items()},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def plan(
+    model: ModelSpec | None = None,
+    cluster: Cluster | None = None,
+    *,
+    k: float = bill.ADAM_MIXED_K,
+    strategies=None,
+    **model_kwargs,
+) -> Plan:
+    """Weigh every strategy for a model on a cluster and recommend one (notebook 05).
+
+    ``plan(model_spec(7e9), Cluster())`` or ``plan(params=7e9)``. ``strategies``: the rows (or names) to
+    weigh, in order of preference; default every row the record marks ``planned``, a row the loop cannot
+    run included (``strategies.planned()``). Returns a ``Plan`` whose ``strategies[s]`` holds memory per
+    GPU (``memory_breakdown``), fit and headroom, per-block compute against all-gather time, step
+    communication and an estimated step time, and whose ``recommendation`` is ``{"strategy": a name
+    or "none", "reason": one sentence}``.
+    """
+    if model is None:
+        model = model_spec(**model_kwargs)
+    elif model_kwargs:
+        raise CourseInputError("give either a ModelSpec or model keyword arguments, not both")
+    cluster = cluster or Cluster()
+    _need(math.isfinite(k) and k >= 0, f"k must be a number of bytes >= 0, got {k!r}")
+    rows = planned() if strategies is None else [get(s) for s in strategies]
+    weighed = {}
+    for s in rows:
+        if not applicable(s, cluster):
+            continue
+        shard_size = None
+        if s.shard_over == "node":  # the smallest shard group that fits: the fewest gathers over the network
+            sizes = hsdp_shard_sizes(cluster)
+            shard_size = next(
+                (n for n in sizes if memory_breakdown(model, cluster, s, k=k, shard_size=n)["total"] <= cluster.usable),
+                sizes[0],
+            )
+        mem = memory_breakdown(model, cluster, s, k=k, shard_size=shard_size)
+        block = block_overlap(model, cluster, s, shard_size)
+        link, volume, pcie, compute, exposed = step_time(model, cluster, s, k, block, shard_size)
+        headroom = cluster.usable - mem["total"]
+        why = ""
+        if headroom < 0:
+            why = f"needs {mem['total'] / GB:.1f} GB of {cluster.usable / GB:.1f} GB usable"
+        if s.offload and mem["host_bytes"] * cluster.gpus_per_node > cluster.host_mem:
+            why = (why + "; " if why else "") + (
+                f"host memory: needs {mem['host_bytes'] * cluster.gpus_per_node / GB:.0f} GB per node "
+                f"of {cluster.host_mem / GB:.0f} GB"
+            )
+        weighed[s.name] = StrategyPlan(
+            s.name,
+            mem["weights"],
+            mem["gradients"],
+            mem["optimizer"],
+            mem["activations"],
+            mem["buffers"],
+            mem["host_bytes"],
+            not why,
+            headroom,
+            why,
+            link,
+            volume,
+            pcie,
+            compute,
+            exposed,
+            compute + exposed,
+            block,
+            shard_size,
+        )
+    found = limits(model, cluster, k)
+    return Plan(
+        model,
+        cluster,
+        k,
+        weighed,
+        _recommend(model, cluster, k, weighed, found),
+        found,
+        offload_modes(model, cluster, k=k, plans=weighed),
+        overlap_curve(model, cluster, OVERLAP_TOKENS),
+    )
+
+
+#: Step times within this fraction of the fastest count as a tie, and a tie goes to the lower stage
+#: (less sharding: fewer collectives, simpler to run and to debug).
+TIE_MARGIN = 0.05
+
+
+def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits: dict) -> dict:
+    """Among the strategies that fit, the fastest by estimated step time; a tie within TIE_MARGIN
+    goes to the simpler strategy (the planner's order, ``strategies.planned``). The reason says what it beat
+    and by how much."""
+
+    def gb(x):
+        return f"{x / GB:.1f} GB"
+
+    def name(s):
+        return get(s).title.split(" (")[0]
+
+    fit = [s for s in plans if plans[s].fits]
+    times = {s: plans[s].step_s for s in fit}
+    if fit:
+        fastest = min(times.values())
+        s = next(s for s in fit if times[s] <= fastest * (1 + TIE_MARGIN))  # the lowest stage within the margin
+        p = plans[s]
+        others = sorted((t, o) for o, t in times.items() if o != s)
+        runner_up = others[0][1] if others else None
+        head = f"{gb(p.total)} per GPU with {gb(p.headroom)} to spare"
+        if runner_up is None:
+            unfit = [o for o in plans if o != s and not plans[o].fits]
+            floors = ", ".join(f"{name(o)} {gb(plans[o].total)}" for o in unfit[:3])
+            beat = f"it is the only strategy that fits ({floors} do not)"
+        else:
+            t2 = times[runner_up]
+            if t2 <= times[s] * (1 + TIE_MARGIN):
+                beat = (
+                    f"{name(runner_up)} is as fast ({t2:.3g} s, within {TIE_MARGIN:.0%}), and a tie goes to the "
+                    f"lower stage"
+                )
+            else:
+                beat = (
+                    f"it beats the runner-up, {name(runner_up)} ({t2:.3g} s), by {t2 - times[s]:.3g} s a step "
+                    f"({t2 / times[s] - 1:.0%})"
+                )
+        reason = f"{name(s)} fits ({head}) at an estimated {times[s]:.3g} s a step; {beat}."
+        if p.block:
+            b = p.block
+            hidden = b["hides_fwd"] and b["hides_bwd"]
+            reason += f" Each block's all-gather ({b['gather_s'] * 1e3:.3g} ms over {b['link']}) " + (
+                "hides behind its compute."
+                if hidden
+                else f"does not hide behind its compute ({b['fwd_compute_s'] * 1e3:.3g} ms forward)."
+            )
+        row = get(s)
+        if row.offload:
+            more = limits["zero3_min_nodes"]
+            reason += " Offload turns an impossible run into a slow one" + (
+                f"; with {more} nodes ({more * cluster.gpus_per_node} GPUs) stage 3 would fit without "
+                "it, the better answer."
+                if more
+                else "."
+            )
+        practice = ""
+        z3 = plans.get(ZERO3.name)
+        if (
+            PARAMS not in row.shards_at_peak
+            and not row.offload
+            and z3 is not None
+            and z3.fits
+            and z3.block
+            and z3.block["hides_fwd"]
+            and z3.block["hides_bwd"]
+        ):
+            practice = (
+                f"Common practice often runs FULL_SHARD here anyway: its gathers hide, and the "
+                f"{gb(z3.headroom - p.headroom)} per GPU it frees buys a larger micro-batch."
+            )
+        pytorch = row.pytorch
+        if p.shard_size:  # a row that shards inside a group of nodes the planner chose
+            groups = p.shard_size // (cluster.gpus_per_node // cluster.mp)
+            reason += (
+                f" Its shard groups are {p.shard_size} GPUs ({groups} node{'s' if groups > 1 else ''}), the "
+                "smallest that fits: gathers cross the network only if a group spans nodes."
+            )
+            pytorch = pytorch.replace("(replicas, shard_size)", f"({cluster.nd // p.shard_size}, {p.shard_size})")
+        return {
+            "strategy": s,
+            "reason": reason,
+            "pytorch": pytorch,
+            "runner_up": runner_up,
+            "step_s": dict(times),
+            "tie_margin": TIE_MARGIN,
+            "practice": practice,
+        }
+    causes = []
+    if limits["activations_limit"]:
+        causes.append(f"activations alone need {gb(limits['activations'])} per GPU")
+    if limits["single_layer_limit"]:
+        causes.append(
+            f"one gathered unit (a block) needs {gb(limits['single_layer'])}"
+            + (
+                f", and even one weight matrix gathered needs {gb(limits['single_matrix'])}: tensor parallelism splits it"
+                if limits["single_matrix_limit"]
+                else f"; wrapped per linear layer the largest unit is one h x 4h matrix, {gb(limits['single_matrix'])}, "
+                "which fits"
+            )
+        )
+    if limits["activations_limit"] and model.seq >= 32768:
+        causes.append(f"at sequence length {model.seq:,} context (sequence) parallelism is the standard remedy")
+    if not causes:
+        more = limits["zero3_min_nodes"]
+        causes.append(
+            f"on {cluster.gpus} GPUs the model states do not fit even with offload"
+            + (f"; stage 3 needs {more} nodes ({more * cluster.gpus_per_node} GPUs)" if more else "")
+        )
+    hint = ""
+    if not model.checkpointing and limits["activations_if_checkpointed"] < limits["activations"]:
+        hint = f"; with checkpointing activations would be {gb(limits['activations_if_checkpointed'])}"
+    return {
+        "strategy": "none",
+        "reason": f"{NOTHING_FITS} ({'; '.join(causes)}{hint}).",
+        "pytorch": "none of the data-parallel wrappers: add tensor, pipeline or context (sequence) parallelism",
+        "runner_up": None,
+        "step_s": {},
+        "tie_margin": TIE_MARGIN,
+        "practice": "",
+    }

@@ -1,0 +1,104 @@
+"""Notebook 02's pictures: every rank's DDP step against time (each bucket's all-reduce), the bucket-cap sweep
+(notebook 02)."""
+
+from __future__ import annotations
+
+from .base import PART_COLORS, new_figure
+
+
+def ddp_timelines_figure(timelines: list, *, title: str = "", width: float = 8.5):
+    """Every rank's DDP step, one panel per rank, each on its own clock (notebook 02).
+
+    ``timelines`` is a row's ``"timelines"`` from ``labs.lab02.ddp_measurements``' sweep: one timeline
+    per rank, times in ms after that rank's backward began. Two panels to a row (12.5 inches
+    wide), so two ranks fit a 1280 x 720 slide with their labels at 14 px (issue 28).
+    """
+    buckets = len({r["bucket"] for r in timelines[0]["ready"]})
+    cols = min(2, len(timelines))
+    rows = -(-len(timelines) // cols)
+    fig = new_figure(width if cols == 1 else 12.5, 1.2 + rows * (0.6 + 0.3 * (buckets + 1)))
+    axes = fig.subplots(rows, cols, sharex=True, squeeze=False).ravel()
+    for rank, (ax, timeline) in enumerate(zip(axes, timelines)):
+        _draw_ddp_timeline(ax, timeline, legend=False, xlabel=rank >= len(timelines) - cols)
+        ax.set_title(f"rank {rank}", fontsize=9, loc="left")
+        ax.tick_params(labelleft=rank % cols == 0)  # the same buckets on every rank: named once a row
+        ax.tick_params(labelbottom=rank >= len(timelines) - cols)  # times under the last panel of each column
+    for ax in axes[len(timelines) :]:
+        ax.set_visible(False)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=8, frameon=False)
+    fig.suptitle(title or "Each bucket's all-reduce starts as soon as its last gradient is ready", fontsize=10)
+    return fig
+
+
+def _draw_ddp_timeline(ax, timeline: dict, *, legend: bool = True, xlabel: bool = True) -> None:
+    buckets = sorted({r["bucket"] for r in timeline["ready"]})
+    top = len(buckets)
+    ax.barh(top, -timeline["forward_ms"], left=timeline["forward_ms"], color="#bbbbbb", height=0.6, label="forward")
+    ax.barh(top, timeline["backward_end_ms"], left=0, color=PART_COLORS["gradients"], height=0.6, label="backward")
+    ax.barh(
+        top,
+        timeline["synced_ms"] - timeline["backward_end_ms"],
+        left=timeline["backward_end_ms"],
+        color="#dddddd",
+        hatch="//",
+        edgecolor="#888888",
+        height=0.6,
+        label="waiting for all-reduces",
+    )
+    for i, row in enumerate(timeline["all_reduce"]):
+        end = row["end_ms"] if row["end_ms"] is not None else timeline["synced_ms"]
+        ax.barh(
+            row["bucket"],
+            end - row["start_ms"],
+            left=row["start_ms"],
+            color=PART_COLORS["optimizer"],
+            height=0.5,
+            label="all-reduce in flight" if i == 0 else None,
+        )
+    ready = timeline["ready"]
+    ax.scatter(
+        [r["t_ms"] for r in ready], [r["bucket"] for r in ready], color="black", s=12, zorder=3, label="gradient ready"
+    )
+    ax.axvline(timeline["backward_end_ms"], color="#444444", lw=0.8, ls=":")
+    ax.set_yticks(list(buckets) + [top], [f"bucket {b}" for b in buckets] + ["compute"])
+    ax.invert_yaxis()
+    if xlabel:
+        ax.set_xlabel("time since backward began (ms)")
+    if legend:
+        ax.legend(
+            loc="upper center", bbox_to_anchor=(0.5, -0.3 if xlabel else -0.14), ncol=5, fontsize=8, frameon=False
+        )
+
+
+def bucket_sweep_figure(rows: list, *, title: str = "", width: float = 10.0, height: float = 3.8):
+    """All-reduce calls per step and step time against the bucket cap (notebook 02).
+
+    ``rows`` come from ``labs.lab02.ddp_measurements``' sweep: ``cap_mb``, ``buckets``, ``calls_per_step``,
+    ``step_time_s``. Log x axis (caps span decades).
+    """
+    caps = [r["cap_mb"] for r in rows]
+    fig = new_figure(width, height)
+    left, right = fig.subplots(1, 2)
+    left.plot(caps, [r["buckets"] for r in rows], "o-", color="#444444", label="buckets")
+    left.plot(
+        caps,
+        [r["calls_per_step"] for r in rows],
+        "x",
+        color=PART_COLORS["optimizer"],
+        ms=9,
+        label="all-reduce calls per step (counted)",
+    )
+    left.set_xscale("log")
+    left.set_xlabel("bucket cap (MiB)")
+    left.set_ylabel("count per step")
+    left.legend(frameon=False, fontsize=8)
+    left.set_title("One all-reduce per bucket")
+    right.plot(caps, [r["step_time_s"] * 1e3 for r in rows], "o-", color=PART_COLORS["gradients"])
+    right.set_xscale("log")
+    right.set_ylim(bottom=0)
+    right.set_xlabel("bucket cap (MiB)")
+    right.set_ylabel("median step time (ms)")
+    right.set_title("Step time (CPU/gloo: not a GPU timing)")
+    if title:
+        fig.suptitle(title)
+    return fig

@@ -1,0 +1,275 @@
+"""The rehearsal's views: tables and charts of what it measured and of what the planner predicted, drawn
+from numbers the other rooms computed (notebook 05b). Nothing here computes a prediction.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..strategies import get_fsdp
+from ..units import GB, MB, GiB
+from .predictions import PEAK_MAX_ACT_SHARE, PEAK_TOL
+from .run import Rehearsal, short_size
+from .tracker import CATEGORIES, PART_COLORS, PARTS
+
+# ---------------------------------------------------------------------------------------------
+# Views and text
+# ---------------------------------------------------------------------------------------------
+
+
+UNITS = {"GB": GB, "GiB": GiB, "MB": MB}
+
+
+def _fmt(n: float, unit: str) -> str:
+    return f"{n / UNITS[unit]:,.2f}"
+
+
+def format_report(r: Rehearsal, rows: list[dict], unit: str = "GB") -> str:
+    """The text ``python -m course_utils rehearse`` prints: the rehearsal's categories and ``rows``,
+    the planner against it (``predictions.compare(r)``) (notebook 05b)."""
+    c = r.cfg
+    u = _unit_name(unit)
+    head = (
+        f"dress rehearsal: Ψ = {r.psi:,} ({short_size(r.psi)}; L={c.layers} h={c.width} heads={c.heads} "
+        f"vocab={c.vocab} seq={c.seq}), {get_fsdp(r.strategy).fsdp1_name} on {r.nproc} ranks"
+        + (f" (nodes of {r.node_size})" if get_fsdp(r.strategy).shard_over == "node" else "")
+        + f", micro-batch {r.micro_batch} x {c.seq} tokens, {r.mixed_precision}"
+        + (", activation checkpointing" if r.act_ckpt else "")
+        + f"; torch {r.torch_version}, FSDPMemTracker on fake tensors, {r.wall_s:.1f} s"
+    )
+    lines = [head, "", f"peak per rank {_fmt(r.peak_bytes, unit)} {u}; what held it (largest of each in the step):"]
+    for cat in CATEGORIES:
+        at, most = r.peak.get(cat, 0), r.category_peaks.get(cat, 0)
+        if at or most:
+            lines.append(f"  {cat:<16} {_fmt(at, unit):>10}   ({_fmt(most, unit)})")
+    lines += [
+        "",
+        f"the planner (course_utils.plan.memory_breakdown: memory.py's {r.stage} row with Nd = {r.nd}, "
+        f"the paper's activation rule, buffers) against the rehearsal, {u}:",
+    ]
+    for row in rows:
+        ratio = "" if math.isnan(row["ratio"]) else f"  x{row['ratio']:.2f}"
+        lines.append(
+            f"  {row['item']:<58} {_fmt(row['formula'], unit):>10} {_fmt(row['rehearsal'], unit):>10}"
+            f"{ratio}  ({row['when']})"
+        )
+        lines.append(f"      {row['why']}")
+    return "\n".join(lines)
+
+
+def bars_view(
+    rehearsals: list[Rehearsal], *, gpu_mem: float = 80 * GB, title: str = "", planned: dict | None = None
+) -> dict:
+    """What the stacked-bar chart draws: one bar per rehearsal, its peak by part (notebook 05b).
+
+    ``planned``: ``{label: bytes}`` of settings not rehearsed, drawn as outlined bars of the
+    planner's total beside the rehearsed ones (cheap context for a slow model).
+    """
+    bars = [{"label": r.label, "parts": r.parts("peak"), "peak": r.peak_bytes} for r in rehearsals]
+    planned_bars = [{"label": f"{label} (planner)", "peak": float(v)} for label, v in (planned or {}).items()]
+    if not title and bars:
+        lo = min(bars, key=lambda b: b["peak"])
+        fits = sum(b["peak"] <= gpu_mem for b in bars)
+        title = (
+            f"{fits} of {len(bars)} rehearsed fit {gpu_mem / GB:g} GB; lowest peak: {lo['label']}, "
+            f"{lo['peak'] / GB:.1f} GB per GPU"
+        )
+    return {
+        "bars": bars,
+        "planned": planned_bars,
+        "parts": list(PARTS),
+        "colors": PART_COLORS,
+        "gpu_mem": gpu_mem,
+        "title": title,
+    }
+
+
+def _unit_name(unit: str) -> str:
+    return f"{unit} ({ {'GB': '10^9', 'GiB': '2^30', 'MB': '10^6'}[unit] } bytes)"
+
+
+def markdown_table(rehearsals: list[Rehearsal], unit: str = "GB", *, gpu_mem: float | None = None) -> str:
+    """The peak per rank by part, one row per rehearsal, as a Markdown table (notebook 05b)."""
+    heads = ["setting", "N", "Nd"] + list(PARTS) + ["**peak**"] + (["fits?"] if gpu_mem else []) + ["rehearsal"]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for r in rehearsals:
+        parts = r.parts("peak")
+        cells = [r.label, str(r.nproc), str(r.nd)] + [_fmt(parts[p], unit) for p in PARTS]
+        cells.append(f"**{_fmt(r.peak_bytes, unit)}**")
+        if gpu_mem:
+            cells.append("yes" if r.peak_bytes <= gpu_mem else "no")
+        cells.append(f"{r.wall_s:.1f} s")
+        lines.append("| " + " | ".join(cells) + " |")
+    psi = {short_size(r.psi) for r in rehearsals}
+    return (
+        f"Bytes per GPU at the peak of one training step, {_unit_name(unit)}; Ψ = {', '.join(sorted(psi))}"
+        + (f"; one GPU holds {gpu_mem / GB:g} GB" if gpu_mem else "")
+        + "\n\n"
+        + "\n".join(lines)
+    )
+
+
+def markdown_compare(r: Rehearsal, rows: list[dict], unit: str = "GB") -> str:
+    """``rows`` (``predictions.compare(r)``) as a Markdown table: item, planner, rehearsal, ratio, when, why (notebook 05b)."""
+    lines = [
+        f"{r.label}, {r.nproc} ranks, Ψ = {short_size(r.psi)}; bytes per GPU, {_unit_name(unit)}",
+        "",
+        "| item | planner | rehearsal | ratio | when | what the formula counts, what FSDP2 holds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        ratio = "" if math.isnan(row["ratio"]) else f"{row['ratio']:.3f}"
+        lines.append(
+            f"| {row['item']} | {_fmt(row['formula'], unit)} | {_fmt(row['rehearsal'], unit)} | {ratio} "
+            f"| {row['when']} | {row['why']} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown_bridge(rows: list[dict]) -> str:
+    """``labs.lab05b.bridge`` rows as a Markdown table: rehearsal bytes against every real rank's (notebook 05b)."""
+    lines = [
+        "Bytes one rank holds after one optimizer step of the tiny course model: the rehearsal "
+        "(tracker, fake tensors) against real gloo ranks (instrument.tensor_bytes on the local shards)",
+        "",
+        "| ranks | strategy | | parameters | gradients | optimizer state | total | equal on every rank? |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        name = get_fsdp(row["strategy"]).fsdp1_name
+        fake = row["rehearsal"]
+        lines.append(
+            f"| {row['nproc']} | {name} | rehearsal | {fake['params']:,} | {fake['grads']:,} "
+            f"| {fake['optim']:,} | {fake['total']:,} | |"
+        )
+        real = row["real"][0]
+        lines.append(
+            f"| | | real, rank 0 of {len(row['real'])} | {real['params']:,} | {real['grads']:,} "
+            f"| {real['optim']:,} | {real['total']:,} | {'yes' if row['equal'] else '**no**'} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown_summary(rows: list[dict], unit: str = "GB") -> str:
+    """``rows`` (``predictions.summary_rows``) as a Markdown table (notebook 05b)."""
+    lines = [
+        f"Peak bytes per GPU, {_unit_name(unit)}: the planner (notebook 05) against the rehearsal; model states "
+        "after the step against 16 bytes per parameter of the shard (FSDP2's padding counted)",
+        "",
+        "| setting | planner | rehearsal | rehearsal / planner | model states at rest, rehearsal / formula "
+        f"| peak within {PEAK_TOL:.0%} claimed? |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        claim = (
+            ("yes: " + ("holds" if row["within"] else "FAILS"))
+            if row["claimed"]
+            else f"no (activations {row['activation_share']:.0%} of the planner's total)"
+        )
+        lines.append(
+            f"| {row['setting']} | {_fmt(row['planner'], unit)} | {_fmt(row['rehearsal'], unit)} "
+            f"| {row['ratio']:.3f} | {row['model_states']:.5f} | {claim} |"
+        )
+    return "\n".join(lines)
+
+
+def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
+    """Stacked bars: one GPU's peak per setting, by part, against the GPU's memory (notebook 05b).
+
+    ``view`` is ``bars_view(...)``; it uses ``plots.new_figure`` like every course chart.
+    """
+    from matplotlib.patches import Patch
+
+    from ..plots import new_figure
+
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    bars = view["bars"]
+    planned = view.get("planned", [])
+    for j, bar in enumerate(planned):
+        x = len(bars) + j
+        ax.bar(x, bar["peak"] / GB, width=0.6, fill=False, edgecolor="#555555", ls="--", hatch="//", lw=1)
+        ax.text(
+            x, bar["peak"] / GB, f"{bar['peak'] / GB:.1f} GB", ha="center", va="bottom", fontsize=12, color="#555555"
+        )
+    for i, bar in enumerate(bars):
+        bottom = 0.0
+        for part in view["parts"]:
+            value = bar["parts"][part] / GB
+            if value > 0:
+                ax.bar(i, value, bottom=bottom, width=0.6, color=view["colors"][part], edgecolor="white", lw=0.5)
+                bottom += value
+        ax.text(i, bottom, f"{bar['peak'] / GB:.1f} GB", ha="center", va="bottom", fontsize=12)
+    gpu = view["gpu_mem"] / GB
+    ax.axhline(gpu, color="#c0392b", ls="--", lw=1.5)
+    every = bars + planned
+    ax.text(-0.55, gpu, f" one {gpu:g} GB GPU", color="#c0392b", ha="left", va="bottom", fontsize=12)
+    ax.set_xticks(
+        range(len(every)),
+        [
+            b["label"]
+            .replace(" + ", "\n+ ")
+            .replace("_GRAD_", "_GRAD\n_")
+            .replace("HYBRID_", "HYBRID\n_")
+            .replace(" (planner)", "\n(planner)")
+            for b in every
+        ],
+        fontsize=11,
+    )
+    ax.set_xlim(-0.6, max(len(every), 3) - 0.4)
+    ax.set_ylim(0, max([b["peak"] / GB for b in every] + [gpu]) * 1.15)
+    ax.set_ylabel("peak memory per GPU, GB (10⁹ bytes)", fontsize=12)
+    ax.tick_params(axis="y", labelsize=11)
+    used = [p for p in view["parts"] if any(b["parts"][p] > 0 for b in bars)]
+    handles = [Patch(color=view["colors"][p], label=p) for p in used]
+    if planned:
+        handles.append(
+            Patch(fill=False, edgecolor="#555555", ls="--", hatch="//", label="not rehearsed: the planner's total")
+        )
+    fig.legend(handles=handles, fontsize=11, loc="outside lower center", ncols=2)
+    ax.set_title(view["title"], fontsize=12)
+    return fig
+
+
+def agreement_figure(rows: list[dict], *, width: float = 7.0, height: float = 4.6):
+    """The planner's peak against the rehearsal's, one point per setting (``rows``:
+    ``predictions.summary_rows``), with the ±PEAK_TOL band (notebook 05b).
+
+    Linear axes in GB from 0 (the settings span a few times, not decades), type large enough to
+    read on a 1280 x 720 slide.
+    """
+    import numpy as np
+
+    from ..plots import new_figure
+
+    fig = new_figure(width, height)
+    ax = fig.add_subplot()
+    xs = np.array([r["planner"] for r in rows]) / GB
+    ys = np.array([r["rehearsal"] for r in rows]) / GB
+    hi = max(xs.max(), ys.max()) * 1.12
+    grid = np.array([0, hi])
+    ax.plot(grid, grid, color="#555555", lw=1.2, label="rehearsal = planner")
+    ax.fill_between(
+        grid,
+        grid * (1 - PEAK_TOL),
+        grid * (1 + PEAK_TOL),
+        color="#3a7dc9",
+        alpha=0.15,
+        label=f"planner ±{PEAK_TOL:.0%}",
+    )
+    for r, x, y in zip(rows, xs, ys):
+        ax.scatter([x], [y], color="#3a7dc9" if r["claimed"] else "#e8883a", zorder=3, s=60)
+        ax.annotate(r["short"], (x, y), fontsize=11, xytext=(8, -4), textcoords="offset points")
+    ax.scatter([], [], color="#3a7dc9", s=60, label=f"claimed (activations ≤ {PEAK_MAX_ACT_SHARE:.0%} of the total)")
+    ax.scatter([], [], color="#e8883a", s=60, label="not claimed: activations larger")
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    ax.tick_params(labelsize=12)
+    ax.set_xlabel("planner's peak per GPU, GB", fontsize=13)
+    ax.set_ylabel("rehearsal's peak per GPU, GB", fontsize=13)
+    inside = sum(r["within"] for r in rows)
+    ax.set_title(
+        f"The planner is within {PEAK_TOL:.0%} of FSDP2's peak for {inside} of {len(rows)} settings", fontsize=13
+    )
+    ax.legend(fontsize=11, loc="upper left")
+    return fig
