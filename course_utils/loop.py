@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checkpoint import parse_failures
 from .data import batch_for_rank
 from .errors import CourseInputError
+from .failures import parse_failures
 from .instrument import CountCollectives, optimizer_tensors
 from .models import build_meta_model, build_model, get_config
 from .strategies import get, mesh_shape
+from .validate import check_values
 
 
 @dataclass
@@ -55,6 +56,7 @@ class TrainConfig:
     save_weights: str | None = None  # rank 0 writes the final full fp32 state dict here (torch.save)
 
     def validate(self) -> TrainConfig:
+        check_values("train", self)  # types and stated ranges (course_utils.validate), before anything compares them
         get(self.strategy)
         for name in ("nproc", "steps", "batch"):
             value = getattr(self, name)

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from . import memory
 from .errors import CourseInputError
 from .units import GB, fmt_count, parse_bytes, parse_count
+from .validate import check_values
 
 #: Strategies the planner weighs, in the order it prefers them when they fit.
 STRATEGIES = ("ddp", "zero1", "zero2", "hsdp", "zero3", "zero2_offload", "zero3_offload")
@@ -216,6 +217,7 @@ class Cluster:
     nvme_bw: float = 25e9
 
     def __post_init__(self):
+        check_values("plan", self)  # the stated ranges (course_utils.validate): nodes, GPUs per node, Nm
         _whole("gpus-per-node", self.gpus_per_node)
         _whole("nodes", self.nodes)
         _whole("mp (Nm)", self.mp)

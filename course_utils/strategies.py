@@ -45,6 +45,9 @@ class Strategy:
         fsdp1_name: the FSDP1 ``ShardingStrategy`` member, or None for non-FSDP strategies.
         reshard_after_forward: ``fully_shard``'s argument, or None for non-FSDP strategies.
         abbrev: a short label for figure axes.
+        checkpoint_state: how a checkpoint holds its state: "torch" (state dicts by parameter
+            name, which DCP reshards between strategies) or "zero-flat" (the hand-built ZeRO
+            optimizers' flat slices); ``checkpoint_state.state_format`` reads it.
     """
 
     name: str
@@ -57,6 +60,7 @@ class Strategy:
     fsdp1_name: str | None = None
     reshard_after_forward: bool | None = None
     abbrev: str = ""
+    checkpoint_state: str = "torch"
 
     @property
     def is_fsdp(self) -> bool:
@@ -68,9 +72,15 @@ _ALL = (
     Strategy("single", "02", "course_utils.loop:apply_single", "single", "ddp", "ddp", "ddp"),
     Strategy("ddp", "02", "course_utils.ddp:apply_ddp", "replicate", "ddp", "ddp", "ddp"),
     Strategy("ddp_scratch", "02", "course_utils.ddp:apply_ddp_scratch", "replicate", "ddp", "ddp", "ddp"),
-    Strategy("zero1", "03", "course_utils.zero:apply_zero1", "shard", "zero1", "zero1", "zero1"),
-    Strategy("zero2", "03", "course_utils.zero:apply_zero2", "shard", "zero2", "zero2", "zero2"),
-    Strategy("zero3", "03", "course_utils.zero:apply_zero3", "shard", "zero3", "zero3", "zero3"),
+    Strategy(
+        "zero1", "03", "course_utils.zero:apply_zero1", "shard", "zero1", "zero1", "zero1", checkpoint_state="zero-flat"
+    ),
+    Strategy(
+        "zero2", "03", "course_utils.zero:apply_zero2", "shard", "zero2", "zero2", "zero2", checkpoint_state="zero-flat"
+    ),
+    Strategy(
+        "zero3", "03", "course_utils.zero:apply_zero3", "shard", "zero3", "zero3", "zero3", checkpoint_state="zero-flat"
+    ),
     Strategy(
         "no_shard",
         "04",

@@ -24,9 +24,15 @@ LAYERS = [
         "instrument",
         "_agent",
         "worker",  # model, data, the bill, observers;
+        "_procs",  # a launch's processes: the agent server, ending a run's process group
+        "_report",  # what a launch says: progress, results, errors
         "checksums",
+        "checkpoint_files",  # a checkpoint folder on disk, read without running it
+        "checkpoint_state",  # what each strategy saves
+        "failures",  # failure injection
+        "recovery",  # what a restart cost
     },  # a state dict's checksums in any layout
-    {"launch", "checkpoint", "plan", "predict"},  # processes; DCP; planner; predictions
+    {"launch", "background", "namespaces", "checkpoint", "plan", "predict"},  # processes; nodes; DCP; planner
     {"loop"},  # the one loop and its types
     {"ddp", "zero", "fsdp", "per_param", "examples"},  # strategies: the mechanism, apply_*
     {"train", "rehearse", "plots"},  # the run and its CLI; rehearsal; figures
