@@ -17,8 +17,11 @@ Two ways to get such a process:
 The spec (what to run, and the caller's environment at that launch) only ever travels through
 that pipe: no file of a run holds the caller's environment, however the run ends.
 
-Only torch is imported before the fork; the worker's own module is imported after it, so an
-edited course module is picked up by the next launch.
+Only torch is imported before the fork; the course's modules are imported after it, so an
+edited course module is picked up by the next launch. Every worker runs
+``course_utils.worker.run_in_worker``; when the run fails, the agent writes which rank caused it,
+how (a Python error from the user's own frame on, ``trim_traceback``; or a signal, ``died``) and
+every rank's exit code, for ``course_utils._report`` to say.
 """
 
 from __future__ import annotations

@@ -684,7 +684,7 @@ def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_one_before_used(tm
             os.chmod(p, 0o755)
 
 
-def test_a_full_disk_during_a_save_is_named_and_keeps_the_checkpoint_before(tmp_path, single_straight):
+def test_a_full_disk_during_a_save_is_named_and_keeps_the_checkpoint_before(tmp_path, single_straight, capsys):
     """ENOSPC on a small tmpfs: one line naming it, step-2 kept whole; once space is freed the run resumes bit-identical."""
     import subprocess
 
@@ -707,6 +707,19 @@ def test_a_full_disk_during_a_save_is_named_and_keeps_the_checkpoint_before(tmp_
         assert "\n" not in message and "no space left on the device (ENOSPC)" in message
         assert "the complete checkpoint step-2 is kept" in message
         assert ck.scan(disk / "ck") == {"complete": [2], "incomplete": []}  # nothing half-written left
+        # a disk that is full before a run: refused in one line before anything starts
+        with open(disk / "more", "wb", buffering=0) as fh:
+            try:
+                while True:
+                    fh.write(b"\0" * 65536)
+            except OSError:  # ENOSPC: full
+                pass
+        from course_utils import cli
+
+        assert cli.main(["train", "--checkpoint-dir", str(disk / "other"), "--checkpoint-every", "2"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "No space left on device" in err and "Traceback" not in err
+        (disk / "more").unlink()
         (disk / "filler").unlink()
         resumed = _single(disk / "ck", 6)
         assert resumed["resumed_from"] == [2] and resumed["weights_sha256"] == single_straight["weights_sha256"]
