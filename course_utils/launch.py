@@ -240,7 +240,11 @@ def _watch(run: _Run, pgid: int, status: Progress, start: float, echo: bool):
     ``values`` is not None only when every rank returned but the agent never collected them
     (``COLLECT_GRACE_S``): the launcher then takes the results itself and stops the agent.
     """
-    started = time.monotonic()  # a cold agent server (torch imported once) must not eat into timeout_s
+    # The clock of timeout_s starts when every rank has started its function (each opens its stack file
+    # first thing): a cold agent server or a loaded machine must not eat into it, and a worker's own
+    # collective timeout (the same timeout_s, counted from its collective) must fire before this one.
+    # Ranks that never start are bounded from the agent's start.
+    started, ranks_started = time.monotonic(), False
     all_returned_at = None
     with open(run.agent_log, "rb") as log:
         buffer = b""
@@ -256,6 +260,8 @@ def _watch(run: _Run, pgid: int, status: Progress, start: float, echo: bool):
             if finished:
                 return None, None
             status.update(time.monotonic() - start)
+            if not ranks_started and len(list(run.folder.glob("stack-rank*.txt"))) >= run.nproc:
+                started, ranks_started = time.monotonic(), True
             if all_returned_at is None and len(result_files(run.folder)) == run.nproc:
                 all_returned_at = time.monotonic()
             if all_returned_at is not None and time.monotonic() - all_returned_at > COLLECT_GRACE_S:
@@ -344,8 +350,8 @@ def launch(
         backend: "auto" (NCCL with one GPU per rank if there are enough GPUs, else gloo on CPU),
             "gloo" or "nccl".
         timeout_s: a collective waiting longer raises in the worker. It also bounds the whole run:
-            a grace period later (``timeout_s``, at most ``GRACE_S``), counted from when the run's
-            agent started, every process of the run is ended. At most a week.
+            a grace period later (``timeout_s``, at most ``GRACE_S``), counted from when every rank
+            had started, every process of the run is ended. At most a week.
         max_restarts: times the elastic agent restarts the whole group after a worker failure
             (torchrun's ``--max-restarts``).
         mesh_shape: optional device-mesh shape (product ``nproc``); workers read ``COURSE_MESH_SHAPE``.

@@ -134,15 +134,18 @@ def params_count(name: str, text) -> float:
 
 # ---------------------------------------------------------------- stated ranges: one layer for the CLI and the API
 
-#: What one rank needs at least to start: a Python process with torch imported and a process group
-#: joined. Measured here: a gloo worker of ``launch`` holds about 170 MB it does not share with the
-#: agent server it was forked from (USS in /proc/PID/smaps_rollup), a torchrun worker about 330 MB.
+#: Memory one rank of a course run takes. Measured here (torch 2.13 CPU, /proc/self/smaps_rollup of a
+#: worker that joined a gloo group and built the tiny model): under ``launch`` (forked from the agent
+#: server) 271 MB RSS, 69 MB PSS, 11 MB private; under plain torchrun 259 MB RSS, 157 MB PSS, 144 MB
+#: private. A training step of the course models adds tens of MB; 250 MB leaves room for them.
 RANK_BYTES = 250e6
 #: Ranks on one machine in any case: more than the course's runs ever start, far below the OS's limits.
 MAX_LOCAL_RANKS = 256
 MAX_STEPS = 10**9
-#: Sequences in one global batch: the medium course model's logits alone take ~2 MB per sequence.
-MAX_BATCH = 4096
+#: Sequences per rank in one step: the medium course model's logits alone take ~2 MB per sequence.
+MAX_BATCH_PER_RANK = 4096
+#: Sequences in one global batch, however many ranks share it.
+MAX_BATCH = 2**31 - 1
 #: torch seeds generators with 64 bits and the data stream mixes the step in (``data.global_batch``).
 MAX_SEED = 2**32 - 1
 #: A week: a run that should wait longer is not a course run; ``timedelta`` overflows near 1e14 s.
@@ -180,8 +183,8 @@ def max_local_ranks() -> int:
 
 def _ranks_words() -> str:
     return (
-        f"this machine can start {max_local_ranks()} ranks now (one per {RANK_BYTES / 1e6:.0f} MB of available "
-        f"memory, {MAX_LOCAL_RANKS} at most)"
+        f"this machine can start {max_local_ranks()} ranks now: one per {RANK_BYTES / 1e6:.0f} MB of available "
+        f"memory, {MAX_LOCAL_RANKS} at most"
     )
 
 
@@ -198,10 +201,12 @@ class Range:
     def check(self, name: str, value) -> None:
         if value is None:
             return
-        high = self.high() if callable(self.high) else self.high
+        high = self.high if not callable(self.high) else _machine_high(self.high)
         kind = "a whole number" if self.whole else "a number"
-        span = f"above {self.low:g}" if self.above_low else f"from {self.low:g}"
-        words = f"{kind} {span}" + (f" to {high:g}" if math.isfinite(high) else "")
+        if self.above_low:
+            words = f"{kind} above {_num(self.low)}" + (f" and at most {_num(high)}" if math.isfinite(high) else "")
+        else:
+            words = f"{kind} from {_num(self.low)}" + (f" to {_num(high)}" if math.isfinite(high) else "")
         why = f" ({self.why() if callable(self.why) else self.why})" if self.why else ""
         ok_type = isinstance(value, int) if self.whole else isinstance(value, (int, float))
         if isinstance(value, bool) or not ok_type or (not self.whole and not math.isfinite(value)):
@@ -209,6 +214,17 @@ class Range:
         low_ok = value > self.low if self.above_low else value >= self.low
         if not low_ok or value > high:
             raise CourseInputError(f"{name} must be {words}, got {value!r}{why}")
+
+
+def _num(x: float) -> str:
+    """A bound as a reader writes it: 604,800 or 1,000; 0.99 or 1e+07 for the rest."""
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+def _machine_high(high: Callable[[], float]) -> float:
+    """A bound that depends on what this machine can start holds where ranks are started, not in a rank:
+    under torchrun on several nodes a rank's world size counts every node's ranks (``RANK`` is set)."""
+    return math.inf if "RANK" in os.environ else high()
 
 
 def _whole(low, high, why=""):
@@ -225,7 +241,7 @@ _RANKS = _whole(1, max_local_ranks, _ranks_words)
 _TRAIN = {
     "nproc": _RANKS,
     "steps": _whole(1, MAX_STEPS),
-    "batch": _whole(1, MAX_BATCH, "sequences per step, all ranks together"),
+    "batch": _whole(1, MAX_BATCH, "sequences per step, all ranks together"),  # and per rank: _per_rank_batch
     "seed": _whole(0, MAX_SEED),
     "lr": Range(0, math.inf, False, True),
     "bucket_cap_mb": Range(0, MAX_BUCKET_MB, False, True, "MB per DDP bucket; 25 is PyTorch's default"),
@@ -299,6 +315,17 @@ def check_values(command: str, values, *, flags: bool = False) -> None:
         items = get(name)
         for item in items if isinstance(items, (list, tuple)) else [items]:
             rule.check(flag(name) if flags else name, item)
+    if command in ("train", "ft"):
+        _per_rank_batch(get("batch"), get("nproc") or get("replicas"), flag("batch") if flags else "batch")
+
+
+def _per_rank_batch(batch, ranks, name: str) -> None:
+    """The global batch is split across the ranks: each rank's share is what must fit its memory."""
+    if isinstance(batch, int) and isinstance(ranks, int) and ranks > 0 and batch > MAX_BATCH_PER_RANK * ranks:
+        raise CourseInputError(
+            f"{name} {batch} is {batch // ranks:,} sequences per rank; at most {MAX_BATCH_PER_RANK} per rank "
+            "(the medium course model's logits alone take ~2 MB per sequence)"
+        )
 
 
 #: Subcommands whose ``--params`` is a parameter count (``rehearse`` also takes preset names).

@@ -460,3 +460,15 @@ def test_a_run_that_fails_says_so_without_a_traceback(name, argv, words, capsys)
     out = capsys.readouterr()
     assert status == 1 and words in out.err.splitlines()[0], out.err[-2000:]
     assert "Traceback" not in out.err + out.out
+
+
+def test_a_rank_of_a_multi_node_job_is_not_held_to_this_machine_s_ranks(monkeypatch):
+    """Under torchrun on several nodes a rank's world size counts every node's ranks: the machine's own
+    limit holds where processes are started (the CLI, launch, train), not inside a rank that runs."""
+    from course_utils.train import TrainConfig
+
+    many = validate.MAX_LOCAL_RANKS * 2
+    with pytest.raises(CourseInputError, match="nproc"):
+        TrainConfig(strategy="ddp", nproc=many, batch=many).validate()
+    monkeypatch.setenv("RANK", "3")
+    TrainConfig(strategy="ddp", nproc=many, batch=many).validate()
