@@ -61,6 +61,7 @@ publish-slides: slides
 
 # Both phases always run, so one failing unit test does not hide what the notebooks would say.
 test: setup browser-setup
+	@$(BIN)/python -m course_utils cluster --clean | grep -v "^nothing" || true  # what a killed cluster run left
 	@status=0; \
 	$(MAKE) --no-print-directory lint || status=1; \
 	$(MAKE) --no-print-directory unit-tests || status=1; \

@@ -7,24 +7,30 @@ notebook's stop button.
 
 Two ways to get such a process:
 
-- ``python -m course_utils._agent SPEC RESULT``: one fresh process per launch (any OS).
+- ``python -m course_utils._agent RESULT LOG``: one fresh process per launch (any OS); the run's
+  spec arrives on its standard input.
 - ``python -m course_utils._agent --serve``: on Linux, a small single-threaded server that has
-  imported torch once and forks one agent per launch (read a spec path from stdin, answer
-  with the agent's pid). Importing torch costs ~2-3 s on a laptop CPU; the fork costs
-  milliseconds, which is the difference between a 1 s and a 6 s launch in a classroom.
+  imported torch once and forks one agent per launch (read a request and the spec's bytes from
+  stdin, answer with the agent's pid). Importing torch costs ~2-3 s on a laptop CPU; the fork
+  costs milliseconds, which is the difference between a 1 s and a 6 s launch in a classroom.
 
-Only torch is imported before the fork; the worker's own module is imported after it, so an
-edited course module is picked up by the next launch.
+The spec (what to run, and the caller's environment at that launch) only ever travels through
+that pipe: no file of a run holds the caller's environment, however the run ends.
+
+Only torch is imported before the fork; the course's modules are imported after it, so an
+edited course module is picked up by the next launch. Every worker runs
+``course_utils.worker.run_in_worker``; when the run fails, the agent writes which rank caused it,
+how (a Python error from the user's own frame on, ``trim_traceback``; or a signal, ``died``) and
+every rank's exit code, for ``course_utils._report`` to say.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import gc
-import importlib
 import logging
 import os
 import pickle
+import re
 import select
 import signal
 import sys
@@ -32,96 +38,6 @@ import threading
 import time
 import traceback
 import uuid
-
-
-def call(target: str, args: tuple, kwargs: dict):
-    """Worker entry point under plain torchrun: import ``module:qualname`` and call it (``course_utils.worker``)."""
-    return _resolve(target)(*args, **kwargs)
-
-
-def _resolve(target: str):
-    module, _, qualname = target.partition(":")
-    fn = importlib.import_module(module)
-    for part in qualname.split("."):
-        fn = getattr(fn, part)
-    return fn
-
-
-# ---------------------------------------------------------------- the worker side of a launch
-
-_stack_file = None  # kept open for the life of the worker: faulthandler writes to its descriptor
-
-
-def dump_stacks_on(path: str) -> None:
-    """On SIGUSR1, write every thread's Python stack to ``path`` (appended; read from the end).
-
-    The launcher sends SIGUSR1 to a run's whole process group before it stops a hung run, so the
-    error can say where each rank was waiting, and a rank whose collective timed out sends it to
-    its peers before it raises, so a hang names the rank that never arrived.
-    """
-    global _stack_file
-    if _stack_file is not None:
-        _stack_file.close()
-    _stack_file = open(path, "a")
-    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)
-
-
-def adopt_sys_path(caller_path: list) -> None:
-    """Put the caller's ``sys.path`` first, so what imports in the notebook imports here too."""
-    sys.path[:] = list(caller_path) + [p for p in sys.path if p not in caller_path]
-
-
-def _looks_like_a_collective_timeout(exc: BaseException) -> bool:
-    text = str(exc)
-    return "Timed out" in text or "timed out" in text or "Timeout" in type(exc).__name__
-
-
-def _ask_peers_where_they_are() -> None:
-    """A collective of this rank timed out: every process of the run (the rank that never arrived
-    too) writes its stack now, before the agent stops them; the launcher puts it in the error."""
-    try:
-        os.killpg(os.getpgrp(), signal.SIGUSR1)
-        time.sleep(0.3)
-    except OSError:
-        pass
-
-
-def run_in_worker(payload: bytes, progress_dir: str) -> None:
-    """What every worker of a ``launch`` runs: unpack the call, run it, leave its result in a file.
-
-    ``payload`` is ``(sys.path, fn or "module:qualname", args, kwargs)`` pickled by the caller with
-    cloudpickle, so a function defined in a notebook cell travels by value. The return value goes
-    to ``result-rank<r>.pkl`` in the run's folder, written by the rank itself: the caller reads the
-    results from there, whatever the agent does after the workers return.
-    """
-    rank = int(os.environ.get("RANK", "0"))
-    dump_stacks_on(os.path.join(progress_dir, f"stack-rank{rank}.txt"))
-    _, fn, args, kwargs = _unpack(payload)
-    if isinstance(fn, str):
-        fn = _resolve(fn)
-    try:
-        value = fn(*args, **kwargs)
-    except BaseException as exc:
-        if _looks_like_a_collective_timeout(exc):
-            _ask_peers_where_they_are()
-        raise
-    try:
-        data = pickle.dumps((int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), value))
-    except Exception as exc:
-        raise TypeError(
-            f"rank {rank} returned a value that cannot be sent back to the caller ({exc}); "
-            "return plain data (numbers, strings, lists, dicts, tensors)"
-        ) from None
-    tmp = os.path.join(progress_dir, f".result-rank{rank}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, os.path.join(progress_dir, f"result-rank{rank}.pkl"))
-
-
-def _unpack(payload: bytes):
-    caller_path, blob = pickle.loads(payload)
-    adopt_sys_path(caller_path)  # before the call is unpickled: it may name the caller's modules
-    return (caller_path, *pickle.loads(blob))
 
 
 #: Every worker's exit code in the last attempt, recorded as torch's process context closes (see below).
@@ -188,6 +104,8 @@ def run_agent(spec: dict, result_path: str) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .worker import run_in_worker
+
     os.chdir(spec["cwd"])
     # The agent's INFO lines are noise in a notebook; its warnings and errors still show.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
@@ -214,24 +132,94 @@ def run_agent(spec: dict, result_path: str) -> None:
         elastic_launch(config, run_in_worker)(spec["payload"], spec["progress_dir"])
         result = {"ok": True}
     except ChildFailedError as exc:
-        rank, first = exc.get_first_failure()
-        result = {"ok": False, "rank": rank, "message": exc.format_msg(), "exitcode": first.exitcode}
-        if os.path.isfile(first.error_file) or first.exitcode == -signal.SIGTERM:
-            result.update(root_cause(spec["log_dir"]) or {})
-        else:  # no traceback at all: it died on its own (os._exit, a kill, a crash), so it is the cause
-            result["message"] = (
-                f"rank {rank} died without a Python error (exit code {first.exitcode}): no "
-                "traceback, like a lost GPU or os._exit; the agent stopped the other ranks.\n" + exc.format_msg()
-            )
-        if result["rank"] in _exit_codes:  # the failing rank's own exit code, not the first one polled
-            result["exitcode"] = _exit_codes[result["rank"]]
-        result["exit_codes"] = dict(_exit_codes)
+        result = _failure(exc, spec["log_dir"])
     except BaseException:  # the agent itself failed (rendezvous, pickling, a signal...)
         result = {"ok": False, "rank": None, "message": traceback.format_exc(), "exitcode": None}
     tmp = result_path + ".tmp"
     with open(tmp, "wb") as fh:
         pickle.dump(result, fh)
     os.replace(tmp, result_path)  # the launcher sees a result only when it is whole
+
+
+def _failure(exc, log_dir: str) -> dict:
+    """The outcome of a failed run: the rank that caused it, its exit code, and what happened in words.
+
+    torch's own report (``ChildFailedError.format_msg``: error-file paths, a link) stays in this agent's
+    log; the message holds the cause's traceback from its own frame on (``trim_traceback``).
+    """
+    rank, first = exc.get_first_failure()
+    result = {"ok": False, "rank": rank, "exitcode": first.exitcode, "message": f"rank {rank} failed"}
+    if os.path.isfile(first.error_file) or first.exitcode == -signal.SIGTERM:
+        result.update(root_cause(log_dir) or {})
+    else:  # no traceback at all: it died on its own (os._exit, a signal, a crash), so it is the cause
+        result["message"], result["silent"] = died(rank, first.exitcode), True
+    if result["rank"] in _exit_codes:  # the failing rank's own exit code, not the first one polled
+        result["exitcode"] = _exit_codes[result["rank"]]
+    if result.get("silent"):  # now that its own exit code is known, say how it died
+        result["message"] = died(result["rank"], result["exitcode"]) + result.get("after", "")
+    result["exit_codes"] = dict(_exit_codes)
+    return result
+
+
+#: What ended a worker that left no Python error, by signal.
+_SIGNAL_CAUSES = {
+    "SIGINT": "an interrupt sent to that process alone (kill -INT, or Ctrl-C in a terminal it shares; "
+    "interrupt the launch instead)",
+    "SIGKILL": "killed outright (kill -9, or the kernel's out-of-memory killer)",
+    "SIGSEGV": "a crash in native code",
+    "SIGABRT": "an abort in native code",
+    "SIGBUS": "a crash in native code (bus error)",
+}
+
+
+def died(rank: int, exitcode: int | None) -> str:
+    """One sentence for a rank that ended without a Python error: by which signal, or its exit code."""
+    if isinstance(exitcode, int) and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        why = _SIGNAL_CAUSES.get(name, "a signal from outside the run")
+        return f"rank {rank} was ended by {name}, {why}: no Python error; the agent stopped the other ranks."
+    return (
+        f"rank {rank} died without a Python error (exit code {exitcode}): no traceback, like a lost GPU "
+        "or os._exit; the agent stopped the other ranks."
+    )
+
+
+#: Frames of the machinery between a worker's process and the function it runs: torch's elastic
+#: wrappers (``record`` in ``errors/__init__.py``) and this module. A traceback shown to a user starts
+#: below them, at the user's or the course's own frame; the full one stays in the logs.
+_PLUMBING = (
+    os.sep + os.path.join("torch", "distributed", "elastic") + os.sep,
+    os.sep + os.path.join("torch", "multiprocessing") + os.sep,
+    os.sep + os.path.join("course_utils", "_agent.py"),
+    os.sep + os.path.join("course_utils", "worker.py"),
+)
+
+
+def trim_traceback(text: str) -> str:
+    """A Python traceback without the launcher's frames (``_PLUMBING``); everything else as it was."""
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        found = re.match(r'^\s*File "([^"]+)", line \d+', lines[i])
+        if not found:
+            out.append(lines[i])
+            i += 1
+            continue
+        end = i + 1  # the frame's source line and its markers, up to the next frame or message
+        while end < len(lines) and lines[end].startswith("    ") and not re.match(r'^\s*File "', lines[end]):
+            end += 1
+        if not any(p in found.group(1) for p in _PLUMBING):
+            out.extend(lines[i:end])
+        i = end
+    # a chained section whose every frame was the launcher's: its header alone says nothing
+    headed = [ln for j, ln in enumerate(out) if not (ln.startswith("Traceback") and _no_frame_after(out, j))]
+    return "\n".join(headed)
+
+
+def _no_frame_after(lines: list[str], j: int) -> bool:
+    return j + 1 >= len(lines) or not lines[j + 1].lstrip().startswith('File "')
 
 
 def root_cause(log_dir: str) -> dict | None:
@@ -270,15 +258,12 @@ def root_cause(log_dir: str) -> dict | None:
     silent = sorted(in_attempt - {r for r, _, _ in ranks})
     if not causes and silent:
         stopped = ", ".join(str(r) for r, _, _ in ranks)
-        message = (
-            f"rank {silent[0]} died without a Python error (attempt {last}): no traceback, like a lost "
-            f"GPU or os._exit; rank(s) {stopped} then lost their peer or were stopped by the agent."
-        )
-        return {"rank": silent[0], "message": message, "attempt": last}
+        after = f" (attempt {last}: rank(s) {stopped} then lost their peer or were stopped by the agent)"
+        return {"rank": silent[0], "message": "", "attempt": last, "silent": True, "after": after}
     ranks = causes + [r for r in ranks if r not in causes]
     rank, text, stack = ranks[0]
     others = ", ".join(str(r) for r, _, _ in ranks[1:])
-    message = f"rank {rank} raised first (attempt {last}): {text}\n\n{stack}"
+    message = f"rank {rank} raised first (attempt {last}): {text}\n\n{trim_traceback(stack).strip()}"
     if others:
         message += f"\nrank(s) {others} failed after it (stopped by the agent, or their collectives lost a peer)."
     return {"rank": rank, "message": message, "attempt": last}
@@ -297,8 +282,11 @@ def _watch_parent(parent: int) -> None:
             os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-def _child(spec_path: str, result_path: str, log_path: str) -> None:
-    """Become one launch's agent: own session, the caller's environment, output to the run's log, then run."""
+def _child(spec_bytes: bytes, result_path: str, log_path: str) -> None:
+    """Become one launch's agent: own session, the caller's environment, output to the run's log, then run.
+
+    ``spec_bytes`` (the pickled spec) came through a pipe from the caller and lives only in memory.
+    """
     parent = os.getppid()
     os.setsid()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -313,17 +301,40 @@ def _child(spec_path: str, result_path: str, log_path: str) -> None:
     if os.path.exists(os.path.join(folder, "cancel")):  # the caller was interrupted before it knew our pid
         return
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    with open(spec_path, "rb") as fh:
-        spec = pickle.load(fh)
+    spec = pickle.loads(spec_bytes)
     # The caller's environment as it is at this launch (the server's is as it was at its start).
     os.environ.clear()
     os.environ.update(spec["environ"])
+    from .worker import dump_stacks_on  # after the fork: the course's modules are imported fresh for each run
+
     dump_stacks_on(os.path.join(folder, "stack-agent.txt"))
     run_agent(spec, result_path)
 
 
+def request(spec_bytes: bytes, result_path: str, log_path: str) -> bytes:
+    """What the caller writes to the server for one launch: a header line, then the spec's bytes."""
+    return f"{result_path}\t{log_path}\t{len(spec_bytes)}\n".encode() + spec_bytes
+
+
+def _fork_agent(spec_bytes: bytes, result_path: str, log_path: str) -> int:
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            _child(spec_bytes, result_path, log_path)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
 def serve() -> None:
-    """Fork one agent per request line ``SPEC\\tRESULT\\tLOG``; exit (ending them) at stdin EOF."""
+    """Fork one agent per request (``request``); exit (ending them) at stdin EOF."""
     import torch.distributed.launcher.api  # noqa: F401  (the expensive import, done once)
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs  # noqa: F401
 
@@ -353,7 +364,7 @@ def serve() -> None:
                 children.discard(pid)
         if not ready:
             continue
-        chunk = os.read(0, 4096)
+        chunk = os.read(0, 1 << 16)
         if not chunk:  # the kernel went away: take every run of ours with us
             for pid in children:
                 try:
@@ -363,21 +374,12 @@ def serve() -> None:
             return
         buffer += chunk
         while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            spec_path, result_path, log_path = line.decode().split("\t")
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                code = 0
-                try:
-                    _child(spec_path, result_path, log_path)
-                except BaseException:
-                    traceback.print_exc()
-                    code = 1
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
+            header, rest = buffer.split(b"\n", 1)
+            result_path, log_path, size = header.decode().split("\t")
+            if len(rest) < int(size):
+                break  # the spec's bytes are still coming
+            spec_bytes, buffer = rest[: int(size)], rest[int(size) :]
+            pid = _fork_agent(spec_bytes, result_path, log_path)
             children.add(pid)
             sys.stdout.write(f"{pid}\n")
             sys.stdout.flush()
@@ -386,7 +388,7 @@ def serve() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--serve"]:
         serve()
+    elif len(sys.argv) == 3:  # one agent, its spec on stdin
+        _child(sys.stdin.buffer.read(), sys.argv[1], sys.argv[2])
     else:
-        _child(sys.argv[1], sys.argv[2], sys.argv[3]) if len(sys.argv) == 4 else sys.exit(
-            "usage: python -m course_utils._agent (--serve | SPEC RESULT LOG)"
-        )
+        sys.exit("usage: python -m course_utils._agent (--serve | RESULT LOG < SPEC)")

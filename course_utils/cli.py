@@ -4,7 +4,10 @@ Each subcommand is a thin shell over the same functions the notebooks call. A mo
 owns a subcommand NAME defines ``NAME_arguments(parser)`` and ``NAME_command(args) -> int``;
 it is imported only when that subcommand runs, so ``--help`` stays fast.
 
-Bad arguments exit with status 2 and one line on stderr, never a traceback.
+Bad arguments exit with status 2 and one line on stderr, never a traceback: every number is held to
+its stated range (``validate.RANGES``) before the subcommand runs, and a worker that fails on the
+user's input (a checkpoint folder that does not verify, a full disk) is reported by its one line. A
+run that fails or times out exits 1 with the launcher's message (where each rank was), no traceback.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import argparse
 import importlib
 import sys
 
+from ._report import LaunchError, WorkerFailed
 from .errors import CourseInputError
-from .validate import check_numbers
+from .validate import check_command
 
 # name -> (module that implements it, one-line help, notebook that introduces it)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -73,11 +77,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        check_numbers(args)  # nan, inf, 400 digits: refused for every flag, before anything runs
+        check_command(args.command, args)  # nan, inf, 400 digits, out of range: refused before anything runs
         return int(args._run(args) or 0)
     except CourseInputError as exc:
         print(f"python -m course_utils {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except WorkerFailed as exc:
+        if exc.input_error is None:
+            print(f"python -m course_utils {args.command}: {exc}", file=sys.stderr)
+            return 1
+        print(f"python -m course_utils {args.command}: error: {exc.input_error}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:  # a run that timed out, or whose agent failed: what it says, not a traceback
+        print(f"python -m course_utils {args.command}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

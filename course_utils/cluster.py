@@ -1,401 +1,31 @@
-"""Several "nodes" on one Linux machine, joined by a real, rate-limited network link (notebooks 05 and 06).
+"""Training across several "nodes" of one Linux machine, with torchrun on each (notebooks 05 and 06).
 
-Every other run of the course puts all its ranks on one host, talking over loopback. Here each
-node is a network namespace (its own network stack and address), and the nodes are wired as a
-star: each node's one cable (a veth pair) goes into a switch (a Linux bridge, in a namespace of
-its own). A star and not a chain of direct cables because a replacement node (notebook 06) then
-plugs in like any other, and N > 2 needs nothing new. ``tc`` shapes both ends of every cable:
-``tbf`` for the rate (each node sends and receives at most RATE, a full-duplex network card),
-``netem`` for a delay where the kernel has it (many container kernels do not; the report says
-which was used).
+The nodes are network namespaces joined by a rate-limited link (``course_utils.namespaces``); this
+module runs jobs on them: ``torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d
+--rdzv-endpoint <node 0>:<port>`` inside every namespace (``ip netns exec``), exactly the line one
+would type on each machine of a real cluster. torch ignores ``--node-rank`` with the c10d
+rendezvous (it assigns node ranks itself, in the order of ``--local-addr``), so that is what orders
+the nodes here. ``train_on_cluster`` trains (and can lose a node, notebook 06); ``sweep_on_cluster``
+runs every strategy on every link in one job; ``links_vs_planner`` sets the measurements beside the
+planner's prediction.
 
-Then ``torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint <node 0>:<port>``
-runs inside every namespace (``ip netns exec``), exactly the line one would type on each machine
-of a real cluster. torch ignores ``--node-rank`` with the c10d rendezvous (it assigns node ranks
-itself, in the order of ``--local-addr``), so that is what orders the nodes here.
-
-Addresses are the cluster's own (``SUBNET``, inside namespaces that have no other interface):
-nothing is sent anywhere else. Everything a run creates (processes, namespaces, cables, qdiscs:
-the last two live and die with the namespaces) is removed on success, failure, timeout and
-interrupt, and the names carry the course prefix and the creating process's id, so two runs at
-once never collide and the leftovers of a killed run are recognised and removed by the next.
-
-Linux and root only (network namespaces and ``tc`` need them); ``missing()`` says in one
-sentence what this machine lacks.
+Linux and root only; ``namespaces.missing()`` says in one sentence what this machine lacks, and
+nothing a run creates outlives it (``namespaces``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from .errors import CourseInputError
-
-#: Every namespace the course creates starts with this; then the creating process's id.
-PREFIX = "course-"
-#: The cluster's own private /24; node i is SUBNET.(11 + i) (two digits keep string order = node order).
-SUBNET = "10.213.0"
-#: The node's network card, inside its namespace.
-IFACE = "eth0"
-#: Nodes per cluster, replacements included: addresses .11 to .19 stay two digits, so their string order
-#: (by which c10d ranks the nodes, through --local-addr) is the nodes' order.
-MAX_NODES = 9
-
-
-class ClusterUnavailable(CourseInputError):
-    """This machine cannot build the cluster; the message says what is missing (notebook 05)."""
-
-
-@dataclass(frozen=True)
-class Link:
-    """A cable's shape (notebook 05): ``rate`` in tc's words ("100mbit") or None, ``delay`` ("5ms") or None."""
-
-    rate: str | None = None
-    delay: str | None = None
-
-    @property
-    def bytes_per_s(self) -> float | None:
-        """The rate in bytes per second (tc's units are decimal: 1mbit = 10^6 bit/s), None if unlimited."""
-        if self.rate is None:
-            return None
-        number, unit = re.fullmatch(r"([0-9.]+)(kbit|mbit|gbit)", self.rate).groups()
-        return float(number) * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[unit] / 8
-
-    def describe(self) -> str:
-        """ "100mbit", "unlimited" or "100mbit, 5ms delay": the link in words."""
-        return (self.rate or "unlimited") + (f", {self.delay} delay" if self.delay else "")
-
-
-def parse_link(text: str | Link | None) -> Link:
-    """``"unlimited"``, ``"100mbit"``, ``"1gbit"`` or ``"100mbit,5ms"`` -> ``Link`` (notebook 05)."""
-    if isinstance(text, Link):
-        return text
-    text = (text or "unlimited").strip().lower().replace(" ", "")
-    rate, _, delay = text.partition(",")
-    if rate not in ("unlimited", "none", "") and not re.fullmatch(r"[0-9]+(\.[0-9]+)?(kbit|mbit|gbit)", rate):
-        raise CourseInputError(
-            f"--link {text!r}: give a rate like 100mbit or 1gbit (or unlimited), optionally a delay: 100mbit,5ms"
-        )
-    if delay and not re.fullmatch(r"[0-9]+(\.[0-9]+)?(us|ms|s)", delay):
-        raise CourseInputError(f"--link {text!r}: the delay after the comma must look like 5ms")
-    return Link(None if rate in ("unlimited", "none", "") else rate, delay or None)
-
-
-# ------------------------------------------------------------------ what the machine must offer
-
-
-def _is_root() -> bool:
-    return os.geteuid() == 0
-
-
-def _which(tool: str) -> str | None:
-    return shutil.which(tool)
-
-
-def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if check and out.returncode:
-        raise RuntimeError(f"{' '.join(argv)} failed: {out.stderr.strip() or out.stdout.strip()}")
-    return out
-
-
-def missing() -> str | None:
-    """One sentence saying what this machine lacks for a cluster, or None when it has it all (notebook 05)."""
-    if not sys.platform.startswith("linux"):
-        return f"the cluster needs Linux network namespaces, and this is {sys.platform}"
-    if not _is_root():
-        return "the cluster needs root (network namespaces and tc); run it as root, e.g. with sudo"
-    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("taskset", "util-linux")):
-        if _which(tool) is None:
-            return f"the cluster needs the `{tool}` command, which is not installed (package {package})"
-    probe = f"{PREFIX}{os.getpid()}-probe-{secrets.token_hex(3)}"
-    made = _run("ip", "netns", "add", probe, check=False)
-    if made.returncode:
-        return (
-            "this machine forbids new network namespaces (a container without CAP_SYS_ADMIN?): " + made.stderr.strip()
-        )
-    _run("ip", "netns", "delete", probe, check=False)
-    return None
-
-
-def require() -> None:
-    """Raise ``ClusterUnavailable`` with ``missing()``'s sentence if the cluster cannot be built (notebook 05)."""
-    reason = missing()
-    if reason:
-        raise ClusterUnavailable(reason)
-
-
-# ------------------------------------------------------------------ namespaces and their processes
-
-
-def course_namespaces() -> list[str]:
-    """Names of every network namespace the course created and did not remove yet (notebook 05)."""
-    out = _run("ip", "netns", "list", check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
-
-
-def namespace_pids(ns: str) -> list[int]:
-    """Processes living in namespace ``ns`` (``ip netns pids``; notebook 05)."""
-    out = _run("ip", "netns", "pids", ns, check=False).stdout
-    return [int(p) for p in out.split()]
-
-
-def _kill_namespace(ns: str, timeout_s: float = 10.0) -> None:
-    """SIGKILL every process in ``ns`` until none is left. torchrun's workers run in sessions of
-    their own and can outlive their agent, so a process group is not enough: the namespace is."""
-    deadline = time.monotonic() + timeout_s
-    while (pids := namespace_pids(ns)) and time.monotonic() < deadline:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.05)
-
-
-def _remove_namespace(ns: str) -> None:
-    _kill_namespace(ns)
-    _run("ip", "netns", "delete", ns, check=False)  # its cables and their qdiscs go with it
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def remove_leftovers() -> list[str]:
-    """Remove the namespaces (and their processes) of course runs whose creating process is gone (notebook 05).
-
-    A run killed with SIGKILL cannot clean up after itself; the next run does. Namespaces of a
-    run that is still alive are left alone. Returns the names removed.
-    """
-    removed = []
-    for ns in course_namespaces():
-        found = re.match(re.escape(PREFIX) + r"(\d+)-", ns)
-        if found and not _alive(int(found.group(1))):
-            _remove_namespace(ns)
-            removed.append(ns)
-    return removed
-
-
-@dataclass
-class Node:
-    """One "machine": a namespace, its address, and the port of its cable on the switch (notebook 05)."""
-
-    index: int
-    ns: str
-    addr: str
-    port: str
-
-
-class Cluster:
-    """``with Cluster(nodes=2, link="100mbit") as c:`` N namespaces on a switch, torn down on exit (notebook 05).
-
-    ``c.start(node, argv)`` runs a command inside a node (its own session, output to a log);
-    ``c.lose(node)`` kills every process of a node and unplugs it (notebook 06);
-    ``c.add_node()`` plugs in a new one; ``c.set_link(...)`` reshapes every cable.
-    """
-
-    def __init__(self, nodes: int = 2, link: str | Link | None = "unlimited"):
-        if not isinstance(nodes, int) or isinstance(nodes, bool) or not 2 <= nodes <= MAX_NODES:
-            raise CourseInputError(f"nodes must be a whole number from 2 to {MAX_NODES}, got {nodes!r}")
-        self.size, self.link = nodes, parse_link(link)
-        self.run = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
-        self.switch = f"{self.run}-sw"
-        self.nodes: list[Node] = []
-        self.namespaces: list[str] = []
-        self.procs: list[subprocess.Popen] = []
-        self.netem = False
-        self.log_dir: Path | None = None
-        self._count = 0
-
-    def __enter__(self) -> Cluster:
-        require()
-        remove_leftovers()
-        self.log_dir = Path(tempfile.mkdtemp(prefix="course-cluster-"))
-        try:
-            self._make_namespace(self.switch)
-            _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-            _run("ip", "-n", self.switch, "link", "set", "br0", "up")
-            if self.link.delay:
-                self.netem = self._has_netem()
-                if not self.netem:
-                    raise ClusterUnavailable(
-                        f"this kernel has no netem qdisc, so a delay ({self.link.delay}) cannot be set; "
-                        "give the link a rate only (e.g. --link 100mbit)"
-                    )
-            for _ in range(self.size):
-                self.add_node()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _make_namespace(self, ns: str) -> None:
-        _run("ip", "netns", "add", ns)
-        self.namespaces.append(ns)
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
-
-    def _has_netem(self) -> bool:
-        """Whether this kernel has netem: try it on the switch namespace's loopback."""
-        ok = (
-            _run(
-                "ip",
-                "netns",
-                "exec",
-                self.switch,
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                "lo",
-                "root",
-                "netem",
-                "delay",
-                "1ms",
-                check=False,
-            ).returncode
-            == 0
-        )
-        _run("ip", "netns", "exec", self.switch, "tc", "qdisc", "del", "dev", "lo", "root", check=False)
-        return ok
-
-    def add_node(self) -> Node:
-        """Plug a new node into the switch: namespace, cable, address, shaped link (notebooks 05, 06)."""
-        i = self._count
-        if i >= MAX_NODES:
-            raise CourseInputError(f"at most {MAX_NODES} nodes (replacements included) per cluster")
-        self._count += 1
-        node = Node(i, f"{self.run}-n{i}", f"{SUBNET}.{11 + i}", f"n{i}")
-        self._make_namespace(node.ns)
-        # The cable is created with both ends already inside their namespaces: nothing of it ever
-        # exists in the host's own namespace, so two clusters at once cannot collide on a name.
-        _run(
-            "ip",
-            "link",
-            "add",
-            "name",
-            IFACE,
-            "netns",
-            node.ns,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            node.port,
-            "netns",
-            self.switch,
-        )
-        _run("ip", "-n", self.switch, "link", "set", node.port, "master", "br0", "up")
-        _run("ip", "-n", node.ns, "addr", "add", f"{node.addr}/24", "dev", IFACE)
-        _run("ip", "-n", node.ns, "link", "set", IFACE, "up")
-        self.nodes.append(node)
-        self._shape(node)
-        return node
-
-    def set_link(self, link: str | Link | None) -> None:
-        """Reshape every cable (rate, delay) without restarting anything (notebook 05)."""
-        link = parse_link(link)
-        if link.delay and not self._has_netem():
-            raise ClusterUnavailable(
-                f"this kernel has no netem qdisc, so a delay ({link.delay}) cannot be set; give the link a rate only"
-            )
-        self.link, self.netem = link, bool(link.delay)
-        for node in self.nodes:
-            self._shape(node)
-
-    def _shape(self, node: Node) -> None:
-        """Both ends of a node's cable: what it sends (its card) and what the switch sends it."""
-        rate, delay = self.link.rate, self.link.delay
-        for ns, dev in ((node.ns, IFACE), (self.switch, node.port)):
-            tc = ["ip", "netns", "exec", ns, "tc", "qdisc"]
-            _run(*tc, "del", "dev", dev, "root", check=False)
-            if delay:
-                _run(*tc, "add", "dev", dev, "root", "netem", "delay", delay, *(["rate", rate] if rate else []))
-            elif rate:
-                # a bucket of 5 ms at the rate (at least 64 KiB, which tc needs at low rates), queue up to 50 ms
-                burst = max(64 * 1024, int(self.link.bytes_per_s / 200))
-                _run(*tc, "add", "dev", dev, "root", "tbf", "rate", rate, "burst", str(burst), "latency", "50ms")
-
-    def free_port(self, node: Node) -> int:
-        """A port nothing listens on in ``node`` (the OS picks it: bind to port 0 there)."""
-        out = _run(
-            "ip",
-            "netns",
-            "exec",
-            node.ns,
-            sys.executable,
-            "-c",
-            "import socket; s = socket.socket(); s.bind(('" + node.addr + "', 0)); print(s.getsockname()[1])",
-        )
-        return int(out.stdout)
-
-    def cores(self, node: Node) -> set[int]:
-        """The host cores a node runs on: its own share (real machines do not lend each other cores),
-        so a node's ranks size their thread pools from its share (``dist.usable_cores``)."""
-        host = sorted(os.sched_getaffinity(0))
-        slot = self.nodes.index(node) % self.size
-        return {c for i, c in enumerate(host) if i % self.size == slot} or set(host)  # fewer cores than nodes: share
-
-    def start(self, node: Node, argv: list[str], env: dict | None = None, name: str | None = None) -> subprocess.Popen:
-        """Run ``argv`` inside ``node`` in a session of its own; output goes to ``self.log_dir/<name>.log``."""
-        log = open(self.log_dir / f"{name or node.ns}.log", "ab")
-        full_env = {**os.environ, **(env or {})}
-        cores = ",".join(map(str, sorted(self.cores(node))))
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", node.ns, "taskset", "-c", cores, *argv],
-            env=full_env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        log.close()
-        self.procs.append(proc)
-        return proc
-
-    def lose(self, node: Node) -> None:
-        """The whole node is gone: every process in it (agent and workers) killed at once, its cable unplugged (notebook 06)."""
-        _kill_namespace(node.ns)
-        _run("ip", "netns", "delete", node.ns, check=False)
-        self.namespaces.remove(node.ns)
-        self.nodes.remove(node)
-
-    def close(self) -> None:
-        """Kill every process of every node, then delete the namespaces (cables and qdiscs go with them)
-        and the nodes' logs (read them before: a failed run's error message quotes their tails)."""
-        for ns in reversed(self.namespaces):
-            _remove_namespace(ns)
-        self.namespaces.clear()
-        for proc in self.procs:
-            if proc.poll() is None:  # an `ip netns exec` that never got its namespace
-                proc.kill()
-            proc.wait()
-        if self.log_dir:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
-
-    def describe_link(self) -> dict:
-        """``{"rate", "delay", "netem"}`` of the cables: what was really set."""
-        return {**asdict(self.link), "netem": self.netem}
-
+from .namespaces import IFACE, Cluster, Node, clean_command, missing, parse_link, require
 
 # ------------------------------------------------------------------ torchrun across the nodes
 
@@ -411,33 +41,14 @@ def torchrun_argv(
     rdzv_id: str,
 ) -> list[str]:
     """The torchrun line of one node, as one would type it on that machine (notebook 05)."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        str(cluster.size),
-        "--nproc-per-node",
-        str(nproc_per_node),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        rdzv_id,
-        "--local-addr",
-        node.addr,
-        "--max-restarts",
-        str(max_restarts),
-        # node 0 hosts the rendezvous store (torch's guess compares host names, which all namespaces
-        # share); a dead node is declared dead after 2 missed 1 s heartbeats (the default waits 15 s)
-        "--rdzv-conf",
-        f"is_host={int(node.addr == endpoint.rpartition(':')[0])},join_timeout=60,"
-        "keep_alive_interval=1,keep_alive_max_attempt=2",
-        "--monitor-interval",
-        "0.1",
-        *module_argv,
-    ]
+    # node 0 hosts the rendezvous store (torch's guess compares host names, which all namespaces
+    # share); a dead node is declared dead after 2 missed 1 s heartbeats (the default waits 15 s)
+    conf = f"is_host={int(node.addr == endpoint.rpartition(':')[0])},join_timeout=60,"
+    conf += "keep_alive_interval=1,keep_alive_max_attempt=2"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cluster.size)]
+    argv += ["--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+    argv += ["--rdzv-id", rdzv_id, "--local-addr", node.addr, "--max-restarts", str(max_restarts)]
+    return [*argv, "--rdzv-conf", conf, "--monitor-interval", "0.1", *module_argv]
 
 
 def _node_env(timeout_s: float, progress_dir: str | None) -> dict:
@@ -556,44 +167,61 @@ def train_on_cluster(
             "losing a node needs checkpoint_dir and max_restarts >= 1 (the survivors restart "
             "from the newest complete checkpoint)"
         )
+    _check_shape(nodes, nproc_per_node, timeout_s)
     start = time.monotonic()
-    progress = tempfile.mkdtemp(prefix="course-cluster-progress-")
-    try:
-        with Cluster(nodes, link) as cluster:
-            procs, argv_of = _start_job(
-                cluster,
-                ["-m", "course_utils.train", *train_flags(cfg), "--json"],
-                nproc_per_node=nproc_per_node,
-                max_restarts=cfg.max_restarts,
-                env=_node_env(cfg.timeout_s, progress),
-            )
-            lost = []
-
-            def lose_when_due():
-                if lose_node_after is None or lost or (_steps_done(progress) or 0) < lose_node_after:
-                    return
-                lost.append(_steps_done(progress))
-                cluster.lose(cluster.nodes[-1])
-                procs.pop()
-                replacement = cluster.add_node()
-                procs.append(cluster.start(replacement, argv_of(replacement), _node_env(cfg.timeout_s, progress)))
-
-            _wait(procs, start + timeout_s, cluster, on_tick=lose_when_due)
-            report = _report_from_logs(cluster)
-            if report is None:
-                raise RuntimeError("the run finished without rank 0's report. Last output:\n" + _tail(cluster))
-            report.update(
-                link=cluster.describe_link(),
-                nodes=nodes,
-                nproc_per_node=nproc_per_node,
-                wall_s=time.monotonic() - start,
-                commands=[" ".join(["torchrun", *argv_of(n)[3:]]) for n in cluster.nodes],
-            )
-            if lose_node_after is not None:
-                report["lost_after_step"] = lost[0] if lost else None
-    finally:
-        shutil.rmtree(progress, ignore_errors=True)
+    with Cluster(nodes, link) as cluster:
+        progress = str(cluster.scratch("progress"))
+        procs, argv_of = _start_job(
+            cluster,
+            ["-m", "course_utils.train", *train_flags(cfg), "--json"],
+            nproc_per_node=nproc_per_node,
+            max_restarts=cfg.max_restarts,
+            env=_node_env(cfg.timeout_s, progress),
+        )
+        lose_when_due, lost = _node_loss(cluster, procs, argv_of, _node_env(cfg.timeout_s, progress), lose_node_after)
+        _wait(procs, start + timeout_s, cluster, on_tick=lose_when_due)
+        report = _report_from_logs(cluster)
+        if report is None:
+            raise RuntimeError("the run finished without rank 0's report. Last output:\n" + _tail(cluster))
+        report.update(
+            link=cluster.describe_link(),
+            nodes=nodes,
+            nproc_per_node=nproc_per_node,
+            wall_s=time.monotonic() - start,
+            commands=[" ".join(["torchrun", *argv_of(n)[3:]]) for n in cluster.nodes],
+        )
+        if lose_node_after is not None:
+            report["lost_after_step"] = lost[0] if lost else None
     return report
+
+
+def _node_loss(cluster: Cluster, procs: list, argv_of, env: dict, after: int | None):
+    """``(tick, lost)``: once a rank reported step ``after`` done, ``tick`` kills the last node and plugs a
+    replacement in, started with the very same torchrun line; ``lost`` then holds the step it happened at."""
+    lost = []
+
+    def tick():
+        done = _steps_done(env["COURSE_PROGRESS_DIR"]) or 0
+        if after is None or lost or done < after:
+            return
+        lost.append(done)
+        cluster.lose(cluster.nodes[-1])
+        procs.pop()
+        replacement = cluster.add_node()
+        procs.append(cluster.start(replacement, argv_of(replacement), env))
+
+    return tick, lost
+
+
+def _check_shape(nodes: int, nproc_per_node: int, timeout_s: float) -> None:
+    """The cluster's shape and time limit against their stated ranges, before any namespace exists."""
+    from .validate import check_values, max_local_ranks
+
+    check_values("cluster", {"nodes": nodes, "nproc_per_node": nproc_per_node, "wall_timeout_s": timeout_s})
+    if nodes * nproc_per_node > max_local_ranks():
+        raise CourseInputError(
+            f"{nodes} nodes x {nproc_per_node} ranks is more than this machine can start ({max_local_ranks()})"
+        )
 
 
 #: What ``sweep_worker`` keeps of each run's report.
@@ -661,44 +289,41 @@ def sweep_on_cluster(
         TrainConfig(**{**asdict(cfg), "strategy": s}).validate()
     parsed = [parse_link(x) for x in links]
     links = [p.describe() for p in parsed]
+    _check_shape(nodes, nproc_per_node, timeout_s)
     start = time.monotonic()
-    phases = tempfile.mkdtemp(prefix="course-cluster-phases-")
-    try:
-        with Cluster(nodes, parsed[0]) as cluster:
-            args = json.dumps([asdict(cfg), list(strategies), links, phases])
-            procs, argv_of = _start_job(
-                cluster,
-                ["-m", "course_utils.worker", "course_utils.cluster:sweep_worker", "--args", args],
-                nproc_per_node=nproc_per_node,
-                max_restarts=0,
-                env=_node_env(cfg.timeout_s, None),
-            )
-            shaped = {}
+    with Cluster(nodes, parsed[0]) as cluster:
+        phases = str(cluster.scratch("phases"))
+        args = json.dumps([asdict(cfg), list(strategies), links, phases])
+        procs, argv_of = _start_job(
+            cluster,
+            ["-m", "course_utils.worker", "course_utils.cluster:sweep_worker", "--args", args],
+            nproc_per_node=nproc_per_node,
+            max_restarts=0,
+            env=_node_env(cfg.timeout_s, None),
+        )
+        shaped = {}
 
-            def serve_links():
-                for i, link in enumerate(links):
-                    if link not in shaped and (Path(phases) / f"want-{i}.json").exists():
-                        cluster.set_link(parsed[i])
-                        shaped[link] = cluster.describe_link()
-                        (Path(phases) / f"done-{i}").touch()
+        def serve_links():
+            for i, link in enumerate(links):
+                if link not in shaped and (Path(phases) / f"want-{i}.json").exists():
+                    cluster.set_link(parsed[i])
+                    shaped[link] = cluster.describe_link()
+                    (Path(phases) / f"done-{i}").touch()
 
-            _wait(procs, start + timeout_s, cluster, on_tick=serve_links)
-            result = Path(phases) / "result.json"
-            if not result.exists():
-                raise RuntimeError("the sweep finished without rank 0's rows. Last output:\n" + _tail(cluster))
-            out = {
-                "rows": json.loads(result.read_text()),
-                "links": shaped,
-                "wall_s": time.monotonic() - start,
-                "commands": [" ".join(["torchrun", *argv_of(n)[3:]]) for n in cluster.nodes],
-            }
-    finally:
-        shutil.rmtree(phases, ignore_errors=True)
-    return out
+        _wait(procs, start + timeout_s, cluster, on_tick=serve_links)
+        result = Path(phases) / "result.json"
+        if not result.exists():
+            raise RuntimeError("the sweep finished without rank 0's rows. Last output:\n" + _tail(cluster))
+        return {
+            "rows": json.loads(result.read_text()),
+            "links": shaped,
+            "wall_s": time.monotonic() - start,
+            "commands": [" ".join(["torchrun", *argv_of(n)[3:]]) for n in cluster.nodes],
+        }
 
 
 def links_vs_planner(
-    strategies=("ddp", "full_shard", "hybrid_shard"),
+    strategies,
     links=("unlimited", "1gbit", "100mbit"),
     *,
     nodes: int = 2,
@@ -714,13 +339,11 @@ def links_vs_planner(
 
     Each row gains ``planned_cross_node_bytes`` and ``link_bytes`` (``plan.network_step``, fp32
     values), and ``planned_step_time_s``: the step measured on the unlimited link plus the planner's
-    seconds on this link. ``crossover[other]``: ``bandwidth`` (bytes/s) where HSDP and ``other``
-    take equally long (``plan.crossover_bandwidth``; None: never) and ``hsdp_faster``: "below" or
-    "above" it, "always" or "never"; ``text``: that in words.
+    seconds on this link. ``crossover[other]``: ``bandwidth`` (bytes/s) where HSDP (the strategy whose
+    mesh is hybrid, in the record) and ``other`` take equally long (``plan.crossover_bandwidth``; None:
+    never) and ``hsdp_faster``: "below" or "above" it, "always" or "never"; ``text``: that in words.
     """
-    from . import plan
     from .models import build_model, param_count
-    from .strategies import get as strategy
     from .train import TrainConfig
 
     cfg = TrainConfig(**config, nproc=nodes * nproc_per_node, node_size=nproc_per_node)
@@ -744,8 +367,17 @@ def links_vs_planner(
         )[0]
         out = {"rows": rows, "links": {}, "commands": []}
     psi = param_count(build_model(cfg.model))
-    base = {r["strategy"]: r["step_time_s"] for r in out["rows"] if r["link"] == "unlimited"}
-    for r in out["rows"]:
+    base = _add_planned(out["rows"], psi, nodes, nproc_per_node)
+    return {**out, "why_not": why_not, "psi": psi, "crossover": _crossover(base, out["rows"])}
+
+
+def _add_planned(rows: list[dict], psi: int, nodes: int, nproc_per_node: int) -> dict:
+    """Each row's planned bytes and step time (``plan.network_step``); returns the unlimited link's step times."""
+    from . import plan
+    from .strategies import get as strategy
+
+    base = {r["strategy"]: r["step_time_s"] for r in rows if r["link"] == "unlimited"}
+    for r in rows:
         rate = None if r["link"] == "loopback" else parse_link(r["link"]).bytes_per_s
         machines = plan.Cluster(gpus_per_node=nproc_per_node, nodes=nodes, inter_bw=rate or 1e12)
         net = plan.network_step(strategy(r["strategy"]), psi, machines, bytes_per_value=4)
@@ -754,26 +386,35 @@ def links_vs_planner(
         r["planned_step_time_s"] = (
             None if r["strategy"] not in base else base[r["strategy"]] + (net["network_s"] if rate else 0.0)
         )
+    return base
+
+
+def _crossover(base: dict, rows: list[dict]) -> dict:
+    """Where HSDP (the record's hybrid-mesh strategy) and each other strategy take equally long (notebook 05)."""
+    from . import plan
+    from .strategies import get as strategy
+
+    hybrid = next((name for name in base if strategy(name).mesh == "hybrid"), None)
+    if hybrid is None:
+        return {}
+    link_bytes = {r["strategy"]: r["link_bytes"] for r in rows}
     crossover = {}
-    if "hybrid_shard" in base:
-        link_bytes = {r["strategy"]: r["link_bytes"] for r in out["rows"]}
-        for other in base:
-            if other == "hybrid_shard":
-                continue
-            h, o = (base["hybrid_shard"], link_bytes["hybrid_shard"]), (base[other], link_bytes[other])
-            bandwidth = plan.crossover_bandwidth(*h, *o)
-            if bandwidth:
-                wins = "below" if h[1] < o[1] else "above"
-            else:
-                wins = "always" if h[0] <= o[0] and h[1] <= o[1] else "never"
-            where = {"below": "below", "above": "above"}.get(wins)
-            text = (
-                f"HSDP is faster than {other} {where} {bandwidth * 8 / 1e6:,.0f} Mbit/s"
-                if where
-                else f"HSDP is {'faster than' if wins == 'always' else 'never faster than'} {other} on every link"
-            )
-            crossover[other] = {"bandwidth": bandwidth, "hsdp_faster": wins, "text": text}
-    return {**out, "why_not": why_not, "psi": psi, "crossover": crossover}
+    for other in base:
+        if other == hybrid:
+            continue
+        h, o = (base[hybrid], link_bytes[hybrid]), (base[other], link_bytes[other])
+        bandwidth = plan.crossover_bandwidth(*h, *o)
+        if bandwidth:
+            wins = "below" if h[1] < o[1] else "above"
+        else:
+            wins = "always" if h[0] <= o[0] and h[1] <= o[1] else "never"
+        text = (
+            f"HSDP is faster than {other} {wins} {bandwidth * 8 / 1e6:,.0f} Mbit/s"
+            if wins in ("below", "above")
+            else f"HSDP is {'faster than' if wins == 'always' else 'never faster than'} {other} on every link"
+        )
+        crossover[other] = {"bandwidth": bandwidth, "hsdp_faster": wins, "text": text}
+    return crossover
 
 
 # ------------------------------------------------------------------ command line
@@ -793,15 +434,32 @@ def cluster_arguments(parser) -> None:
         help="each node's link: unlimited, 100mbit, 1gbit, or RATE,DELAY (delay needs netem)",
     )
     parser.add_argument("--wall-timeout-s", type=float, default=300.0, help="the whole run, then everything is stopped")
+    parser.add_argument(
+        "--clean",
+        action="store_true",
+        help="run nothing: remove the namespaces, processes and folders that killed cluster runs left",
+    )
+
+
+class Terminated(Exception):
+    """The command was sent SIGTERM: handled as an interrupt, everything of the run removed first."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
 
 
 def cluster_command(args) -> int:
-    """``python -m course_utils cluster ...`` (notebook 05)."""
+    """``python -m course_utils cluster ...`` (notebook 05). SIGTERM ends it as Ctrl-C does: cleanly."""
     from .train import _config_from_args, print_report
 
-    require()  # first: on a machine without the cluster, nothing else matters
+    if args.clean:
+        return clean_command()
+    parse_link(args.link)  # the input first: refusing it needs nothing from this machine
     args.nproc, args.node_size = args.nodes * args.nproc_per_node, args.nproc_per_node
     cfg = _config_from_args(args)
+    require()  # then what the machine lacks, before anything is built
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         report = train_on_cluster(
             cfg, nodes=args.nodes, nproc_per_node=args.nproc_per_node, link=args.link, timeout_s=args.wall_timeout_s
@@ -809,6 +467,15 @@ def cluster_command(args) -> int:
     except (RuntimeError, TimeoutError) as exc:  # a failed run, already torn down: say why, no traceback
         print(f"python -m course_utils cluster: {exc}", file=sys.stderr)
         return 1
+    except Terminated:
+        print(
+            "python -m course_utils cluster: stopped by SIGTERM; every process, namespace and folder of the "
+            "run was removed",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print_report(report, args.json)
     if not args.json:
         print(

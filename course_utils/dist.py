@@ -166,6 +166,8 @@ def init(backend: str | None = None, timeout_s: float | None = None, *, determin
         torch.set_num_threads(max(1, usable_cores() // max(1, local_world)))
     if not dist.is_initialized():
         timeout = timedelta(seconds=float(timeout_s or os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+        if "MASTER_ADDR" in os.environ and local_world == world:
+            listen_on_loopback()  # every rank on this machine: nothing needs to listen beyond it
         if "MASTER_ADDR" in os.environ:  # torchrun / elastic agent: rendezvous through env://
             dist.init_process_group(
                 backend_name,
@@ -186,6 +188,34 @@ def init(backend: str | None = None, timeout_s: float | None = None, *, determin
         device=device,
         restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
     )
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface ("lo" on Linux, "lo0" on macOS), or None (notebook 00)."""
+    import socket
+
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def listen_on_loopback() -> None:
+    """Make gloo and NCCL's bootstrap listen on loopback, unless told otherwise (notebook 00; issue 34).
+
+    Both listen on the interface they pick, by default the one this machine's host name resolves to:
+    on a machine whose name resolves to its network address, a plain ``torchrun --standalone`` job
+    would accept connections from the network. A job whose every rank is on this machine needs none,
+    so ``init`` sets ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` to loopback when they are unset
+    (``launch`` does the same for its runs). torchrun's own rendezvous store is another matter: torch
+    2.13's ``TCPStore`` takes no bind address and listens on every interface (README, "Nothing
+    listens beyond the machine").
+    """
+    name = loopback_interface()
+    if name:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
 
 
 def attempt_store(timeout: timedelta):

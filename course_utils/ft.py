@@ -50,6 +50,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from .errors import CourseInputError
+from .validate import check_values
 
 INSTALL_HINT = "torchft is not installed; `make setup` (or `pip install course-utils[ft]`) installs it"
 
@@ -77,7 +78,9 @@ class FTConfig:
     timeout_s: float = 60.0  # the whole run; everything is stopped after it
 
     def validate(self) -> FTConfig:
-        from .checkpoint import parse_failures
+        from .failures import parse_failures
+
+        check_values("ft", self)  # types and stated ranges (course_utils.validate)
 
         if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 2:
             raise CourseInputError(
@@ -126,7 +129,7 @@ class FTConfig:
 
     def kill_at(self) -> tuple[int, int] | None:
         """``(replica, step)`` of the planned failure, or None (notebook 06)."""
-        from .checkpoint import parse_failures
+        from .failures import parse_failures
 
         kills = parse_failures(self.kill, "--kill")
         return kills[0] if kills else None
@@ -151,7 +154,7 @@ def replica_main(cfg: FTConfig, replica: int, attempt: int, lighthouse: str, run
     import torchft
     from torchft.checkpointing.pg_transport import PGTransport
 
-    from .checkpoint import die_hard
+    from .failures import die_hard
     from .instrument import Observer, weights_sha256
     from .loop import Prepared, make_optimizer, module_held, run_steps
     from .models import build_model, get_config

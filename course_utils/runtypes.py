@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .apply import options_for
-from .checkpoint import parse_failures
 from .errors import CourseInputError
+from .failures import parse_failures
 from .models import get_config
 from .strategies import SINGLE, STRATEGIES, runnable
+from .validate import check_values
 
 
 @dataclass
@@ -49,6 +50,7 @@ class TrainConfig:
     save_weights: str | None = None  # rank 0 writes the final full fp32 state dict here (torch.save)
 
     def validate(self) -> TrainConfig:
+        check_values("train", self)  # types and stated ranges (course_utils.validate), before anything compares them
         strategy = runnable(self.strategy)
         for name in ("nproc", "steps", "batch"):
             value = getattr(self, name)

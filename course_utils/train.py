@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from . import dist as cdist
-from .checkpoint import FINISHED_LINE, Checkpointer, die_hard, planned_failure, rank0_full_weights
+from .checkpoint import Checkpointer, rank0_full_weights
 from .errors import CourseInputError
+from .failures import FailOnPurpose
 from .instrument import (
     CountCollectives,
     HeldAtRest,
@@ -53,34 +54,12 @@ from .instrument import (
     weights_sha256,
 )
 from .loop import TrainConfig, prepare, run_steps
+from .recovery import FINISHED_LINE
 from .strategies import STRATEGIES, Strategy, register
 
 #: Every how many steps a rank puts its loss on the progress line: fetching a loss from the
 #: device waits for the step to finish, so it is not done every step (notebook 04's lesson).
 PROGRESS_LOSS_EVERY = 10
-
-
-class _FailOnPurpose(Observer):
-    """notebook 06: this rank dies hard mid-step, after its forward (the peers wait for its gradients)."""
-
-    def __init__(self, fail_step: int | None, info, ckpt: Checkpointer | None = None):
-        self.fail_step, self.info, self.ckpt = fail_step, info, ckpt
-
-    def after_forward(self, step: int, loss) -> None:
-        if step == self.fail_step:
-            if self.ckpt is not None:  # so that "steps redone" counts the same steps every time
-                self.ckpt.wait_until_recorded(step)
-            die_hard(f"fail_at {self.info.rank}:{step} on attempt {self.info.restart_count}")
-
-
-class _Checkpointing(Observer):
-    """notebook 06: after each step, the checkpointer logs, records and saves when it is due."""
-
-    def __init__(self, ckpt: Checkpointer):
-        self.ckpt = ckpt
-
-    def after_step(self, step: int, losses: list) -> None:
-        self.ckpt.after_step(step + 1, losses)
 
 
 class _Progress(Observer):
@@ -140,7 +119,7 @@ def run_training(cfg: TrainConfig, info, observe: bool = True, extra=()) -> dict
     start_step = ckpt.resume() if ckpt else 0
     steps = range(start_step, cfg.steps)
     timer = StepTimer(info.device, skip=min(1, len(steps) - 1))
-    observers = [timer, _FailOnPurpose(planned_failure(cfg.fail_at, info.rank, info.restart_count), info, ckpt)]
+    observers = [timer, FailOnPurpose.planned(cfg, info, ckpt and ckpt.log)]
     count = held = None
     if observe:
         count, held = CountCollectives(node_size=cfg.node_size), HeldAtRest(prepared.held, at=cfg.steps - 1)
@@ -148,7 +127,7 @@ def run_training(cfg: TrainConfig, info, observe: bool = True, extra=()) -> dict
     extra = list(extra)
     observers[-1:-1] = extra  # before the failure injection, after what the run itself counts
     if ckpt:  # saving is not training: its collectives are not counted
-        observers.append(_Checkpointing(ckpt))
+        observers.append(ckpt.observer())
     observers.append(_Progress(cfg.steps))
     local_losses = run_steps(prepared, cfg, info, steps, observers)
     cdist.log(f"{FINISHED_LINE} at step {cfg.steps - 1}")  # how attempt_logs tells a finished rank

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from course_utils import checkpoint as ck
-from course_utils import checksums
+from course_utils import checksums, failures, recovery
 from course_utils import dist as cdist
 from course_utils.errors import CourseInputError
 from course_utils.instrument import weights_sha256
@@ -69,15 +69,15 @@ def test_resume_after_a_lost_rank_is_bit_identical(tmp_path_factory, reference, 
     # every failure cost a restart; time spent redoing steps exactly where steps were redone
     for lost, n in zip(report["time_lost"], report["redone_per_restart"]):
         assert lost["redone"] == n and lost["restart_s"] > 0 and (lost["redo_s"] > 0) == (n > 0)
-    rows = ck.attempt_logs(d, report["run_id"])
+    rows = recovery.attempt_logs(d, report["run_id"])
     first = [r for r in rows if r["attempt"] == 0]
-    rank, step = ck.parse_failures(fail_at)[0]
-    assert [r["ending"] for r in first if r["rank"] == rank] == [ck.ENDINGS["died"]]
+    rank, step = failures.parse_failures(fail_at)[0]
+    assert [r["ending"] for r in first if r["rank"] == rank] == [recovery.ENDINGS["died"]]
     # nobody finished the step the dead rank never sent its gradients for
     assert all(r["last_step_done"] == step - 1 for r in first)
-    assert all(r["ending"] != ck.ENDINGS["finished"] for r in first)
+    assert all(r["ending"] != recovery.ENDINGS["finished"] for r in first)
     last = [r for r in rows if r["attempt"] == report["restarts"]]
-    assert len(last) == 2 and all(r["ending"] == ck.ENDINGS["finished"] for r in last)
+    assert len(last) == 2 and all(r["ending"] == recovery.ENDINGS["finished"] for r in last)
     assert weights_sha256(ck.load_weights(d)) == ref["weights_sha256"]  # readable without any process group
     if strategy == "zero3":
         assert ck.read_commit(d, STEPS)["format"] == "zero-flat"
@@ -190,7 +190,7 @@ def test_prune_keeps_the_newest_complete_and_drops_partials(tmp_path):
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        ({"keep_checkpoints": 1}, "keep_checkpoints must be >= 2"),
+        ({"keep_checkpoints": 1}, "keep_checkpoints must be a whole number from 2 to"),
         ({"checkpoint_every": 2, "checkpoint_dir": None}, "needs --checkpoint-dir"),
         ({"fail_during_save": "1:3"}, "not a checkpoint step"),
         ({"fail_at": "2:1"}, "rank must be in 0..1"),
@@ -204,12 +204,12 @@ def test_bad_recovery_settings_say_what_to_do(tmp_path, overrides, words):
 
 
 def test_failure_plan_is_one_item_per_attempt():
-    assert ck.parse_failures("1:3, 0:5") == [(1, 3), (0, 5)]
-    assert ck.planned_failure("1:3,0:5", rank=1, attempt=0) == 3
-    assert ck.planned_failure("1:3,0:5", rank=1, attempt=1) is None
-    assert ck.planned_failure("1:3,0:5", rank=0, attempt=1) == 5
-    assert ck.planned_failure("1:3", rank=1, attempt=1) is None  # first attempt only
-    assert ck.planned_failure(None, rank=0, attempt=0) is None
+    assert failures.parse_failures("1:3, 0:5") == [(1, 3), (0, 5)]
+    assert failures.planned_failure("1:3,0:5", rank=1, attempt=0) == 3
+    assert failures.planned_failure("1:3,0:5", rank=1, attempt=1) is None
+    assert failures.planned_failure("1:3,0:5", rank=0, attempt=1) == 5
+    assert failures.planned_failure("1:3", rank=1, attempt=1) is None  # first attempt only
+    assert failures.planned_failure(None, rank=0, attempt=0) is None
 
 
 def test_resuming_with_other_settings_is_refused(tmp_path):
@@ -244,11 +244,15 @@ def _flip_middle_of(step_path: Path, key_part: str, file_name: str) -> str:
 
 
 def test_corrupted_optimizer_state_is_set_aside_and_the_resume_falls_back(tmp_path_factory, reference):
-    """The reported case: 4 bytes of exp_avg_sq flipped in rank 0's file; the rerun used to exit 0, wrong."""
+    """The reported case: 4 bytes of exp_avg_sq flipped in rank 0's file; the rerun used to exit 0, wrong.
+
+    The file hashes alone refuse it now; with the record rewritten to match (as whoever rewrote the whole
+    folder would), the checksums of what was loaded still do, on 2 ranks."""
     d = tmp_path_factory.mktemp("flipped")
     cfg = dict(strategy="ddp", nproc=2, checkpoint_dir=str(d), checkpoint_every=EVERY)
     train(**cfg, steps=4)
     key = _flip_middle_of(d / "step-4", "exp_avg_sq", "__0_0.distcp")
+    _rewrite_record(d / "step-4")
     report = train(**cfg, steps=STEPS)
     assert report["resumed_from"] == [2]
     assert report["weights_sha256"] == reference["ddp"]["weights_sha256"]
@@ -286,6 +290,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, single
     resumed = _single(tmp_path, 6)
     assert resumed["resumed_from"] == [2] and resumed["weights_sha256"] == single_straight["weights_sha256"]
     assert [p.name.split("-2026")[0][:6] for p in (tmp_path / "_rejected").iterdir()] == ["step-4"]
+    note = {"flip": "(its SHA-256 differs)", "truncate": "were written", "delete": "is missing", "metadata": "SHA-256"}
+    assert note[damage] in _rejection_notes(tmp_path)  # refused from its hashes, before anything was unpickled
 
 
 def test_no_checkpoint_verifies_one_error(tmp_path):
@@ -409,14 +415,16 @@ def test_full_weights_are_gathered_to_rank0_cpu_only(tmp_path, strategy):
     assert r1["rank0"] is None and r1["everywhere"] == r0["everywhere"]
 
 
-def test_prune_removes_a_half_deleted_step_folder(tmp_path):
+def test_prune_removes_what_a_killed_prune_left_and_sets_a_broken_step_aside(tmp_path):
     for s in (2, 4, 6):
         _fake_step(tmp_path, s, commit_step=s)
-    half = _fake_step(tmp_path, 1, metadata=False)  # what a kill during an old-style rmtree left: no marker
+    half = _fake_step(tmp_path, 1, metadata=False)  # a step-N without its index: damage, never deleted
     (tmp_path / ".pruned-step-0-abc").mkdir()  # what a kill during this prune's rmtree leaves
     ck.prune(tmp_path, keep=2)
     assert not half.exists() and not (tmp_path / ".pruned-step-0-abc").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_rejected", "step-4", "step-6"]
+    [aside] = (tmp_path / "_rejected").iterdir()
+    assert aside.name.startswith("step-1-") and ".metadata is missing" in (aside / "REJECTED.txt").read_text()
 
 
 def test_a_non_finite_loss_stops_the_run(tmp_path):
@@ -454,11 +462,11 @@ def test_time_lost_is_read_from_the_attempts_records():
         {"start": 6, "reached": 6, "resumed_at": 30.0, "done_at": []},
     ]
     attempts[3]["start"], attempts[2]["reached"] = 4, 8  # the last attempt never caught up: it failed first
-    rows = ck.time_lost_per_restart(attempts)
+    rows = recovery.time_lost_per_restart(attempts)
     assert rows[0] == {"redone": 1, "restart_s": 7.0, "redo_s": 0.5, "lost_s": 7.5}
     assert rows[1] == {"redone": 1, "restart_s": 20.0 - 11.5, "redo_s": 0.5, "lost_s": 20.5 - 11.5}
     assert rows[2] is None
-    assert ck.time_lost_per_restart(attempts[:1]) == []
+    assert recovery.time_lost_per_restart(attempts[:1]) == []
 
 
 def test_young_interval_is_the_minimum_of_the_overhead_curve():
@@ -501,3 +509,219 @@ def test_checkpoint_breakdown_counts_12_bytes_per_parameter_from_dcp_metadata(fu
     assert held["weights"] == 4 * psi + 4 * cfg.vocab * cfg.width  # a state dict names the tied head twice
     assert held["data"] == sum(p.stat().st_size for p in (Path(d) / f"step-{STEPS}").glob("*.distcp"))
     assert held["data"] >= lab06.checkpoint_bytes(psi)
+
+
+# ---------------------------------------------------------------- a checkpoint is code (issue 34)
+
+
+class _RunsCode:
+    """What a crafted pickle does: name a function and its argument, which unpickling calls."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _rewrite_record(step_path: Path, **changes) -> None:
+    """Rewrite a step's commit record: its file hashes recomputed (as whoever rewrote the whole folder would)."""
+    from course_utils.checkpoint_files import file_record
+
+    marker = json.loads((step_path / "commit.json").read_text())
+    marker.update(files=file_record(step_path), **changes)
+    (step_path / "commit.json").write_text(json.dumps(marker))
+
+
+def _rejection_notes(root: Path) -> str:
+    return "".join(p.read_text() for p in (root / "_rejected").rglob("*REJECTED.txt"))
+
+
+def test_a_crafted_index_padded_to_its_size_runs_nothing_and_the_resume_falls_back(tmp_path, single_straight):
+    """The reported attack: step-4/.metadata replaced by a pickle that calls os.system, padded to the recorded size."""
+    import pickle
+
+    _single(tmp_path / "ck", 4)
+    ran = tmp_path / "it-ran"
+    meta = tmp_path / "ck" / "step-4" / ".metadata"
+    evil = pickle.dumps(_RunsCode(ran), protocol=2)
+    meta.write_bytes(evil + b"\0" * (meta.stat().st_size - len(evil)))
+    resumed = _single(tmp_path / "ck", 6)
+    assert not ran.exists(), "the crafted .metadata ran"
+    assert resumed["resumed_from"] == [2] and resumed["weights_sha256"] == single_straight["weights_sha256"]
+    assert ".metadata is not the file that was saved (its SHA-256 differs)" in _rejection_notes(tmp_path / "ck")
+
+
+def test_a_crafted_index_with_a_rewritten_record_is_refused_by_the_unpickler(tmp_path):
+    """Whoever rewrites the record too passes the hashes; the index is still read without running what it names."""
+    import pickle
+
+    _single(tmp_path / "ck", 2)
+    ran = tmp_path / "it-ran"
+    step2 = tmp_path / "ck" / "step-2"
+    (step2 / ".metadata").write_bytes(pickle.dumps(_RunsCode(ran)))
+    _rewrite_record(step2)
+    with pytest.raises(CourseInputError, match=r"asks to run (posix|os)\.system") as err:
+        ck.load_weights(tmp_path / "ck")
+    assert "\n" not in str(err.value)
+    try:
+        with pytest.raises(CourseInputError, match=r"no checkpoint in .* can be resumed \(step-2: .*system"):
+            _single(tmp_path / "ck", 4)
+    finally:
+        cdist.shutdown()
+    assert not ran.exists(), "the crafted .metadata ran"
+    assert "asks to run" in _rejection_notes(tmp_path / "ck")
+
+
+def test_a_crafted_byte_entry_in_a_shard_runs_nothing(tmp_path):
+    """A shard whose pickled entry (an optimizer hyper-parameter) runs code, record rewritten: refused, not run."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    _single(tmp_path / "ck", 2)
+    step2, ran = tmp_path / "ck" / "step-2", tmp_path / "it-ran"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        state = _load_state_dict_from_keys(checkpoint_id=str(step2))  # our own checkpoint, read as DCP reads it
+        state["optim"]["param_groups"][0]["lr"] = _RunsCode(ran)
+        crafted = tmp_path / "crafted"
+        dcp.save(state, checkpoint_id=str(crafted))
+    for f in step2.iterdir():
+        if f.name != "commit.json":
+            f.unlink()
+    for f in crafted.iterdir():
+        (step2 / f.name).write_bytes(f.read_bytes())
+    _rewrite_record(step2)
+    try:
+        with pytest.raises(CourseInputError, match=r"step-2: .*asks to run (posix|os)\.system"):
+            _single(tmp_path / "ck", 4)
+    finally:
+        cdist.shutdown()
+    assert not ran.exists(), "the crafted byte entry ran"
+
+
+def test_an_edited_loss_history_is_refused(tmp_path, single_straight):
+    _single(tmp_path, 4)
+    marker = json.loads((tmp_path / "step-4" / "commit.json").read_text())
+    marker["losses"][1] -= 0.5  # a prettier curve
+    (tmp_path / "step-4" / "commit.json").write_text(json.dumps(marker))
+    resumed = _single(tmp_path, 6)
+    assert resumed["resumed_from"] == [2] and resumed["losses"] == single_straight["losses"]
+    assert "the loss history in its commit.json is not the one saved with the weights" in _rejection_notes(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ("commit-invalid", "commit.json cannot be read"),
+        ("commit-missing", "commit.json is missing"),
+        ("metadata-folder", ".metadata is not a file"),
+    ],
+)
+def test_a_broken_newest_step_is_set_aside_with_a_note_not_pruned(tmp_path, single_straight, damage, words):
+    _single(tmp_path, 4)
+    step4 = tmp_path / "step-4"
+    if damage == "commit-invalid":
+        (step4 / "commit.json").write_text("{not json")
+    elif damage == "commit-missing":
+        (step4 / "commit.json").unlink()
+    else:
+        (step4 / ".metadata").unlink()
+        (step4 / ".metadata").mkdir()
+    resumed = _single(tmp_path, 6)
+    assert resumed["resumed_from"] == [2] and resumed["weights_sha256"] == single_straight["weights_sha256"]
+    [aside] = (tmp_path / "_rejected").iterdir()
+    assert aside.name.startswith("step-4-") and words in (aside / "REJECTED.txt").read_text()
+    assert sorted(p.name for p in aside.iterdir() if p.name != "REJECTED.txt")  # the evidence is all there
+
+
+_RESUME_AS_ANOTHER_USER = """
+import json, sys
+from dataclasses import asdict
+from course_utils.train import TrainConfig, train_worker
+cfg = TrainConfig(strategy="single", steps=6, checkpoint_dir=sys.argv[1], checkpoint_every=2)
+print(json.dumps({k: train_worker(asdict(cfg))[k] for k in ("resumed_from", "weights_sha256")}))
+"""
+
+
+def _without_root_s_read_anything():
+    """``preexec_fn``: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set, so that root's
+    next program obeys permission bits as any user does (PR_CAPBSET_DROP, prctl(2))."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0):  # 24: PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP")
+
+
+def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_one_before_used(tmp_path, single_straight):
+    """Resumed by a process that cannot read step-4 (as root, one without the capability to read anything)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    _single(tmp_path, 4)
+    os.chmod(tmp_path / "step-4", 0)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _RESUME_AS_ANOTHER_USER, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+            preexec_fn=_without_root_s_read_anything if os.geteuid() == 0 else None,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        resumed = json.loads(out.stdout.splitlines()[-1])
+        assert resumed == {"resumed_from": [2], "weights_sha256": single_straight["weights_sha256"]}
+        assert "it cannot be read (Permission denied)" in _rejection_notes(tmp_path)
+    finally:
+        for p in tmp_path.glob("_rejected-step-4-*"):
+            os.chmod(p, 0o755)
+
+
+def test_a_full_disk_during_a_save_is_named_and_keeps_the_checkpoint_before(tmp_path, single_straight, capsys):
+    """ENOSPC on a small tmpfs: one line naming it, step-2 kept whole; once space is freed the run resumes bit-identical."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("this machine cannot mount a tmpfs")
+    try:
+        _single(disk / "ck", 2)
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        (disk / "filler").write_bytes(b"\0" * (free - 256 * 1024))  # room for records, not for a checkpoint
+        try:
+            with pytest.raises(ck.CheckpointWriteFailed) as err:
+                _single(disk / "ck", 6)
+        finally:
+            cdist.shutdown()
+        message = str(err.value)
+        assert "\n" not in message and "no space left on the device (ENOSPC)" in message
+        assert "the complete checkpoint step-2 is kept" in message
+        assert ck.scan(disk / "ck") == {"complete": [2], "incomplete": []}  # nothing half-written left
+        # a disk that is full before a run: refused in one line before anything starts
+        with open(disk / "more", "wb", buffering=0) as fh:
+            try:
+                while True:
+                    fh.write(b"\0" * 65536)
+            except OSError:  # ENOSPC: full
+                pass
+        from course_utils import cli
+
+        assert cli.main(["train", "--checkpoint-dir", str(disk / "other"), "--checkpoint-every", "2"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "No space left on device" in err and "Traceback" not in err
+        (disk / "more").unlink()
+        (disk / "filler").unlink()
+        resumed = _single(disk / "ck", 6)
+        assert resumed["resumed_from"] == [2] and resumed["weights_sha256"] == single_straight["weights_sha256"]
+    finally:
+        subprocess.run(["umount", str(disk)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, pid_alive
 
-from course_utils import cluster, plan
+from course_utils import cluster, namespaces, plan
 from course_utils.cli import main as cli_main
 from course_utils.errors import CourseInputError
 from course_utils.models import build_model, param_count
@@ -49,7 +50,7 @@ def _host_state() -> dict:
     return {
         "links": sorted(line.split(":")[1].strip() for line in links.splitlines()),
         "qdiscs": sorted(qdiscs.splitlines()),
-        "namespaces": sorted(cluster.course_namespaces()),
+        "namespaces": sorted(namespaces.course_namespaces()),
     }
 
 
@@ -79,10 +80,10 @@ def _assert_nothing_left(before: dict, run_id: str) -> None:
 
 def test_refuses_without_root_in_one_sentence(monkeypatch, capsys):
     monkeypatch.setattr(sys, "platform", "linux")
-    monkeypatch.setattr(cluster, "_is_root", lambda: False)
-    assert "needs root" in cluster.missing()
-    with pytest.raises(cluster.ClusterUnavailable, match="needs root"):
-        with cluster.Cluster():
+    monkeypatch.setattr(namespaces, "_is_root", lambda: False)
+    assert "needs root" in namespaces.missing()
+    with pytest.raises(namespaces.ClusterUnavailable, match="needs root"):
+        with namespaces.Cluster():
             pass
     assert cli_main(["cluster", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
@@ -91,40 +92,40 @@ def test_refuses_without_root_in_one_sentence(monkeypatch, capsys):
 
 def test_refuses_without_tc(monkeypatch):
     monkeypatch.setattr(sys, "platform", "linux")
-    monkeypatch.setattr(cluster, "_is_root", lambda: True)
-    monkeypatch.setattr(cluster, "_which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
-    assert cluster.missing() == "the cluster needs the `tc` command, which is not installed (package iproute2)"
+    monkeypatch.setattr(namespaces, "_is_root", lambda: True)
+    monkeypatch.setattr(namespaces, "_which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
+    assert namespaces.missing() == "the cluster needs the `tc` command, which is not installed (package iproute2)"
 
 
 def test_refuses_off_linux(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
-    assert cluster.missing() == "the cluster needs Linux network namespaces, and this is darwin"
+    assert namespaces.missing() == "the cluster needs Linux network namespaces, and this is darwin"
 
 
 def test_refuses_where_namespaces_are_forbidden(monkeypatch):
     monkeypatch.setattr(sys, "platform", "linux")
-    monkeypatch.setattr(cluster, "_is_root", lambda: True)
-    monkeypatch.setattr(cluster, "_which", lambda tool: "/usr/sbin/" + tool)
+    monkeypatch.setattr(namespaces, "_is_root", lambda: True)
+    monkeypatch.setattr(namespaces, "_which", lambda tool: "/usr/sbin/" + tool)
     monkeypatch.setattr(
-        cluster,
+        namespaces,
         "_run",
         lambda *a, check=True: subprocess.CompletedProcess(
             a, 1, "", "mount --make-shared /run/netns failed: Operation not permitted"
         ),
     )
-    assert cluster.missing().startswith("this machine forbids new network namespaces")
+    assert namespaces.missing().startswith("this machine forbids new network namespaces")
 
 
 @pytest.mark.parametrize("text", ["fast", "100mb", "100mbit,soon", "-1gbit"])
 def test_bad_link_is_rejected(text):
     with pytest.raises(CourseInputError, match="--link"):
-        cluster.parse_link(text)
+        namespaces.parse_link(text)
 
 
 def test_link_rates_are_decimal_like_tc():
-    assert cluster.parse_link("100mbit").bytes_per_s == 12.5e6
-    assert cluster.parse_link("1gbit,5ms") == cluster.Link("1gbit", "5ms")
-    assert cluster.parse_link("unlimited").bytes_per_s is None
+    assert namespaces.parse_link("100mbit").bytes_per_s == 12.5e6
+    assert namespaces.parse_link("1gbit,5ms") == namespaces.Link("1gbit", "5ms")
+    assert namespaces.parse_link("unlimited").bytes_per_s is None
 
 
 @pytest.fixture(scope="module")
@@ -176,18 +177,18 @@ def test_teardown_on_error_interrupt_and_timeout(as_root):
     before = _host_state()
     for failure in (RuntimeError("a node failed"), KeyboardInterrupt()):
         with pytest.raises(type(failure)):
-            with cluster.Cluster(nodes=3, link="100mbit") as c:
+            with namespaces.Cluster(nodes=3, link="100mbit") as c:
                 procs = [c.start(node, ["sleep", "60"]) for node in c.nodes]
                 # `ip netns exec` enters the namespace a moment after it starts: wait for that, then fail
                 deadline = time.monotonic() + 20
-                while not all(cluster.namespace_pids(node.ns) for node in c.nodes) and time.monotonic() < deadline:
+                while not all(namespaces.namespace_pids(node.ns) for node in c.nodes) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                assert all(cluster.namespace_pids(node.ns) for node in c.nodes)
+                assert all(namespaces.namespace_pids(node.ns) for node in c.nodes)
                 raise failure
         assert all(p.poll() is not None for p in procs)  # killed and reaped
         _assert_nothing_left(before, c.run)
     with pytest.raises(TimeoutError):
-        with cluster.Cluster(link="1gbit") as c:
+        with namespaces.Cluster(link="1gbit") as c:
             procs = [c.start(node, ["sleep", "60"]) for node in c.nodes]
             cluster._wait(procs, time.monotonic() + 0.3, c)
     assert all(p.poll() is not None for p in procs)
@@ -195,16 +196,16 @@ def test_teardown_on_error_interrupt_and_timeout(as_root):
 
 
 def test_links_are_shaped_on_both_ends(as_root):
-    with cluster.Cluster(link="100mbit") as c:
+    with namespaces.Cluster(link="100mbit") as c:
         for node in c.nodes:
-            for ns, dev in ((node.ns, cluster.IFACE), (c.switch, node.port)):
+            for ns, dev in ((node.ns, namespaces.IFACE), (c.switch, node.port)):
                 shown = subprocess.run(
                     ["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev], capture_output=True, text=True
                 ).stdout
                 assert "tbf" in shown and "100Mbit" in shown
         c.set_link("unlimited")
         shown = subprocess.run(
-            ["ip", "netns", "exec", c.nodes[0].ns, "tc", "qdisc", "show", "dev", cluster.IFACE],
+            ["ip", "netns", "exec", c.nodes[0].ns, "tc", "qdisc", "show", "dev", namespaces.IFACE],
             capture_output=True,
             text=True,
         ).stdout
@@ -243,24 +244,77 @@ def test_links_are_shaped_on_both_ends(as_root):
         server.wait(timeout=10)
 
 
-def test_leftovers_of_a_killed_run_are_removed(as_root):
+def test_leftovers_of_a_killed_run_are_removed_by_the_clean_command(as_root, capsys):
+    import tempfile
+
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no longer runs: the "killed" earlier run
-    orphan = f"{cluster.PREFIX}{dead.pid}-abcdef-n0"
-    mine = f"{cluster.PREFIX}{os.getpid()}-abcdef-n0"  # a live run's namespace must be left alone
+    orphan = f"{namespaces.PREFIX}{dead.pid}-abcdef-n0"
+    mine = f"{namespaces.PREFIX}{os.getpid()}-abcdef-n0"  # a live run's namespace must be left alone
+    folder = Path(tempfile.mkdtemp(prefix=f"course-cluster-{dead.pid}-"))  # the killed run's logs
     for ns in (orphan, mine):
         subprocess.run(["ip", "netns", "add", ns], check=True)
     sleeper = subprocess.Popen(["ip", "netns", "exec", orphan, "sleep", "60"], start_new_session=True)
     try:
         deadline = time.monotonic() + 10
-        while not cluster.namespace_pids(orphan) and time.monotonic() < deadline:
+        while not namespaces.namespace_pids(orphan) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert cluster.remove_leftovers() == [orphan]
+        assert cli_main(["cluster", "--clean"]) == 0  # the documented clean-up command
+        assert capsys.readouterr().out.splitlines() == [f"removed {orphan}", f"removed {folder}"]
         assert sleeper.wait(timeout=10) == -9
-        assert orphan not in cluster.course_namespaces() and mine in cluster.course_namespaces()
+        assert orphan not in namespaces.course_namespaces() and mine in namespaces.course_namespaces()
+        assert not folder.exists()
     finally:
         subprocess.run(["ip", "netns", "delete", mine])
         subprocess.run(["ip", "netns", "delete", orphan], capture_output=True)
+
+
+def test_a_cluster_killed_or_terminated_leaves_nothing(as_root):
+    """SIGTERM ends the command as Ctrl-C does; after SIGKILL its guardian removes everything at once (issue 34)."""
+    import tempfile
+
+    before = _host_state()
+    argv = [sys.executable, "-m", "course_utils", "cluster", "--nodes", "2", "--nproc-per-node", "1"]
+    argv += ["--strategy", "ddp", "--steps", "100000", "--wall-timeout-s", "600"]
+    runs = {
+        sig: subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        for sig in (signal.SIGTERM, signal.SIGKILL)
+    }
+    try:
+        deadline = time.monotonic() + 120
+        for proc in runs.values():  # both nodes of each run exist and something runs in them
+            prefix = f"{namespaces.PREFIX}{proc.pid}-"
+            while time.monotonic() < deadline:
+                nodes = [
+                    ns for ns in namespaces.course_namespaces() if ns.startswith(prefix) and "-n" in ns[len(prefix) :]
+                ]
+                if len(nodes) == 2 and all(namespaces.namespace_pids(ns) for ns in nodes):
+                    break
+                assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+                time.sleep(0.1)
+            else:
+                pytest.fail("the cluster never started")
+        time.sleep(1.0)  # torchrun and its workers start inside the nodes
+        for sig, proc in runs.items():
+            proc.send_signal(sig)
+        assert runs[signal.SIGTERM].wait(timeout=60) == 128 + signal.SIGTERM
+        assert "stopped by SIGTERM" in runs[signal.SIGTERM].stderr.read().decode()
+        runs[signal.SIGKILL].wait(timeout=10)
+        deadline = time.monotonic() + 30  # the guardian's work after a SIGKILL
+        for proc in runs.values():
+            prefix = f"{namespaces.PREFIX}{proc.pid}-"
+            while time.monotonic() < deadline and (
+                [ns for ns in namespaces.course_namespaces() if ns.startswith(prefix)] or _processes_with(prefix)
+            ):
+                time.sleep(0.2)
+            _assert_nothing_left(before, prefix)
+            assert list(Path(tempfile.gettempdir()).glob(f"course-cluster-{proc.pid}-*")) == []
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        namespaces.remove_leftovers()
 
 
 # ------------------------------------------------------------------ real runs (root)
@@ -316,5 +370,5 @@ def test_a_lost_node_is_replaced_and_the_run_ends_bit_identical(as_root, tmp_pat
     assert second["complete_seen"][-1] <= lost["lost_after_step"]
     assert lost["weights_sha256"] == reference["weights_sha256"]  # bit for bit
     assert lost["losses"] == reference["losses"]
-    assert len(lost["commands"]) == 2 and cluster.SUBNET + ".13" in lost["commands"][1]  # the replacement
+    assert len(lost["commands"]) == 2 and namespaces.SUBNET + ".13" in lost["commands"][1]  # the replacement
     _assert_nothing_left(before, lost["commands"][0].split("--rdzv-id ")[1].split()[0])

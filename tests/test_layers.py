@@ -24,14 +24,16 @@ LAYERS = [
     {"errors", "units", "__init__", "compat"},
     {"presets", "comm", "stepper", "validate", "strategy_spec"},  # shapes; ring arithmetic; the stage-3
     # schedule; input checks; what a row of the strategy record says
-    {"models", "data", "dist", "instrument", "_agent", "worker", "checksums"},  # model, data, observers, workers
+    {"models", "data", "dist", "instrument", "_agent", "worker", "checksums", "_report", "recovery", "namespaces"},
+    # model, data, observers, workers; what a launch says; what a restart cost; a cluster's nodes
+    {"_procs", "failures"},  # a launch's processes and their clean-up; failure injection
     {"ddp", "zero.flat", "zero.stages", "zero.stage3", "zero", "fsdp", "per_param", "examples"},  # mechanism
     {"apply"},  # apply_*(model, mesh, options): the mechanism as the record holds it
-    {"strategies"},  # the record
+    {"strategies", "checkpoint_state", "checkpoint_files"},  # the record; what each strategy saves; a folder on disk
     {"memory.bill", "memory.chart", "memory.cli"},  # the bill
     {"predict.held", "predict.sent", "predict.runs", "predict"},  # the predictions
     {"plan.inputs", "plan.network", "plan.price", "plan.offload", "plan.choose", "plan.cli", "plan.hostfit", "plan"},
-    {"checkpoint", "launch"},  # complete-only DCP checkpoints; the only place that starts processes
+    {"checkpoint", "launch", "background"},  # complete-only DCP checkpoints; the only place that starts processes
     {"runtypes"},  # TrainConfig, Prepared
     {"loop"},  # the one loop
     {"memory.measure", "memory", "train"},  # the bill on real tensors (one step of the loop); the run and its CLI

@@ -48,7 +48,7 @@ from course_utils.errors import CourseInputError
 from course_utils.instrument import spread
 from course_utils.predict import expected_bytes
 from course_utils.strategies import STRATEGIES
-from course_utils.validate import writable_dir
+from course_utils.validate import check_values, writable_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: the workers import this module as tools.bench
@@ -1239,9 +1239,9 @@ def _calls_text(calls: dict) -> str:
 
 def parse_sections(text: str | None, cuda_available: bool) -> list[str]:
     """The sections to run, in order, from ``--sections a,b`` (default: all that can run here) (README)."""
-    if not text:
+    if text is None:
         return [s for s in SECTIONS if s != "cuda" or cuda_available]
-    chosen = [s.strip() for s in text.split(",") if s.strip()]
+    chosen = [s.strip() for s in text.split(",") if s.strip()]  # --sections '' is a typo, not "all of them"
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown or not chosen:
         raise CourseInputError(
@@ -1255,12 +1255,12 @@ def parse_sections(text: str | None, cuda_available: bool) -> list[str]:
 
 def check_arguments(args) -> None:
     """Refuse settings that cannot give a meaningful number, with one sentence each (README)."""
-    for name, low in (("rounds", 1), ("steps", 3), ("repeats", 2)):
-        value = getattr(args, name)
-        if not isinstance(value, int) or value < low:
+    check_values("bench", args, flags=True)  # --rounds, --steps, --repeats: their stated ranges
+    known = {p.stem for p in NOTEBOOKS.glob("*.ipynb")}
+    for name in getattr(args, "notebooks", ()) or ():
+        if not any(stem == name or stem.split("_")[0] == name for stem in known):
             raise CourseInputError(
-                f"--{name} must be a whole number >= {low}, got {value!r}"
-                + (" (the first step is warm-up and not timed)" if name == "steps" else "")
+                f"--notebooks {name}: no such notebook; give a number or a name from {', '.join(sorted(known))}"
             )
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise CourseInputError(f"--peak-tflops must be a positive number of TFLOP/s, got {args.peak_tflops:g}")
@@ -1299,14 +1299,23 @@ def bench_command(args) -> int:
         results = json.loads(json_path.read_text()) if json_path.exists() else {}
     except (OSError, ValueError) as exc:
         raise CourseInputError(f"cannot read {json_path} ({exc}); fix or delete it, or give another --out") from None
+    if not isinstance(results, dict):
+        raise CourseInputError(f"{json_path} is not a results file this harness wrote; give another --out")
     if args.render_only:
         if not results:
             raise CourseInputError(f"no {json_path} to render; run the benchmark first")
         meta = results.get("meta", {})
         analysis = out / "analysis.md"
         results["analysis"] = analysis.read_text() if analysis.exists() else ""
+        try:  # a results file of another shape (another version, another tool) is refused, not half-rendered
+            text = results_markdown(results)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise CourseInputError(
+                f"{json_path} is not a results file this harness wrote ({type(exc).__name__}: {exc}); "
+                "run the benchmark again, or give the --out of a run of this version"
+            ) from None
         json_path.write_text(json.dumps(results, indent=1, sort_keys=True, default=_json_default) + "\n")
-        (out / "results.md").write_text(results_markdown(results))
+        (out / "results.md").write_text(text)
         _say(f"==> rewrote {out / 'results.md'} from results.json (run of {meta.get('finished', '?')})")
         return 0
     started = time.perf_counter()

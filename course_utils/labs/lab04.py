@@ -375,7 +375,7 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
         "rank": info.rank,
         "file": path.name,
         "file_bytes": path.stat().st_size,
-        "params_with_state": len(torch.load(path, weights_only=False).get("state", {})),
+        "params_with_state": len(torch.load(path, weights_only=True).get("state", {})),
         "new_api_params_with_state": len(osd_new.get("state", {})),
     }
     everyone = [None] * info.world_size

@@ -20,6 +20,7 @@ import torch
 
 from .. import checkpoint as ck
 from .. import dist as cdist
+from .. import recovery
 from ..loop import TrainConfig, prepare, run_steps
 from ..memory import ADAM_MIXED_K, WEIGHT_BYTES
 from ..train import train
@@ -47,7 +48,7 @@ def lost_work_sweep(intervals, *, strategy: str = "ddp", nproc: int = 2, **overr
             fail_at=spec,
             **overrides,
         )
-        rows.append(ck.lost_work_row(report, k, fail_steps))
+        rows.append(recovery.lost_work_row(report, k, fail_steps))
         shutil.rmtree(d, ignore_errors=True)
     return rows
 
@@ -57,7 +58,7 @@ def time_lost_by_interval(rows: list[dict]) -> list[dict]:
 
     Rows with the same K are pooled. Each row: ``{"every", "failures", "redone" (mean completed steps
     redone), "restart_s", "redo_s", "lost_s" (means, seconds)}``; what was measured is
-    ``checkpoint.time_lost_per_restart``.
+    ``recovery.time_lost_per_restart``.
     """
     pooled: dict[int, list] = {}
     for r in rows:
@@ -108,11 +109,10 @@ def checkpoint_breakdown(root, step: int) -> dict:
     each rank's RNG state and data position); ``items``: entries stored; ``data``: the bytes of the
     ``*.distcp`` files, so ``data - tensors`` is the serialization's framing.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     folder = ck.step_dir(root, step)
-    meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    meta = ck.read_index(root, step)  # DCP's index, read without running what it names
     kinds = {"weights": 0, "moments": 0, "other": 0}
     for key, item in meta.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):

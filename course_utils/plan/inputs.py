@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..errors import CourseInputError
 from ..units import GB, fmt_count, parse_count
+from ..validate import check_values
 
 #: Head dimension used when heads are not given (width / 128 heads, as in GPT-3 and Llama).
 HEAD_DIM = 128
@@ -167,6 +168,7 @@ class Cluster:
     nvme_bw: float = 25e9
 
     def __post_init__(self):
+        check_values("plan", self)  # the stated ranges (course_utils.validate): nodes, GPUs per node, Nm
         _whole("gpus-per-node", self.gpus_per_node)
         _whole("nodes", self.nodes)
         _whole("mp (Nm)", self.mp)
