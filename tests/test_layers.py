@@ -30,7 +30,7 @@ LAYERS = [
     {"loop"},  # the one loop and its types
     {"ddp", "zero", "fsdp", "per_param", "examples"},  # strategies: the mechanism, apply_*
     {"train", "rehearse", "plots"},  # the run and its CLI; rehearsal; figures
-    {"widgets", "bench", "cli", "__main__", "ft", "cluster"},  # views, commands; TorchFT; namespace nodes
+    {"widgets", "bench", "cli", "__main__", "ft", "ft_groups", "ft_nodes", "hangs", "cluster"},  # views; commands
     {"labs", "exercises"},  # each notebook's experiments and exercises
 ]
 #: Arithmetic: what the course's numbers rest on. They start no process and never touch torch.distributed.
