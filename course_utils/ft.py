@@ -148,6 +148,13 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
         "per_step": per_step,
         "steps_discarded": sum(not r["committed"] for r in tries),
         "discarded_steps": sorted({r["step"] for r in tries if not r["committed"]}),
+        # per group and attempt ("1" the first process of group 1, "1 restarted" its second)
+        "discarded_by_group": {
+            f"{g}{' restarted' if a else ''}": sum(
+                not r["committed"] for r in tries if (r["replica"], r["attempt"]) == (g, a)
+            )
+            for g, a in sorted({(r["replica"], r["attempt"]) for r in tries})
+        },
         "step_time_s": step_time,
         "time_per_step_s": per_step_time,
         "overhead_s": overhead,
@@ -222,7 +229,7 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
     Report: ``per_step`` (for each step: committed, which groups committed it, the quorum's
     number of groups, tries discarded, the mean loss of the groups that committed it, and on a
     cluster the bytes that crossed node 0's cable during it), ``steps_discarded`` (step tries thrown
-    away) and ``discarded_steps``, ``stall_s`` (time the survivors waited for a quorum without the
+    away), ``discarded_steps`` and ``discarded_by_group``, ``stall_s`` (time the survivors waited for a quorum without the
     dead group: about the lighthouse's heartbeat timeout), ``lost_s`` (wall clock from the failure
     to the survivors' first step without the dead group, less the useful steps in between),
     ``steps_lost_with_it`` (local steps of the dead group never committed), ``heal_s`` (the restarted
