@@ -47,6 +47,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -242,7 +243,8 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
     ``link_bytes``, ``where`` (loopback or the cluster), ``listening`` (every address a group's
     process listened on at the end), ``pids`` (every process started), ``lighthouse`` (its address),
     and the job manager's ``exits``, ``restarts`` and ``stopped`` (a failure nobody planned, with a
-    ``hang``). ``run_dir`` keeps each group's log and event file.
+    ``hang``). ``run_dir`` (each group's log and event file) is kept when you pass it, or when the
+    run fails; a temporary one is removed after a run that returned (the report's ``run_dir`` is then None).
 
     Raises:
         CourseInputError: bad input, or torchft missing (nothing is started).
@@ -254,6 +256,7 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
     cfg = FTConfig(**{**asdict(cfg or FTConfig()), **overrides}).validate()
     if importlib.util.find_spec("torchft") is None:
         raise CourseInputError(INSTALL_HINT)
+    own_dir = run_dir is None
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="course-ft-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -274,9 +277,15 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
         )[0]
     pids = [int(line) for line in (run_dir / "pids.txt").read_text().split()]
     lighthouse = (run_dir / "lighthouse").read_text()
-    return summarize(
+    report = summarize(
         cfg, run_dir, time.monotonic() - start, {"lighthouse": lighthouse, "pids": pids, "where": where, **jobs}
     )
+    if own_dir:  # everything is in the report; a failed run keeps its folder (its path is in the error)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        report["run_dir"] = None
+        if report["stopped"]:
+            report["stopped"]["log"] = None  # its last line is in the report: "error"
+    return report
 
 
 # ---------------------------------------------------------------- command line

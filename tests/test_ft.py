@@ -141,6 +141,7 @@ def test_nothing_is_left_running(in_allreduce, weights_only, diloco):
     for run in (in_allreduce, weights_only, diloco):
         assert len(run["pids"]) == 1 + 1 + 3  # the job manager, the lighthouse, two groups and one restart
         assert not any(pid_alive(pid) for pid in run["pids"])
+        assert run["run_dir"] is None  # its temporary folder (logs, event files) removed: all is in the report
     assert in_allreduce["lighthouse"].startswith("http://127.0.0.1:") and _refused(in_allreduce["lighthouse"])
     assert not [ns for ns in cluster.course_namespaces() if ns.startswith(f"{cluster.PREFIX}{os.getpid()}-")]
 
@@ -185,3 +186,17 @@ def test_missing_torchft_says_how_to_install(monkeypatch, capsys):
     assert cli.main(["ft", "--kill", "1:3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "make setup" in err and "course-utils[ft]" in err
+
+
+def test_bytes_per_step_leave_out_the_heal_that_crossed_the_link_once():
+    from course_utils.labs.lab06 import link_bytes_per_step
+
+    def report(diloco, heal, rows):
+        per_step = [{"step": s, "participants": p, "link_bytes": b} for s, (p, b) in enumerate(rows)]
+        return {"diloco": diloco, "sync_every": 2, "healed_to_step": heal, "replicas": 2, "per_step": per_step}
+
+    # synchronous: the heal is in step 3's quorum; step 1 had one group only
+    assert link_bytes_per_step(report(False, 3, [(2, 100), (1, 0), (2, 100), (2, 900), (2, 100)])) == 100
+    # DiLoCo, H = 2: the heal is in the synchronisation ending at step 3, so the round of steps 2 and 3 is left out
+    assert link_bytes_per_step(report(True, 4, [(2, 0), (2, 200), (2, 0), (2, 900), (2, 0), (2, 200)])) == 100
+    assert link_bytes_per_step(report(False, None, [(2, None)])) is None  # loopback: nothing counted
