@@ -11,9 +11,10 @@ sources:
 - **torch elastic's file timer** (``TORCHELASTIC_ENABLE_FILE_TIMER=1``; ``local_elastic_agent.py``): the
   agent runs a ``FileTimerServer`` (checked every 0.1 s) and tells the workers its pipe
   (``TORCHELASTIC_TIMER_FILE``); a worker wraps each step in ``timer.expires(after=T)``. When a step
-  outlives T, the server SIGKILLs that worker, then SIGKILLs its own process, the agent
-  (``file_based_local_timer.py``: "Terminating the server process ... because of expired timers"): no
-  restart by torchrun; the job manager sees the node's torchrun die.
+  outlives T, the server SIGKILLs that worker (and any other whose deadline has passed when it checks),
+  then SIGKILLs its own process, the agent (``file_based_local_timer.py``: "Terminating the server process
+  ... because of expired timers"); a worker still alive gets SIGINT as the agent dies (torch.multiprocessing
+  sets ``PR_SET_PDEATHSIG``). No restart by torchrun; the job manager sees the node's torchrun die.
 - **torch elastic's health check server** (``TORCHELASTIC_HEALTH_CHECK_PORT``): in torch 2.13
   ``HealthCheckServer.start()`` starts nothing ("Unsupported functionality for PyTorch"); it is a hook
   for a scheduler's own server, fed the file timer's last progress time. Nothing to measure.
@@ -179,7 +180,8 @@ def file_timer_hang(step_deadline_s: float = 2.0, *, nproc: int = 2, stall_step:
     The process group's timeout stays 60 s, out of the way. The agent runs with
     ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` and its pipe in this run's folder. ``detected_after_s`` runs
     from the stall to the end of the run (every process gone: an upper bound, the launcher polls every
-    50 ms); ``ranks_that_raised`` lists ranks that lived to raise an error; ``agent_killed`` says whether
+    50 ms); ``ranks_that_raised`` lists ranks that lived to raise an error (the waiting rank, when it
+    outlived the timer's check and got its agent's death signal); ``agent_killed`` says whether
     the timer server also killed the agent (the launcher then finds no result).
     """
     from .launch import LaunchError, launch
