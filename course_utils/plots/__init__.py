@@ -49,7 +49,7 @@ from .memory_views import (
     memory_chart_figure,
 )
 from .plan_views import crossover_figure, plan_figure
-from .recovery_views import checkpoint_interval_figure, lost_work_figure
+from .recovery_views import checkpoint_interval_figure, lost_work_figure, sync_vs_diloco_figure
 from .zero_views import TRAFFIC_COLORS, zero3_schedule_figure, zero3_schedule_frames
 
 __all__ = [
@@ -86,4 +86,5 @@ __all__ = [
     "plan_figure",
     "checkpoint_interval_figure",
     "lost_work_figure",
+    "sync_vs_diloco_figure",
 ]

@@ -87,3 +87,36 @@ def checkpoint_interval_figure(jobs: dict, *, width: float = 7.5, height: float 
     ax.set_title("Save too often or too rarely, lose time: the best K is Young's")
     ax.legend(fontsize=8)
     return fig
+
+
+def sync_vs_diloco_figure(runs: dict, *, width: float = 10.0, height: float = 3.8):
+    """Loss per step and bytes across the link per step, one colour per run (notebook 06).
+
+    ``runs``: ``{label: course_utils.ft.ft_run report}``, the same steps, data and failure in each.
+    Right panel: the bytes counted on node 0's cable during each step (absent on loopback).
+    """
+    fig = new_figure(width, height)
+    loss_ax, link_ax = fig.subplots(1, 2)
+    colors = ("#9a9a9a", "#3a7dc9", "#e8883a")
+    width_bar = 0.8 / max(1, len(runs))
+    for i, ((label, run), color) in enumerate(zip(runs.items(), colors)):
+        steps = [row["step"] for row in run["per_step"]]
+        loss_ax.plot(steps, [row["loss"] for row in run["per_step"]], color=color, lw=1.8, marker=".", label=label)
+        mb = [(row["link_bytes"] or 0) / 1e6 for row in run["per_step"]]
+        link_ax.bar(
+            np.array(steps) + (i - (len(runs) - 1) / 2) * width_bar, mb, width=width_bar, color=color, label=label
+        )
+    killed = next((run["killed"]["step"] for run in runs.values() if run.get("killed")), None)
+    if killed is not None:
+        loss_ax.axvline(killed, color="#c0392b", lw=1, ls=":", label="a group dies")
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("training loss (mean of the groups)")
+    loss_ax.set_title("Not the same path: the loss is the measurement")
+    loss_ax.legend(fontsize=8)
+    link_ax.set_xlabel("step")
+    link_ax.set_ylabel("MB across node 0's cable (counted)")
+    link_ax.set_title("DiLoCo crosses the link once every H steps")
+    if not any(row["link_bytes"] for run in runs.values() for row in run["per_step"]):
+        link_ax.text(0.5, 0.5, "on loopback: no link to count", ha="center", va="center", transform=link_ax.transAxes)
+    link_ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,575 @@
+"""The processes of a TorchFT run: one replica group, the lighthouse, the job manager (notebook 06).
+
+``course_utils.ft.ft_run`` launches ``job_manager`` as one ``course_utils.launch`` worker; it forks
+the lighthouse and one process per replica group (``replica_main``) and restarts a group that dies.
+The groups and the job manager talk through files in the run's folder: each group's event log
+(``events-R-A.jsonl``, one JSON line per step try), and markers (``ready-R``, ``done-R``, ``dead-R``,
+``gone-R``, ``asking-R-A``, ``holding``) that say who is where. What a run is: ``FTConfig``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from . import ft_nodes
+from .errors import CourseInputError
+from .validate import check_values
+
+
+@dataclass
+class FTConfig:
+    """One TorchFT run: R replica groups of one process each, K steps, one planned failure (notebook 06)."""
+
+    replicas: int = 2  # replica groups (R); each holds the whole model
+    steps: int = 16  # committed steps every group ends at (K)
+    kill: str | None = None  # "REPLICA:STEP": that group dies at that step (first attempt only)
+    during_allreduce: bool = False  # die inside the step's all-reduce (DiLoCo: its round's), not between steps
+    # The job manager restarts the dead group once the survivors have committed this many steps
+    # without it, so the run shows both phases on any machine (None: the group stays dead). A real job
+    # manager restarts as soon as it can, and a restart (new process, imports, joining) takes seconds to
+    # minutes.
+    restart_after: int | None = 2
+    # A short run must still show the healed group training: the survivors' last AFTER_HEAL steps wait
+    # for a dead group that is being restarted (a real job has thousands of steps left after a restart).
+    # The healed group then commits at least AFTER_HEAL steps with them (DiLoCo: AFTER_HEAL - 1 rounds of H).
+    after_heal: int = 3
+    diloco: bool = False  # synchronise every SYNC_EVERY steps (torchft's DiLoCo) instead of every step
+    sync_every: int = 4  # H: local steps between two synchronisations (DiLoCo)
+    outer_lr: float = 0.7  # DiLoCo's outer SGD (Nesterov, momentum 0.9), as torchft's train_diloco.py example
+    hang: str | None = None  # "REPLICA:STEP": that group's Python stops for ever before that step
+    heal_optimizer: bool = True  # False: the mistake to compare with, a heal that copies the weights only
+    link: str | None = None  # None: loopback; "20mbit": two cluster nodes joined by that link (root)
+    model: str = "tiny"
+    batch: int = 8  # global batch per step, split across the R groups
+    lr: float = 3e-3
+    seed: int = 0
+    # How long the lighthouse waits for a silent group's heartbeat before it forms a quorum without
+    # it (torchft's default is 5000 ms). 1000 ms keeps a notebook run short and is still 10 of the
+    # managers' 100 ms heartbeats: a busy CPU does not miss that many.
+    heartbeat_timeout_ms: int = 1000
+    quorum_timeout_s: float | None = None  # a group waiting longer for a quorum raises (None: timeout_s)
+    timeout_s: float = 60.0  # the whole run; everything is stopped after it
+
+    def validate(self) -> FTConfig:
+        check_values("ft", self)  # types and stated ranges (course_utils.validate)
+
+        def whole(name, low, value=None):
+            value = getattr(self, name) if value is None else value
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise CourseInputError(f"--{name.replace('_', '-')} must be a whole number >= {low}, got {value!r}")
+
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or not 2 <= self.replicas <= 8:
+            raise CourseInputError(
+                f"--replicas must be a whole number from 2 to 8 (one group to lose, one to survive; each group "
+                f"is a process of this machine), got {self.replicas!r}"
+            )
+        if isinstance(self.batch, int) and self.batch >= 1 and self.batch % self.replicas:
+            raise CourseInputError(
+                f"--batch {self.batch} does not split across {self.replicas} replica groups; "
+                f"pick a multiple of {self.replicas}"
+            )
+        self.train_config()  # steps, lr, model, seed: the checks train.py makes
+        for name in ("kill", "hang"):
+            spots = self.planned(name)
+            if len(spots) > 1:
+                raise CourseInputError(f"--{name} takes one REPLICA:STEP, got {getattr(self, name)!r}")
+            for replica, step in spots:
+                if not 0 <= replica < self.replicas or not 0 <= step < self.steps:
+                    raise CourseInputError(
+                        f"--{name} {getattr(self, name)}: REPLICA must be in 0..{self.replicas - 1} and STEP in "
+                        f"0..{self.steps - 1} (a step the run reaches)"
+                    )
+        if self.during_allreduce and not self.kill:
+            raise CourseInputError("--during-allreduce needs --kill REPLICA:STEP (which group dies, and when)")
+        if self.kill and self.hang:
+            raise CourseInputError("--kill and --hang: one planned failure per run; pick one")
+        if self.restart_after is not None:
+            whole("restart_after", 0)
+        whole("after_heal", 1)
+        whole("sync_every", 1)
+        if self.diloco and self.steps % self.sync_every:
+            raise CourseInputError(
+                f"--steps {self.steps} with --diloco must be a multiple of --sync-every {self.sync_every} "
+                "(the run ends on a synchronisation, where every group holds the same weights)"
+            )
+        if not isinstance(self.outer_lr, (int, float)) or not math.isfinite(self.outer_lr) or self.outer_lr <= 0:
+            raise CourseInputError(f"--outer-lr must be a finite number > 0, got {self.outer_lr!r}")
+        if not isinstance(self.heartbeat_timeout_ms, int) or not 200 <= self.heartbeat_timeout_ms <= 600_000:
+            raise CourseInputError(
+                f"--heartbeat-timeout-ms must be a whole number from 200 to 600000, got {self.heartbeat_timeout_ms!r}"
+            )
+        for name in ("timeout_s", "quorum_timeout_s"):
+            value = getattr(self, name)
+            if name == "quorum_timeout_s" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86_400:
+                raise CourseInputError(f"--{name.replace('_', '-')} must be seconds in (0, 86400], got {value!r}")
+        if self.link is not None:
+            from .cluster import parse_link
+
+            if parse_link(self.link).delay:
+                raise CourseInputError(f"--link {self.link}: give a rate only (e.g. 20mbit); this kernel has no delay")
+        return self
+
+    def train_config(self):
+        """The same run as ``train.TrainConfig`` sees it: R ranks of plain DDP (notebook 06)."""
+        from .train import TrainConfig
+
+        return TrainConfig(
+            strategy="ddp",
+            nproc=self.replicas,
+            steps=self.steps,
+            model=self.model,
+            batch=self.batch,
+            lr=self.lr,
+            seed=self.seed,
+        ).validate()
+
+    def planned(self, name: str = "kill") -> list[tuple[int, int]]:
+        """``[(replica, step)]`` of the planned kill (or ``name="hang"``), at most one (notebook 06)."""
+        from .failures import parse_failures
+
+        return parse_failures(getattr(self, name), f"--{name}")
+
+    def kill_at(self) -> tuple[int, int] | None:
+        """``(replica, step)`` of the planned failure, or None (notebook 06)."""
+        kills = self.planned("kill")
+        return kills[0] if kills else None
+
+
+# ---------------------------------------------------------------- one replica group (a forked process)
+
+
+def _adam_state(model, optimizer) -> dict:
+    """Adam's state by parameter name: both moments and the step count, what a heal must copy."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        f"{key}.{names[id(p)]}": value
+        for p, state in optimizer.state.items()
+        for key, value in state.items()
+        if hasattr(value, "dim")
+    }
+
+
+def _holding(run_dir: Path, cfg: FTConfig, participants: int) -> bool:
+    """A dead group is being restarted and has not rejoined: the survivors' last steps wait for it."""
+    gone = sum((run_dir / f"gone-{r}").exists() for r in range(cfg.replicas))
+    return participants < cfg.replicas - gone and cfg.restart_after is not None
+
+
+def replica_main(cfg: FTConfig, replica: int, attempt: int, place: dict, lighthouse: str, run_dir: Path) -> None:
+    """One replica group's training with torchft, through the course's one loop (notebook 06).
+
+    The loop is ``loop.run_steps`` with torchft's pieces in it. Synchronous (DDP): before each step
+    the optimizer wrapper's ``zero_grad`` asks the lighthouse for a quorum (and heals this group from
+    a live peer when it is behind), DDP's gradient all-reduce runs over the quorum's process group,
+    and the wrapper's ``step`` applies the update only if every group's all-reduce worked
+    (``should_commit``). DiLoCo: the inner Adam steps locally; after every H steps torchft's hook asks
+    for a quorum, all-reduces each group's change of the weights since the last synchronisation and
+    applies their mean with the outer optimizer, if ``should_commit``. The step numbers follow the
+    manager's count (``quorum_steps``): a discarded step is tried again, and a group that healed jumps
+    to the step its peer is at.
+    """
+    from datetime import timedelta
+
+    import torch
+    import torchft
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    from .failures import die_hard
+    from .instrument import Observer, weights_sha256
+    from .loop import Prepared, make_optimizer, module_held, run_steps
+    from .models import build_model, get_config
+
+    ft_nodes.enter(place)  # first: every socket below opens in this group's place
+    cores = len(place["cores"]) if place.get("cores") else (os.cpu_count() or 1) // cfg.replicas
+    torch.set_num_threads(max(1, cores))  # R processes on a few cores, as course_utils.dist.init splits them
+    counting = place.get("ns") is not None  # a node's cable; loopback carries the whole machine's traffic
+    mcfg = get_config(cfg.model)
+    model = build_model(mcfg, seed=cfg.seed)  # every group starts from the same weights (init_sync off)
+    inner = make_optimizer(model.parameters(), cfg.train_config())
+    store = ft_nodes.bound_store(place["addr"])  # one process per group: the group's own store is local
+    pg = ft_nodes.process_group(place["addr"], timeout=timedelta(seconds=10))
+    transport = PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu"))
+    healed = []
+    recv = transport.recv_checkpoint
+
+    def timed_recv(*args, **kwargs):  # heal_s: the copy from the live peer, timed where it happens
+        t0 = time.perf_counter()
+        state = recv(*args, **kwargs)
+        healed.append(time.perf_counter() - t0)
+        return state
+
+    transport.recv_checkpoint = timed_recv
+    ft_nodes.bind_manager_server(place["addr"])
+    manager = torchft.Manager(
+        pg=pg,
+        min_replica_size=1,
+        state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+        load_state_dict=lambda sd: (
+            model.load_state_dict(sd["model"]),
+            inner.load_state_dict(sd["optim"]) if cfg.heal_optimizer else None,
+        ),
+        replica_id=f"replica{replica}",
+        lighthouse_addr=lighthouse,
+        hostname=place["addr"],
+        store_addr=place["addr"],
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        # Synchronous quorum: a group that heals loads the peer's state before its forward pass and
+        # takes a full part in that same step (torchft's default overlaps the quorum with forward;
+        # DiLoCo requires it synchronous).
+        use_async_quorum=False,
+        init_sync=False,
+        checkpoint_transport=transport,
+        timeout=timedelta(seconds=10),
+        quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s or cfg.timeout_s),
+        connect_timeout=timedelta(seconds=10),
+    )
+    timed = {"quorum": [], "commit": []}
+    for name, method in (("quorum", "start_quorum"), ("commit", "should_commit")):
+        real = getattr(manager, method)
+
+        def timed_call(*args, _real=real, _list=timed[name], _name=name, **kwargs):  # TorchFT's own cost per step
+            if _name == "quorum" and attempt > 0:  # a restarted group asks to join: the others may go on
+                (run_dir / f"asking-{replica}-{attempt}").touch()
+            t0 = time.perf_counter()
+            out = _real(*args, **kwargs)
+            _list.append(time.perf_counter() - t0)
+            return out
+
+        setattr(manager, method, timed_call)
+    kill = cfg.kill_at() if attempt == 0 else None
+    hang = next(iter(cfg.planned("hang")), None) if attempt == 0 else None
+    events = open(run_dir / f"events-{replica}-{attempt}.jsonl", "w")
+
+    def record(**row):
+        events.write(json.dumps({"replica": replica, "attempt": attempt, **row}) + "\n")
+        events.flush()
+
+    if kill and kill[0] == replica and cfg.during_allreduce:
+        allreduce = manager.allreduce
+
+        def die_in_allreduce(tensor, *args, **kwargs):  # DDP's comm hook (DiLoCo's sync) calls manager.allreduce
+            # the peers' all-reduce of this step (DiLoCo: of the round holding it) waits for our part
+            if manager.current_step() == (kill[1] // cfg.sync_every if cfg.diloco else kill[1]):
+                record(kill=kill[1], where="allreduce", t=time.time())
+                die_hard(f"replica {replica} inside the all-reduce of step {kill[1]}")
+            return allreduce(tensor, *args, **kwargs)
+
+        manager.allreduce = die_in_allreduce
+
+    if cfg.diloco:
+        from torchft.local_sgd import DiLoCo
+
+        outer = torch.optim.SGD(model.parameters(), lr=cfg.outer_lr, momentum=0.9, nesterov=True)
+        DiLoCo(
+            manager,
+            [model],
+            inner,
+            outer,
+            sync_every=cfg.sync_every,
+            backup_device=torch.device("cpu"),
+            pin_memory=False,
+        ).__enter__()  # hooks on the inner optimizer's step; they stay for the life of this process
+        update, net = SimpleNamespace(step=inner.step, zero_grad=inner.zero_grad), model
+    else:
+        optimizer = torchft.Optimizer(manager, inner)
+        # The loop's optimizer: torchft's step (applied only if should_commit() says every group's
+        # all-reduce worked); its zero_grad only clears gradients, the quorum being quorum_steps' act.
+        update, net = (
+            SimpleNamespace(step=optimizer.step, zero_grad=inner.zero_grad),
+            torchft.DistributedDataParallel(manager, model),
+        )
+
+    # Start together: every group is heartbeating before any asks for the first quorum.
+    (run_dir / f"ready-{replica}").touch()
+    while attempt == 0 and not all((run_dir / f"ready-{r}").exists() for r in range(cfg.replicas)):
+        time.sleep(0.01)
+
+    clock = {}
+
+    def before_step(step):
+        if kill and kill[0] == replica and not cfg.during_allreduce and step == kill[1]:
+            record(kill=kill[1], where="between", t=time.time())
+            die_hard(f"replica {replica} between steps, before step {kill[1]}")
+        if hang and hang[0] == replica and step == hang[1]:
+            record(hang=hang[1], t=time.time())
+            time.sleep(10**6)  # stuck in Python: torchft's heartbeat runs in its own (Rust) threads
+        clock.update(t0=time.time(), bytes0=ft_nodes.link_bytes(place["iface"]) if counting else None)
+
+    def quorum_steps():
+        """Synchronous: the step numbers as the manager hands them out; a step starts with its quorum."""
+        while manager.current_step() < cfg.steps:
+            before_step(manager.current_step())
+            while True:
+                optimizer.zero_grad()  # the quorum for this step; heals this group here if it is behind
+                late = cfg.steps - manager.current_step() <= cfg.after_heal
+                if not (late and _holding(run_dir, cfg, manager.num_participants())):
+                    break
+                (run_dir / "holding").touch()  # tells the job manager not to wait any longer
+                time.sleep(0.02)  # a quorum without a step: the restarted group joins one of these
+            clock["quorum"] = time.time()
+            step = manager.current_step()
+            if healed:
+                record(healed_to_step=step, heal_s=healed.pop(), t=clock["quorum"])
+            if step >= cfg.steps:  # healed from a peer that had already finished
+                return
+            yield step
+
+    def diloco_steps():
+        """DiLoCo: H local steps per round; the round's last step ends in the synchronisation."""
+        tries = 0
+        while manager.current_step() * cfg.sync_every < cfg.steps:
+            outer_step = manager.current_step()
+            rounds_left = cfg.steps // cfg.sync_every - outer_step
+            while rounds_left <= cfg.after_heal and _restarting(run_dir, cfg):
+                (run_dir / "holding").touch()  # tells the job manager not to wait any longer
+                time.sleep(0.02)  # the last rounds wait until a restarted group is running again
+            tries += 1
+            for local in range(cfg.sync_every):
+                step = outer_step * cfg.sync_every + local
+                before_step(step)
+                clock.update(quorum=clock["t0"], round=tries, sync=local == cfg.sync_every - 1, outer=outer_step)
+                yield step
+
+    class Committed(Observer):  # what the manager decided about each step, as the loop runs it
+        def after_forward(self, step, loss):
+            self.loss = loss
+
+        def after_update(self, step):
+            row = dict(step=step, t0=clock["t0"], t1=time.time(), loss=float(self.loss))
+            if counting:
+                (rx0, tx0), (rx1, tx1) = clock["bytes0"], ft_nodes.link_bytes(place["iface"])
+                row.update(rx=rx1 - rx0, tx=tx1 - tx0)
+            if not cfg.diloco:
+                row.update(
+                    committed=manager.current_step() > step,
+                    participants=manager.num_participants(),
+                    quorum_s=clock["quorum"] - clock["t0"],
+                    commit_s=timed["commit"].pop(),
+                )
+            elif clock["sync"]:  # the synchronisation ran inside inner.step(): quorum, all-reduce, outer step
+                row.update(
+                    round=clock["round"],
+                    sync=True,
+                    committed=manager.current_step() > clock["outer"],
+                    participants=manager.num_participants(),
+                    quorum_s=timed["quorum"].pop(),
+                    commit_s=timed["commit"].pop(),
+                )
+                if healed:
+                    record(healed_to_step=manager.current_step() * cfg.sync_every, heal_s=healed.pop(), t=row["t1"])
+                    row["healed"] = True  # this round's local steps were replaced by the peer's state
+            else:
+                row.update(round=clock["round"])
+            record(**row)
+
+    prepared = Prepared(
+        model=net, optimizer=update, full_state_dict=model.state_dict, held=lambda: module_held(model, inner)
+    )
+    info = SimpleNamespace(rank=replica, world_size=cfg.replicas, device=torch.device("cpu"))
+    run_steps(prepared, cfg.train_config(), info, diloco_steps() if cfg.diloco else quorum_steps(), [Committed()])
+
+    # A group that finished keeps answering quorums (no steps) until every group has finished, so a
+    # restarted group that arrives late can still heal from it (synchronous mode: DiLoCo's quorum is
+    # followed by an all-reduce a finished group would not join).
+    (run_dir / f"done-{replica}").touch()
+    while not cfg.diloco and not _all_finished(run_dir, cfg):
+        optimizer.zero_grad()
+        time.sleep(0.05)
+    record(
+        final=True,
+        step=manager.current_step() * (cfg.sync_every if cfg.diloco else 1),
+        weights_sha256=weights_sha256(model.state_dict()),
+        adam_sha256=weights_sha256(_adam_state(model, inner)),
+        adam_steps=sorted({int(s["step"]) for s in inner.state.values()}),
+        listening=ft_nodes.listening_addresses([os.getpid()]),
+        t=time.time(),
+        pid=os.getpid(),
+    )
+    events.close()
+    manager.shutdown(wait=False)
+
+
+def _restarting(run_dir: Path, cfg: FTConfig) -> bool:
+    """A group died, will be restarted, and its new process has not yet asked the lighthouse to join.
+
+    (DiLoCo: a restarted group trains one round on its own first, then asks at that round's end; the
+    survivors' next synchronisation, H steps later, is the one it joins.)
+    """
+    return cfg.restart_after is not None and any(
+        (run_dir / f"dead-{r}").exists()
+        and not (run_dir / f"gone-{r}").exists()
+        and not (run_dir / f"asking-{r}-1").exists()
+        for r in range(cfg.replicas)
+    )
+
+
+def _all_finished(run_dir: Path, cfg: FTConfig) -> bool:
+    return all((run_dir / f"done-{r}").exists() or (run_dir / f"gone-{r}").exists() for r in range(cfg.replicas))
+
+
+# ---------------------------------------------------------------- the job manager (a launch worker)
+
+
+def _fork(log: Path, main, *args) -> int:
+    """Fork a process that runs ``main(*args)`` with its output in ``log``; return its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's SIGTERM to the group ends it at once
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        main(*args)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def lighthouse_main(cfg: FTConfig, place: dict, run_dir: Path) -> None:
+    """torchft's lighthouse on ``place``'s address, until the job manager ends it (notebook 06)."""
+    ft_nodes.enter(place)
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(
+        bind=f"{place['addr']}:0",
+        min_replicas=1,
+        join_timeout_ms=5000,
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=cfg.heartbeat_timeout_ms,
+    )
+    # it advertises the machine's host name; it listens on the place's address only
+    address = f"http://{place['addr']}:" + server.address().rsplit(":", 1)[1]
+    (run_dir / "lighthouse.tmp").write_text(address)
+    (run_dir / "lighthouse.tmp").rename(run_dir / "lighthouse")
+    while True:
+        signal.pause()  # the job manager's SIGTERM ends it
+
+
+def _committed_without(run_dir: Path, cfg: FTConfig, replica: int) -> int:
+    """Steps (DiLoCo: rounds) the other groups have committed with fewer than all R groups in the quorum."""
+    steps = set()
+    for path in run_dir.glob("events-*.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if row.get("committed") and row["replica"] != replica and row["participants"] < cfg.replicas:
+                steps.add(row["step"])
+    return len(steps)
+
+
+def job_manager(config: dict, places: list, run_dir: str) -> dict:
+    """Start the lighthouse and every replica group, restart a group that dies (once), wait for all (notebook 06).
+
+    Runs as one ``launch`` worker, forked from the launcher's agent server with torch already
+    imported, and forks the groups itself: starting or restarting a group costs a fork, not a
+    fresh Python and torch import. A dead group is restarted once the survivors have committed
+    ``restart_after`` steps without it (or have all finished). A group that fails other than as
+    planned stops the run. Every pid goes to ``pids.txt``.
+    """
+    import torch._dynamo  # noqa: F401  (building any torch optimizer imports it: once, before the forks)
+    import torchft  # noqa: F401
+    import torchft.local_sgd  # noqa: F401
+    from torchft.checkpointing.pg_transport import PGTransport  # noqa: F401
+
+    cfg, run_dir = FTConfig(**config), Path(run_dir)
+    pids = open(run_dir / "pids.txt", "a")
+    pids.write(f"{os.getpid()}\n")
+
+    def start(main, log, *args) -> int:
+        pid = _fork(run_dir / log, main, *args)
+        pids.write(f"{pid}\n")
+        pids.flush()
+        return pid
+
+    lighthouse = start(lighthouse_main, "lighthouse.log", cfg, places[0], run_dir)
+    deadline = time.monotonic() + 30
+    while not (run_dir / "lighthouse").exists():
+        if os.waitpid(lighthouse, os.WNOHANG)[0] or time.monotonic() > deadline:
+            raise RuntimeError(f"the lighthouse did not start; its log: {run_dir / 'lighthouse.log'}")
+        time.sleep(0.01)
+    address = (run_dir / "lighthouse").read_text()
+
+    def group(replica: int, attempt: int) -> int:
+        args = (cfg, replica, attempt, places[replica % len(places)], address, run_dir)
+        return start(replica_main, f"replica-{replica}-{attempt}.log", *args)
+
+    running = {group(r, 0): (r, 0) for r in range(cfg.replicas)}
+    jobs = {"exits": [], "restarts": [], "stopped": None, "listening": set()}
+    dead, planned, sampled = [], {r for r, _ in cfg.planned("kill")}, 0.0
+    hung = {r for r, _ in cfg.planned("hang")}
+    try:
+        while running or dead:
+            if time.monotonic() - sampled > 0.25:  # what every process of the run listens on, as it runs
+                jobs["listening"].update(ft_nodes.listening_addresses([lighthouse, *running]))
+                sampled = time.monotonic()
+            pid, status = os.waitpid(-1, os.WNOHANG) if running else (0, 0)
+            if pid in running:
+                replica, attempt = running.pop(pid)
+                code = os.waitstatus_to_exitcode(status)
+                jobs["exits"].append({"replica": replica, "attempt": attempt, "code": code, "t": time.time()})
+                if code != 0 and (attempt > 0 or replica not in planned):
+                    log = run_dir / f"replica-{replica}-{attempt}.log"
+                    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+                    jobs["stopped"] = {
+                        "replica": replica,
+                        "attempt": attempt,
+                        "code": code,
+                        "error": lines[-1] if lines else "(no output)",
+                        "log": str(log),
+                        "t": time.time(),
+                    }
+                    break  # a failure nobody planned: stop every group (the finally below)
+                if code != 0:  # the job manager's answer to a dead group: start it again, or let it go
+                    (run_dir / f"dead-{replica}").touch()
+                    # DiLoCo: a group restarted after the others finished has nobody to heal from
+                    if cfg.restart_after is None or (cfg.diloco and _all_finished(run_dir, cfg)):
+                        (run_dir / f"gone-{replica}").touch()
+                    else:
+                        dead.append(replica)
+            if hung and all((run_dir / f"done-{r}").exists() for r in range(cfg.replicas) if r not in hung):
+                break  # the others finished without the hung group, which never will
+            for replica in list(dead):
+                if (
+                    _all_finished(run_dir, cfg)
+                    or (run_dir / "holding").exists()
+                    or _committed_without(run_dir, cfg, replica) >= cfg.restart_after
+                ):
+                    running[group(replica, 1)] = (replica, 1)
+                    jobs["restarts"].append({"replica": replica, "t": time.time()})
+                    dead.remove(replica)
+            time.sleep(0.02)
+    finally:
+        for pid, sig in [*((p, signal.SIGKILL) for p in running), (lighthouse, signal.SIGTERM)]:
+            try:
+                os.kill(pid, sig)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+    jobs["listening"] = sorted(jobs["listening"])
+    times = os.times()  # this process and every process it forked and reaped: the run's CPU seconds
+    jobs["cpu_s"] = times.user + times.system + times.children_user + times.children_system
+    if jobs["stopped"] and not cfg.hang:
+        s = jobs["stopped"]
+        raise RuntimeError(
+            f"replica {s['replica']} failed (attempt {s['attempt']}, exit code {s['code']}): {s['error']}; "
+            f"its log: {s['log']}"
+        )
+    return jobs
