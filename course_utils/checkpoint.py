@@ -270,15 +270,6 @@ def _agree_or_raise(reason: str | None, info, partial: Path) -> None:
 # ---------------------------------------------------------------- load and verify (collective)
 
 
-def precheck(root, step: int) -> str | None:
-    """Why ``root/step-N`` cannot be resumed, from what is on disk alone, or None (notebook 06).
-
-    Reads the commit record as JSON and compares every file with the size and SHA-256 written at
-    save time (``checkpoint_files.verify_files``); nothing is unpickled.
-    """
-    return verify_files(root, step)
-
-
 def load(root, step: int, prepared, info, *, strategy: str = "") -> dict:
     """Load ``root/step-N`` into this rank's model and optimizer, at any world size (notebook 06).
 

@@ -56,7 +56,8 @@ from pathlib import Path
 
 from . import ft_nodes
 from .errors import CourseInputError
-from .ft_groups import FTConfig, job_manager
+from .ft_groups import FTConfig
+from .ft_jobs import job_manager
 
 __all__ = ["INSTALL_HINT", "FTConfig", "ft_run", "summarize"]
 
@@ -89,21 +90,13 @@ def _resolve_rounds(rows: list[dict]) -> list[dict]:
     return out
 
 
-def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dict:
-    """The report of one run, from the groups' event logs (notebook 06)."""
-    rows = _events(run_dir)
-    if cfg.diloco:
-        rows = _resolve_rounds(rows)
-    tries = [r for r in rows if "committed" in r and "step" in r and not r.get("final")]
-    finals = {r["replica"]: r for r in rows if r.get("final")}  # a dead attempt writes no final row
-    kill = next((r for r in rows if "kill" in r), None)
-    hang = next((r for r in rows if "hang" in r), None)
-    heals = [r for r in rows if "healed_to_step" in r]
-    per_step = []
+def _per_step(cfg: FTConfig, tries: list) -> list[dict]:
+    """One row per step: committed or not, by which groups, its loss, the bytes across the link (notebook 06)."""
+    rows = []
     for step in range(cfg.steps):
         mine = [r for r in tries if r["step"] == step]
         done = [r for r in mine if r["committed"]]
-        per_step.append(
+        rows.append(
             {
                 "step": step,
                 "committed": bool(done),
@@ -114,9 +107,12 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
                 "link_bytes": max((r["rx"] + r["tx"] for r in done if "rx" in r), default=None),
             }
         )
-    syncs = [r for r in tries if r.get("sync", not cfg.diloco)]
+    return rows
+
+
+def _timings(cfg: FTConfig, tries: list, syncs: list, heal_steps: set, kill) -> dict:
+    """Median step time, time per step (DiLoCo: a round over H) and TorchFT's own cost per step (notebook 06)."""
     # An ordinary step: every group took part, none healed, no failure inside it; step 0 warms up.
-    heal_steps = {r["healed_to_step"] for r in heals}
     ordinary = [
         r
         for r in syncs
@@ -137,6 +133,68 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
     # TorchFT's own cost per step (DiLoCo: per synchronisation): the quorum and the commit vote. The
     # rest (forward, backward, the all-reduce, Adam) is what plain DDP does too.
     overhead = statistics.median(r["quorum_s"] + r["commit_s"] for r in ordinary) if ordinary else None
+    return {"step_time_s": step_time, "time_per_step_s": per_step_time, "overhead_s": overhead}
+
+
+def _after_the_event(cfg: FTConfig, tries: list, syncs: list, kill, hang, step_time) -> dict:
+    """What a kill or a hang cost the survivors: the wait for a quorum without it, the time lost (notebook 06)."""
+    event = kill or hang
+    after = sorted(
+        (r for r in syncs if r["replica"] != event["replica"] and r["t1"] > event["t"]), key=lambda r: r["t1"]
+    )
+    alone = next((r for r in after if r["committed"] and r["participants"] < cfg.replicas), None)
+    window = [r for r in after if alone and r["t1"] <= alone["t1"]]
+    # wall-clock time lost: from the failure to the first step committed without the failed group,
+    # less the ordinary steps committed in that time
+    useful = sum(r["committed"] for r in window) * (step_time or 0.0)
+    out = {
+        # time the survivors waited for a quorum without the dead group (about the heartbeat timeout)
+        "stall_s": sum(r["quorum_s"] for r in window) if alone else None,
+        "lost_s": max(0.0, alone["t1"] - event["t"] - useful) if alone else None,
+    }
+    if kill:
+        out["killed"] = {"replica": kill["replica"], "step": kill["kill"], "where": kill["where"]}
+        # work of the dead group lost with it: its local steps since its last committed synchronisation
+        mine = [r for r in tries if r["replica"] == kill["replica"] and r["attempt"] == 0]
+        out["steps_lost_with_it"] = sum(not r["committed"] for r in mine)
+    if hang:
+        out["hung"] = {"replica": hang["replica"], "step": hang["hang"], "t": hang["t"]}
+    return out
+
+
+def _discarded_by_group(tries: list) -> dict:
+    """Steps discarded per group and attempt ("1" the first process of group 1, "1 restarted" its second)."""
+    return {
+        f"{g}{' restarted' if a else ''}": sum(
+            not r["committed"] for r in tries if (r["replica"], r["attempt"]) == (g, a)
+        )
+        for g, a in sorted({(r["replica"], r["attempt"]) for r in tries})
+    }
+
+
+def _committed_after_heal(cfg: FTConfig, syncs: list, heal: dict) -> dict:
+    """The steps each group committed from the first heal on, with the healed group in the quorum."""
+    return {
+        str(g): sum(r["committed"] and r["step"] >= heal["healed_to_step"] for r in syncs if r["replica"] == g)
+        * (cfg.sync_every if cfg.diloco else 1)
+        for g in range(cfg.replicas)
+    }
+
+
+def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dict:
+    """The report of one run, from the groups' event logs (notebook 06)."""
+    rows = _events(run_dir)
+    if cfg.diloco:
+        rows = _resolve_rounds(rows)
+    tries = [r for r in rows if "committed" in r and "step" in r and not r.get("final")]
+    finals = {r["replica"]: r for r in rows if r.get("final")}  # a dead attempt writes no final row
+    kill = next((r for r in rows if "kill" in r), None)
+    hang = next((r for r in rows if "hang" in r), None)
+    heals = [r for r in rows if "healed_to_step" in r]
+    per_step = _per_step(cfg, tries)
+    syncs = [r for r in tries if r.get("sync", not cfg.diloco)]
+    timings = _timings(cfg, tries, syncs, {r["healed_to_step"] for r in heals}, kill)
+    by_group = lambda key: {str(r): finals[r][key] for r in sorted(finals)}  # noqa: E731
     report = {
         "replicas": cfg.replicas,
         "steps": cfg.steps,
@@ -149,25 +207,17 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
         "per_step": per_step,
         "steps_discarded": sum(not r["committed"] for r in tries),
         "discarded_steps": sorted({r["step"] for r in tries if not r["committed"]}),
-        # per group and attempt ("1" the first process of group 1, "1 restarted" its second)
-        "discarded_by_group": {
-            f"{g}{' restarted' if a else ''}": sum(
-                not r["committed"] for r in tries if (r["replica"], r["attempt"]) == (g, a)
-            )
-            for g, a in sorted({(r["replica"], r["attempt"]) for r in tries})
-        },
-        "step_time_s": step_time,
-        "time_per_step_s": per_step_time,
-        "overhead_s": overhead,
+        "discarded_by_group": _discarded_by_group(tries),
+        **timings,
         "stall_s": None,
         "lost_s": None,
         "heal_s": heals[0]["heal_s"] if heals else None,
         "healed_to_step": heals[0]["healed_to_step"] if heals else None,
         "steps_while_away": sum(0 < row["participants"] < cfg.replicas for row in per_step),
-        "weights_sha256": {str(r): finals[r]["weights_sha256"] for r in sorted(finals)},
-        "adam_sha256": {str(r): finals[r]["adam_sha256"] for r in sorted(finals)},
-        "adam_steps": {str(r): finals[r]["adam_steps"] for r in sorted(finals)},
-        "final_steps": {str(r): finals[r]["step"] for r in sorted(finals)},
+        "weights_sha256": by_group("weights_sha256"),
+        "adam_sha256": by_group("adam_sha256"),
+        "adam_steps": by_group("adam_steps"),
+        "final_steps": by_group("step"),
         "listening": sorted(
             {tuple(a) for f in finals.values() for a in f["listening"]} | set(map(tuple, started["listening"]))
         ),
@@ -177,38 +227,11 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
     }
     report["weights_equal"] = len(finals) == cfg.replicas and len(set(report["weights_sha256"].values())) == 1
     report["adam_equal"] = len(finals) == cfg.replicas and len(set(report["adam_sha256"].values())) == 1
-    # The steps each group committed after the first heal, with the healed group in the quorum.
-    report["committed_after_heal"] = (
-        {
-            str(g): sum(r["committed"] and r["step"] >= heals[0]["healed_to_step"] for r in syncs if r["replica"] == g)
-            * (cfg.sync_every if cfg.diloco else 1)
-            for g in range(cfg.replicas)
-        }
-        if heals
-        else {}
-    )
+    report["committed_after_heal"] = _committed_after_heal(cfg, syncs, heals[0]) if heals else {}
     link = [row["link_bytes"] for row in per_step if row["link_bytes"] is not None and row["participants"] > 1]
     report["link_bytes"] = sum(link) if link else None  # node 0's cable, both ways, steps with 2+ groups
     if kill or hang:
-        event = kill or hang
-        after = sorted(
-            (r for r in syncs if r["replica"] != event["replica"] and r["t1"] > event["t"]), key=lambda r: r["t1"]
-        )
-        alone = next((r for r in after if r["committed"] and r["participants"] < cfg.replicas), None)
-        window = [r for r in after if alone and r["t1"] <= alone["t1"]]
-        # time the survivors waited for a quorum without the dead group (about the heartbeat timeout)
-        report["stall_s"] = sum(r["quorum_s"] for r in window) if alone else None
-        # wall-clock time lost: from the failure to the first step committed without the failed group,
-        # less the ordinary steps committed in that time
-        useful = sum(r["committed"] for r in window) * (step_time or 0.0)
-        report["lost_s"] = max(0.0, alone["t1"] - event["t"] - useful) if alone else None
-        if kill:
-            report["killed"] = {"replica": kill["replica"], "step": kill["kill"], "where": kill["where"]}
-            # work of the dead group lost with it: its local steps since its last committed synchronisation
-            mine = [r for r in tries if r["replica"] == kill["replica"] and r["attempt"] == 0]
-            report["steps_lost_with_it"] = sum(not r["committed"] for r in mine)
-        if hang:
-            report["hung"] = {"replica": hang["replica"], "step": hang["hang"], "t": hang["t"]}
+        report.update(_after_the_event(cfg, tries, syncs, kill, hang, report["step_time_s"]))
     return report
 
 

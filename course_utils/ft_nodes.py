@@ -161,8 +161,3 @@ def _address(hex_host: str, table: str) -> str:
     raw = bytes.fromhex(hex_host)
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return socket.inet_ntop(socket.AF_INET if table == "tcp" else socket.AF_INET6, words)
-
-
-def is_loopback(address: str) -> bool:
-    """127.0.0.0/8, ::1, or IPv4 loopback mapped into IPv6 (notebook 06)."""
-    return address.startswith("127.") or address in ("::1",) or address.startswith("::ffff:127.")

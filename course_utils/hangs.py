@@ -42,6 +42,7 @@ from pathlib import Path
 
 from .errors import CourseInputError
 from .instrument import Observer
+from .strategies import DDP
 
 
 def _note(folder: str, name: str, **row) -> None:
@@ -152,7 +153,7 @@ def pg_timeout_hang(timeout_s: float = 2.0, *, nproc: int = 2, stall_step: int =
     from .loop import TrainConfig
 
     folder = Path(tempfile.mkdtemp(prefix="course-hang-"))
-    config = asdict(TrainConfig(strategy="ddp", nproc=nproc, steps=stall_step + 2, model=model))
+    config = asdict(TrainConfig(strategy=DDP.name, nproc=nproc, steps=stall_step + 2, model=model))
     t0 = time.monotonic()
     try:
         launch(
@@ -188,7 +189,7 @@ def file_timer_hang(step_deadline_s: float = 2.0, *, nproc: int = 2, stall_step:
     from .loop import TrainConfig
 
     folder = Path(tempfile.mkdtemp(prefix="course-hang-"))
-    config = asdict(TrainConfig(strategy="ddp", nproc=nproc, steps=stall_step + 2, model=model))
+    config = asdict(TrainConfig(strategy=DDP.name, nproc=nproc, steps=stall_step + 2, model=model))
     env = {"TORCHELASTIC_ENABLE_FILE_TIMER": "1", "TORCHELASTIC_TIMER_FILE": str(folder / "timer.pipe")}
     t0 = time.monotonic()
     try:

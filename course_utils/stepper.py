@@ -147,38 +147,3 @@ def stage3_schedule(nd: int = 4) -> list[Stage3State]:
         f"2(Nd-1)/Nd·Ψ = {2 * (nd - 1) / nd:.3g}Ψ: 1.5x.",
     )
     return states
-
-
-class Stage3Stepper:
-    """The schedule as a state machine: ``step()``, ``back()``, ``reset()``, ``state`` (notebook 03).
-
-    ``step()`` at the end and ``back()`` at the start leave the state where it is.
-    """
-
-    def __init__(self, nd: int = 4):
-        self.states = stage3_schedule(nd)
-        self.index = 0
-
-    @property
-    def state(self) -> Stage3State:
-        return self.states[self.index]
-
-    @property
-    def done(self) -> bool:
-        return self.index == len(self.states) - 1
-
-    def step(self) -> Stage3State:
-        self.index = min(self.index + 1, len(self.states) - 1)
-        return self.state
-
-    def back(self) -> Stage3State:
-        self.index = max(self.index - 1, 0)
-        return self.state
-
-    def reset(self) -> Stage3State:
-        self.index = 0
-        return self.state
-
-    def last(self) -> Stage3State:
-        self.index = len(self.states) - 1
-        return self.state

@@ -33,6 +33,17 @@ from . import memory, plots
 from .errors import CourseInputError
 from .instant import InstantView
 from .units import GB, fmt_count, fmt_size
+from .widget_parts import (  # noqa: F401
+    K_CHOICES,
+    MODEL_SIZES,
+    _choices,
+    _classed,
+    _fit_labels,
+    _index,
+    _ipw,
+    _model_options,
+    _with,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Shared helpers
@@ -42,47 +53,6 @@ from .units import GB, fmt_count, fmt_size
 def is_headless() -> bool:
     """True when the notebook runs without a browser (papermill, nbval, CI): ``COURSE_HEADLESS=1`` (notebook 01)."""
     return os.environ.get("COURSE_HEADLESS", "").strip().lower() in ("1", "true", "yes")
-
-
-def _ipw():
-    import ipywidgets
-
-    return ipywidgets
-
-
-def _classed(widget, css_class: str):
-    widget.add_class(css_class)
-    return widget
-
-
-def _fit_labels(widget):
-    """Make a dropdown wide enough for its longest option label and its description.
-
-    ipywidgets draws a Dropdown 300 px wide whatever its labels, which cut "12 bytes: mixed-precision
-    Adam" to "12 bytes: mixed-precision A" in JupyterLab. Widths are in ``ch`` (the width of "0"),
-    with a tenth more for wider letters and room for the arrow and padding.
-    """
-    longest = max(len(str(label)) for label in widget._options_labels)
-    widget.style.description_width = "initial"
-    widget.layout.width = f"{round((longest + len(widget.description)) * 1.1) + 6}ch"
-    return widget
-
-
-def _with(options, value) -> list:
-    """``options`` plus ``value`` when it is not one of them, sorted: a control accepts any value a notebook
-    passes in (notebook 03 asks for Nd = 25 on a slider whose steps are powers of two)."""
-    return sorted(set(options) | {value})
-
-
-#: Model sizes the model slider steps through (parameters).
-MODEL_SIZES = (125e6, 350e6, 1.3e9, 1.5e9, 7e9, 7.5e9, 13e9, 30e9, 70e9, 128e9, 175e9, 530e9, 1e12)
-#: K choices: label -> K.
-K_CHOICES = {f"{b.k:g} bytes: {b.name}": b.k for key, b in memory.OPTIMIZERS.items() if key != "adam_fp32"}
-
-
-def _model_options(extra=()):
-    sizes = sorted(set(MODEL_SIZES) | {float(x) for x in extra})
-    return [(fmt_count(s), float(s)) for s in sizes]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,19 +66,6 @@ def _static(fig) -> dict:
         return {}
     still = plots.StaticFigure(fig)
     return {"png": still.png, "size": still.size}
-
-
-def _choices(options: dict, value, fmt) -> list:
-    """``options`` (label -> value) as a list of pairs, plus ``value`` under the label ``fmt(value)`` when
-    it is not one of them: a view accepts any value a notebook passes in."""
-    pairs = list(options.items())
-    if float(value) not in options.values():
-        pairs.append((fmt(value), float(value)))
-    return pairs
-
-
-def _index(pairs: list, value) -> int:
-    return [float(v) for _, v in pairs].index(float(value))
 
 
 def memory_chart_states(models: list, ks: list, nds: list, gpus: list, *, nm=1, nd_max: int = 1024) -> dict:
@@ -136,7 +93,7 @@ def memory_chart_states(models: list, ks: list, nds: list, gpus: list, *, nm=1, 
             first_fit[-1].append([[f[s] for s in memory.STAGES] for f in fits])
             # memory_chart_view's own title (one definition), from the same first_fit it computes
             titles[-1].append(
-                [memory._chart_title({"psi": psi, "gpu_mem": g, "first_fit": f}) for (_, g), f in zip(gpus, fits)]
+                [memory.chart_title({"psi": psi, "gpu_mem": g, "first_fit": f}) for (_, g), f in zip(gpus, fits)]
             )
     axis = set(memory.chart_nds(nd_max).tolist())
     return {

@@ -9,11 +9,11 @@ import json
 import linecache
 
 import pytest
+from mistakes import MISTAKES
 
 from course_utils import cli
 from course_utils.errors import CourseInputError
 from course_utils.exercises import core
-from course_utils.exercises.solutions.mistakes import MISTAKES
 from tools import exercise_cells
 
 

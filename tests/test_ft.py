@@ -18,7 +18,6 @@ from conftest import pid_alive
 
 from course_utils import cli, cluster
 from course_utils.ft import INSTALL_HINT, ft_run
-from course_utils.ft_nodes import is_loopback
 from course_utils.launch import LaunchTimeout
 from course_utils.models import get_config, param_count
 
@@ -53,6 +52,11 @@ def diloco():
         after_heal=2,
         link="100mbit" if ON_CLUSTER else None,
     )
+
+
+def is_loopback(address: str) -> bool:
+    """127.0.0.0/8, ::1, or IPv4 loopback mapped into IPv6."""
+    return address.startswith("127.") or address == "::1" or address.startswith("::ffff:127.")
 
 
 def test_the_survivor_keeps_stepping(in_allreduce):

@@ -20,12 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+import mistakes
 import pytest
 import student_work as sw
 
 from course_utils import cli
 from course_utils.exercises import calls, cgroups, core, grading, seal, submission
-from course_utils.exercises.solutions import mistakes
 
 CAPS = seal.probe()
 needs_seal = pytest.mark.skipif(

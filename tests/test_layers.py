@@ -40,7 +40,8 @@ LAYERS = [
     {"rehearse.tracker", "rehearse.run", "rehearse.predictions"},  # the dress rehearsal
     {"plots.base", "plots.memory_views", "plots.ddp_views", "plots.zero_views", "plots.fsdp_views"},  # views
     {"plots.plan_views", "plots.recovery_views", "plots", "rehearse.views", "rehearse.cli", "rehearse"},
-    {"widgets", "instant", "bench", "cli", "__main__", "ft", "ft_groups", "ft_nodes", "hangs", "cluster"},
+    {"widget_parts", "instant"},  # the parts of every view's controls; the charts that redraw in the browser
+    {"widgets", "bench", "cli", "__main__", "ft", "ft_groups", "ft_jobs", "ft_nodes", "hangs", "cluster"},
     # views, commands; TorchFT (and DiLoCo), its processes and where they listen; hang detectors; namespace nodes
     {"labs.*", "exercises.*"},  # each notebook's experiments and exercises
 ]

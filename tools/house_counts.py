@@ -63,6 +63,11 @@ def _modules() -> list[Path]:
     return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+#: The reference answers to the exercises: what a student writes, who is handed a strategy's name as a string
+#: (``decide(numbers)`` returns one), so its names are the exercise's vocabulary, not a fact re-encoded.
+STUDENT_CODE = PACKAGE / "exercises" / "solutions"
+
+
 def room(path: Path) -> str:
     """The room a module belongs to: its name, or its folder's for a subpackage (``zero/stage3.py``: zero)."""
     rel = path.relative_to(PACKAGE).with_suffix("")
@@ -106,7 +111,7 @@ def name_findings(names=None) -> dict[str, list[str]]:
     pieces = _pieces(names) - names
     found = {"literals": [], "collections": [], "branches": []}
     for path in _modules():
-        if path.name == "strategies.py" and path.parent == PACKAGE:
+        if (path.name == "strategies.py" and path.parent == PACKAGE) or STUDENT_CODE in path.parents:
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
         skip = _docstrings(tree) | _argparse_constants(tree)
@@ -278,11 +283,7 @@ def unused_definitions() -> dict[str, list[str]]:
         if isinstance(k, ast.Constant) and isinstance(k.value, str)
     }
     dynamic = {f"{c}_{kind}" for c in commands for kind in ("arguments", "command")}  # cli.py: getattr by name
-    used = (
-        _code_uses(_modules())
-        | _code_uses(p for d in ("tools", "solutions") for p in (ROOT / d).rglob("*.py"))
-        | _notebook_uses()
-    )
+    used = _code_uses(_modules()) | _code_uses(p for p in (ROOT / "tools").rglob("*.py")) | _notebook_uses()
     tests = _code_uses((ROOT / "tests").glob("*.py"))
     dead, test_only = [], []
     for path, name, line in _definitions():

@@ -370,12 +370,6 @@ def show_hint(notebook, name: str, n: int = 1) -> None:
         )
 
 
-def solutions_dir() -> Path:
-    """The reference solutions (``course_utils/exercises/solutions/``: installed with the package, so
-    ``load_solution`` works wherever a notebook runs; a graded notebook's seal leaves them out)."""
-    return Path(__file__).resolve().parent / "solutions"
-
-
 def solution(notebook, name: str):
     """The reference solution of an exercise, from ``course_utils.exercises.solutions.nbNN``."""
     ex = get(notebook, name)

@@ -8,7 +8,6 @@ The mechanism they exercise is ``course_utils.checkpoint`` (complete-only DCP ch
 from __future__ import annotations
 
 import math
-import re
 import shutil
 import tempfile
 import time
@@ -24,10 +23,11 @@ from .. import dist as cdist
 from .. import recovery
 from ..loop import TrainConfig, prepare, run_steps
 from ..memory import ADAM_MIXED_K, WEIGHT_BYTES
+from ..strategies import DDP
 from ..train import train
 
 
-def lost_work_sweep(intervals, *, strategy: str = "ddp", nproc: int = 2, **overrides) -> list[dict]:
+def lost_work_sweep(intervals, *, strategy: str = DDP.name, nproc: int = 2, **overrides) -> list[dict]:
     """Measure the steps redone for every failure position, one launch per checkpoint interval K (notebook 06).
 
     For interval K the run takes 2K steps and loses a rank once per attempt, during steps
@@ -406,107 +406,3 @@ def runs_in_one_group(configs: list, pitfall: tuple | None = None) -> dict:
         reports = [run_training(TrainConfig(**c).validate(), info) for c in configs]
         row = _pitfall_phase(*pitfall, info) if pitfall else None
     return {"reports": reports, "pitfall": row}
-
-
-# ---------------------------------------------------------------- TorchFT: the heal, hangs, DiLoCo
-
-
-def healed_state_rows(ft: dict) -> list[list]:
-    """Per replica group of an ``ft.ft_run`` report: what it ended with, hashed in its own process (notebook 06).
-
-    ``[group, weights SHA-256 (16 hex), Adam's moments and step counts SHA-256 (16 hex), Adam's step,
-    steps committed from the heal on]``.
-    """
-    return [
-        [
-            int(g),
-            ft["weights_sha256"][g][:16],
-            ft["adam_sha256"][g][:16],
-            ", ".join(map(str, ft["adam_steps"][g])),
-            ft["committed_after_heal"].get(g, 0),
-        ]
-        for g in sorted(ft["weights_sha256"])
-    ]
-
-
-def hang_rows(rows: list[dict]) -> list[list]:
-    """``hangs.measure`` rows as table rows: detector, configured, measured, what it said (notebook 06)."""
-    out = []
-    for r in rows:
-        said = r["report"].splitlines()[0]
-        if r.get("peer_error"):  # gloo's messages start with their source file: [.../pair.cc:537]
-            error = re.sub(r"^\[[^\]]*\]\s*", "", r["peer_error"])
-            said += f"; the waiting side: `{error[:90]}`"
-        measured = "-" if r["detected_after_s"] is None else f"{r['detected_after_s']:.2f} s"
-        out.append([r["detector"], f"{r['configured_s']:g} s", measured, said])
-    return out
-
-
-def hang_timeouts(timeouts_s, *, job: dict, gpus: int) -> list[dict]:
-    """Time a whole job loses to one hang for each timeout T, from an ``interval_tradeoff`` job (notebook 06).
-
-    ``job`` gives the restart R, the step t and Young's interval K; every one of ``gpus`` GPUs waits.
-    Rows: ``{"timeout_s", "lost_s", "gpu_hours"}``, as ``hangs.time_lost_per_hang`` computes them.
-    """
-    from ..hangs import time_lost_per_hang
-
-    cost = time_lost_per_hang(timeouts_s, restart_s=job["restart_s"], step_s=job["step_s"], every=job["k_young"])
-    return [
-        {"timeout_s": float(t), "lost_s": float(lost), "gpu_hours": float(lost) * gpus / 3600}
-        for t, lost in zip(cost["wait_s"], cost["lost_s"])
-    ]
-
-
-def link_bytes_per_step(run: dict) -> float | None:
-    """Mean bytes across node 0's cable per step with every group in, the heal aside (notebook 06).
-
-    The heal sends the model and optimizer state across the link once, in the quorum of step
-    ``healed_to_step`` (DiLoCo: of the synchronisation ending the round before it, so that round is left
-    out whole: a round is the unit that crosses the link once). None on loopback.
-    """
-    heal, h = run["healed_to_step"], run["sync_every"] if run["diloco"] else 1
-    healing = set() if heal is None else set(range(heal - h, heal) if run["diloco"] else [heal])
-    both = [
-        row["link_bytes"]
-        for row in run["per_step"]
-        if row["participants"] == run["replicas"] and row["link_bytes"] is not None and row["step"] not in healing
-    ]
-    return sum(both) / len(both) if both else None
-
-
-def link_comparison(runs: dict) -> list[list]:
-    """Synchronous DDP against DiLoCo over the same link, same steps, data and failure (notebook 06).
-
-    ``runs``: ``{label: ft_run report}``. Rows: what was measured, one column per run: bytes across
-    node 0's cable per step with both groups in (counted by the kernel on the node's interface), the
-    median step with every group in (DiLoCo: a round's steps, synchronisation included, per step), the
-    run's wall time, the mean loss of the last H steps, and what the failure cost.
-    """
-
-    def per_step_bytes(r):
-        mean = link_bytes_per_step(r)
-        return "- (loopback: no link to count)" if mean is None else f"{mean / 1e6:.2f} MB"
-
-    def step_time(r):
-        return "-" if r["time_per_step_s"] is None else f"{r['time_per_step_s'] * 1e3:.0f} ms"
-
-    def final_loss(r):
-        tail = [row["loss"] for row in r["per_step"][-max(r["sync_every"], 4) :]]
-        return f"{sum(tail) / len(tail):.4f}"
-
-    def failure(r):
-        parts = [f"{n} of group {g}" for g, n in r["discarded_by_group"].items() if n]
-        waited = f"; survivors waited {r['stall_s']:.2f} s" if r.get("stall_s") is not None else ""
-        return f"step tries discarded: {', '.join(parts) or 'none'}{waited}"
-
-    return [
-        [
-            "bytes across the link per step (both groups in, the heal aside)",
-            *(per_step_bytes(r) for r in runs.values()),
-        ],
-        ["time per step, every group in (median; DiLoCo: its rounds)", *(step_time(r) for r in runs.values())],
-        ["wall time of the run", *(f"{r['wall_s']:.1f} s" for r in runs.values())],
-        ["loss, mean of the last steps", *(final_loss(r) for r in runs.values())],
-        ["a group killed inside the all-reduce of the same step", *(failure(r) for r in runs.values())],
-        ["final weights of the groups", *("equal" if r["weights_equal"] else "DIFFERENT" for r in runs.values())],
-    ]

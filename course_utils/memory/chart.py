@@ -110,12 +110,13 @@ def memory_chart_view(
         "floors": floors,
         "first_fit": first_fit,
     }
-    view["title"] = _chart_title(view)
+    view["title"] = chart_title(view)
     view["readout_text"] = readout_text(view)
     return view
 
 
-def _chart_title(view: dict) -> str:
+def chart_title(view: dict) -> str:
+    """The memory chart's title: the GPU, and the smallest Nd at which each stage fits (notebook 01)."""
     gpu = fmt_bytes(view["gpu_mem"], "GB", 0)
     short = {s: STAGE_NAMES[s].split(" (")[0] for s in STAGES}
     parts = []
