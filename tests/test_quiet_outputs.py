@@ -37,6 +37,13 @@ def test_what_counts_as_noise():
     assert quiet.noise([_stream(f"logs in {TMP}/course-run-b32m289v/logs\n", "stdout")]) == [
         f"temporary path: {TMP}/course-run-b32m289v/logs"
     ]
+    # the launcher's closing pointer to the logs, below the answer, is where to look next; the same pointer
+    # above anything else is noise again
+    pointer = f"(every rank's output and full traceback: {TMP}/course-run-b32m289v/logs)"
+    assert quiet.noise([_stream(f"WorkerFailed: rank 1 raised ValueError\n{pointer}\n", "stdout")]) == []
+    assert quiet.noise([_stream(f"{pointer}\nthe answer: 42\n", "stdout")]) == [
+        f"temporary path: {TMP}/course-run-b32m289v/logs"
+    ]
     # a worker's traceback as IPython shows it (colours and all): the plumbing frames are named
     error = {
         "output_type": "error",

@@ -2,7 +2,8 @@
 
 A student reads a cell's output for its answer; a ``FutureWarning`` from both ranks, a
 ``/tmp/course-run-...`` folder or two frames of launcher plumbing above it only hide that answer
-(issue 28, COURSE_STYLE "Outputs a student reads"). ``noise(outputs)`` lists what one cell's outputs
+(issue 28, COURSE_STYLE "Outputs a student reads"). The one path allowed is the launcher's closing pointer
+to the logs, on the last line of its error, below the answer (``LOG_POINTER``). ``noise(outputs)`` lists what one cell's outputs
 hold of that; it reads outputs in nbformat's shape (``stream``, ``display_data``, ``execute_result``,
 ``error``), so it serves an executed ``.ipynb`` as well as a running test.
 
@@ -49,6 +50,20 @@ def temp_roots() -> list[str]:
 def _temp_path() -> re.Pattern:
     alternatives = "|".join(re.escape(r) for r in temp_roots())
     return re.compile(r"(?<![\w.~-])(?:" + alternatives + r")/[^\s\"'<>:,)]*")
+
+
+#: The one place a temporary path may stand: the launcher's closing pointer to the logs, on the last line of an
+#: error it raised (``course_utils._report``: "(every rank's output and full traceback: PATH)"), below the
+#: answer the student reads, where it says where to look next.
+LOG_POINTER = re.compile(r"^\(every rank's output[^:()]*: (?P<path>\S+)\)$")
+
+
+def _closing_pointer(text: str, start: int) -> bool:
+    """True when the match at ``start`` is the launcher's logs pointer and nothing but blank lines follows it."""
+    line_start = text.rfind("\n", 0, start) + 1
+    line_end = text.find("\n", start)
+    line_end = len(text) if line_end < 0 else line_end
+    return bool(LOG_POINTER.match(text[line_start:line_end].strip())) and not text[line_end:].strip()
 
 
 #: A frame of a traceback, as Python prints it (``File "path", line N``) and as IPython does (``File path:N``).
@@ -100,7 +115,8 @@ def noise(outputs: list) -> list[str]:
                 line = text[text.rfind("\n", 0, m.start()) + 1 :].split("\n", 1)[0].strip()
                 add(f"warning: {line[:160]}")
             for m in temp.finditer(text):
-                add(f"temporary path: {m.group(0)[:160]}")
+                if not _closing_pointer(text, m.start()):
+                    add(f"temporary path: {m.group(0)[:160]}")
             for m in FRAME.finditer(text):
                 path = m.group("path").replace("\\", "/")
                 if any(part in path for part in LAUNCHER_FRAMES):
