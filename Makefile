@@ -1,7 +1,8 @@
 # The course's commands. Each one sets itself up first (idempotent) and says what it does.
 #   make course   set up, execute every notebook into build/notebooks/, export slide decks into build/slides/
 #   make publish-slides  (teachers) refresh the committed decks in slides/ from build/slides/
-#   make test     set up, lint (ruff), run the unit tests, execute every notebook as a test (nbval + papermill)
+#   make test     set up, lint (ruff), run the unit tests, execute every notebook once as a test (nbval)
+#   make test-configs  every notebook again with its ci_parameters, as the teacher's edition (papermill, ~10 min)
 #   make lab      set up, open JupyterLab on your own copies of the notebooks, my-notebooks/ (localhost only,
 #                 a free port, a token; prints the URL); make lab FRESH=03: a fresh copy of notebook 03
 #   make bench    set up, run the benchmarks into benchmarks/
@@ -27,7 +28,7 @@ INSTALL_ARGS = -c constraints.txt $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
 	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch -e ".[notebooks,test,ft]"
 QUIET_PIP = 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup browser-setup course notebooks slides publish-slides test lint unit-tests notebook-tests lab lab-authors bench stress gpu-check clean
+.PHONY: setup browser-setup course notebooks slides publish-slides test test-configs lint unit-tests notebook-tests lab lab-authors bench stress gpu-check clean
 
 setup: $(STAMP)
 
@@ -105,7 +106,15 @@ lint: setup
 
 unit-tests: setup browser-setup
 	@echo "==> unit tests (pytest tests/, $(TEST_WORKERS) workers)"
-	@$(BIN)/python -m pytest tests -q $(UNIT_WORKERS)
+	@$(BIN)/python -m pytest tests -q -m "not notebook" $(UNIT_WORKERS)
+
+# Every notebook a second time, with the other values stored in its metadata (`ci_parameters`: another world
+# size, other kill steps, 70B on 4 nodes) and as the teacher's edition (computed notes filled in, live widgets):
+# tests/test_notebooks.py. Not in `make test`, which executes each notebook once so that it stays within its
+# ten minutes; run it before merging a change to a notebook or to what the notebooks call.
+test-configs: setup
+	@echo "==> every notebook with its ci_parameters, teacher's edition (papermill, $(TEST_WORKERS) workers)"
+	@$(BIN)/python -m pytest tests/test_notebooks.py -q -m notebook $(UNIT_WORKERS)
 
 notebook-tests: export COURSE_HEADLESS = 1
 notebooks: export COURSE_HEADLESS = 1

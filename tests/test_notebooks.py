@@ -1,6 +1,6 @@
-"""Execute every notebook with papermill, with its CI parameters (a second configuration).
+"""Execute every notebook with papermill, with its CI parameters (a second configuration): `make test-configs`.
 
-`make test` also runs every notebook with its defaults through nbval (the student's edition, as a
+`make test` runs every notebook once, with its defaults, through nbval (the student's edition, as a
 student runs it); here each notebook runs with the `ci_parameters` stored in its metadata (for example
 another world size) as the teacher's edition the build runs (tools/editions.py: each computed speaker
 note filled in after its cell), so both configurations and both editions are exercised. The run then
