@@ -16,7 +16,7 @@ import socket
 import pytest
 from conftest import pid_alive
 
-from course_utils import cli, cluster
+from course_utils import cli, cluster, namespaces
 from course_utils.ft import INSTALL_HINT, ft_run
 from course_utils.launch import LaunchTimeout
 from course_utils.models import get_config, param_count
@@ -129,7 +129,9 @@ def test_nothing_listens_beyond_its_place(in_allreduce, diloco):
     for address, _ in in_allreduce["listening"]:
         assert is_loopback(address), f"an ft run listened on {address}"
     for address, _ in diloco["listening"]:
-        assert is_loopback(address) or address.startswith(cluster.SUBNET + "."), f"a cluster run listened on {address}"
+        assert is_loopback(address) or address.startswith(namespaces.SUBNET + "."), (
+            f"a cluster run listened on {address}"
+        )
 
 
 def _refused(address: str) -> bool:
@@ -147,7 +149,7 @@ def test_nothing_is_left_running(in_allreduce, weights_only, diloco):
         assert not any(pid_alive(pid) for pid in run["pids"])
         assert run["run_dir"] is None  # its temporary folder (logs, event files) removed: all is in the report
     assert in_allreduce["lighthouse"].startswith("http://127.0.0.1:") and _refused(in_allreduce["lighthouse"])
-    assert not [ns for ns in cluster.course_namespaces() if ns.startswith(f"{cluster.PREFIX}{os.getpid()}-")]
+    assert not [ns for ns in namespaces.course_namespaces() if ns.startswith(f"{namespaces.PREFIX}{os.getpid()}-")]
 
 
 def test_a_timeout_stops_everything(tmp_path):
@@ -193,7 +195,7 @@ def test_missing_torchft_says_how_to_install(monkeypatch, capsys):
 
 
 def test_bytes_per_step_leave_out_the_heal_that_crossed_the_link_once():
-    from course_utils.labs.lab06 import link_bytes_per_step
+    from course_utils.labs.lab06_ft import link_bytes_per_step
 
     def report(diloco, heal, rows):
         per_step = [{"step": s, "participants": p, "link_bytes": b} for s, (p, b) in enumerate(rows)]

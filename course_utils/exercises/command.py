@@ -71,8 +71,9 @@ def grade_command(args) -> int:
         raise CourseInputError(f"--jobs must be 1 or more, got {args.jobs}")
     if args.names != "file" and not args.names.startswith("metadata:"):
         raise CourseInputError(f"--names takes 'file' or 'metadata:KEY', got {args.names!r}")
-    limits, caps = limits_of(args), seal.probe()
-    files = grading.notebooks_in(args.grade)
+    limits = limits_of(args)
+    files = grading.notebooks_in(args.grade)  # a missing path is refused before the seal is probed (a process)
+    caps = seal.probe()
     if not args.json:
         print(f"grading {len(files)} notebook(s); each sealed with at most {limits.describe()}", file=sys.stderr)
         for line in caps.missing():
