@@ -18,6 +18,7 @@ from ..instrument import CountCollectives, HeldAtRest, Observer, weights_sha256
 from ..launch import launch
 from ..loop import Prepared, TrainConfig, device_mesh, make_optimizer, prepare, run_steps
 from ..models import build_model, get_config
+from ..per_param import shard_rows
 from ..strategies import DDP, FULL_SHARD, SINGLE, TORCH_ZERO1, ZERO1, ZERO2, ZERO3, get
 from ..zero import ShardedOptimizer, shard_bounds
 
@@ -211,8 +212,10 @@ def fsdp2_facts(config: dict) -> dict | None:
     3. Gradient-norm clipping across shards: the global L2 norm of the gradient, computed by
        hand (each rank's sum of squares of its shards, one all-reduce, a square root), by
        ``torch.nn.utils.clip_grad_norm_`` (DTensor-aware), from one rank's shards alone (wrong),
-       and by one process on the whole batch (the reference); then the gradient clipped by hand
-       to half that norm, gathered whole, against the reference clipped the same way.
+       and by one process on the whole batch (the reference); then the gradient clipped to half that
+       norm by ``clip_grad_norm_`` on the shards, gathered whole, against one process's
+       ``clip_grad_norm_`` (``clipped_rel_error``), and the mistake of clipping each rank's shards by
+       their own norm, against the same reference (``clipped_by_local_norm_rel_error``: it must fail).
     Rank 0 returns the facts; other ranks None.
     """
     from torch.distributed.fsdp import fully_shard
@@ -269,8 +272,13 @@ def fsdp2_facts(config: dict) -> dict | None:
         by_hand = float(local_sq.sqrt())
         by_torch = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf"))
         by_torch = float(by_torch.full_tensor() if isinstance(by_torch, DTensor) else by_torch)
-        for g in grads:  # clip to half the norm, each rank on its own shards
-            g.to_local().mul_(0.5)
+        # clip to half the global norm: torch's clip_grad_norm_ on the DTensor shards, and the mistake a
+        # rank makes when it clips by its own shards' norm (its own factor, applied to its own rows only)
+        max_norm = by_hand / 2
+        local_factors = [None] * info.world_size
+        dist.all_gather_object(local_factors, min(1.0, max_norm / (alone + 1e-6)))
+        unclipped = {n: p.grad.full_tensor().double() for n, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)
         clipped = {n: p.grad.full_tensor().double() for n, p in model.named_parameters()}
         if info.rank != 0:
             return None
@@ -280,13 +288,30 @@ def fsdp2_facts(config: dict) -> dict | None:
         )
         ref(x, y).backward()
         ref_norm = float(torch.stack([p.grad.double().pow(2).sum() for p in ref.parameters()]).sum().sqrt())
-        worst = max(float((clipped[n] - 0.5 * p.grad.double()).abs().max()) for n, p in ref.named_parameters())
         scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=ref_norm / 2)  # one process, the reference
+        wrong = {n: _scaled_by_rows(g, local_factors) for n, g in unclipped.items()}
         out.update(
             norm_by_hand=by_hand,
             norm_by_torch=by_torch,
             norm_one_rank_alone=alone,
             norm_one_process=ref_norm,
-            clipped_rel_error=worst / scale,
+            clipped_rel_error=_worst(clipped, ref) / scale,
+            clipped_by_local_norm_rel_error=_worst(wrong, ref) / scale,
         )
         return out
+
+
+def _scaled_by_rows(full: torch.Tensor, factors: list) -> torch.Tensor:
+    """``full`` with rank r's dim-0 rows (FSDP2's layout, ``per_param.shard_rows``) scaled by ``factors[r]``."""
+    out = full.clone()
+    for r, factor in enumerate(factors):
+        lo, hi = shard_rows(full.shape[0], len(factors), r)
+        out[lo:hi] *= factor
+    return out
+
+
+def _worst(grads: dict, ref) -> float:
+    """Largest |g - g_ref| over every element of every parameter of the reference model ``ref``."""
+    return max(float((grads[n] - p.grad.double()).abs().max()) for n, p in ref.named_parameters())
+

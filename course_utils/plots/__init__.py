@@ -50,9 +50,10 @@ from .memory_views import (
 )
 from .plan_views import crossover_figure, plan_figure
 from .recovery_views import checkpoint_interval_figure, lost_work_figure, sync_vs_diloco_figure
-from .zero_views import TRAFFIC_COLORS, zero3_schedule_figure, zero3_schedule_frames
+from .zero_views import TRAFFIC_COLORS, calls_cell, zero3_schedule_figure, zero3_schedule_frames
 
 __all__ = [
+    "calls_cell",
     "MIN_TEXT_PX",
     "min_text_px",
     "TRAFFIC_COLORS",
