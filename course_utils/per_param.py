@@ -287,6 +287,15 @@ class PerParamSharded(nn.Module):
     def sharded_params(self) -> list[ShardedParam]:
         return [sp for unit in self.units for sp in unit.params]
 
+    def memory_roles(self) -> dict:
+        """What this rank keeps, by role, for ``timeline.StepTimeline`` (notebook 04)."""
+        sps = self.sharded_params()
+        return {
+            "params": [sp.padded for sp in sps],
+            "grads": [sp.local.grad for sp in sps],
+            "gathered": [b for unit in self.units for b in unit.buffers],
+        }
+
     def held_bytes(self) -> int:
         """Bytes of the shards this rank keeps at rest, padding included (the padded storages)."""
         return sum(sp.padded.untyped_storage().nbytes() for sp in self.sharded_params())

@@ -19,7 +19,7 @@ from ..launch import launch
 from ..loop import Prepared, TrainConfig, device_mesh, make_optimizer, prepare, run_steps
 from ..models import build_model, get_config
 from ..per_param import shard_rows
-from ..strategies import DDP, FULL_SHARD, SINGLE, TORCH_ZERO1, ZERO1, ZERO2, ZERO3, get
+from ..strategies import DDP, FULL_SHARD, SHARD_GRAD_OP, SINGLE, TORCH_ZERO1, ZERO1, ZERO2, ZERO3, get
 from ..zero import ShardedOptimizer, shard_bounds
 
 #: What ``agreement`` compares with one process by default: plain DP, the three stages, torch's stage 1.
@@ -315,3 +315,57 @@ def _worst(grads: dict, ref) -> float:
     """Largest |g - g_ref| over every element of every parameter of the reference model ``ref``."""
     return max(float((grads[n] - p.grad.double()).abs().max()) for n, p in ref.named_parameters())
 
+
+#: The strategies whose step ``timelines`` watches by default: one of each kind of layout and schedule.
+TIMELINE_STRATEGIES = tuple(s.name for s in (SINGLE, DDP, ZERO1, ZERO2, ZERO3, SHARD_GRAD_OP, FULL_SHARD))
+
+
+def timelines_worker(config: dict, names=TIMELINE_STRATEGIES, watch_step: int = 2) -> dict:
+    """One step of each strategy watched operation by operation (``timeline.StepTimeline``; notebooks 03, 04).
+
+    Each run builds its model under the timeline (so every storage is known), trains ``watch_step + 1``
+    steps through the one loop and watches step ``watch_step`` (DDP rebuilds its buckets after its first
+    step, FSDP2 initialises lazily at its first). Returns ``{name: {"timeline": StepTimeline.result(),
+    "info": the strategy's report (units, padding), "tensors": parameter tensors}}`` on every rank.
+    """
+    from dataclasses import replace
+
+    from ..timeline import StepTimeline, TimelineObserver, roles_of
+
+    base = TrainConfig(**config).validate()
+    out = {}
+    with cdist.session(base.backend if base.backend != "auto" else None) as info:
+        for name in names:
+            cfg = replace(base, strategy=name, steps=watch_step + 1)
+            timeline = StepTimeline(watch_step=watch_step).start()
+            try:
+                prepared = prepare(cfg, info, get(name))
+                timeline.roles = roles_of(prepared)
+                run_steps(prepared, cfg, info, range(cfg.steps), [TimelineObserver(timeline)])
+            finally:
+                timeline.stop()
+            report = dict(prepared.info)
+            out[name] = {
+                "timeline": timeline.result(),
+                "info": report,
+                "world": info.world_size,
+                "watch_step": watch_step,
+            }
+            del prepared
+    return out
+
+
+#: The timelines' launch: the tiny model on 2 ranks, whatever the notebook's own parameters (a few seconds).
+TIMELINE_RANKS, TIMELINE_MODEL = 2, "tiny"
+
+
+def timelines(names=TIMELINE_STRATEGIES, *, bucket_cap_mb: float = 25.0) -> dict:
+    """One launch of ``timelines_worker`` on ``TIMELINE_RANKS`` ranks of the ``TIMELINE_MODEL``; rank 0's
+    ``{name: {"timeline", "info", "world"}}`` plus ``"tensors"`` and the loop's batch and sequence length,
+    what ``predict.rest_bytes`` reads (notebooks 03, 04)."""
+    cfg = TrainConfig(strategy=DDP.name, nproc=TIMELINE_RANKS, model=TIMELINE_MODEL, bucket_cap_mb=bucket_cap_mb)
+    out = launch(timelines_worker, nproc=TIMELINE_RANKS, args=(asdict(cfg), tuple(names)), echo=False)[0]
+    mcfg = get_config(TIMELINE_MODEL)
+    params = list(build_model(mcfg).parameters())  # the tied head counts once
+    facts = {"tensors": len(params), "psi": sum(p.numel() for p in params), "batch": cfg.batch, "seq": mcfg.seq}
+    return {name: {**run, **facts} for name, run in out.items()}
