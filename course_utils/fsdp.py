@@ -18,12 +18,15 @@ hybrid_shard    True                    (N/n, n)   ("replicate","shard") stage 3
 
 - FULL_SHARD gathers each unit before its forward, frees it after, gathers it again before its
   backward and reduce-scatters its gradients: two all-gathers and one reduce-scatter per unit and
-  step, 3(N-1)/N·Ψ elements sent per rank, the ZeRO paper's 1.5x.
+  step, except the root, which ``fully_shard``'s default keeps gathered from its forward to its
+  backward (2U - 1 all-gathers): (3Ψ - Ψ_root)(N-1)/N elements sent per rank, the ZeRO paper's 1.5x
+  less the root's second gather.
 - SHARD_GRAD_OP keeps each unit gathered from its forward to its backward: one all-gather fewer
   (stage 2's traffic), and while a step runs the whole model is unsharded at once. FSDP2 reshards
   after the backward, so *at rest* it holds exactly what FULL_SHARD holds (stage 3's bytes). At the
-  peak it holds stage 2's row plus one fp32 parameter shard: the whole model gathered, and beside
-  it the shard FSDP2 keeps as the master copy (measured in notebook 04).
+  end of the forward, where the loop has set the gradients to None, it holds its shards, Adam's
+  state and the whole model gathered: 4Ψ/N + 8Ψ/N + 4Ψ in fp32, stage 2's row (measured in
+  notebook 04).
 - NO_SHARD: FSDP2 has no flag for it. A 2-D mesh whose shard dimension has size 1 *is* NO_SHARD:
   each rank's shard is the whole tensor, nothing is gathered or scattered, and gradients are
   all-reduced over the replicate dimension (one all-reduce per unit). We use it because it is
@@ -135,15 +138,20 @@ def shard_model(
 ) -> list:
     """Apply ``fully_shard`` bottom-up: each unit module, then the root; return the units, root last (notebook 04).
 
+    The root gets ``fully_shard``'s default, ``reshard_after_forward=None``: it is not resharded after
+    its forward, because the backward begins with it (torch 2.13, ``_fsdp_state.py``: the root's
+    ``post_forward_mesh_info`` is None), so FULL_SHARD all-gathers 2U - 1 times per step, not 2U;
+    the record says so (``Strategy.keeps_root``) and ``predict.fsdp_collectives`` counts it.
+
     The one wrapping function of the course: real runs (``apply.apply_fsdp``, for every FSDP row of
     the record) and the dress rehearsal (notebook 05b) both wrap through it.
 
     Args:
         model: the course model (same seed on every rank).
         mesh: from ``loop.device_mesh``: 1-D shards over it, 2-D shards over dim 1, replicates over dim 0.
-        reshard_after_forward: True frees each unit after its forward (FULL_SHARD), False keeps
-            it gathered until its backward (SHARD_GRAD_OP), an integer k reshards to groups of k;
-            the record's ``reshard_after_forward``.
+        reshard_after_forward: for every unit but the root: True frees each unit after its forward
+            (FULL_SHARD), False keeps it gathered until its backward (SHARD_GRAD_OP), an integer k
+            reshards to groups of k; the record's ``reshard_after_forward``.
         granularity: what a unit is (``unit_modules``).
         mp_policy, offload: ``mixed_precision_policy`` / ``offload_policy`` results, or None.
         prefetch: ``set_prefetch`` mode.
@@ -165,7 +173,7 @@ def shard_model(
         for m in modules:
             checkpoint(m)
     units = [fully_shard(m, **kwargs) for m in modules]
-    units.append(fully_shard(model, **kwargs))
+    units.append(fully_shard(model, **{**kwargs, "reshard_after_forward": None}))  # the root: the default
     set_prefetch(units, prefetch)
     return units
 
@@ -188,8 +196,9 @@ class UnshardedTracker(Observer):
     """The largest bytes of gathered (full-size) parameters alive at once during a step (notebook 04).
 
     This is what FULL_SHARD saves over SHARD_GRAD_OP. On a GPU ``torch.cuda.max_memory_allocated``
-    sees it (mixed in with everything else); on CPU there is no allocator peak to read, so this
-    counts it directly: before and after every leaf module's forward, and when the gradient of a
+    sees it (mixed in with everything else); on CPU there is no ``max_memory_allocated`` (torch's
+    ``MemTracker`` and ``FSDPMemTracker`` do count storages on CPU, by their own categories), so this
+    counts the gathered parameters directly: before and after every leaf module's forward, and when the gradient of a
     leaf's output arrives in backward (just before that leaf's backward runs), it adds up the
     full-size bytes of every unit that is gathered at that moment, or whose prefetched
     all-gather has landed and waits to be used. ``peak`` is the largest sum seen.

@@ -15,7 +15,8 @@ is what one rank puts on the wire in a ring algorithm over a group of N ranks:
     all-reduce      2(N-1)/N × payload   (a reduce-scatter followed by an all-gather)
     all-gather       (N-1)/N × payload   (payload = the gathered output)
     reduce-scatter   (N-1)/N × payload   (payload = the full input)
-    broadcast              1 × payload   (pipelined ring; the root sends it once)
+    broadcast        (N-1)/N × payload   (N-1 receivers, each byte sent once to each: the group's
+                                           total, (N-1) × payload, spread over its N ranks)
 
 which is the accounting behind the ZeRO paper's 2Ψ (stages 1, 2) against 3Ψ (stage 3); the factors
 are ``comm.RING_FACTOR``, the same the predictions and the planner use.

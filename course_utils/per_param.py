@@ -1,9 +1,13 @@
 """FSDP2's layout built by hand: every parameter sharded on dim 0, gathered one unit at a time (notebook 04).
 
-The hand-built stage 3 of notebook 03 (``zero.Zero3Module``) lays each unit's parameters end to
-end in one flat buffer and gives rank r one contiguous slice of it: FSDP1's and DeepSpeed's
-layout. A slice can cut a weight matrix anywhere, so the optimizer sees flat fragments. PyTorch's
-FSDP2 (``fully_shard``) shards *each parameter* instead: rank r keeps rows
+One weight can be laid across ranks three ways. The hand-built stage 3 of notebook 03
+(``zero.Zero3Module``) lays each unit's parameters end to end in one flat buffer and gives rank r
+one contiguous slice of it: FSDP1's ``FlatParameter`` and DeepSpeed's stages 1 and 2
+(``bit16_groups_flat``) do the same. A slice can cut a weight matrix anywhere, so the optimizer sees
+flat fragments. DeepSpeed's stage 3 flattens and pads *each parameter* to a multiple of N and gives
+rank r the r-th piece of every parameter (``param.ds_tensor``, ``partition_parameters.py`` in
+DeepSpeed 0.19.8): a piece can still cut a row. PyTorch's FSDP2 (``fully_shard``) shards each
+parameter by rows: rank r keeps rows
 ``[r·c, (r+1)·c)`` of dim 0, with c = ceil(dim0 / N) (``torch.chunk``; a rank past the end keeps
 no rows, and the gathered buffer is padded with zeros to c·N rows, as torch 2.13's
 ``_fsdp_param.py`` does with ``_chunk_with_empty``). What that changes:
@@ -282,6 +286,15 @@ class PerParamSharded(nn.Module):
     # -- what this rank holds -----------------------------------------------------------------------
     def sharded_params(self) -> list[ShardedParam]:
         return [sp for unit in self.units for sp in unit.params]
+
+    def memory_roles(self) -> dict:
+        """What this rank keeps, by role, for ``timeline.StepTimeline`` (notebook 04)."""
+        sps = self.sharded_params()
+        return {
+            "params": [sp.padded for sp in sps],
+            "grads": [sp.local.grad for sp in sps],
+            "gathered": [b for unit in self.units for b in unit.buffers],
+        }
 
     def held_bytes(self) -> int:
         """Bytes of the shards this rank keeps at rest, padding included (the padded storages)."""

@@ -79,6 +79,7 @@ _FSDP_KNOBS = (
 )
 _FSDP = dict(
     gathers_units=True,
+    keeps_root=True,
     layout="per_parameter",
     mixed="gathered",
     apply=ap.apply_fsdp,

@@ -63,6 +63,9 @@ class Strategy:
         reshard_after_forward: ``fully_shard``'s argument: True frees a unit after its forward and gathers
             it again for its backward, False keeps it, an integer k reshards to groups of k ranks; None
             for strategies that gather no units.
+        keeps_root: the root unit stays gathered from its forward to its backward, so the backward does
+            not all-gather it again: 2U - 1 all-gathers per step, not 2U (``fully_shard``'s default for
+            the root, ``reshard_after_forward=None``, ``_fsdp_state.py`` in torch 2.13; FSDP1 the same).
         offload: the parts kept in host memory (the optimizer step then runs on the CPU).
         layout: "flat" (units laid end to end and padded to a multiple of Nd: the hand-built ZeRO, FSDP1,
             DeepSpeed), "per_parameter" (each parameter's dim 0 split: FSDP2) or "whole" (not sharded).
@@ -97,6 +100,7 @@ class Strategy:
     collectives: tuple = ()
     gathers_units: bool = False
     reshard_after_forward: bool | int | None = None
+    keeps_root: bool = False
     offload: frozenset = NOTHING
     layout: str = "whole"
     mixed: str | None = None

@@ -93,7 +93,7 @@ def memory_chart_states(models: list, ks: list, nds: list, gpus: list, *, nm=1, 
             first_fit[-1].append([[f[s] for s in memory.STAGES] for f in fits])
             # memory_chart_view's own title (one definition), from the same first_fit it computes
             titles[-1].append(
-                [memory.chart_title({"psi": psi, "gpu_mem": g, "first_fit": f}) for (_, g), f in zip(gpus, fits)]
+                [memory.chart_title(dict(psi=psi, gpu_mem=g, first_fit=f, nm=nm)) for (_, g), f in zip(gpus, fits)]
             )
     axis = set(memory.chart_nds(nd_max).tolist())
     return {

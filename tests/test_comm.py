@@ -71,3 +71,16 @@ def test_bad_input_says_what_to_do():
         comm.ring_all_reduce([[1.0, 2.0], [1.0]])
     with pytest.raises(CourseInputError, match="a row of the record"):
         comm.step_sent("zero3", 10, 2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_a_broadcast_is_counted_per_sender(n):
+    """N-1 ranks receive every byte once, so the group sends (N-1)·payload: (N-1)/N per rank on average.
+    Measured on gloo's sockets (issue 30): from rank 0 on 4 ranks, rank 0 sends 2 payloads, rank 1 one,
+    ranks 2 and 3 none; 3 = N-1 in all. Crediting every rank with the whole payload counted N."""
+    payload = 1000
+    group_total = n * instrument.ring_bytes_sent("broadcast", payload, n)
+    assert group_total == pytest.approx((n - 1) * payload)
+    # ZeroRedundancyOptimizer + DDP: the all-reduce and the broadcasts of every weight, 3(N-1)/N·Ψ per rank
+    both = instrument.ring_bytes_sent("all_reduce", payload, n) + instrument.ring_bytes_sent("broadcast", payload, n)
+    assert both == pytest.approx(3 * (n - 1) / n * payload)

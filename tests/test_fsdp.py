@@ -75,9 +75,12 @@ def test_expected_collectives_are_the_zero_volumes():
     units = predict.planned_units(MODEL, "block", shard_size=NPROC)
     psi, u, n = param_count(MODEL), len(units), NPROC
     full = predict.fsdp_collectives("full_shard", units, n)
-    assert full["all_gather"]["calls"] == 2 * u and full["reduce_scatter"]["calls"] == u
+    root = next(r["padded"] for r in units if r["name"] == "(root)")
+    # every unit twice but the root, which fully_shard's default keeps gathered from forward to backward
+    assert full["all_gather"]["calls"] == 2 * u - 1 and full["reduce_scatter"]["calls"] == u
+    assert full["all_gather"]["payload_bytes"] == (2 * psi - root) * 4
     sent = sum(r["sent_bytes"] for r in full.values())
-    assert sent == pytest.approx(3 * (n - 1) / n * psi * 4)  # the paper's 3Ψ, in fp32 bytes
+    assert sent == pytest.approx((3 * psi - root) * (n - 1) / n * 4)  # the paper's 3Ψ less the root, fp32 bytes
     sgo = predict.fsdp_collectives("shard_grad_op", units, n)
     assert sum(r["sent_bytes"] for r in sgo.values()) == pytest.approx(2 * (n - 1) / n * psi * 4)
     ddp = predict.fsdp_collectives("no_shard", units, n)
@@ -160,9 +163,9 @@ def test_comm_matches_notices_a_wrong_group_or_count(rows):
     assert not predict.comm_matches(row, wrong_group) and not predict.comm_matches(row, fewer)
 
 
-def test_full_shard_gathers_twice_per_unit_and_shard_grad_op_once(rows):
+def test_full_shard_gathers_twice_per_unit_but_the_root_and_shard_grad_op_once(rows):
     units = len(rows["full_shard"]["strategy_info"]["units"])
-    assert rows["full_shard"]["comm_per_step"]["all_gather"]["calls"] == 2 * units
+    assert rows["full_shard"]["comm_per_step"]["all_gather"]["calls"] == 2 * units - 1  # the root: kept
     assert rows["shard_grad_op"]["comm_per_step"]["all_gather"]["calls"] == units
 
 

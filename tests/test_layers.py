@@ -24,21 +24,23 @@ LAYERS = [
     {"errors", "units", "__init__", "compat"},
     {"presets", "comm", "stepper", "validate", "strategy_spec"},  # shapes; ring arithmetic; the stage-3
     # schedule; input checks; what a row of the strategy record says
-    {"models", "data", "dist", "instrument", "_agent", "worker", "checksums", "_report", "recovery", "namespaces"},
+    {"models", "data", "dist", "instrument", "timeline", "_agent", "worker", "checksums", "_report", "recovery"}
+    | {"namespaces"},
     # model, data, observers, workers; what a launch says; what a restart cost; a cluster's nodes
     {"_procs", "failures"},  # a launch's processes and their clean-up; failure injection
     {"ddp", "zero.flat", "zero.stages", "zero.stage3", "zero", "fsdp", "per_param", "examples"},  # mechanism
     {"apply"},  # apply_*(model, mesh, options): the mechanism as the record holds it
     {"strategies", "checkpoint_state", "checkpoint_files"},  # the record; what each strategy saves; a folder on disk
     {"memory.bill", "memory.chart", "memory.cli"},  # the bill
-    {"predict.held", "predict.sent", "predict.runs", "predict"},  # the predictions
+    {"predict.held", "predict.sent", "predict.runs", "predict.timeline", "predict"},  # the predictions
     {"plan.inputs", "plan.network", "plan.price", "plan.offload", "plan.choose", "plan.cli", "plan.hostfit", "plan"},
     {"checkpoint", "launch", "background"},  # complete-only DCP checkpoints; the only place that starts processes
     {"runtypes"},  # TrainConfig, Prepared
     {"loop"},  # the one loop
     {"memory.measure", "memory", "train"},  # the bill on real tensors (one step of the loop); the run and its CLI
     {"rehearse.tracker", "rehearse.run", "rehearse.predictions"},  # the dress rehearsal
-    {"plots.base", "plots.memory_views", "plots.ddp_views", "plots.zero_views", "plots.fsdp_views"},  # views
+    {"plots.base", "plots.memory_views", "plots.ddp_views", "plots.zero_views", "plots.fsdp_views"}
+    | {"plots.timeline_views"},  # views
     {"plots.plan_views", "plots.recovery_views", "plots", "rehearse.views", "rehearse.cli", "rehearse"},
     {"widget_parts", "instant"},  # the parts of every view's controls; the charts that redraw in the browser
     {"widgets", "bench", "cli", "__main__", "ft", "ft_groups", "ft_jobs", "ft_nodes", "hangs", "cluster"},
@@ -53,6 +55,7 @@ ARITHMETIC = {
     "predict.held",
     "predict.sent",
     "predict.runs",
+    "predict.timeline",
     "plan.inputs",
     "plan.network",
     "plan.price",

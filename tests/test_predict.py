@@ -60,10 +60,13 @@ def test_the_traffic_tables_add_up_to_the_ring_formulas():
             assert predict.paper_sent_bytes(stage, PSI, n) == pytest.approx(sent, rel=1e-12)
         for name in ("no_shard", "shard_grad_op", "full_shard"):
             sent = sum(r["sent_bytes"] for r in predict.fsdp_collectives(name, units, n).values())
-            assert predict.paper_sent_bytes(name, PSI, n) == pytest.approx(sent, rel=1e-12), (name, n)
+            # the paper's count, less the root's second all-gather, which fully_shard's default saves
+            # (here the root is the whole model: one unit, kept gathered from forward to backward)
+            kept = PSI * 4 * (n - 1) / n if name == "full_shard" else 0
+            assert predict.paper_sent_bytes(name, PSI, n) - kept == pytest.approx(sent, rel=1e-12), (name, n)
     hsdp = predict.fsdp_collectives("hybrid_shard", units, 8, 4)
     assert sum(r["sent_bytes"] for r in hsdp.values()) == pytest.approx(
-        predict.paper_sent_bytes("hybrid_shard", PSI, 8, 4)
+        predict.paper_sent_bytes("hybrid_shard", PSI, 8, 4) - PSI * 4 * 3 / 4
     )
 
 

@@ -3,7 +3,8 @@ and choosing wrapping and reshard_after_forward for a memory budget.
 
 References: ``per_param`` (the course's hand-built FSDP2 layout, checked against ``fully_shard``
 in its tests), ``torch.nn.utils.clip_grad_norm_`` on one process's full gradients, ``CommCounter``,
-and ``per_param.PerParamSharded``'s tracker of gathered bytes.
+and ``fully_shard`` itself (``fsdp.shard_model`` with backward prefetching off) with
+``fsdp.UnshardedTracker`` for the layouts of exercise 04.4.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ EXTRA_CELLS = [
     (
         "markdown",
         "### Per-parameter sharding: FSDP2's layout, built by hand\n\n"
-        "Notebook 03's stage 3 cuts one flat buffer per unit into N slices, so a slice can end inside a weight "
-        "matrix. `fully_shard` shards *each parameter* on dim 0, padded with zero rows; "
+        "Notebook 03's stage 3 (like FSDP1 and DeepSpeed's stages 1 and 2) cuts one flat buffer per unit into N "
+        "slices, so a slice can end inside a weight matrix; DeepSpeed's stage 3 flattens and pads each parameter "
+        "on its own and gives rank r its r-th piece. `fully_shard` shards *each parameter* on dim 0, padded with "
+        "zero rows; "
         "`course_utils/per_param.py` builds that layout by hand. Rank r keeps\n\n"
         "$$\\text{rows } [rc,\\ (r+1)c), \\qquad c = \\lceil \\text{rows}/N \\rceil$$",
         "slide",
@@ -297,17 +300,26 @@ LAYOUTS = [(wrap, reshard) for wrap in ("block", "model") for reshard in (True, 
 
 
 def layouts_on_rank() -> dict:
-    """Worker: every layout's peak of gathered bytes (the tracker) and all-gather bytes, one forward-backward each."""
+    """Worker: every layout run by ``fully_shard`` itself (``fsdp.shard_model``: the root at its default, backward
+    prefetching off), its peak of gathered bytes (``fsdp.UnshardedTracker``) and all-gather bytes, one
+    forward-backward each."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..fsdp import UnshardedTracker, shard_model
+
     out = {}
     with cdist.session() as info:
+        mesh = init_device_mesh("cpu", (info.world_size,), mesh_dim_names=("shard",))
         for wrap, reshard in LAYOUTS:
             model = build_model(get_config("tiny"), seed=0)
-            units = list(model.blocks) if wrap == "block" else []
-            sharded = per_param.PerParamSharded(model, units=units, reshard_after_forward=reshard)
+            shard_model(model, mesh, reshard_after_forward=reshard, granularity=wrap, prefetch="none")
+            tracker = UnshardedTracker(model)
+            tracker.start()
             with CommCounter() as comm:
-                sharded(*_tiny_batch(info.rank, info.world_size)).backward()
+                model(*_tiny_batch(info.rank, info.world_size)).backward()
+            tracker.stop()
             out[f"{wrap}/{reshard}"] = {
-                "peak": sharded.tracker.peak,
+                "peak": tracker.peak,
                 "gather_bytes": comm.summary()["all_gather"]["payload_bytes"],
             }
     return out
@@ -369,13 +381,16 @@ register(
         "04",
         "choose_layout",
         "Wrapping and reshard_after_forward for a memory budget",
-        "the peak of gathered bytes measured by the tracker on 2 ranks against three budgets (whole model, root plus "
-        "one block, less), and the all-gather bytes against the least the budget allows",
+        "the peak of gathered bytes of fully_shard itself (the root at its default, backward prefetching off), "
+        "measured by fsdp.UnshardedTracker on 2 ranks against three budgets (whole model, root plus one block, "
+        "less), and the all-gather bytes against the least the budget allows",
         task="Write `choose_layout(budget_bytes, units)`: `units` lists the unit table (`name`, `numel`; the root "
         'unit is named `"(root)"`; fp32, 4 bytes an element). Return `{"wrap": "block" or "model", '
         '"reshard_after_forward": bool}` whose peak of gathered parameters stays within `budget_bytes` with '
-        "the fewest all-gathers, or `None` if no layout fits. The check runs your choice on 2 ranks and "
-        "measures the peak with the tracker.",
+        "the fewest all-gathers, or `None` if no layout fits. The check runs your choice with `fully_shard` on 2 "
+        "ranks, the root at its default and backward prefetching off (the schedule: one block gathered at a time; "
+        "FSDP2's default prefetch would add the next block, as section 4 measured), and measures the peak with "
+        "`fsdp.UnshardedTracker`.",
         stub="def choose_layout(budget_bytes, units):\n"
         '    """{"wrap": "block"|"model", "reshard_after_forward": bool} that fits budget_bytes\n'
         '    with the fewest gathers, or None."""\n'

@@ -18,7 +18,8 @@ from ..instrument import CountCollectives, HeldAtRest, Observer, weights_sha256
 from ..launch import launch
 from ..loop import Prepared, TrainConfig, device_mesh, make_optimizer, prepare, run_steps
 from ..models import build_model, get_config
-from ..strategies import DDP, FULL_SHARD, SINGLE, TORCH_ZERO1, ZERO1, ZERO2, ZERO3, get
+from ..per_param import shard_rows
+from ..strategies import DDP, FULL_SHARD, SHARD_GRAD_OP, SINGLE, TORCH_ZERO1, ZERO1, ZERO2, ZERO3, get
 from ..zero import ShardedOptimizer, shard_bounds
 
 #: What ``agreement`` compares with one process by default: plain DP, the three stages, torch's stage 1.
@@ -211,8 +212,10 @@ def fsdp2_facts(config: dict) -> dict | None:
     3. Gradient-norm clipping across shards: the global L2 norm of the gradient, computed by
        hand (each rank's sum of squares of its shards, one all-reduce, a square root), by
        ``torch.nn.utils.clip_grad_norm_`` (DTensor-aware), from one rank's shards alone (wrong),
-       and by one process on the whole batch (the reference); then the gradient clipped by hand
-       to half that norm, gathered whole, against the reference clipped the same way.
+       and by one process on the whole batch (the reference); then the gradient clipped to half that
+       norm by ``clip_grad_norm_`` on the shards, gathered whole, against one process's
+       ``clip_grad_norm_`` (``clipped_rel_error``), and the mistake of clipping each rank's shards by
+       their own norm, against the same reference (``clipped_by_local_norm_rel_error``: it must fail).
     Rank 0 returns the facts; other ranks None.
     """
     from torch.distributed.fsdp import fully_shard
@@ -269,8 +272,13 @@ def fsdp2_facts(config: dict) -> dict | None:
         by_hand = float(local_sq.sqrt())
         by_torch = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf"))
         by_torch = float(by_torch.full_tensor() if isinstance(by_torch, DTensor) else by_torch)
-        for g in grads:  # clip to half the norm, each rank on its own shards
-            g.to_local().mul_(0.5)
+        # clip to half the global norm: torch's clip_grad_norm_ on the DTensor shards, and the mistake a
+        # rank makes when it clips by its own shards' norm (its own factor, applied to its own rows only)
+        max_norm = by_hand / 2
+        local_factors = [None] * info.world_size
+        dist.all_gather_object(local_factors, min(1.0, max_norm / (alone + 1e-6)))
+        unclipped = {n: p.grad.full_tensor().double() for n, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)
         clipped = {n: p.grad.full_tensor().double() for n, p in model.named_parameters()}
         if info.rank != 0:
             return None
@@ -280,13 +288,84 @@ def fsdp2_facts(config: dict) -> dict | None:
         )
         ref(x, y).backward()
         ref_norm = float(torch.stack([p.grad.double().pow(2).sum() for p in ref.parameters()]).sum().sqrt())
-        worst = max(float((clipped[n] - 0.5 * p.grad.double()).abs().max()) for n, p in ref.named_parameters())
         scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=ref_norm / 2)  # one process, the reference
+        wrong = {n: _scaled_by_rows(g, local_factors) for n, g in unclipped.items()}
         out.update(
             norm_by_hand=by_hand,
             norm_by_torch=by_torch,
             norm_one_rank_alone=alone,
             norm_one_process=ref_norm,
-            clipped_rel_error=worst / scale,
+            clipped_rel_error=_worst(clipped, ref) / scale,
+            clipped_by_local_norm_rel_error=_worst(wrong, ref) / scale,
         )
         return out
+
+
+def _scaled_by_rows(full: torch.Tensor, factors: list) -> torch.Tensor:
+    """``full`` with rank r's dim-0 rows (FSDP2's layout, ``per_param.shard_rows``) scaled by ``factors[r]``."""
+    out = full.clone()
+    for r, factor in enumerate(factors):
+        lo, hi = shard_rows(full.shape[0], len(factors), r)
+        out[lo:hi] *= factor
+    return out
+
+
+def _worst(grads: dict, ref) -> float:
+    """Largest |g - g_ref| over every element of every parameter of the reference model ``ref``."""
+    return max(float((grads[n] - p.grad.double()).abs().max()) for n, p in ref.named_parameters())
+
+
+#: The strategies whose step ``timelines`` watches by default: one of each kind of layout and schedule.
+TIMELINE_STRATEGIES = tuple(s.name for s in (SINGLE, DDP, ZERO1, ZERO2, ZERO3, SHARD_GRAD_OP, FULL_SHARD))
+
+
+def timelines_worker(config: dict, names=TIMELINE_STRATEGIES, watch_step: int = 2) -> dict:
+    """One step of each strategy watched operation by operation (``timeline.StepTimeline``; notebooks 03, 04).
+
+    Each run builds its model under the timeline (so every storage is known), trains ``watch_step + 1``
+    steps through the one loop and watches step ``watch_step`` (DDP rebuilds its buckets after its first
+    step, FSDP2 initialises lazily at its first). Returns ``{name: {"timeline": StepTimeline.result(),
+    "info": the strategy's report (units, padding), "tensors": parameter tensors}}`` on every rank.
+    """
+    from dataclasses import replace
+
+    from ..timeline import StepTimeline, TimelineObserver, roles_of
+
+    base = TrainConfig(**config).validate()
+    out = {}
+    with cdist.session(base.backend if base.backend != "auto" else None) as info:
+        for name in names:
+            cfg = replace(base, strategy=name, steps=watch_step + 1)
+            timeline = StepTimeline(watch_step=watch_step).start()
+            try:
+                prepared = prepare(cfg, info, get(name))
+                timeline.roles = roles_of(prepared)
+                run_steps(prepared, cfg, info, range(cfg.steps), [TimelineObserver(timeline)])
+            finally:
+                timeline.stop()
+            report = dict(prepared.info)
+            out[name] = {
+                "timeline": timeline.result(),
+                "info": report,
+                "world": info.world_size,
+                "watch_step": watch_step,
+            }
+            del prepared
+    return out
+
+
+#: The timelines' launch: the tiny model on 2 ranks, whatever the notebook's own parameters (a few seconds).
+TIMELINE_RANKS, TIMELINE_MODEL = 2, "tiny"
+
+
+def timelines(names=TIMELINE_STRATEGIES, *, bucket_cap_mb: float = 25.0) -> dict:
+    """One launch of ``timelines_worker`` on ``TIMELINE_RANKS`` ranks of the ``TIMELINE_MODEL``; rank 0's
+    ``{name: {"timeline", "info", "world"}}`` plus ``"tensors"`` and the loop's batch and sequence length,
+    what ``predict.rest_bytes`` reads (notebooks 03, 04)."""
+    cfg = TrainConfig(strategy=DDP.name, nproc=TIMELINE_RANKS, model=TIMELINE_MODEL, bucket_cap_mb=bucket_cap_mb)
+    out = launch(timelines_worker, nproc=TIMELINE_RANKS, args=(asdict(cfg), tuple(names)), echo=False)[0]
+    mcfg = get_config(TIMELINE_MODEL)
+    params = list(build_model(mcfg).parameters())  # the tied head counts once
+    facts = {"tensors": len(params), "psi": sum(p.numel() for p in params), "batch": cfg.batch, "seq": mcfg.seq}
+    return {name: {**run, **facts} for name, run in out.items()}

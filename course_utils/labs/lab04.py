@@ -383,3 +383,33 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
     out["rank0_only_files"] = everyone
     dist.barrier()
     return out
+
+
+def division_or_order(draws: int = 100_000, seed: int = 0) -> dict:
+    """What makes two reductions of the same four fp32 gradients differ in their bits (notebook 04).
+
+    FSDP1 divides each gradient by 2 before the sum and by 2 after it (on 4 ranks,
+    ``_gradient_predivide_factor`` and ``_gradient_postdivide_factor``); FSDP2 sums, then divides by 4
+    (``ReduceOp.AVG``, which gloo runs as SUM then a division). Dividing by 2 only lowers the exponent,
+    so ``(Σ x/2)/2 == (Σ x)/4`` bit for bit whatever the order of the sum (short of underflow). The
+    order is what changes bits: which rank's chunk of gloo's ring an element falls in decides the
+    order its four values are added in, and FSDP1's flat buffer and FSDP2's per-parameter rows put
+    the same element in different chunks. Returns ``draws``, ``division_mismatches`` (over all 24
+    orders of the four operands) and ``order_changes`` (the fraction of sums that change when only
+    the order changes). Operands are log-normal in magnitude, like gradients.
+    """
+    import itertools
+
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(draws, generator=g) * torch.exp(torch.randn(draws, generator=g) * 3) for _ in range(4)]
+
+    def fold(order, values):
+        total = values[order[0]].clone()
+        for i in order[1:]:
+            total += values[i]
+        return total
+
+    halves = [x / 2 for x in xs]
+    mismatches = sum(int((fold(p, halves) / 2 != fold(p, xs) / 4).sum()) for p in itertools.permutations(range(4)))
+    changed = float((fold((0, 1, 2, 3), xs) != fold((1, 2, 3, 0), xs)).float().mean())
+    return {"draws": draws, "division_mismatches": mismatches, "order_changes": changed}

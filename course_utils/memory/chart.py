@@ -129,7 +129,9 @@ def chart_title(view: dict) -> str:
             if not parts
             else f"{short[s]} from {nd}"
         )
-    return f"{fmt_count(view['psi'])} on one {gpu} GPU: " + ", ".join(parts)
+    nm = view.get("nm", 1)  # with model parallelism the curves are per GPU of an Nm-way group: say so
+    model = f"{fmt_count(view['psi'])}" + (f" split {nm} ways (Nm = {nm})" if nm > 1 else "")
+    return f"{model} on one {gpu} GPU: " + ", ".join(parts)
 
 
 def readout_text(view: dict) -> str:

@@ -11,8 +11,8 @@ on the notebook's plotting backend or leaves global state behind.
 
 The door to the rooms, one per kind of picture: ``plots.base`` (figures, PNG, tables, colours),
 ``plots.memory_views`` (notebooks 01, 03), ``plots.ddp_views`` (02), ``plots.zero_views`` (03),
-``plots.fsdp_views`` (04), ``plots.plan_views`` (05), ``plots.recovery_views`` (06). The package's own
-modules import the rooms.
+``plots.fsdp_views`` (04), ``plots.timeline_views`` (03, 04: one step, operation by operation),
+``plots.plan_views`` (05), ``plots.recovery_views`` (06). The package's own modules import the rooms.
 """
 
 from __future__ import annotations
@@ -50,9 +50,13 @@ from .memory_views import (
 )
 from .plan_views import crossover_figure, plan_figure
 from .recovery_views import checkpoint_interval_figure, lost_work_figure, sync_vs_diloco_figure
-from .zero_views import TRAFFIC_COLORS, zero3_schedule_figure, zero3_schedule_frames
+from .timeline_views import TIMELINE_COLORS, timelines_figure
+from .zero_views import TRAFFIC_COLORS, calls_cell, zero3_schedule_figure, zero3_schedule_frames
 
 __all__ = [
+    "TIMELINE_COLORS",
+    "timelines_figure",
+    "calls_cell",
     "MIN_TEXT_PX",
     "min_text_px",
     "TRAFFIC_COLORS",

@@ -91,3 +91,13 @@ def _draw_stage3(grid, bars, state, *, legend: bool = True) -> None:
     if legend:
         bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     bars.set_title("Traffic so far", fontsize=10)
+
+
+def calls_cell(calls_per_step: float, steps: int) -> str:
+    """A count of collectives for a table: per step when every step issues the same number, otherwise
+    the total over the run ("86 in 3 steps": DDP's one-off bucket-order broadcasts of its first steps
+    fall in no single step, and 28.667 calls per step is not something a run does) (notebook 03)."""
+    total = calls_per_step * steps
+    if abs(calls_per_step - round(calls_per_step)) < 1e-9:
+        return f"{round(calls_per_step)}"
+    return f"{round(total)} in {steps} steps"

@@ -19,8 +19,10 @@ follow the ZeRO paper: Ψ parameters, Nd ranks one piece of state is split acros
 - Checks: ``memory_check``, ``traffic_check`` (a ZeRO report against the formulas, notebook 03)
   and ``comm_matches`` (an FSDP run's collectives against ``fsdp_collectives``, notebook 04).
 
-The door to three rooms: ``predict.held`` (what a rank holds), ``predict.sent`` (what it sends),
-``predict.runs`` (one run's prediction, and its report checked against the formulas). The package's
+The door to four rooms: ``predict.held`` (what a rank holds), ``predict.sent`` (what it sends),
+``predict.runs`` (one run's prediction, and its report checked against the formulas),
+``predict.timeline`` (what a step's memory timeline must show: each category at rest, the peaks the
+schedule decides; notebooks 03, 04). The package's
 own modules import the rooms.
 
 Pure arithmetic: no ``torch.distributed``, no processes (``tests/test_layers.py`` checks). Every
@@ -45,8 +47,14 @@ from .held import (
 )
 from .runs import comm_matches, expected_bytes, fsdp_run, memory_check, peak_check, planned_units, traffic_check
 from .sent import fsdp_collectives, paper_sent_bytes, traffic_in_psi, zero_traffic
+from .timeline import forward_end_states, kept_all_gather_outputs, reduce_at_step_states_peak, rest_bytes, rest_check
 
 __all__ = [
+    "forward_end_states",
+    "kept_all_gather_outputs",
+    "reduce_at_step_states_peak",
+    "rest_bytes",
+    "rest_check",
     "ADAM_SCRATCH_FP32_COPIES",
     "PRECISION_BYTES",
     "bill_bytes",

@@ -83,8 +83,9 @@ def fsdp_collectives(
     Each of the row's collectives is issued once per unit, over its mesh dimension's group. With U
     units of ``padded`` elements (``unit_table(model, shard_size)``) summing to Ψ':
 
-    - full_shard: 2U all-gathers of Ψ' (params), U reduce-scatters of Ψ' (grads), group N;
-      3(N-1)/N·Ψ' elements sent per rank;
+    - full_shard: 2U - 1 all-gathers (every unit in the forward, every unit but the root again in the
+      backward: the row ``keeps_root``, FSDP2's default), 2Ψ' - Ψ'_root of params, U reduce-scatters of
+      Ψ' (grads), group N; (3Ψ' - Ψ'_root)(N-1)/N elements sent per rank;
     - shard_grad_op: U all-gathers, U reduce-scatters: 2(N-1)/N·Ψ', as DDP;
     - no_shard: U all-reduces of Ψ' gradients over N ranks: 2(N-1)/N·Ψ';
     - hybrid_shard: full_shard's collectives inside a node (group n), plus U all-reduces of
@@ -95,17 +96,18 @@ def fsdp_collectives(
     mixed precision); ``grad_bytes``: per reduced element (4: the reduction stays fp32).
     """
     row = get(strategy)
-    u = len(units)
-    psi = sum(r["padded"] for r in units)
     shard = row.group_size("shard", nproc, node_size)
     rows: dict = {}
     for c in row.collectives:
         group = row.group_size(c.over, nproc, node_size)
         if c.over == "shard" and group == 1:  # nothing to gather or scatter in a group of one
             continue
+        regathers = not (row.keeps_root and c.of == PARAMS and c.when == "backward")
+        moved = [r for r in units if regathers or r["name"] != "(root)"]  # the kept root: not gathered again
+        psi = sum(r["padded"] for r in moved)
         payload = psi * param_bytes if c.of == PARAMS else (psi // shard if c.of == "grad_shard" else psi) * grad_bytes
         calls, total, _ = rows.get(c.kind, (0, 0, group))
-        rows[c.kind] = (calls + u, total + payload, group)
+        rows[c.kind] = (calls + len(moved), total + payload, group)
     return {
         kind: {
             "calls": float(calls),

@@ -240,6 +240,18 @@ class Zero3Module(nn.Module):
     def flats(self) -> list[FlatParams]:
         return [flat for unit in self.units for flat in unit.flats]
 
+    def memory_roles(self) -> dict:
+        """What this rank keeps, by role, for ``timeline.StepTimeline`` (notebook 03): its slices, the
+        gathered units (empty storages when freed) and the gradients."""
+        flats = self.flats()
+        return {
+            "params": [f.shard for f in flats],
+            "gathered": [f.full for f in flats],
+            "grads": [f.grad_shard for f in flats]
+            + [p.grad for f in flats for p in f.params]
+            + [f.master.grad for f in flats],
+        }
+
     def unit_table(self) -> list[dict]:
         """One row per flat buffer: name, Ψ of the unit, padded size, padding, trainable."""
         return [unit_row(u.name, f, f in u.trainable) for u in self.units for f in u.flats]
@@ -273,6 +285,13 @@ class Zero3Optimizer(ShardedOptimizer):
 
     def share_weights(self) -> None:
         pass
+
+    def memory_roles(self) -> dict:
+        """The optimizer state only: the flat buffers' roles are the module's (``Zero3Module.memory_roles``)."""
+        return {
+            "optim": self.optimizer_tensors()
+            + [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        }
 
     def held(self) -> tuple[list, list, list]:
         """``(params, grads, optimizer state)``: slices only; the gathered copies are freed at rest."""

@@ -159,6 +159,18 @@ class ShardedOptimizer:
         grads = [p.grad for p in params] + [flat.grad_shard for flat in self.flats]
         return params, grads, self.optimizer_tensors()
 
+    def memory_roles(self) -> dict:
+        """What this rank keeps, by role, for ``timeline.StepTimeline`` (notebook 03): the whole flat
+        weights, the gradients (whole, then the reduced slices), the optimizer state and masters."""
+        return {
+            "params": [flat.full for flat in self.flats],
+            "grads": [p.grad for flat in self.flats for p in flat.params]
+            + [flat.grad_shard for flat in self.flats]
+            + [flat.master.grad for flat in self.flats],
+            "optim": self.optimizer_tensors()
+            + [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
+        }
+
     def optimizer_tensors(self) -> list[torch.Tensor]:
         """The inner optimizer's state plus the fp32 master slices (when they are separate copies)."""
         out = [

@@ -1,0 +1,53 @@
+"""One step's memory, operation by operation: one panel per strategy, the same axes (notebooks 03, 04).
+
+Draws what ``timeline.StepTimeline`` measured (``result()["rows"]``): the bytes live after every
+operation of the watched step, stacked by category, model states at the bottom. Pictures never compute.
+"""
+
+from __future__ import annotations
+
+from .base import new_figure
+
+#: The timeline's categories, bottom to top, and their colours.
+TIMELINE_COLORS = {
+    "params": "#1f77b4",
+    "gathered": "#17becf",
+    "grads": "#ff7f0e",
+    "optim": "#2ca02c",
+    "comm": "#9467bd",
+    "hidden": "#8c564b",
+    "activations": "#d62728",
+    "data": "#7f7f7f",
+    "temp": "#c7c7c7",
+}
+
+
+def timelines_figure(timelines: dict, *, title: str = "", width: float = 11.0, row_height: float = 2.3):
+    """``timelines``: ``{label: StepTimeline.result()}``. One panel per run, two columns, the same y axis
+    (bytes, kB = 10^3), x the operations of the step; the peak marked and its phase named."""
+    names = list(timelines)
+    cols = 2 if len(names) > 1 else 1
+    rows = -(-len(names) // cols)
+    fig = new_figure(width, row_height * rows + 0.6)
+    top = max(t["peak"]["total"] for t in timelines.values()) / 1e3 * 1.08
+    axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
+    for ax, name in zip(axes.flat, names):
+        t = timelines[name]
+        index = t["columns"].index
+        xs = list(range(len(t["rows"])))
+        layers = [[r[index(c)] / 1e3 for r in t["rows"]] for c in TIMELINE_COLORS]
+        ax.stackplot(xs, layers, colors=list(TIMELINE_COLORS.values()), labels=list(TIMELINE_COLORS), lw=0)
+        peak = t["peak"]
+        at = next((i for i, r in enumerate(t["rows"]) if r[0] == peak["index"]), 0)
+        ax.plot([at], [peak["total"] / 1e3], "v", color="black", ms=6)
+        ax.set_title(f"{name}: peak {peak['total']:,} B in the {peak['where'].split(',')[0]}", fontsize=9)
+        ax.set_ylim(0, top)
+        ax.set_xlabel("operation of the step", fontsize=8)
+        ax.set_ylabel("kB live", fontsize=8)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig

@@ -1,0 +1,104 @@
+"""What a step's memory timeline should show, from a strategy's row and what its mechanism built (notebooks 03, 04).
+
+``timeline.StepTimeline`` measures one step operation by operation; these functions say, before it
+runs, what it must find: the bytes at rest by category, and the peak of the model states where the
+schedule decides it. They read the row (layout, what is sharded at rest, which collectives run when)
+and the units or flat buffers the mechanism reported (``describe()``: ``padded`` elements), never the
+strategy's name. fp32 Adam (the timelines' runs): 4 bytes a weight, 4 a gradient, 8 of moments, and
+one 4-byte step counter per tensor the optimizer steps.
+
+Exact, to the byte, where no allocator is involved (``timeline``'s docstring says where it is).
+"""
+
+from __future__ import annotations
+
+from ..strategies import OPTIM, PARAMS, Strategy, get
+
+FP32 = 4
+TOKEN_BYTES = 8  # int64 token ids
+
+
+def batch_bytes(batch: int, seq: int) -> int:
+    """The global batch of tokens each rank makes (inputs and targets are views of one tensor): batch·(seq+1)·8."""
+    return batch * (seq + 1) * TOKEN_BYTES
+
+
+def _owned(row: Strategy, units: list[dict], shard: int) -> int:
+    """Elements of weights this rank keeps between steps."""
+    padded = sum(u["padded"] for u in units)
+    return padded // shard if PARAMS in row.shards_at_rest else padded
+
+
+def rest_bytes(
+    strategy: str | Strategy, units: list[dict], tensors: int, shard: int, *, batch: int, seq: int, losses: int
+) -> dict:
+    """Bytes a rank holds before a step, by the timeline's categories (notebooks 03, 04).
+
+    ``units``: the flat buffers (the hand-built stages) or units (FSDP2) the mechanism reported, with
+    their ``padded`` elements (for a row that shards nothing, one unit of Ψ); ``tensors``: the model's
+    parameter tensors; ``shard``: the group one piece of state is split over; ``losses``: the detached
+    losses the loop keeps (one 4-byte scalar per step so far).
+
+    - params: the weights this rank keeps (whole, or its 1/shard of every padded buffer or unit);
+    - optim: Adam's two moments for what this rank steps (its slice, or every weight) and one step
+      counter per tensor it steps (one per flat buffer for the hand-built stages, one per parameter
+      tensor otherwise);
+    - comm: the all-reduce buckets a bucketed all-reduce keeps between steps (DDP's reducer, with
+      ``gradient_as_bucket_view=False``: 4Ψ);
+    - activations: the losses kept; data: the batch. Gradients and gathered units: none (the loop
+      sets gradients to None, and every unit is resharded after its backward).
+    """
+    row = get(strategy)
+    owned = _owned(row, units, shard)
+    stepped = sum(u["padded"] for u in units) // shard if OPTIM in row.shards_at_rest else owned
+    counters = len(units) if row.layout == "flat" else tensors
+    buckets = any(c.kind == "all_reduce" and c.per == "bucket" and c.of == "grads" for c in row.collectives)
+    return {
+        "params": FP32 * owned,
+        "optim": 2 * FP32 * stepped + FP32 * counters,
+        "comm": FP32 * sum(u["padded"] for u in units) if buckets else 0,
+        "activations": FP32 * losses,
+        "data": batch_bytes(batch, seq),
+    }
+
+
+def forward_end_states(strategy: str | Strategy, units: list[dict], tensors: int, shard: int) -> int:
+    """Model states at the end of the forward for a row that keeps every unit gathered until its backward
+    (SHARD_GRAD_OP): its shards, Adam's state, every unit gathered, no gradient (notebook 04)."""
+    row = get(strategy)
+    owned = _owned(row, units, shard)
+    stepped = sum(u["padded"] for u in units) // shard if OPTIM in row.shards_at_rest else owned
+    counters = len(units) if row.layout == "flat" else tensors
+    return FP32 * owned + 2 * FP32 * stepped + FP32 * counters + FP32 * sum(u["padded"] for u in units)
+
+
+def reduce_at_step_states_peak(units: list[dict], psi: int, shard: int, *, backend_clones: bool = True) -> int:
+    """Model states at the peak of a step that reduce-scatters whole flat gradients inside the optimizer's
+    step (stage 1, notebook 03): the whole flat weights, the whole gradients (unpadded ``.grad``), the
+    contiguous copy sent, the averaged slice received, Adam's state for the slice and, on gloo, the clone
+    of the input the reduce-scatter makes (``backend_clones``; none on NCCL):
+    4·(P + Ψ + P + P + P/N) + 8·P/N + 4 per buffer, P the padded elements."""
+    padded = sum(u["padded"] for u in units)
+    clone = padded if backend_clones else 0
+    return FP32 * (padded + psi + padded + clone + padded // shard) + 2 * FP32 * (padded // shard) + FP32 * len(units)
+
+
+def kept_all_gather_outputs(units: list[dict]) -> int:
+    """FSDP2's flat all-gather outputs alive at the last block's copy-out in the forward: the previous
+    unit's (kept until this copy-out, ``_fsdp_param_group.py`` in torch 2.13) and this one's; the two
+    last blocks, each ``padded`` elements gathered whole (notebook 04)."""
+    blocks = [u for u in units if u["name"] != "(root)"]
+    return FP32 * sum(u["padded"] for u in blocks[-2:])
+
+
+def rest_check(strategy: str | Strategy, run: dict) -> dict:
+    """A watched run (``labs.lab03.timelines``' row) at rest against ``rest_bytes``: ``predicted``,
+    ``measured`` (the same categories), ``equal`` (every one, to the byte) (notebooks 03, 04)."""
+    row = get(strategy)
+    units = run["info"].get("units") or [{"name": "(root)", "padded": run["psi"]}]  # unsharded: Ψ, one piece
+    shard = row.shard_group_size(run["world"], 2) if row.shards_at_rest else 1
+    predicted = rest_bytes(
+        row, units, run["tensors"], shard, batch=run["batch"], seq=run["seq"], losses=run["watch_step"]
+    )
+    measured = {k: run["timeline"]["rest"][k] for k in predicted}
+    return {"predicted": predicted, "measured": measured, "equal": predicted == measured}

@@ -1,0 +1,80 @@
+"""The per-operation memory timeline (``timeline.StepTimeline``) against the predictions from the record.
+
+One 2-rank launch watches step 2 of seven strategies (``labs.lab03.timelines_worker``); every
+category at rest, and the model-state peaks that the schedule decides, must equal
+``predict.timeline``'s numbers to the byte: on CPU a storage is numel x element size, no allocator
+rounds it. The backend's copies (gloo's reduce-scatter clone) are waited out before the next
+operation, so none is left unsettled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+from course_utils import strategies
+from course_utils.labs import lab03
+from course_utils.launch import launch
+from course_utils.models import build_model, get_config, param_count
+from course_utils.predict import timeline as predict_timeline
+from course_utils.train import TrainConfig
+
+NPROC, MODEL, WATCH = 2, "tiny", 2
+
+
+@pytest.fixture(scope="module")
+def watched():
+    cfg = TrainConfig(strategy="ddp", nproc=NPROC, model=MODEL, bucket_cap_mb=0.1)
+    return launch(lab03.timelines_worker, nproc=NPROC, args=(asdict(cfg),), echo=False)
+
+
+def _units(name, report):
+    psi = param_count(MODEL)
+    return report["info"].get("units") or [{"name": "(root)", "numel": psi, "padded": psi}]
+
+
+@pytest.mark.parametrize("name", lab03.TIMELINE_STRATEGIES)
+def test_every_category_at_rest_is_predicted_to_the_byte(watched, name):
+    mcfg = get_config(MODEL)
+    tensors = len(list(build_model(mcfg).parameters()))
+    row = strategies.get(name)
+    shard = row.shard_group_size(NPROC, 2) if row.shards_at_rest else 1
+    for rank, out in watched.items():
+        rest = out[name]["timeline"]["rest"]
+        want = predict_timeline.rest_bytes(
+            row, _units(name, out[name]), tensors, shard, batch=TrainConfig().batch, seq=mcfg.seq, losses=WATCH
+        )
+        got = {k: rest[k] for k in want}
+        assert got == want, (name, rank, got, want)
+        assert rest["gathered"] == rest["grads"] == 0, (name, rank, rest)
+        assert out[name]["timeline"]["unsettled"] == 0  # every gloo copy gone before the next operation
+
+
+def test_stage1_peaks_inside_its_reduce_scatter_to_the_byte(watched):
+    psi = param_count(MODEL)
+    for rank, out in watched.items():
+        peak = out["zero1"]["timeline"]["states_peak"]
+        want = predict_timeline.reduce_at_step_states_peak(out["zero1"]["info"]["units"], psi, NPROC)
+        assert peak["states"] == want and peak["where"].startswith("optimizer"), (rank, peak, want)
+        assert peak["hidden"] == 4 * sum(u["padded"] for u in out["zero1"]["info"]["units"])  # gloo's clone
+
+
+def test_shard_grad_op_peaks_in_the_forward_with_the_whole_model_gathered(watched):
+    tensors = len(list(build_model(get_config(MODEL)).parameters()))
+    for rank, out in watched.items():
+        units = out["shard_grad_op"]["info"]["units"]
+        peak = out["shard_grad_op"]["timeline"]["states_peak"]
+        ends = predict_timeline.forward_end_states("shard_grad_op", units, tensors, NPROC)
+        assert peak["where"].startswith("forward") and peak["grads"] == 0, (rank, peak)
+        assert peak["gathered"] == 4 * sum(u["padded"] for u in units)  # the whole model
+        assert peak["states"] == ends + predict_timeline.kept_all_gather_outputs(units), (rank, peak, ends)
+        step = out["shard_grad_op"]["timeline"]["peak"]
+        assert step["where"].startswith("forward")  # the step's peak too: the activations on top of it
+
+
+def test_the_hand_built_stage2_never_holds_every_full_gradient(watched):
+    psi = param_count(MODEL)
+    for out in watched.values():
+        assert out["zero2"]["timeline"]["states_peak"]["grads"] < 4 * psi
+        assert out["zero1"]["timeline"]["states_peak"]["grads"] >= 4 * psi
