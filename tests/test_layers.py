@@ -32,7 +32,8 @@ LAYERS = [
     {"strategies", "checkpoint_state", "checkpoint_files"},  # the record; what each strategy saves; a folder on disk
     {"memory.bill", "memory.chart", "memory.cli"},  # the bill
     {"predict.held", "predict.sent", "predict.runs", "predict"},  # the predictions
-    {"plan.inputs", "plan.network", "plan.price", "plan.offload", "plan.choose", "plan.cli", "plan.hostfit", "plan"},
+    {"plan.inputs", "plan.network", "plan.price", "plan.offload", "plan.choose", "plan.cli", "plan.hostfit", "plan"}
+    | {"plan.shapes", "plan.activations", "plan.implementations", "plan.throughput", "plan.search", "plan.report"},
     {"checkpoint", "launch", "background"},  # complete-only DCP checkpoints; the only place that starts processes
     {"runtypes"},  # TrainConfig, Prepared
     {"loop"},  # the one loop
@@ -59,6 +60,12 @@ ARITHMETIC = {
     "plan.offload",
     "plan.choose",
     "plan.hostfit",
+    "plan.shapes",
+    "plan.activations",
+    "plan.implementations",
+    "plan.throughput",
+    "plan.search",
+    "plan.report",
 }
 
 
