@@ -38,7 +38,13 @@ LAYERS = [
     {"runtypes"},  # TrainConfig, Prepared
     {"loop"},  # the one loop
     {"memory.measure", "memory", "train"},  # the bill on real tensors (one step of the loop); the run and its CLI
-    {"rehearse.tracker", "rehearse.run", "rehearse.predictions"},  # the dress rehearsal
+    {
+        "rehearse.tracker",
+        "rehearse.recompute",
+        "rehearse.run",
+        "rehearse.predictions",
+        "rehearse.calibration",
+    },  # the dress rehearsal
     {"plots.base", "plots.memory_views", "plots.ddp_views", "plots.zero_views", "plots.fsdp_views"},  # views
     {"plots.plan_views", "plots.recovery_views", "plots", "rehearse.views", "rehearse.cli", "rehearse"},
     {"widget_parts", "instant"},  # the parts of every view's controls; the charts that redraw in the browser

@@ -37,7 +37,8 @@ def predict(r: Rehearsal) -> dict:
 
     See ``predict_setting``; this reads the setting from ``r``.
     """
-    return _predict(r.cfg, r.psi, r.nproc, r.strategy, r.node_size, r.micro_batch, r.act_ckpt, r.mixed_precision)
+    ckpt = r.act_ckpt or r.recompute == "full"
+    return _predict(r.cfg, r.psi, r.nproc, r.strategy, r.node_size, r.micro_batch, ckpt, r.mixed_precision)
 
 
 def predict_setting(
