@@ -288,12 +288,12 @@ RANGES: dict[str, dict[str, Range]] = {
     "table": {"mp": _whole(1, MAX_GPUS), "k": Range(0, MAX_K, False)},  # its --dp is a list: see check_command
     "plan": {
         **_SHAPE,
-        "k": Range(0, MAX_K, False),
         "nodes": _whole(1, MAX_NODES),
         "gpus_per_node": _whole(1, MAX_GPUS_PER_NODE),
-        "mp": _whole(1, MAX_GPUS),
         "tflops": Range(0, 1e7, False, True),
         "reserve": Range(0, 0.99, False),
+        "batch": _whole(1, 10**9, "the global batch, in sequences of the model's length"),
+        "mfu": Range(0, 1, False, True, "the achievable fraction of the GPU's peak, e.g. 0.4"),
     },
     "rehearse": {**_SHAPE, "nproc": _whole(1, 1024, "fake ranks: no process is started"), "node_size": _whole(1, 1024)},
     "bench": {

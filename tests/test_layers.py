@@ -33,12 +33,19 @@ LAYERS = [
     {"strategies", "checkpoint_state", "checkpoint_files"},  # the record; what each strategy saves; a folder on disk
     {"memory.bill", "memory.chart", "memory.cli"},  # the bill
     {"predict.held", "predict.sent", "predict.runs", "predict.timeline", "predict"},  # the predictions
-    {"plan.inputs", "plan.network", "plan.price", "plan.offload", "plan.choose", "plan.cli", "plan.hostfit", "plan"},
+    {"plan.inputs", "plan.network", "plan.price", "plan.offload", "plan.choose", "plan.cli", "plan.hostfit", "plan"}
+    | {"plan.shapes", "plan.activations", "plan.implementations", "plan.throughput", "plan.search", "plan.report"},
     {"checkpoint", "launch", "background"},  # complete-only DCP checkpoints; the only place that starts processes
     {"runtypes"},  # TrainConfig, Prepared
     {"loop"},  # the one loop
     {"memory.measure", "memory", "train"},  # the bill on real tensors (one step of the loop); the run and its CLI
-    {"rehearse.tracker", "rehearse.run", "rehearse.predictions"},  # the dress rehearsal
+    {
+        "rehearse.tracker",
+        "rehearse.recompute",
+        "rehearse.run",
+        "rehearse.predictions",
+        "rehearse.calibration",
+    },  # the dress rehearsal
     {"plots.base", "plots.memory_views", "plots.ddp_views", "plots.zero_views", "plots.fsdp_views"}
     | {"plots.timeline_views"},  # views
     {"plots.plan_views", "plots.recovery_views", "plots", "rehearse.views", "rehearse.cli", "rehearse"},
@@ -62,6 +69,12 @@ ARITHMETIC = {
     "plan.offload",
     "plan.choose",
     "plan.hostfit",
+    "plan.shapes",
+    "plan.activations",
+    "plan.implementations",
+    "plan.throughput",
+    "plan.search",
+    "plan.report",
 }
 
 

@@ -217,29 +217,27 @@ def test_parse_bandwidth_bits_and_bytes():
     assert plan.parse_bandwidth(25) == 25e9
 
 
-def test_cli_plan_defaults_and_json(capsys):
+def test_cli_plan_table_fits_100_columns_and_names_what_you_type(capsys):
+    assert main(["plan", "--params", "13B", "--nodes", "2", "--inter-bw", "10Gb/s"]) == 0
+    text = capsys.readouterr().out
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "what you type" in text and "tok/s/GPU" in text and "recompute" in text
+    assert "Recommended (*): fully_shard(reshard_after_forward=True) [full_shard]" in text
+    assert main(["plan", "--params", "13B", "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert "exposed" not in wide.splitlines()[0] and "comm" in wide and "peak at" in wide
+    assert main(["plan", "--params", "8B", "--json", "--batch", "64"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    best = out["best"]
+    assert set(best["time"]["terms"]) == {"compute", "recompute", "exposed comm", "optimizer step", "offload"}
+    assert {"states", "buffers", "activations", "phases", "allocator_reserve", "context"} <= set(best["memory"])
+    assert out["model"]["name"] == "Llama 3 8B" and out["assumed_shape"] == ""
+
+
+def test_cli_plan_a_size_without_a_preset_says_which_shape_it_assumed(capsys):
     assert main(["plan", "--params", "7B"]) == 0
     text = capsys.readouterr().out
-    assert "Recommendation: zero1" in text and "Reason:" in text
-    assert main(["plan", "--params", "70B", "--nodes", "4", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["recommendation"]["strategy"] == "zero3" and out["recommendation"]["reason"]
-    assert set(out["strategies"]) == set(plan.STRATEGIES)
-    z3 = out["strategies"]["zero3"]
-    for key in (
-        "model_states",
-        "activations",
-        "buffers",
-        "total",
-        "fits",
-        "headroom",
-        "block",
-        "step_comm_bytes",
-        "step_s",
-    ):
-        assert key in z3
-    assert main(["plan", "--params", "7B", "--seq", "65536", "--micro-batch", "4", "--no-checkpointing", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["recommendation"]["strategy"] == "none"
+    assert "No preset is called '7B'" in text and "ask for '6.7B'" in text and "GPT-2-style" in text
 
 
 @pytest.mark.parametrize(
@@ -251,6 +249,8 @@ def test_cli_plan_defaults_and_json(capsys):
         (["plan", "--params", "7B", "--intra-bw", "fast"], "--intra-bw"),
         (["plan", "--params", "7X"], "--params"),
         (["plan"], "--params"),
+        (["plan", "--params", "8B", "--batch", "0"], "--batch"),
+        (["plan", "--params", "8B", "--mfu", "1.5"], "--mfu"),
         (["plan", "--layers", "4", "--width", "100", "--heads", "3"], "heads"),
         (["plan", "--params", "1M"], "cannot exist"),
         (["plan", "--params", "7B", "--gpu-mem", "0GB"], "--gpu-mem"),
@@ -379,18 +379,6 @@ def test_fsdp2_cpu_offload_keeps_what_the_planner_says_on_the_cpu(tmp_path, monk
     assert row["pcie_bytes"] / per_param == pytest.approx(2 * 4 + 4)  # plus the fp32 gradient, D2H
 
 
-def test_cli_json_adds_the_offload_rows_and_keeps_its_keys(capsys):
-    assert main(["plan", "--params", "70B", "--json", "--nvme-bw", "10GB/s"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert {"model", "cluster", "k", "strategies", "recommendation", "limits"} <= set(out)
-    assert list(out["offload"]) == list(plan.OFFLOAD_MODES)
-    assert out["recommendation"]["strategy"] == "zero3_offload"  # the meaning of the existing keys is unchanged
-    for row in out["offload"].values():
-        assert {"gpu_bytes", "host_bytes", "nvme_bytes", "pcie_bytes", "optimizer_step", "step_s", "fits"} <= set(row)
-    assert out["cluster"]["nvme_bw"] == 10e9
-    assert "ZeRO-Infinity" in out["offload"]["zero_infinity"]["name"]
-
-
 # ---------------------------------------------------------------------------------------------
 # The all-gather fit (issue 18 item 6)
 # ---------------------------------------------------------------------------------------------
@@ -408,16 +396,28 @@ def _sweep(latency, bandwidth, sizes, spread=0.03, n=2, seed=0):
     ]
 
 
-def test_the_gather_fit_recovers_latency_and_bandwidth_from_the_large_sizes():
+def test_the_gather_fit_recovers_latency_and_bandwidth_over_every_size():
     sizes = [1 << s for s in (12, 16, 19, 21, 22, 23, 24)]
     fit = plan.fit_latency_bandwidth(_sweep(100e-6, 2e9, sizes))
     assert fit["bandwidth"] == pytest.approx(2e9, rel=0.05)
-    assert fit["latency_s"] == pytest.approx(100e-6, rel=0.5)
-    assert fit["explains"]
-    # the latency-bound sizes are not fitted: 4 KB and 64 KB take far less time on the wire than the latency
-    assert {1 << 12, 1 << 16}.isdisjoint(fit["fitted_bytes"]) and (1 << 24) in fit["fitted_bytes"]
+    assert fit["latency_s"] == pytest.approx(100e-6, rel=0.2)
+    assert fit["explains"] and fit["pinned"] is None and fit["fitted_bytes"] == sizes
     point = fit["points"][0]
-    assert point["min_s"] <= point["median_s"] <= point["max_s"] and point["n"] == 9
+    assert point["min_s"] <= point["q1_s"] <= point["median_s"] <= point["q3_s"] <= point["max_s"]
+    assert point["n"] == 9
+
+
+def test_the_gather_fit_cannot_put_the_latency_above_the_smallest_gather():
+    """Issue 32: a latency fitted on the large sizes alone came out four times the 4 KB median. Here every size
+    but the smallest follows a line with a 1 ms latency and the 4 KB gather took 0.3 ms: the latency is pinned
+    at the smallest median, and the verdict against the quartiles says which sizes the line does not explain."""
+    sizes = [1 << s for s in (12, 16, 19, 21, 22, 23)]
+    sweep = _sweep(1e-3, 1e9, sizes, spread=0.05)
+    sweep[0]["readings"] = [0.3 * t for t in sweep[0]["readings"]]
+    fit = plan.fit_latency_bandwidth(sweep)
+    smallest = min(p["median_s"] for p in fit["points"])
+    assert fit["pinned"] == "at the smallest median" and fit["latency_s"] == pytest.approx(smallest)
+    assert fit["sizes_within_quartiles"] < len(sizes) and not fit["explains"]
 
 
 def test_the_gather_fit_says_when_it_does_not_explain_its_points():
@@ -430,8 +430,109 @@ def test_the_gather_fit_says_when_it_does_not_explain_its_points():
         plan.fit_latency_bandwidth(sweep[:1])
 
 
+def test_the_drawn_line_includes_the_latency():
+    bare = plan.overlap_ratio([256.0], 128, flops=1e10, bandwidth=1e9, n=2, bytes_per_param=4)
+    lat = plan.overlap_ratio([256.0], 128, flops=1e10, bandwidth=1e9, n=2, bytes_per_param=4, latency=1e-3)
+    gather = 4 * 12 * 128 * 128 / 2 / 1e9
+    assert lat[0] == pytest.approx(bare[0] * gather / (gather + 1e-3))
+
+
 def test_host_fit_uses_the_sweep_when_given():
     rows = [{"width": 64, "tokens": 64, "fwd_s": 1e-3, "gather_bytes": 1 << 20, "gather_s": 1.0, "world_size": 2}]
     assert plan.host_fit(rows)["gather_bw"] == pytest.approx((1 << 19) / 1.0)
     h = plan.host_fit(rows, _sweep(50e-6, 1e9, [1 << s for s in (20, 22, 24)]))
     assert h["gather_bw"] == pytest.approx(1e9, rel=0.05) and h["gather_fit"]["explains"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The throughput planner (issue 32): the four cases an expert was asked about
+# ---------------------------------------------------------------------------------------------
+
+H100 = plan.GPUS["H100-80GB"]
+
+
+def _search(name: str, nodes: int = 1, inter_bw: float = 400e9, batch: int = 256, **kw) -> dict:
+    from course_utils.presets import preset
+
+    cluster = plan.GPUCluster(H100, gpus_per_node=8, nodes=nodes, inter_bw=inter_bw)
+    return plan.search(plan.shape_of_preset(preset(name)), cluster, batch, **kw)
+
+
+def test_a_preset_means_the_released_model():
+    """One meaning for a name: Ψ counted from the planner's shape is each released checkpoint's count."""
+    from course_utils.presets import PRESETS
+
+    for p in PRESETS.values():
+        assert plan.shape_of_preset(p).params == p.released, p.name
+
+
+def test_case_1_llama2_7b_on_one_node_spends_free_memory_on_speed():
+    """7B on 8 GPUs, 1M-token batch: the answer shards the parameters and recomputes nothing (the old
+    planner's stage 1 with checkpointing at b = 1 was a third slower); full recomputation is never best."""
+    r = _search("6.7B")
+    best = r["best"]
+    assert best["config"]["policy"] == "none" and best["config"]["nodes"] == 1
+    assert plan.BY_KEY[best["impl"]].stage == 3
+    full = [x for x in r["best_per_impl"].values() if x["config"]["policy"] == "full"]
+    assert not full
+    # an independent check of the terms: compute is 6·Ψ·tokens FLOPs (plus attention) at 40% of peak
+    t = best["time"]
+    tokens = t["tokens_per_step"] / 8
+    assert t["terms"]["compute"] == pytest.approx(6 * 6.74e9 * tokens / (0.4 * 989e12), rel=0.08)
+    assert t["terms"]["exposed comm"] < 0.02 * t["step_s"]
+
+
+def test_case_2_llama2_13b_on_two_nodes_over_10gbe_uses_one_node_and_says_what_two_would_give():
+    r = _search("13B", nodes=2, inter_bw=10e9 / 8)
+    assert r["best"]["config"]["nodes"] == 1
+    both = r["best_all_nodes"]
+    assert plan.BY_KEY[both["impl"]].layout == "hybrid"  # on both nodes, only HSDP keeps the gathers in a node
+    assert both["time"]["tokens_per_s_per_gpu"] * 16 < r["best"]["time"]["tokens_per_s_per_gpu"] * 8
+    assert "Using all 2 nodes" in r["fewer_nodes_note"] and "DiLoCo" in r["fewer_nodes_note"]
+    # at 4M tokens, accumulation lets HSDP skip the cross-node all-reduce on 63 of 64 micro-batches
+    big = _search("13B", nodes=2, inter_bw=10e9 / 8, batch=1024)
+    hsdp = big["best_all_nodes"]
+    assert hsdp["config"]["accum"] > 1
+    assert hsdp["time"]["tokens_per_s_per_gpu"] > both["time"]["tokens_per_s_per_gpu"]
+
+
+def test_case_3_stage_1_is_priced_as_the_implementation_that_is_named():
+    """DDP + ZeroRedundancyOptimizer under autocast keeps fp32 weights and gradients and autocast's bf16
+    copies (4 + 4 + 8/N + 2 bytes per parameter, read in torch's source) and sends 1.5x DDP's bytes (an
+    all-reduce, then every shard broadcast); DeepSpeed's stage 1 keeps 2 + 18/N plus its bucket."""
+    from course_utils.presets import preset
+
+    s = plan.shape_of_preset(preset("6.7B"))
+    cluster = plan.GPUCluster(H100)
+    rows = {}
+    for key in ("pt-ddp", "pt-ddp-zero", "ds-1"):
+        c = plan.Config(key, "none", 1, 1, 1, 1 if key.startswith("pt-ddp") else 8)
+        rows[key] = plan.evaluate(s, cluster, plan.BY_KEY[key], c, 0.4)
+    psi = s.params
+    zero = rows["pt-ddp-zero"]
+    assert sum(zero["memory"]["states"].values()) == pytest.approx((4 + 4 + 8 / 8 + 2) * psi)
+    ds = sum(rows["ds-1"]["memory"]["states"].values())
+    assert ds == pytest.approx((2 + 18 / 8) * psi + 2 * 5e8)
+    sent = {k: r["time"]["link_bytes_per_gpu"]["nvlink"] for k, r in rows.items()}
+    assert sent["pt-ddp-zero"] / sent["pt-ddp"] == pytest.approx(1.5)
+    assert not rows["pt-ddp"]["fits"] and zero["fits"]
+    assert zero["memory"]["total"] > rows["ds-1"]["memory"]["total"] + 15e9
+
+
+def test_case_4_llama3_70b_full_shard_with_full_recomputation_and_ties_go_to_headroom():
+    four = _search("70B", nodes=4, batch=512)
+    assert plan.BY_KEY[four["best"]["impl"]].course is strategies.FULL_SHARD
+    assert four["best"]["config"]["policy"] == "full"
+    r = _search("70B", nodes=8, batch=512)
+    best = r["best"]
+    assert best["config"]["policy"] == "full" and best["config"]["nodes"] == 8
+    hsdp = next(x for x in r["best_per_impl"].values() if plan.BY_KEY[x["impl"]].layout == "hybrid")
+    rate = best["time"]["tokens_per_s_per_gpu"]
+    assert hsdp["time"]["tokens_per_s_per_gpu"] >= rate * (1 - plan.TIE)  # as fast...
+    assert best["memory"]["headroom"] > hsdp["memory"]["headroom"] + 20e9  # ...but the tie goes to headroom
+    assert plan.BY_KEY[best["impl"]].course is strategies.FULL_SHARD
+
+
+def test_nothing_fits_says_data_parallelism_cannot_cut_activations():
+    r = _search("70B", batch=8, policies=("none",), micro_batches=(1,))
+    assert r["best"] is None and "tensor, pipeline or context parallelism" in r["why"]

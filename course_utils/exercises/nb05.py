@@ -60,7 +60,8 @@ register(
         "05",
         "model_states_per_gpu",
         "Model-state bytes per GPU",
-        "bytes on the GPU and on the host for every strategy, 6 model sizes and 5 clusters, against plan.memory_breakdown",
+        f"bytes on the GPU and on the host for every strategy, {len(PARAMS)} model sizes and {len(CLUSTERS)} clusters, "
+        "against plan.memory_breakdown",
         task='Write `model_states_per_gpu(params, gpus_per_node, nodes, mp, strategy)` returning `{"gpu": bytes, '
         '"host": bytes}`: the weights, gradients and optimizer state (2 + 2 + 12 bytes per parameter, mixed '
         "precision) that one GPU holds, for every strategy of the planner (`plan.STRATEGIES`), each GPU seeing "
@@ -101,7 +102,8 @@ register(
         "05",
         "decide",
         "The decision rule",
-        "the chosen strategy for 6 model sizes on 5 clusters against plan.plan(...).recommendation, ties "
+        f"the chosen strategy for {len(PARAMS)} model sizes on {len(CLUSTERS)} clusters against plan.plan(...).recommendation, "
+        "ties "
         "within plan.TIE_MARGIN included",
         task="Write `decide(numbers)`: `numbers` maps each applicable strategy (in `plan.STRATEGIES` order: ddp, "
         'zero1, zero2, hybrid_shard, zero3, zero2_offload, zero3_offload) to `{"fits", "total", "step_s"}` from '

@@ -24,7 +24,15 @@ host's rates, ``labs.lab05.block_overlap_worker``, lives with notebook 05's expe
 strategy is a row of the record (``course_utils.strategies``): the planner prices what a row shards,
 offloads and sends, never its name, so it weighs rows the training loop cannot run.
 
-The door to the rooms: ``plan.inputs`` (the model and the cluster), ``plan.network`` (collectives
+The throughput planner (the question a person planning a run asks): ``plan.shapes`` (a preset's shape, the
+GPUs), ``plan.activations`` (what a block keeps per architecture and recomputation policy, with the logits and
+the loss), ``plan.implementations`` (DDP, ZeroRedundancyOptimizer, ``fully_shard`` and DeepSpeed's stages, each
+priced as it holds and sends), ``plan.throughput`` (one configuration's peak and step time, term by term),
+``plan.search`` (implementation x policy x micro-batch x accumulation x nodes x HSDP shard x offload: the most
+tokens per second per GPU that fits) and ``plan.report`` (the table within 100 columns).
+
+The memory-and-overlap plan of the first sections, and the door to its rooms:
+``plan.inputs`` (the model and the cluster), ``plan.network`` (collectives
 and compute as time), ``plan.price`` (one strategy's memory, overlap and step time), ``plan.offload``
 (each library's offload), ``plan.choose`` (the plan and its recommendation), ``plan.cli`` (``python
 -m course_utils plan``) and ``plan.hostfit`` (this host's rates, fitted). The package's own modules
@@ -37,9 +45,11 @@ it". Good enough to see which side of a crossover a run sits on, not to predict 
 
 from __future__ import annotations
 
+from .activations import POLICIES, activation_terms, block_saved_bytes, block_selective_bytes, head_bytes
 from .choose import NOTHING_FITS, OVERLAP_TOKENS, STRATEGIES, STRATEGY_NAMES, TIE_MARGIN, Plan, StrategyPlan, plan
-from .cli import format_plan, parse_bandwidth, plan_arguments, plan_command
-from .hostfit import BANDWIDTH_DOMINATES, fit_latency_bandwidth, host_fit
+from .cli import format_plan, parse_bandwidth, plan_arguments, plan_command, search_from_args
+from .hostfit import fit_latency_bandwidth, host_fit
+from .implementations import BY_KEY, IMPLS, Impl
 from .inputs import HEAD_DIM, WIDTH_STEP, Cluster, ModelSpec, model_spec, shape_block_params, shape_params
 from .network import (
     NETWORK_CLASSES,
@@ -64,8 +74,36 @@ from .price import (
     memory_breakdown,
     step_time,
 )
+from .report import format_search
+from .search import MICRO_BATCHES, TIE, hsdp_shards, search, typed
+from .shapes import GPU, GPUS, MFU_SOURCE, GPUCluster, Shape, shape_for, shape_of_preset
+from .throughput import Config, evaluate
 
 __all__ = [
+    "POLICIES",
+    "activation_terms",
+    "block_saved_bytes",
+    "block_selective_bytes",
+    "head_bytes",
+    "search_from_args",
+    "BY_KEY",
+    "IMPLS",
+    "Impl",
+    "format_search",
+    "MICRO_BATCHES",
+    "TIE",
+    "hsdp_shards",
+    "search",
+    "typed",
+    "GPUS",
+    "MFU_SOURCE",
+    "GPU",
+    "GPUCluster",
+    "Shape",
+    "shape_for",
+    "shape_of_preset",
+    "Config",
+    "evaluate",
     "HEAD_DIM",
     "WIDTH_STEP",
     "Cluster",
@@ -106,7 +144,6 @@ __all__ = [
     "parse_bandwidth",
     "plan_arguments",
     "plan_command",
-    "BANDWIDTH_DOMINATES",
     "fit_latency_bandwidth",
     "host_fit",
 ]

@@ -1,21 +1,26 @@
 """The planner's command line: ``python -m course_utils plan`` (notebook 05).
 
-A thin shell over ``plan.choose.plan``: the same plan the notebook shows, as a text table or JSON.
+A thin shell over ``plan.search.search``: the throughput search the notebook shows, as a table within 100
+columns (``--wide`` for every term) or JSON (``--json``). ``format_plan`` prints the memory-and-overlap plan
+of ``plan.choose.plan`` (notebook 05's first sections).
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import math
 import re
+from dataclasses import replace
 
 from ..errors import CourseInputError
-from ..memory import bill
 from ..strategies import get
-from ..units import GB, fmt_count, parse_bytes, parse_count
-from .choose import Plan, StrategyPlan, plan
-from .inputs import Cluster, ModelSpec, _need, model_spec
+from ..units import GB, fmt_count, parse_bytes
+from .activations import POLICIES
+from .choose import Plan, StrategyPlan
 from .network import network_class
+from .report import format_search
+from .search import MICRO_BATCHES, search
+from .shapes import GPU, GPUS, GPUCluster, shape_for
 
 # ---------------------------------------------------------------------------------------------
 # Command line: `python -m course_utils plan`
@@ -51,80 +56,64 @@ def parse_bandwidth(text, *, name: str = "bandwidth") -> float:
 
 
 def plan_arguments(parser) -> None:
-    """Arguments of ``python -m course_utils plan`` (notebook 05)."""
+    """Arguments of ``python -m course_utils plan`` (notebook 05): the throughput planner's search."""
     m = parser.add_argument_group("model")
-    m.add_argument("--params", help="Ψ, e.g. 7B, 70B, 1.5e9 (or give --layers and --width)")
-    m.add_argument("--layers", type=int, help="L: transformer blocks")
+    m.add_argument(
+        "--params", help="a preset (1.56B, 6.7B, 8B, 13B, 70B: notebook 05b's models) or Ψ, e.g. 30B (a GPT-2 shape)"
+    )
+    m.add_argument("--layers", type=int, help="L: transformer blocks (a GPT-2-style shape)")
     m.add_argument("--width", type=int, help="h: hidden size")
     m.add_argument("--heads", type=int, help="attention heads (default width/128)")
-    m.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
-    m.add_argument("--seq", type=int, default=2048, help="s: sequence length (default 2048)")
-    m.add_argument("--micro-batch", type=int, default=1, help="b: sequences per GPU per micro-batch (default 1)")
-    m.add_argument(
-        "--checkpointing",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="activation checkpointing on (default) or off (--no-checkpointing)",
-    )
-    m.add_argument("--k", type=float, default=bill.ADAM_MIXED_K, help="K: optimizer bytes per parameter (default 12)")
+    m.add_argument("--vocab", type=int, help="vocabulary (a shape without a preset: default 32000)")
+    m.add_argument("--seq", type=int, help="s: sequence length (default: the preset's; else 2048)")
+    b = parser.add_argument_group("what to search")
+    b.add_argument("--batch", type=int, default=256, help="global batch, sequences of length s (default 256)")
+    b.add_argument("--micro-batch", type=int, help="b: fix the micro-batch per GPU (default: search 1 to 32)")
+    b.add_argument("--recompute", choices=POLICIES, help="fix the recomputation policy (default: search all)")
     c = parser.add_argument_group("cluster")
-    d = Cluster()
-    c.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node, help="GPUs per node (default 8)")
-    c.add_argument("--nodes", type=int, default=d.nodes, help="nodes (default 1)")
-    c.add_argument("--gpu-mem", default="80GB", help="memory per GPU (default 80GB; GiB accepted)")
-    c.add_argument("--intra-bw", default="200GB/s", help="per-GPU bandwidth inside a node (default 200GB/s)")
-    c.add_argument("--inter-bw", default="50GB/s", help="per-node bandwidth between nodes (default 50GB/s = 400Gb/s)")
-    c.add_argument("--tflops", type=float, default=d.flops / 1e12, help="achievable TFLOP/s per GPU (default 200)")
-    c.add_argument("--pcie-bw", default="25GB/s", help="per-GPU host link (default 25GB/s, PCIe 4.0 x16)")
-    c.add_argument("--hbm-bw", default="2TB/s", help="GPU memory bandwidth (default 2TB/s)")
-    c.add_argument("--host-mem", default="1000GB", help="CPU memory per node (default 1000GB)")
-    c.add_argument(
-        "--nvme-bw", default="25GB/s", help="a node's NVMe drives together, for ZeRO-Infinity (default 25GB/s)"
+    c.add_argument("--gpu", choices=list(GPUS), default="H100-80GB", help="the GPU (default H100-80GB)")
+    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    c.add_argument("--nodes", type=int, default=1, help="nodes offered; fewer may be the answer (default 1)")
+    c.add_argument("--inter-bw", default="400GB/s", help="per-node network, e.g. 10Gb/s (default 400GB/s = 3.2Tb/s)")
+    c.add_argument("--intra-bw", help="achievable NVLink bandwidth per GPU (default: the GPU's)")
+    c.add_argument("--gpu-mem", help="memory per GPU (default: the GPU's, as nvidia-smi reports it)")
+    c.add_argument("--tflops", type=float, help="dense 16-bit peak TFLOP/s per GPU (default: the GPU's data sheet)")
+    c.add_argument("--mfu", type=float, help="achievable fraction of the peak (default 0.4)")
+    c.add_argument("--host-mem", default="2000GB", help="CPU memory per node, for offload (default 2000GB)")
+    c.add_argument("--reserve", type=float, default=0.10, help="the allocator's reserve, a fraction of the peak")
+    parser.add_argument("--json", action="store_true", help="print one JSON object, every term")
+    parser.add_argument("--wide", action="store_true", help="every term of the step in the table (over 100 columns)")
+
+
+def _gpu_from_args(args) -> GPU:
+    g = GPUS[args.gpu]
+    if args.gpu_mem is not None:
+        g = replace(g, mem=parse_bytes(args.gpu_mem, name="--gpu-mem"))
+    if args.intra_bw is not None:
+        g = replace(g, nvlink_bw=parse_bandwidth(args.intra_bw, name="--intra-bw"))
+    if args.tflops is not None:
+        g = replace(g, peak_flops=args.tflops * 1e12)
+    return g
+
+
+def search_from_args(args) -> tuple[dict, str]:
+    """The search the command line asks for, and which shape it assumed ("" for a preset)."""
+    if args.params is None and not (args.layers and args.width):
+        raise CourseInputError("give --params (a preset such as 8B, or a size such as 30B), or --layers and --width")
+    shape, assumed = shape_for(
+        args.params, layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab, seq=args.seq
     )
-    c.add_argument("--mp", type=int, default=1, help="Nm: model-parallel degree (default 1)")
-    c.add_argument("--reserve", type=float, default=d.reserve, help="fraction of GPU memory kept free (default 0.1)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _cluster_from_args(args) -> Cluster:
-    for name in ("gpus_per_node", "nodes", "mp"):
-        value = getattr(args, name)
-        _need(value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    _need(math.isfinite(args.tflops) and args.tflops > 0, f"--tflops must be positive, got {args.tflops:g}")
-    _need(0 <= args.reserve < 1, f"--reserve must be a fraction in [0, 1), got {args.reserve:g}")
-    return Cluster(
+    cluster = GPUCluster(
+        _gpu_from_args(args),
         gpus_per_node=args.gpus_per_node,
         nodes=args.nodes,
-        gpu_mem=parse_bytes(args.gpu_mem, name="--gpu-mem"),
-        intra_bw=parse_bandwidth(args.intra_bw, name="--intra-bw"),
         inter_bw=parse_bandwidth(args.inter_bw, name="--inter-bw"),
-        flops=args.tflops * 1e12,
-        pcie_bw=parse_bandwidth(args.pcie_bw, name="--pcie-bw"),
-        hbm_bw=parse_bandwidth(args.hbm_bw, name="--hbm-bw"),
         host_mem=parse_bytes(args.host_mem, name="--host-mem"),
-        mp=args.mp,
-        reserve=args.reserve,
-        nvme_bw=parse_bandwidth(getattr(args, "nvme_bw", "25GB/s"), name="--nvme-bw"),
+        allocator_reserve=args.reserve,
     )
-
-
-def _model_from_args(args) -> ModelSpec:
-    for name in ("layers", "width", "heads", "vocab", "seq", "micro_batch"):
-        value = getattr(args, name)
-        _need(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    _need(math.isfinite(args.k) and args.k >= 0, f"--k must be a number of bytes >= 0, got {args.k:g}")
-    params = parse_count(args.params, name="--params") if args.params is not None else None
-    _need(params is not None or (args.layers and args.width), "give --params (e.g. 7B), or --layers and --width")
-    return model_spec(
-        params,
-        layers=args.layers,
-        width=args.width,
-        heads=args.heads,
-        vocab=args.vocab,
-        seq=args.seq,
-        micro_batch=args.micro_batch,
-        checkpointing=args.checkpointing,
-    )
+    policies = (args.recompute,) if args.recompute else POLICIES
+    micro = (args.micro_batch,) if args.micro_batch else MICRO_BATCHES
+    return search(shape, cluster, args.batch, mfu=args.mfu, policies=policies, micro_batches=micro), assumed
 
 
 def _label(sp: StrategyPlan) -> str:
@@ -197,9 +186,10 @@ def format_plan(p: Plan) -> str:
 
 
 def plan_command(args) -> int:
-    """Print the plan for a model on a cluster (notebook 05)."""
-    model = _model_from_args(args)
-    cluster = _cluster_from_args(args)
-    p = plan(model, cluster, k=args.k)
-    print(p.to_json() if args.json else format_plan(p))
+    """Print the throughput plan for a model on a cluster (notebook 05)."""
+    result, assumed = search_from_args(args)
+    if args.json:
+        print(json.dumps({**result, "assumed_shape": assumed}, default=float))
+    else:
+        print(format_search(result, wide=args.wide, assumed=assumed))
     return 0

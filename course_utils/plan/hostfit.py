@@ -13,73 +13,65 @@ from .inputs import _need
 # Measured on this host (notebook 05): a block's compute against an all-gather of its parameters
 # ---------------------------------------------------------------------------------------------
 
-#: A size is bandwidth-bound when its bytes take at least this many times the latency on the wire (three
-#: quarters of its time): nearer the latency, per-call overheads the line does not model show up (a 64 KB
-#: gather with bytes/bandwidth just above the latency fell below its measured range here).
-BANDWIDTH_DOMINATES = 3.0
+
+def _spread(readings) -> dict:
+    """Median, range and quartiles of one size's readings (``statistics.quantiles``, inclusive): one slow
+    reading widens the range but not the quartiles, so the fit is judged against the quartiles."""
+    import statistics
+
+    from ..instrument import spread
+
+    out = spread(readings)
+    q1, _, q3 = statistics.quantiles(sorted(readings), n=4, method="inclusive")
+    return {**out, "q1": q1, "q3": q3}
 
 
 def fit_latency_bandwidth(sweep: list) -> dict:
     """Latency and bandwidth of a collective, t = latency + received bytes / bandwidth, fitted from
-    ``labs.lab05.block_overlap_worker``'s sweep, and whether the fit explains its points (notebook 05).
+    ``labs.lab05.block_overlap_worker``'s sweep over every size, and judged against each size's spread
+    (notebook 05).
 
-    Each size's readings give a median and a range (``instrument.spread``). The fit is least squares in
-    relative terms (each point weighs by 1/median², so small sizes count as much as large ones)
-    over the sizes where bandwidth dominates: received bytes / bandwidth at least
-    ``BANDWIDTH_DOMINATES`` times the latency,
-    chosen again after each fit until the choice settles (the three largest sizes if fewer qualify:
-    a line through two points would explain them whatever they were).
-    A negative latency (noise at the small end) is refitted as zero. ``explains``: every fitted
-    size's prediction lies inside that size's measured range.
-    Returns ``{"latency_s", "bandwidth", "points": [{"bytes", "received_bytes", "median_s", "min_s",
-    "max_s", "n", "predicted_s", "fitted", "within"}], "fitted_bytes", "explains"}``.
+    Least squares in relative terms (each size weighs 1/median², so a 4 KB gather counts as much as an 8 MB
+    one), with 0 <= latency <= the smallest measured median: a collective cannot take longer to start than
+    the smallest one took in all. When the free fit breaks a bound the latency is pinned there and the
+    bandwidth refitted. Verdict: each size's prediction against its quartiles (``within_quartiles``) and its
+    range (``within``); ``explains``: every size inside its range.
+    Returns ``{"latency_s", "bandwidth", "latency_bound_s", "pinned", "points": [{"bytes", "received_bytes",
+    "median_s", "min_s", "max_s", "q1_s", "q3_s", "n", "predicted_s", "within", "within_quartiles"}],
+    "fitted_bytes", "sizes_within_quartiles", "explains"}``.
     """
-    from ..instrument import spread
-
     _need(len(sweep) >= 2, "the fit needs at least two sizes of all-gather readings")
     pts = []
     for r in sorted(sweep, key=lambda r: r["bytes"]):
         n = r["world_size"]
         _need(n >= 2, "a collective over one rank moves nothing: measure with two or more ranks")
-        pts.append(
-            {
-                "bytes": r["bytes"],
-                "received_bytes": r["bytes"] * (n - 1) / n,
-                **{f"{k}_s" if k != "n" else k: v for k, v in spread(r["readings"]).items()},
-            }
-        )
-
-    def fit(chosen):
-        xs = [p["received_bytes"] for p in chosen]
-        ts = [p["median_s"] for p in chosen]
-        ws = [1.0 / t**2 for t in ts]
-        sw, sx, sxx = sum(ws), sum(w * x for w, x in zip(ws, xs)), sum(w * x * x for w, x in zip(ws, xs))
-        st, sxt = sum(w * t for w, t in zip(ws, ts)), sum(w * x * t for w, x, t in zip(ws, xs, ts))
-        det = sw * sxx - sx * sx
-        a, c = ((sxx * st - sx * sxt) / det, (sw * sxt - sx * st) / det) if det > 0 else (0.0, sxt / sxx)
-        if a < 0 or c <= 0:  # noise at the small end: a line through the origin
-            a, c = 0.0, sxt / sxx
-        return a, c
-
-    least = min(3, len(pts))  # a line through two points explains them whatever they are: fit three or more
-    chosen = pts[-least:]
-    for _ in range(len(pts)):
-        a, c = fit(chosen)
-        again = [p for p in pts if p["received_bytes"] * c >= BANDWIDTH_DOMINATES * a]
-        again = again if len(again) >= least else pts[-least:]
-        if again == chosen:
-            break
-        chosen = again
+        _need(len(r["readings"]) >= 2, "each size needs two or more readings to have a spread")
+        pts.append({"bytes": r["bytes"], "received_bytes": r["bytes"] * (n - 1) / n,
+                    **{k if k == "n" else f"{k}_s": v for k, v in _spread(r["readings"]).items()}})  # fmt: skip
+    xs, ts = [p["received_bytes"] for p in pts], [p["median_s"] for p in pts]
+    ws = [1.0 / t**2 for t in ts]
+    sw, sx, sxx = sum(ws), sum(w * x for w, x in zip(ws, xs)), sum(w * x * x for w, x in zip(ws, xs))
+    st, sxt = sum(w * t for w, t in zip(ws, ts)), sum(w * x * t for w, x, t in zip(ws, xs, ts))
+    det = sw * sxx - sx * sx
+    a, c = ((sxx * st - sx * sxt) / det, (sw * sxt - sx * st) / det) if det > 0 else (0.0, sxt / sxx)
+    bound, pinned = min(ts), None
+    if a > bound or a < 0:
+        a, pinned = (bound, "at the smallest median") if a > bound else (0.0, "at zero")
+        c = sum(w * x * (t - a) for w, x, t in zip(ws, xs, ts)) / sxx
+    _need(c > 0, "the readings do not grow with size: no bandwidth can be fitted (measure larger sizes)")
     for p in pts:
         p["predicted_s"] = a + c * p["received_bytes"]
-        p["fitted"] = p in chosen
         p["within"] = p["min_s"] <= p["predicted_s"] <= p["max_s"]
+        p["within_quartiles"] = p["q1_s"] <= p["predicted_s"] <= p["q3_s"]
     return {
         "latency_s": a,
         "bandwidth": 1.0 / c,
+        "latency_bound_s": bound,
+        "pinned": pinned,
         "points": pts,
-        "fitted_bytes": [p["bytes"] for p in chosen],
-        "explains": all(p["within"] for p in chosen),
+        "fitted_bytes": [p["bytes"] for p in pts],
+        "sizes_within_quartiles": sum(p["within_quartiles"] for p in pts),
+        "explains": all(p["within"] for p in pts),
     }
 
 

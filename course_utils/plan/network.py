@@ -161,12 +161,21 @@ def overlap_curve(model: ModelSpec, cluster: Cluster, tokens) -> dict:
 
 
 def overlap_ratio(
-    tokens, width: int, *, flops: float, bandwidth: float, n: int, bytes_per_param: float = 2, seq: int = 0
+    tokens,
+    width: int,
+    *,
+    flops: float,
+    bandwidth: float,
+    n: int,
+    bytes_per_param: float = 2,
+    seq: int = 0,
+    latency: float = 0.0,
 ):
     """A block's forward compute time divided by the all-gather time of its parameters, for
     ``tokens`` = b·s per micro-batch (notebook 05). Above 1 the gather hides.
 
-    compute = (24h² + 4sh)·tokens / FLOP/s; gather = bytes_per_param·12h²·(n − 1)/n / bandwidth.
+    compute = (24h² + 4sh)·tokens / FLOP/s; gather = latency + bytes_per_param·12h²·(n − 1)/n / bandwidth
+    (``latency``: a measured line's, e.g. ``host_fit``'s; a GPU's few microseconds are left out).
     With s small next to 6h the width cancels: the crossover sits near
     tokens ≈ FLOP/s · bytes_per_param · (n − 1)/n / (2 · bandwidth), whatever the model's size.
     """
@@ -175,5 +184,6 @@ def overlap_ratio(
     tokens = np.asarray(tokens, dtype=float)
     _need(flops > 0 and bandwidth > 0 and n >= 2 and width >= 1, "flops, bandwidth, width must be positive and n >= 2")
     compute = (24.0 * width * width + 4.0 * seq * width) * tokens / flops
-    gather = bytes_per_param * 12.0 * width * width * (n - 1) / n / bandwidth
+    _need(latency >= 0, "latency must be >= 0 seconds")
+    gather = latency + bytes_per_param * 12.0 * width * width * (n - 1) / n / bandwidth
     return compute / gather

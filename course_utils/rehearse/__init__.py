@@ -28,7 +28,9 @@ The door to the rooms: ``rehearse.run`` (the rehearsal: one step of the course's
 ``FSDPMemTracker``, feature-detected and made cheaper: same records, half the time, a test holds it
 against the stock class), ``rehearse.predictions`` (the planner's side of each setting, and how
 closely the two agree), ``rehearse.views`` (tables and charts of numbers the others computed) and
-``rehearse.cli`` (``python -m course_utils rehearse``). The package's own modules import the rooms.
+``rehearse.cli`` (``python -m course_utils rehearse``); ``rehearse.recompute`` (the planner's recomputation
+policies, applied before ``fully_shard``) and ``rehearse.calibration`` (the throughput planner against the
+rehearsal, term by term, before and after calibration, with the CPU kernels' share). The package's own modules import the rooms.
 
 ``labs.lab05b.bridge`` holds the rehearsal against a real run: the same wrapping on 2 or 4 gloo ranks of
 the tiny course model, bytes counted on the real shards with ``instrument.tensor_bytes``.
@@ -37,6 +39,7 @@ the tiny course model, bytes counted on the real shards with ``instrument.tensor
 from __future__ import annotations
 
 from ..presets import ALIASES, NOT_THEIR_SIZE, PRESETS, GPTConfig, Preset, preset
+from .calibration import TERMS, calibration_rows, measured_terms, planner_terms
 from .cli import rehearse_arguments, rehearse_command
 from .predictions import (
     BLOCK_SAVED_PER_TOKEN_WIDTH,
@@ -53,6 +56,7 @@ from .predictions import (
     predict_setting,
     summary_rows,
 )
+from .recompute import check_policy, wrap_blocks
 from .run import (
     MAX_NPROC,
     PRECISIONS,
@@ -94,6 +98,12 @@ from .views import (
 )
 
 __all__ = [
+    "TERMS",
+    "calibration_rows",
+    "measured_terms",
+    "planner_terms",
+    "check_policy",
+    "wrap_blocks",
     "CATEGORIES",
     "PART_COLORS",
     "PARTS",

@@ -43,6 +43,9 @@ def rehearse_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     parser.add_argument("--act-ckpt", action="store_true", help="activation checkpointing on every block")
     parser.add_argument(
+        "--recompute", default="none", help="a recomputation policy: none, full, selective or every:K (default none)"
+    )
+    parser.add_argument(
         "--mixed-precision",
         default="bf16",
         choices=PRECISIONS,
@@ -71,6 +74,7 @@ def rehearse_command(args) -> int:
         micro_batch=args.micro_batch,
         act_ckpt=args.act_ckpt,
         mixed_precision=args.mixed_precision,
+        recompute=args.recompute,
     )
     if args.json:
         out = r.to_dict()

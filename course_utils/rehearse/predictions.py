@@ -37,7 +37,8 @@ def predict(r: Rehearsal) -> dict:
 
     See ``predict_setting``; this reads the setting from ``r``.
     """
-    return _predict(r.cfg, r.psi, r.nproc, r.strategy, r.node_size, r.micro_batch, r.act_ckpt, r.mixed_precision)
+    ckpt = r.act_ckpt or r.recompute == "full"
+    return _predict(r.cfg, r.psi, r.nproc, r.strategy, r.node_size, r.micro_batch, ckpt, r.mixed_precision)
 
 
 def predict_setting(
@@ -49,6 +50,7 @@ def predict_setting(
     micro_batch: int = 1,
     act_ckpt: bool = False,
     mixed_precision: str = "bf16",
+    recompute: str = "none",
 ) -> dict:
     """The planner's bytes per rank before any rehearsal: the "predict" of predict-then-run (notebook 05b).
 
@@ -59,10 +61,14 @@ def predict_setting(
     assumes mixed precision; for fp32 the items are rescaled to 4-byte weights, gradients,
     activations and gathers, and K = 8 (plain fp32 Adam). Returns ``{"weights", "gradients",
     "optimizer", "model_states", "activations", "buffers", "total", "stage", "nd", "psi"}``.
+    This first planner knows two recomputation policies: none, and full (``act_ckpt``, or ``recompute="full"``);
+    for "selective" and "every:K" it books no recomputation (the throughput planner prices them:
+    ``rehearse.calibration``).
     """
     cfg = model_config(model)
     check_setting(nproc, strategy, node_size, micro_batch, mixed_precision)
-    return _predict(cfg, param_count(cfg), nproc, strategy, node_size, micro_batch, act_ckpt, mixed_precision)
+    ckpt = act_ckpt or recompute == "full"
+    return _predict(cfg, param_count(cfg), nproc, strategy, node_size, micro_batch, ckpt, mixed_precision)
 
 
 def _predict(cfg, psi, nproc, strategy, node_size, micro_batch, act_ckpt, mixed_precision) -> dict:

@@ -26,6 +26,7 @@ from ..models import get_config
 from ..presets import PRESETS, GPTConfig, preset
 from ..strategies import FSDP_STRATEGIES, FULL_SHARD, get_fsdp, shard_group_size
 from ..units import fmt_count
+from .recompute import check_policy, wrap_blocks
 from .tracker import PARTS, TrackedStep, _categories, _category_peaks, require_tracker, tracker_class
 
 PRECISIONS = ("bf16", "fp32")
@@ -166,6 +167,7 @@ class Rehearsal:
     wall_s: float
     torch_version: str
     label: str = ""
+    recompute: str = "none"  # the planner's policy: "none", "full", "selective", "every:K"
 
     @property
     def nd(self) -> int:
@@ -199,6 +201,7 @@ def rehearse(
     mixed_precision: str = "bf16",
     label: str = "",
     stock_tracker: bool = False,
+    recompute: str = "none",
 ) -> Rehearsal:
     """One optimizer step of ``model`` under FSDP2 on ``nproc`` fake ranks, tracked (notebook 05b).
 
@@ -208,7 +211,9 @@ def rehearse(
         strategy: "no_shard", "shard_grad_op", "full_shard" or "hybrid_shard".
         node_size: ranks per node: the shard group of hybrid_shard.
         micro_batch: sequences per rank per step (each ``cfg.seq`` tokens).
-        act_ckpt: activation checkpointing on every block.
+        act_ckpt: activation checkpointing on every block (torch's composable ``checkpoint``).
+        recompute: a recomputation policy of the planner ("none", "full", "selective", "every:K"),
+            applied with ``checkpoint_wrapper`` (``rehearse.recompute``); not with ``act_ckpt``.
         mixed_precision: "bf16" (bf16 compute, fp32 reduce, fp32 shards) or "fp32".
         stock_tracker: use torch's ``FSDPMemTracker`` as it is rather than ``tracker_class()``
             (same numbers, slower; for checking).
@@ -218,6 +223,9 @@ def rehearse(
     """
     cfg = model_config(model)
     check_setting(nproc, strategy, node_size, micro_batch, mixed_precision)
+    recompute = check_policy(recompute)
+    if act_ckpt and recompute != "none":
+        raise CourseInputError("act_ckpt is full recomputation already; give act_ckpt or recompute, not both")
     require_tracker()
     import torch
     import torch.distributed as dist
@@ -242,6 +250,7 @@ def rehearse(
         with torch.device("meta"):
             net = GPT(cfg)
         psi = sum(p.numel() for p in net.parameters())
+        wrap_blocks(net, recompute)
         net = row.apply(net, mesh, apply_options(row, mixed_precision, node_size, act_ckpt=act_ckpt))
         with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
             warnings.simplefilter("ignore")  # FakeTensor's data_ptr and checkpoint notices
@@ -280,23 +289,30 @@ def rehearse(
         after_step=after_step,
         wall_s=time.perf_counter() - start,
         torch_version=torch.__version__,
-        label=label or _default_label(strategy, act_ckpt),
+        label=label or _default_label(strategy, act_ckpt, recompute),
+        recompute="full" if act_ckpt else recompute,
     )
 
 
-def _default_label(strategy: str, act_ckpt: bool) -> str:
-    return get_fsdp(strategy).fsdp1_name + (" + act. ckpt" if act_ckpt else "")
+def _default_label(strategy: str, act_ckpt: bool, recompute: str = "none") -> str:
+    extra = " + act. ckpt" if act_ckpt else ("" if recompute == "none" else f" + {recompute} recomputation")
+    return get_fsdp(strategy).fsdp1_name + extra
 
 
 def parse_setting(text: str) -> dict:
-    """ "full_shard", "shard_grad_op+ckpt"...: a strategy, "+ckpt" for activation checkpointing (notebook 05b)."""
+    """ "full_shard", "shard_grad_op+ckpt", "full_shard+selective", "full_shard+every4"...: a strategy, then
+    "+ckpt" for activation checkpointing, or a recomputation policy ("+full", "+selective", "+everyK")
+    (notebook 05b)."""
     name, _, extra = str(text).strip().partition("+")
-    if name not in FSDP_STRATEGIES or extra not in ("", "ckpt"):
+    policy = "every:" + extra[5:] if extra.startswith("every") else extra
+    known = extra in ("", "ckpt") or (policy in ("full", "selective") or policy.startswith("every:"))
+    if name not in FSDP_STRATEGIES or not known or (policy.startswith("every:") and not policy[6:].isdigit()):
         raise CourseInputError(
-            f"cannot read setting {text!r}; write a strategy ({', '.join(FSDP_STRATEGIES)}), "
-            "optionally followed by +ckpt, e.g. 'full_shard+ckpt'"
+            f"cannot read setting {text!r}; write a strategy ({', '.join(FSDP_STRATEGIES)}), optionally followed "
+            "by +ckpt or a recomputation policy (+full, +selective, +every4), e.g. 'full_shard+selective'"
         )
-    return {"strategy": name, "act_ckpt": extra == "ckpt"}
+    recompute = "none" if extra in ("", "ckpt") else policy
+    return {"strategy": name, "act_ckpt": extra == "ckpt", "recompute": recompute}
 
 
 def rehearse_settings(
@@ -324,6 +340,7 @@ def rehearse_settings(
             micro_batch=micro_batch,
             act_ckpt=s["act_ckpt"],
             mixed_precision=mixed_precision,
+            recompute=s["recompute"],
         )
         for s in parsed
     ]

@@ -1,0 +1,270 @@
+"""What the throughput planner prices: concrete implementations, each as it holds and sends (notebook 05).
+
+A ZeRO stage is a row of the paper; what a person runs is an implementation, and each holds and sends
+something else (read in the libraries' source; torch 2.13, DeepSpeed 0.19):
+
+- ``DistributedDataParallel`` under ``torch.autocast``: fp32 weights, fp32 gradients (one copy with
+  ``gradient_as_bucket_view=True``; the default ``False`` keeps the buckets as a second), Adam's 8 bytes, and
+  autocast's bf16 casts of the weights, cached inside the region from forward to backward (2Ψ).
+- DDP + ``ZeroRedundancyOptimizer``: the same, Adam sharded; its ``step()`` all-reduces nothing more but
+  broadcasts every rank's updated shard (``_sync_params``, ``zero_redundancy_optimizer.py``): 1.5x DDP's bytes.
+- ``fully_shard`` (FSDP2) with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: fp32 shards of
+  weights, gradients and Adam (16Ψ/S), bf16 units gathered one or two at a time, an fp32 reduce-scatter input
+  per block; on a 2-D mesh (HSDP) ``set_requires_all_reduce(False)`` skips the cross-replica all-reduce on
+  accumulation micro-batches, at the price of an fp32 shard-sized partial sum kept across them.
+- DeepSpeed ZeRO stages (bf16): 2Ψ of bf16 weights plus 18Ψ/N of partitions (fp32 master, Adam, fp32 and bf16
+  gradient partitions; ``estimate_zero2_model_states_mem_needs``), its reduce buckets (``reduce_bucket_size``
+  5e8 elements), stage 1 keeping whole bf16 gradients across accumulation micro-steps.
+
+A row carries its behaviour (``states``, ``buffers``, ``comm``) as callables, and its course row (a
+``Strategy`` of the record) for the course's name; the planner branches on no name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .. import strategies as rec
+from ..strategy_spec import Strategy
+from .shapes import Shape
+
+DS_REDUCE_BUCKET = 5e8  # elements: reduce_bucket_size's default (deepspeed/runtime/zero/config.py)
+DS_PREFETCH = 5e7  # elements: stage3_prefetch_bucket_size's default
+DDP_BUCKET = 25 * 2**20  # bytes: bucket_cap_mb=25
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation a person can run, priced as it holds and sends.
+
+    ``course``: the record's row it implements (the course's name); ``typed``: what a user types;
+    ``short``: the same in at most 40 characters (``{mesh}`` filled in for a 2-D mesh); ``stage``: what it
+    shards (0 nothing, 1 optimizer, 2 and gradients, 3 and parameters); ``layout``: over whom one state is
+    sharded ("replicated", "world", or "hybrid": a shard group inside a 2-D mesh); ``offload``: "",
+    "optimizer" (DeepSpeed's ``offload_optimizer``) or "all" (FSDP2's ``CPUOffloadPolicy``);
+    ``states(s, impl, n, shard, accum)``, ``buffers(s, impl)``: bytes per GPU by term; ``comm(...)``:
+    exposed seconds and bytes per link; ``fresh_grads(s, n, shard)``: the part of the states backward creates
+    (gradients are freed after each step); ``holds_head_grad``: the head's bf16 gradient waits for the root
+    unit (reduced last); ``step_copy``: bytes per updated parameter written besides Adam's (DeepSpeed's bf16
+    copy)."""
+
+    key: str
+    course: Strategy
+    typed: str
+    short: str
+    stage: int
+    layout: str
+    states: Callable
+    buffers: Callable
+    comm: Callable
+    fresh_grads: Callable
+    options: str = ""
+    reshard_after_forward: bool = True
+    offload: str = ""
+    holds_head_grad: bool = False
+    step_copy: int = 0
+    reduce_bytes: int = 4
+
+    def shard(self, n: int, shard: int) -> int:
+        """The GPUs one state is sharded over."""
+        return {"replicated": 1, "world": n, "hybrid": shard}[self.layout]
+
+    def optimizer_share(self, n: int, shard: int) -> int:
+        """The GPUs Adam's state is split over (the optimizer step updates Ψ over this)."""
+        return 1 if self.stage == 0 else (n if self.layout == "replicated" else self.shard(n, shard))
+
+
+# --------------------------------------------------------------------------------------------- states
+
+
+def _replicated_states(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> dict:
+    P = s.params
+    return {
+        "fp32 parameters": 4 * P,
+        "fp32 gradients (bucket view)": 4 * P,
+        "Adam moments" + (" (1/N)" if impl.stage else ""): 8 * P / impl.optimizer_share(n, shard),
+        "autocast bf16 weight copies (fwd->bwd)": 2 * P,
+    }
+
+
+def _fsdp2_states(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> dict:
+    P, S = s.params, impl.shard(n, shard)
+    out = {"fp32 parameter shards": 4 * P / S, "Adam moments": 8 * P / S, "fp32 gradient shards": 4 * P / S}
+    if impl.offload:
+        out = {"(host) fp32 parameter shards": 0.0, "(host) Adam": 0.0, "(host) gradient shards": 0.0}
+    if impl.layout == "hybrid" and accum > 1:
+        out["HSDP partial reduce (fp32, kept across micro-batches)"] = 4 * P / S
+    if not impl.reshard_after_forward:
+        out["bf16 parameters held fwd->bwd (all units)"] = 2 * (P - s.root_params)
+    return out
+
+
+def _deepspeed_states(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> dict:
+    P = s.params
+    if impl.stage == 3:
+        partitions = 4 * P / n if impl.offload else 18 * P / n
+        return {
+            "bf16 parameter partitions + fp32 master + Adam + gradient partitions": partitions,
+            "reduce buckets (overlap_comm: two), bf16": 2 * 2 * min(DS_REDUCE_BUCKET, P),
+            "prefetch bucket, bf16": 2 * min(DS_PREFETCH, P),
+        }
+    out = {
+        "bf16 parameters": 2 * P,
+        "fp32 master + Adam + fp32/bf16 gradient partitions": (2 if impl.offload else 18) * P / n,
+        "IPG reduce bucket(s), bf16": 2 * min(DS_REDUCE_BUCKET, P) * (2 if impl.stage == 2 else 1),
+    }
+    if impl.stage == 1 and accum > 1:
+        out["bf16 gradients kept across micro-steps"] = 2 * P
+    return out
+
+
+def _replicated_fresh(s: Shape, n: int, shard: int) -> float:
+    return 4 * s.params
+
+
+def _sharded_fresh(s: Shape, n: int, shard: int) -> float:
+    return 4 * s.params / shard
+
+
+def _no_fresh(s: Shape, n: int, shard: int) -> float:
+    return 0.0
+
+
+# --------------------------------------------------------------------------------------------- buffers
+
+
+def _no_buffers(s: Shape, impl: Impl) -> dict:
+    return {}
+
+
+def _fsdp2_buffers(s: Shape, impl: Impl) -> dict:
+    out = {"root bf16 parameters (not resharded after forward)": 2 * s.root_params}
+    if impl.reshard_after_forward:
+        out["two gathered blocks, bf16"] = 2 * 2 * s.block_params
+    out["a block's bf16 gradient"] = 2 * s.block_params
+    out["a block's reduce-scatter input, fp32"] = 4 * s.block_params
+    return out
+
+
+def _deepspeed3_buffers(s: Shape, impl: Impl) -> dict:
+    return {
+        "two gathered blocks, bf16": 2 * 2 * s.block_params,
+        "a block's bf16 gradient": 2 * s.block_params,
+        "root bf16 parameters (not resharded after forward)": 2 * s.root_params,
+    }
+
+
+# --------------------------------------------------------------------------------------------- traffic
+
+
+def _allreduce_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:
+    """DDP: fp32 gradients all-reduced in 25 MB buckets during the last micro-batch's backward (``no_sync``
+    on the others); ZeroRedundancyOptimizer then broadcasts every shard after the step (exposed)."""
+    link = t.link(t.n, c.nodes > 1)
+    if not link:
+        return 0.0, {}
+    bw, lat = link
+    P, n = s.params, t.n
+    ar_bytes = 2 * (n - 1) / n * 4 * P
+    ar = ar_bytes / bw + lat * math.ceil(4 * P / DDP_BUCKET)
+    exposed = max(0.0, ar - t.backward_window(False) - 2 * t.head) + DDP_BUCKET * 2 * (n - 1) / n / bw
+    sent = ar_bytes
+    if impl.stage:
+        bc_bytes = (n - 1) / n * 4 * P
+        exposed += bc_bytes / bw + lat * n
+        sent += bc_bytes
+    return exposed, {t.wire(c.nodes > 1): sent}
+
+
+def _unit_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:
+    """Parameters gathered per unit (bf16) and gradients reduce-scattered per unit (FSDP2 in fp32, DeepSpeed
+    in bf16); the next unit's gather hides behind this unit's forward, gather and reduce-scatter behind the
+    block's backward. On a 2-D mesh the cross-replica all-reduce runs once per step, per unit, on the other
+    link, overlapping the rest of the backward."""
+    S = c.shard
+    spans = S > t.gpus_per_node
+    link = t.link(S, spans)
+    exposed, sent = 0.0, {}
+    P, Pb, Pr, L = s.params, s.block_params, s.root_params, s.layers
+    if link:
+        bw, lat = link
+        gathers = 2 if (impl.stage == 3 and impl.reshard_after_forward) else 1
+        ag = 2 * Pb * (S - 1) / S / bw + lat
+        rs = impl.reduce_bytes * Pb * (S - 1) / S / bw + lat
+        forward = 2 * Pr * (S - 1) / S / bw + lat + ag + (L - 1) * max(0.0, ag - t.f_blk)
+        root_rs = impl.reduce_bytes * Pr * (S - 1) / S / bw + lat
+        backward = L * max(0.0, (gathers - 1) * ag + rs - t.block_backward) + root_rs
+        exposed = c.accum * (forward + backward)
+        sent[t.wire(spans)] = c.accum * (gathers * 2 + impl.reduce_bytes) * P * (S - 1) / S
+    if impl.layout == "hybrid" and t.n > S:
+        R = t.n // S
+        crosses = c.nodes > 1
+        node_bw = t.cluster.inter_bw if crosses else t.cluster.gpu.nvlink_bw * t.gpus_per_node
+        lat = t.cluster.inter_latency if crosses else t.cluster.intra_latency
+        # every GPU of a node all-reduces its fp32 shard with its replicas at once, over the node's cards
+        ar = 2 * (R - 1) / R * 4 * P / S * t.gpus_per_node / node_bw + lat * (L + 1)
+        exposed += max(0.0, ar - t.backward_window(True)) + ar / (L + 1)
+        key = t.wire(crosses)
+        sent[key] = sent.get(key, 0.0) + 2 * (R - 1) / R * 4 * P / S
+    return exposed, sent
+
+
+def _bucket_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:
+    """DeepSpeed stages 1 and 2: bf16 gradients reduced in buckets (stage 2 every micro-step, stage 1 at the
+    accumulation boundary), the updated bf16 parameters all-gathered after the step (exposed)."""
+    link = t.link(t.n, c.nodes > 1)
+    if not link:
+        return 0.0, {}
+    bw, lat = link
+    P, n = s.params, t.n
+    rs = 2 * P * (n - 1) / n / bw + lat * math.ceil(P / DS_REDUCE_BUCKET)
+    ag = 2 * P * (n - 1) / n / bw + lat
+    reduces = c.accum if impl.stage == 2 else 1
+    exposed = reduces * (max(0.0, rs - t.backward_window(False)) + 2 * DS_REDUCE_BUCKET * (n - 1) / n / bw) + ag
+    return exposed, {t.wire(c.nodes > 1): (reduces + 1) * 2 * P * (n - 1) / n}
+
+
+# --------------------------------------------------------------------------------------------- the rows
+
+_REPLICATED = dict(layout="replicated", states=_replicated_states, buffers=_no_buffers, comm=_allreduce_comm)
+_REPLICATED["fresh_grads"] = _replicated_fresh
+_FSDP2 = dict(states=_fsdp2_states, buffers=_fsdp2_buffers, comm=_unit_comm, fresh_grads=_sharded_fresh)
+_FSDP2.update(holds_head_grad=True, options="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
+_DS = dict(layout="world", states=_deepspeed_states, fresh_grads=_no_fresh, step_copy=2, reduce_bytes=2)
+_DS12 = dict(_DS, buffers=_no_buffers, comm=_bucket_comm)
+_DS3 = dict(_DS, buffers=_deepspeed3_buffers, comm=_unit_comm)
+_CPU_ADAM = "DeepSpeedCPUAdam on the host"
+
+IMPLS: tuple[Impl, ...] = (
+    Impl("pt-ddp", rec.DDP, "DistributedDataParallel + torch.autocast(bfloat16)", "DistributedDataParallel", 0,
+         options="gradient_as_bucket_view=True (the default False keeps a second fp32 gradient copy: +4 bytes/param)",
+         **_REPLICATED),
+    Impl("pt-ddp-zero", rec.TORCH_ZERO1, "DDP + ZeroRedundancyOptimizer(AdamW) + torch.autocast(bfloat16)",
+         "DDP + ZeroRedundancyOptimizer", 1,
+         options="gradient_as_bucket_view=True; every shard broadcast after each step", **_REPLICATED),
+    Impl("pt-fsdp2-keep", rec.SHARD_GRAD_OP, "fully_shard(reshard_after_forward=False)",
+         "fully_shard(reshard_after_forward=False)", 2, "world", reshard_after_forward=False, **_FSDP2),
+    Impl("pt-fsdp2", rec.FULL_SHARD, "fully_shard(reshard_after_forward=True)",
+         "fully_shard(reshard_after_forward=True)", 3, "world", **_FSDP2),
+    Impl("pt-fsdp2-2d", rec.HYBRID_SHARD, "fully_shard(mesh=init_device_mesh(..., (replicate, shard)))",
+         "fully_shard on a 2-D mesh {mesh}", 3, "hybrid",
+         **dict(_FSDP2, options=_FSDP2["options"] + "; set_requires_all_reduce(False) on accumulation steps")),
+    Impl("pt-fsdp2-cpu", rec.FULL_SHARD, "fully_shard(offload_policy=CPUOffloadPolicy())",
+         "fully_shard + CPUOffloadPolicy()", 3, "world", offload="all",
+         **dict(_FSDP2, options="parameters, gradients and Adam on the host; torch.optim on the CPU")),
+    Impl("ds-1", rec.ZERO1, 'DeepSpeed "zero_optimization": {"stage": 1}', "DeepSpeed ZeRO stage 1", 1,
+         options="bf16; reduce_bucket_size 5e8 (the default)", **_DS12),
+    Impl("ds-2", rec.ZERO2, 'DeepSpeed "zero_optimization": {"stage": 2}', "DeepSpeed ZeRO stage 2", 2,
+         options='bf16; "overlap_comm": true; reduce_bucket_size 5e8', **_DS12),
+    Impl("ds-3", rec.ZERO3, 'DeepSpeed "zero_optimization": {"stage": 3}', "DeepSpeed ZeRO stage 3", 3,
+         options="bf16; overlap_comm true (the stage-3 default); prefetch 5e7, reduce bucket 5e8", **_DS3),
+    Impl("ds-2-offload", rec.ZERO2_OFFLOAD, 'DeepSpeed stage 2 + "offload_optimizer": {"device": "cpu"}',
+         "DeepSpeed stage 2 + offload_optimizer", 2, offload="optimizer", options=_CPU_ADAM, **_DS12),
+    Impl("ds-3-offload", rec.ZERO3_OFFLOAD, 'DeepSpeed stage 3 + "offload_optimizer": {"device": "cpu"}',
+         "DeepSpeed stage 3 + offload_optimizer", 3, offload="optimizer", options=_CPU_ADAM, **_DS3),
+)  # fmt: skip
+
+#: The rows by key.
+BY_KEY = {i.key: i for i in IMPLS}

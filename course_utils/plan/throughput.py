@@ -1,0 +1,170 @@
+"""One configuration priced: its peak memory per GPU and its step time, term by term (notebook 05).
+
+Memory is the largest of four moments of a step (end of forward; the loss's backward; the first block's
+backward; late backward), each split as notebook 05b's tracker splits it (``states``: shards, optimizer
+state and the gradients existing then; ``unsharded``: gathered 16-bit parameters, unsharded gradients and
+buffers; ``activations``), then the caching allocator's reserve and the CUDA context.
+
+Time per step = for each micro-batch compute (FLOPs at ``mfu`` x the GPU's peak) + recomputation +
+communication not hidden behind compute, unit by unit, on the link that carries it (``Impl.comm``); then the
+optimizer step (memory-bound: fused AdamW moves 28 bytes per parameter it updates) and offload (PCIe and
+the CPU's Adam, bound by the host's memory bandwidth).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .activations import activation_terms, block_saved_bytes, block_selective_bytes, policy_parts
+from .implementations import Impl
+from .shapes import GPUCluster, Shape
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the search: an implementation (``Impl.key``), a recomputation policy, the micro-batch
+    b, accumulation steps, nodes used, the shard group S (N when fully sharded, 1 when replicated)."""
+
+    impl: str
+    policy: str
+    micro_batch: int
+    accum: int
+    nodes: int
+    shard: int
+    kernels: str = "cuda"
+
+
+def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
+    """Peak bytes per GPU and the moment it happens, every term kept (the JSON's ``memory``)."""
+    n = c.nodes * cl.gpus_per_node
+    T = c.micro_batch * s.seq
+    states = impl.states(s, impl, n, c.shard, c.accum)
+    bufs = impl.buffers(s, impl)
+    act = activation_terms(s, c.policy, T, c.kernels)
+    st = sum(states.values())
+    # gradients exist once backward made them; with accumulation they persist from the first micro-batch on
+    fresh = impl.fresh_grads(s, n, c.shard) if c.accum == 1 else 0.0
+    autocast = states.get("autocast bf16 weight copies (fwd->bwd)", 0.0)  # freed block by block in backward
+    root = bufs.get("root bf16 parameters (not resharded after forward)", 0.0)
+    gathered = bufs.get("two gathered blocks, bf16", 0.0)
+    # a block's bf16 gradient is copied into the fp32 reduce-scatter input and freed: never both at once
+    block_bwd = bufs.get("a block's reduce-scatter input, fp32", 0.0)
+    head_grad = 2 * s.head_params if impl.holds_head_grad else 0.0
+    kept = act["blocks kept"] + act["tail kept"]
+    rebuilt = act["one block rebuilt"] + act["block backward working set"]
+    V = s.vocab
+    in_backward = root + gathered + block_bwd + head_grad
+    phases = {
+        "end of forward": {"states": st - fresh, "unsharded": root + gathered / 2,
+                           "activations": kept + act["loss transient"]},
+        # the fp32 gradient of the logits (4V) and its bf16 cast (2V) beside the kept log-probabilities
+        "backward of the loss": {"states": st - fresh, "unsharded": root + head_grad, "activations": kept + 6 * V * T},
+        "first block's backward": {"states": st - fresh, "unsharded": in_backward,
+                                   "activations": kept - 4 * V * T + rebuilt},
+        "late backward": {"states": st - autocast, "unsharded": in_backward,
+                          "activations": act["blocks kept"] / s.layers + rebuilt},
+    }  # fmt: skip
+    for p in phases.values():
+        p["total"] = p["states"] + p["unsharded"] + p["activations"]
+    peak_phase = max(phases, key=lambda k: phases[k]["total"])
+    tensors = phases[peak_phase]["total"]
+    total = tensors * (1 + cl.allocator_reserve) + cl.context_bytes
+    return {
+        "states": states,
+        "buffers": bufs,
+        "activations": act,
+        "phases": phases,
+        "peak_phase": peak_phase,
+        "tensors_peak": tensors,
+        "allocator_reserve": tensors * cl.allocator_reserve,
+        "context": cl.context_bytes,
+        "total": total,
+        "fits": total <= cl.gpu.mem,
+        "headroom": cl.gpu.mem - total,
+    }
+
+
+class Timing:
+    """The times and links one configuration's communication is weighed against (``Impl.comm`` reads it)."""
+
+    def __init__(self, s: Shape, c: Config, cl: GPUCluster, mfu: float):
+        self.cluster, self.gpus_per_node = cl, cl.gpus_per_node
+        self.n = c.nodes * cl.gpus_per_node
+        tokens = c.micro_batch * s.seq
+        rate = cl.gpu.peak_flops * mfu
+        # 2 FLOPs per matmul parameter per token, plus causal attention (QK^T and AV, half skipped): 2·s·h
+        self.f_blk = (2.0 * s.block_matmul_params + 2.0 * s.seq * s.width) * tokens / rate
+        self.head = 2.0 * s.head_params * tokens / rate
+        self.rebuilt = policy_parts(c.policy, s.layers)[1] > 0
+        self.layers = s.layers
+        self.block_backward = 2 * self.f_blk + (self.f_blk if self.rebuilt else 0.0)
+
+    def backward_window(self, with_recompute: bool) -> float:
+        """The backward's compute, which a collective on another stream can hide behind."""
+        return self.layers * (2 * self.f_blk + (self.f_blk if with_recompute and self.rebuilt else 0.0))
+
+    def link(self, group: int, spans_nodes: bool):
+        """(bandwidth, latency) of a ring of ``group`` GPUs: the node's network when it spans nodes, else
+        NVLink; None for a group of one."""
+        if group <= 1:
+            return None
+        cl = self.cluster
+        return (cl.inter_bw, cl.inter_latency) if spans_nodes else (cl.gpu.nvlink_bw, cl.intra_latency)
+
+    @staticmethod
+    def wire(spans_nodes: bool) -> str:
+        return "network" if spans_nodes else "nvlink"
+
+
+def step_time(s: Shape, impl: Impl, c: Config, cl: GPUCluster, mfu: float) -> dict:
+    """Seconds per optimizer step on one GPU, term by term (the JSON's ``time``)."""
+    g, t = cl.gpu, Timing(s, c, cl, mfu)
+    keep, rebuilt, sel = policy_parts(c.policy, s.layers)
+    selective = sum(block_selective_bytes(s).values())
+    whole = sum(block_saved_bytes(s).values())
+    tokens = c.micro_batch * s.seq
+    # full: one more forward per rebuilt block; selective: the cheap ops again, memory-bound (what was not
+    # saved is written and read back at HBM speed)
+    recompute = rebuilt * t.f_blk + sel * 2 * (whole - selective) * tokens / g.hbm_bw
+    exposed, sent = impl.comm(s, impl, c, t)
+    updated = s.params / impl.optimizer_share(t.n, c.shard)
+    optimizer = (28 + impl.step_copy) * updated / g.hbm_bw
+    offload = 0.0
+    if impl.offload:
+        pcie = (12 if impl.offload == "all" else 4) * updated
+        cpu_adam = (2 * 12 + 4) * updated * cl.gpus_per_node / cl.host_bw
+        offload, optimizer = pcie / g.pcie_bw + cpu_adam, 0.0
+    terms = {
+        "compute": c.accum * (s.layers * 3 * t.f_blk + 3 * t.head),
+        "recompute": c.accum * recompute,
+        "exposed comm": exposed,
+        "optimizer step": optimizer,
+        "offload": offload,
+    }
+    total = sum(terms.values())
+    step_tokens = c.accum * tokens * t.n
+    return {
+        "terms": terms,
+        "step_s": total,
+        "tokens_per_step": step_tokens,
+        "tokens_per_s_per_gpu": step_tokens / total / t.n,
+        "link_bytes_per_gpu": {"nvlink": sent.get("nvlink", 0.0), "network": sent.get("network", 0.0)},
+        "per_block_fwd_s": t.f_blk,
+    }
+
+
+def evaluate(s: Shape, cl: GPUCluster, impl: Impl, c: Config, mfu: float) -> dict:
+    """One configuration: its memory, its time, and whether it fits (offload: the host's memory too)."""
+    mem = memory(s, impl, c, cl)
+    host_ok = True
+    if impl.offload:
+        host_ok = 16 * s.params / impl.optimizer_share(c.nodes * cl.gpus_per_node, c.shard) * cl.gpus_per_node
+        host_ok = host_ok <= cl.host_mem
+    return {
+        "config": asdict(c),
+        "impl": impl.key,
+        "gpus_per_node": cl.gpus_per_node,
+        "memory": mem,
+        "time": step_time(s, impl, c, cl, mfu),
+        "fits": mem["fits"] and host_ok,
+    }
