@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from course_utils import ddp
+from course_utils import comm, ddp
 from course_utils import dist as cdist
 from course_utils.instrument import Observer, weights_sha256
 from course_utils.labs import lab02
@@ -203,14 +203,16 @@ def test_torch_ddp_buckets_views_and_wait_read_from_torch():
     assert got["scratch"]["rel_to_mean_after_backward"] > 1e-2 >= 1e-6 >= got["scratch"]["rel_to_mean_after_finish"]
 
 
-def test_gloo_all_reduce_on_4_ranks_writes_the_ring_volume():
-    numel = 30_000
+def test_gloo_all_reduce_on_4_ranks_writes_exactly_what_gloos_ring_source_says():
+    numel = 30_001  # not a multiple of the 8 segments: the last one is short
     wire = launch(lab02.all_reduce_on_the_wire, nproc=4, args=(numel,), echo=False)[0]
     assert None not in wire  # Linux: /proc/self/io counts every rank's writes
-    ring = 4 * numel * 2 * 3 / 4  # 2(N−1)/N of the fp32 payload
-    for w in wire:
-        assert 0 <= w - ring < 1024 * 2 * 3  # headers only: 2(N−1) messages of under 1 KiB each
-        assert w < 4 * numel * 3 - 1024 * 6  # far below "send everything to everyone"
+    for rank, w in enumerate(wire):
+        plan = comm.gloo_ring_plan(4 * numel, 4, rank)
+        assert w == plan["wire"], (rank, w, plan)  # to the byte: payload plus one 48-byte preamble per op
+        assert plan["headers"] == 2 * 3 * 288  # 6 ring steps x (2 segments x 3 ops x 48 bytes)
+    # the ring's volume: every rank sends 2(N−1)/N of the payload, N ranks 2(N−1) payloads in all
+    assert sum(comm.gloo_ring_plan(4 * numel, 4, r)["data"] for r in range(4)) == 2 * 3 * 4 * numel
 
 
 def test_default_timeouts_are_torchs():
