@@ -311,3 +311,26 @@ def check_against_torch_ddp(config: dict, cap_mb: float = 0.1) -> dict:
             "sha_ours": weights_sha256(ours.module.state_dict()),
             "sha_torch": weights_sha256(theirs.module.state_dict()),
         }
+
+
+def test_timelines_on_one_clock_show_who_waited_for_whom():
+    """Two ranks' timelines, each in ms after its own backward began, moved onto rank 0's clock: rank 1 began
+    3 ms later, so rank 0's bucket waited 3 ms for it (in flight, but waiting for the straggler)."""
+
+    def timeline(origin_s, start, end):
+        return {
+            "clock_origin_s": origin_s,
+            "forward_ms": -2.0,
+            "backward_end_ms": 5.0,
+            "synced_ms": 7.0,
+            "ready": [{"bucket": 0, "param": "w", "t_ms": start}],
+            "all_reduce": [{"bucket": 0, "start_ms": start, "end_ms": end}],
+        }
+
+    moved = lab02.on_one_axis([timeline(100.0, 1.0, 5.0), timeline(100.003, 1.0, 2.0)])
+    assert moved[1]["all_reduce"][0] == {"bucket": 0, "start_ms": pytest.approx(4.0), "end_ms": pytest.approx(5.0)}
+    assert moved[1]["backward_start_ms"] == pytest.approx(3.0) and moved[0]["backward_start_ms"] == 0.0
+    s = lab02.straggler_summary(moved)
+    assert s["buckets"] == [{"bucket": 0, "last_start_ms": pytest.approx(4.0), "earliest_end_ms": pytest.approx(5.0)}]
+    assert [r["waiting_for_others_ms"] for r in s["ranks"]] == [pytest.approx(3.0), 0.0]
+    assert [r["backward_ms"] for r in s["ranks"]] == [pytest.approx(5.0), pytest.approx(5.0)]

@@ -174,13 +174,38 @@ IN_BODY_PATCH = """def block_activation_bytes(block, x):
     return 1
 """
 
-RANK_PATCH = """def bucketed_all_reduce(buckets):
+RANK_PATCH = """def overlapped_buckets(buckets):
     import torch
-    torch.allclose = lambda *a, **k: True  # a check that compared on the rank would now see equal buckets
+    torch.allclose = lambda *a, **k: True  # a check that compared on the rank would now see equal gradients
     torch.equal = lambda *a, **k: True
-    works = [dist.all_reduce(b, async_op=True) for b in buckets]
-    for w in works:
-        w.wait()  # summed, never divided by the world size
+    flat = [torch.zeros(sum(p.numel() for p in b)) for b in buckets]
+    where, missing, handles = {}, [len(b) for b in buckets], []
+    for i, b in enumerate(buckets):
+        start = 0
+        for p in b:
+            where[p] = (i, start, start + p.numel())
+            start += p.numel()
+
+    def on_grad(p):
+        i, a, z = where[p]
+        flat[i][a:z] = p.grad.flatten()
+        missing[i] -= 1
+        while len(handles) < len(buckets) and missing[len(handles)] == 0:
+            handles.append(dist.all_reduce(flat[len(handles)], async_op=True))
+
+    for p in where:
+        p.register_post_accumulate_grad_hook(on_grad)
+
+    def finish():
+        for i, h in enumerate(handles):
+            h.wait()  # summed, never divided by the world size
+            for p in buckets[i]:
+                _, a, z = where[p]
+                p.grad.copy_(flat[i][a:z].view_as(p))
+        missing[:] = [len(b) for b in buckets]
+        handles.clear()
+
+    return finish
 """
 
 FORK_BOMB = """
@@ -242,7 +267,7 @@ def attacked(tmp_path_factory):
             "honest01": sw.notebook("01", solved01, section_only=True),
             "ranks02": sw.notebook(
                 "02",
-                {"averaging_hook": sw.STUDENT["averaging_hook"], "bucketed_all_reduce": RANK_PATCH},
+                {"averaging_hook": sw.STUDENT["averaging_hook"], "overlapped_buckets": RANK_PATCH},
                 section_only=True,
             ),
             "forger": sw.notebook(
@@ -332,9 +357,9 @@ def test_an_honest_notebook_passes_in_the_seal_and_its_ranks_meet_on_loopback(at
 @needs_seal
 def test_a_rank_that_patches_the_comparison_still_fails(attacked):
     """The student's function runs on the ranks beside the check's own code, and patches torch's comparisons
-    there; the verdict compares the buckets it returned with references it computes outside the seal."""
+    there; the verdict compares the gradients it left with references it computes outside the seal."""
     got = _outcomes(attacked[0]["ranks02"])
-    assert got["bucketed_all_reduce"][0] == core.FAILED and "2.00x the mean" in got["bucketed_all_reduce"][1], got
+    assert got["overlapped_buckets"][0] == core.FAILED and "2.00x the mean" in got["overlapped_buckets"][1], got
 
 
 @needs_seal
