@@ -12,6 +12,25 @@ import torch.distributed as dist
 
 
 # 01 -------------------------------------------------------------------------------------------
+def zero_state_of_the_wrapper(optimizer):
+    total = 0
+    for state in optimizer.state.values():  # the usual place: empty for ZeroRedundancyOptimizer
+        total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    return total
+
+
+def zero_state_by_the_formula(optimizer):
+    psi = sum(p.numel() for group in optimizer.param_groups for p in group["params"])  # every rank's parameters
+    return 8 * psi / dist.get_world_size()  # what the paper's table says, not what this rank holds
+
+
+def zero_state_with_step_counters(optimizer):
+    total = 0
+    for state in optimizer.optim.state.values():
+        total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))  # step too
+    return total
+
+
 def bill_forgets_to_shard(psi, nd, stage, k=12):
     return (2 + 2 + k) * psi  # every stage billed as plain data parallelism
 
@@ -184,6 +203,11 @@ def resume_without_optimizer(root, model, optimizer):
 
 
 MISTAKES = {
+    ("01", "zero_state_bytes"): [
+        (zero_state_of_the_wrapper, "optimizer.optim"),
+        (zero_state_by_the_formula, "not a measurement"),
+        (zero_state_with_step_counters, "step counters"),
+    ],
     ("01", "model_state_bill"): [(bill_forgets_to_shard, "that is the ddp bill")],
     ("01", "block_activation_bytes"): [(activations_counted_per_tensor, "weights")],
     ("02", "averaging_hook"): [(summing_hook, "did you average over ranks")],

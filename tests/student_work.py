@@ -16,6 +16,17 @@ from course_utils.exercises import core
 ROOT = Path(__file__).resolve().parent.parent
 
 STUDENT = {
+    "zero_state_bytes": """def zero_state_bytes(optimizer):
+    total, counted = 0, set()
+    for per_param in optimizer.optim.state.values():
+        for value in per_param.values():
+            if torch.is_tensor(value) and value.ndim > 0:
+                key = value.untyped_storage().data_ptr()
+                if key not in counted:
+                    counted.add(key)
+                    total += value.untyped_storage().nbytes()
+    return total
+""",
     "model_state_bill": """def model_state_bill(psi, nd, stage, k=12):
     sharded = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[stage]
     parts = [k * psi, 2 * psi, 2 * psi]  # optimizer, gradients, weights: sharded in that order
