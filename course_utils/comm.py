@@ -17,6 +17,7 @@ predictions and the planner price strategies with it. Nothing here imports torch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -154,3 +155,53 @@ def ring_all_reduce(inputs) -> RingTrace:
         sent_all_gather=sent["all_gather"],
         messages=messages,
     )
+
+
+#: gloo/transport/tcp/pair.h, ``struct Op``: every message gloo's TCP transport writes starts with six size_t.
+GLOO_OP_PREAMBLE_BYTES = 6 * 8
+#: gloo/allreduce.h, ``AllreduceOptionsImpl::kMaxSegmentSize``: the ring cuts a buffer into segments of at most 1 MiB.
+GLOO_MAX_SEGMENT_BYTES = 1024 * 1024
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def gloo_ring_plan(total_bytes: int, n: int, rank: int, element_bytes: int = 4) -> dict:
+    """What gloo's ring all-reduce makes ``rank`` write to its sockets, read from gloo's source (notebook 02).
+
+    A transcription of ``ring()`` in gloo/allreduce.cc (the algorithm torch's ProcessGroupGloo runs for a
+    dense CPU all-reduce): the buffer is cut into ``roundUp(max(ceil(B / 1 MiB), 2N), N)`` segments; each
+    phase (reduce-scatter, then all-gather) runs ``segments − segments/N`` iterations, each posting one
+    receive from a neighbour and one send to the other (skipped where a segment is empty). In gloo's TCP
+    transport (gloo/transport/tcp/pair.cc) a send writes a NOTIFY_SEND_READY op and the data op, a receive
+    writes a NOTIFY_RECV_READY op, each with a 48-byte preamble. Nothing measured: ``data`` is the payload
+    bytes this rank sends (the ring's 2(N−1)/N · B when B divides evenly), ``headers`` the preambles,
+    ``wire`` their sum, ``steps`` the ring steps (2(N−1)), ``segments`` and ``sends``.
+    """
+    _check(total_bytes, n)
+    max_seg = element_bytes * max(1, GLOO_MAX_SEGMENT_BYTES // element_bytes)
+    segments = _round_up(max(math.ceil(total_bytes / max_seg), 2 * n), n)
+    per_rank = segments // n
+    seg = _round_up(math.ceil(total_bytes / segments), element_bytes)
+    span = segments * seg
+    sends = recvs = data = 0
+    for send_from, recv_from in ((rank + 1, rank + 2), (rank, rank + 1)):  # reduce-scatter, then all-gather
+        for i in range(segments - per_rank):
+            send_off = ((send_from * per_rank + i) * seg) % span
+            recv_off = ((recv_from * per_rank + i) * seg) % span
+            send_len = min(seg, total_bytes - send_off)
+            if send_len > 0:
+                sends, data = sends + 1, data + send_len
+            recvs += total_bytes - recv_off > 0
+    headers = GLOO_OP_PREAMBLE_BYTES * (2 * sends + recvs)
+    return {
+        "segments": segments,
+        "segment_bytes": seg,
+        "sends": sends,
+        "recvs": recvs,
+        "steps": 2 * (n - 1),
+        "data": data,
+        "headers": headers,
+        "wire": data + headers,
+    }

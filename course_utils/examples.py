@@ -96,8 +96,9 @@ def three_collectives(psi: int = 8) -> dict:
     The Ψ parameters are the numbers 0 … Ψ−1, cut into Nd equal slices; rank r owns slice r.
     - broadcast: rank 0 sends its whole vector (r + 1 everywhere on rank r) to every rank;
     - all-gather: every rank contributes its slice and receives the whole vector 0 … Ψ−1;
-    - reduce-scatter: every rank holds a full "gradient" of r + 1 everywhere; each receives
-      the sum over ranks of its own slice only (N(N+1)/2 in each of its Ψ/Nd places).
+    - reduce-scatter: rank r holds a full "gradient" whose element i is (r + 1)(i + 1), so no two
+      elements are alike; each rank receives the sum over ranks of its own slice only:
+      (i + 1)·N(N+1)/2 at each of its Ψ/Nd places i, a slice no other rank gets.
     Ψ must divide by the number of ranks. Returns this rank's three results.
     """
     from .errors import CourseInputError
@@ -113,7 +114,8 @@ def three_collectives(psi: int = 8) -> dict:
         whole = torch.empty(psi, device=info.device)
         all_gather_single(whole, torch.arange(r * s, (r + 1) * s, dtype=torch.float32, device=info.device))
         slice_sum = torch.empty(s, device=info.device)
-        reduce_scatter_single(slice_sum, torch.full((psi,), float(r + 1), device=info.device))
+        gradient = (r + 1.0) * torch.arange(1, psi + 1, dtype=torch.float32, device=info.device)
+        reduce_scatter_single(slice_sum, gradient)
         return {
             "rank": r,
             "broadcast": mine.cpu().tolist(),

@@ -12,6 +12,25 @@ import torch.distributed as dist
 
 
 # 01 -------------------------------------------------------------------------------------------
+def zero_state_of_the_wrapper(optimizer):
+    total = 0
+    for state in optimizer.state.values():  # the usual place: empty for ZeroRedundancyOptimizer
+        total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+    return total
+
+
+def zero_state_by_the_formula(optimizer):
+    psi = sum(p.numel() for group in optimizer.param_groups for p in group["params"])  # every rank's parameters
+    return 8 * psi / dist.get_world_size()  # what the paper's table says, not what this rank holds
+
+
+def zero_state_with_step_counters(optimizer):
+    total = 0
+    for state in optimizer.optim.state.values():
+        total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))  # step too
+    return total
+
+
 def bill_forgets_to_shard(psi, nd, stage, k=12):
     return (2 + 2 + k) * psi  # every stage billed as plain data parallelism
 
@@ -35,10 +54,56 @@ def summing_hook(grad):
     return g  # the sum over ranks, not the mean
 
 
-def bucket_without_wait(buckets):
-    for bucket in buckets:
-        dist.all_reduce(bucket, async_op=True)  # the work is dropped: nothing waits for it
-        bucket.div_(dist.get_world_size())
+def _overlapped(buckets, *, issue, divide=True):
+    """The reference's bookkeeping with one student mistake: ``issue`` says when a full bucket is started."""
+    buckets = [list(b) for b in buckets]
+    flats = [torch.zeros(sum(p.numel() for p in b)) for b in buckets]
+    slot, filled, works = {}, [0] * len(buckets), []
+    for i, bucket in enumerate(buckets):
+        offset = 0
+        for p in bucket:
+            slot[p] = (i, offset)
+            offset += p.numel()
+
+    def ready(p):
+        i, offset = slot[p]
+        flats[i][offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        filled[i] += 1
+        if issue == "when_full" and filled[i] == len(buckets[i]):  # whatever its index
+            works.append((i, dist.all_reduce(flats[i], async_op=True)))
+        while issue == "in_order" and len(works) < len(buckets) and filled[len(works)] == len(buckets[len(works)]):
+            works.append((len(works), dist.all_reduce(flats[len(works)], async_op=True)))
+
+    for p in slot:
+        p.register_post_accumulate_grad_hook(ready)
+
+    def finish():
+        if issue == "at_the_end":  # nothing left during the backward
+            works.extend((i, dist.all_reduce(flat, async_op=True)) for i, flat in enumerate(flats))
+        for i, work in sorted(works, key=lambda w: w[0]):
+            work.wait()
+            if divide:
+                flats[i].div_(dist.get_world_size())
+            offset = 0
+            for p in buckets[i]:
+                p.grad.copy_(flats[i][offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        filled[:] = [0] * len(buckets)
+        works.clear()
+
+    return finish
+
+
+def buckets_in_readiness_order(buckets):
+    return _overlapped(buckets, issue="when_full")  # bucket 1 fills first, so it leaves first
+
+
+def buckets_all_at_the_end(buckets):
+    return _overlapped(buckets, issue="at_the_end")  # hooks copy, finish() starts everything
+
+
+def buckets_summed_not_averaged(buckets):
+    return _overlapped(buckets, issue="in_order", divide=False)
 
 
 # 03 -------------------------------------------------------------------------------------------
@@ -138,10 +203,19 @@ def resume_without_optimizer(root, model, optimizer):
 
 
 MISTAKES = {
+    ("01", "zero_state_bytes"): [
+        (zero_state_of_the_wrapper, "optimizer.optim"),
+        (zero_state_by_the_formula, "not a measurement"),
+        (zero_state_with_step_counters, "step counters"),
+    ],
     ("01", "model_state_bill"): [(bill_forgets_to_shard, "that is the ddp bill")],
     ("01", "block_activation_bytes"): [(activations_counted_per_tensor, "weights")],
     ("02", "averaging_hook"): [(summing_hook, "did you average over ranks")],
-    ("02", "bucketed_all_reduce"): [(bucket_without_wait, "never waited on")],
+    ("02", "overlapped_buckets"): [
+        (buckets_in_readiness_order, "in index order"),
+        (buckets_all_at_the_end, "from the hook that fills it"),
+        (buckets_summed_not_averaged, "divide the sum by the world size"),
+    ],
     ("03", "zero2_step"): [(zero2_wrong_shard_offset, "[r·S, (r+1)·S)")],
     ("03", "sharded_optimizer"): [(unsharded_inner_optimizer, "K·Ψ/Nd")],
     ("04", "shard_dim0"): [(shard_wrong_offset, "did you start at rank·c")],

@@ -16,6 +16,17 @@ from course_utils.exercises import core
 ROOT = Path(__file__).resolve().parent.parent
 
 STUDENT = {
+    "zero_state_bytes": """def zero_state_bytes(optimizer):
+    total, counted = 0, set()
+    for per_param in optimizer.optim.state.values():
+        for value in per_param.values():
+            if torch.is_tensor(value) and value.ndim > 0:
+                key = value.untyped_storage().data_ptr()
+                if key not in counted:
+                    counted.add(key)
+                    total += value.untyped_storage().nbytes()
+    return total
+""",
     "model_state_bill": """def model_state_bill(psi, nd, stage, k=12):
     sharded = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[stage]
     parts = [k * psi, 2 * psi, 2 * psi]  # optimizer, gradients, weights: sharded in that order
@@ -43,14 +54,38 @@ STUDENT = {
     dist.all_reduce(mean)
     return mean
 """,
-    "bucketed_all_reduce": """def bucketed_all_reduce(buckets):
-    pending = []
-    for b in buckets:
-        pending.append((b, dist.all_reduce(b, async_op=True)))
-    n = dist.get_world_size()
-    for b, work in pending:
-        work.wait()
-        b /= n
+    "overlapped_buckets": """def overlapped_buckets(buckets):
+    flat = [torch.zeros(sum(p.numel() for p in b)) for b in buckets]
+    where = {}
+    for i, b in enumerate(buckets):
+        start = 0
+        for p in b:
+            where[p] = (i, start, start + p.numel())
+            start += p.numel()
+    missing = [len(b) for b in buckets]
+    handles = []
+
+    def on_grad(p):
+        i, a, z = where[p]
+        flat[i][a:z] = p.grad.flatten()
+        missing[i] -= 1
+        while len(handles) < len(buckets) and missing[len(handles)] == 0:
+            handles.append(dist.all_reduce(flat[len(handles)], async_op=True))
+
+    for p in where:
+        p.register_post_accumulate_grad_hook(on_grad)
+
+    def finish():
+        n = dist.get_world_size()
+        for i, h in enumerate(handles):
+            h.wait()
+            for p in buckets[i]:
+                _, a, z = where[p]
+                p.grad.copy_((flat[i][a:z] / n).view_as(p))
+        missing[:] = [len(b) for b in buckets]
+        handles.clear()
+
+    return finish
 """,
     "zero2_step": """def zero2_step(params, grads, lr):
     n, r = dist.get_world_size(), dist.get_rank()

@@ -290,7 +290,7 @@ def test_setup_cell_installs_the_wheel_in_a_fresh_venv(tmp_path, wheel):
     out = done.stdout
     assert f"installed {fresh_site}/course_utils/__init__.py" in out, out[-2000:]
     assert "chart True" in out
-    assert "ranks [3.0, 3.0, 3.0, 3.0]" in out, out[-2000:]  # rank 1 holds the sum 1 + 2 of its Ψ/2 = 4 places
+    assert "ranks [15.0, 18.0, 21.0, 24.0]" in out, out[-2000:]  # rank 1: 3·(i + 1) at its own places i = 4 … 7
 
 
 def test_setup_cell_stops_in_one_sentence_when_pip_fails(tmp_path):

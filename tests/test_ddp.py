@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from course_utils import ddp
+from course_utils import comm, ddp
 from course_utils import dist as cdist
 from course_utils.instrument import Observer, weights_sha256
 from course_utils.labs import lab02
@@ -203,14 +203,16 @@ def test_torch_ddp_buckets_views_and_wait_read_from_torch():
     assert got["scratch"]["rel_to_mean_after_backward"] > 1e-2 >= 1e-6 >= got["scratch"]["rel_to_mean_after_finish"]
 
 
-def test_gloo_all_reduce_on_4_ranks_writes_the_ring_volume():
-    numel = 30_000
+def test_gloo_all_reduce_on_4_ranks_writes_exactly_what_gloos_ring_source_says():
+    numel = 30_001  # not a multiple of the 8 segments: the last one is short
     wire = launch(lab02.all_reduce_on_the_wire, nproc=4, args=(numel,), echo=False)[0]
     assert None not in wire  # Linux: /proc/self/io counts every rank's writes
-    ring = 4 * numel * 2 * 3 / 4  # 2(N−1)/N of the fp32 payload
-    for w in wire:
-        assert 0 <= w - ring < 1024 * 2 * 3  # headers only: 2(N−1) messages of under 1 KiB each
-        assert w < 4 * numel * 3 - 1024 * 6  # far below "send everything to everyone"
+    for rank, w in enumerate(wire):
+        plan = comm.gloo_ring_plan(4 * numel, 4, rank)
+        assert w == plan["wire"], (rank, w, plan)  # to the byte: payload plus one 48-byte preamble per op
+        assert plan["headers"] == 2 * 3 * 288  # 6 ring steps x (2 segments x 3 ops x 48 bytes)
+    # the ring's volume: every rank sends 2(N−1)/N of the payload, N ranks 2(N−1) payloads in all
+    assert sum(comm.gloo_ring_plan(4 * numel, 4, r)["data"] for r in range(4)) == 2 * 3 * 4 * numel
 
 
 def test_default_timeouts_are_torchs():
@@ -309,3 +311,26 @@ def check_against_torch_ddp(config: dict, cap_mb: float = 0.1) -> dict:
             "sha_ours": weights_sha256(ours.module.state_dict()),
             "sha_torch": weights_sha256(theirs.module.state_dict()),
         }
+
+
+def test_timelines_on_one_clock_show_who_waited_for_whom():
+    """Two ranks' timelines, each in ms after its own backward began, moved onto rank 0's clock: rank 1 began
+    3 ms later, so rank 0's bucket waited 3 ms for it (in flight, but waiting for the straggler)."""
+
+    def timeline(origin_s, start, end):
+        return {
+            "clock_origin_s": origin_s,
+            "forward_ms": -2.0,
+            "backward_end_ms": 5.0,
+            "synced_ms": 7.0,
+            "ready": [{"bucket": 0, "param": "w", "t_ms": start}],
+            "all_reduce": [{"bucket": 0, "start_ms": start, "end_ms": end}],
+        }
+
+    moved = lab02.on_one_axis([timeline(100.0, 1.0, 5.0), timeline(100.003, 1.0, 2.0)])
+    assert moved[1]["all_reduce"][0] == {"bucket": 0, "start_ms": pytest.approx(4.0), "end_ms": pytest.approx(5.0)}
+    assert moved[1]["backward_start_ms"] == pytest.approx(3.0) and moved[0]["backward_start_ms"] == 0.0
+    s = lab02.straggler_summary(moved)
+    assert s["buckets"] == [{"bucket": 0, "last_start_ms": pytest.approx(4.0), "earliest_end_ms": pytest.approx(5.0)}]
+    assert [r["waiting_for_others_ms"] for r in s["ranks"]] == [pytest.approx(3.0), 0.0]
+    assert [r["backward_ms"] for r in s["ranks"]] == [pytest.approx(5.0), pytest.approx(5.0)]

@@ -174,13 +174,38 @@ IN_BODY_PATCH = """def block_activation_bytes(block, x):
     return 1
 """
 
-RANK_PATCH = """def bucketed_all_reduce(buckets):
+RANK_PATCH = """def overlapped_buckets(buckets):
     import torch
-    torch.allclose = lambda *a, **k: True  # a check that compared on the rank would now see equal buckets
+    torch.allclose = lambda *a, **k: True  # a check that compared on the rank would now see equal gradients
     torch.equal = lambda *a, **k: True
-    works = [dist.all_reduce(b, async_op=True) for b in buckets]
-    for w in works:
-        w.wait()  # summed, never divided by the world size
+    flat = [torch.zeros(sum(p.numel() for p in b)) for b in buckets]
+    where, missing, handles = {}, [len(b) for b in buckets], []
+    for i, b in enumerate(buckets):
+        start = 0
+        for p in b:
+            where[p] = (i, start, start + p.numel())
+            start += p.numel()
+
+    def on_grad(p):
+        i, a, z = where[p]
+        flat[i][a:z] = p.grad.flatten()
+        missing[i] -= 1
+        while len(handles) < len(buckets) and missing[len(handles)] == 0:
+            handles.append(dist.all_reduce(flat[len(handles)], async_op=True))
+
+    for p in where:
+        p.register_post_accumulate_grad_hook(on_grad)
+
+    def finish():
+        for i, h in enumerate(handles):
+            h.wait()  # summed, never divided by the world size
+            for p in buckets[i]:
+                _, a, z = where[p]
+                p.grad.copy_(flat[i][a:z].view_as(p))
+        missing[:] = [len(b) for b in buckets]
+        handles.clear()
+
+    return finish
 """
 
 FORK_BOMB = """
@@ -231,7 +256,7 @@ def attacked(tmp_path_factory):
         deadline = time.monotonic() + 10
         while far.connections() < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        solved01 = {k: sw.STUDENT[k] for k in ("model_state_bill", "block_activation_bytes")}
+        solved01 = {k: sw.STUDENT[k] for k in ("zero_state_bytes", "model_state_bill", "block_activation_bytes")}
         wrong_bill = _renamed(mistakes.bill_forgets_to_shard, "model_state_bill")
         reference = inspect.getsource(core.solution("01", "block_activation_bytes"))
         copied = reference.replace('"""Bytes autograd', '"""My own: bytes autograd').replace(
@@ -242,7 +267,7 @@ def attacked(tmp_path_factory):
             "honest01": sw.notebook("01", solved01, section_only=True),
             "ranks02": sw.notebook(
                 "02",
-                {"averaging_hook": sw.STUDENT["averaging_hook"], "bucketed_all_reduce": RANK_PATCH},
+                {"averaging_hook": sw.STUDENT["averaging_hook"], "overlapped_buckets": RANK_PATCH},
                 section_only=True,
             ),
             "forger": sw.notebook(
@@ -332,9 +357,9 @@ def test_an_honest_notebook_passes_in_the_seal_and_its_ranks_meet_on_loopback(at
 @needs_seal
 def test_a_rank_that_patches_the_comparison_still_fails(attacked):
     """The student's function runs on the ranks beside the check's own code, and patches torch's comparisons
-    there; the verdict compares the buckets it returned with references it computes outside the seal."""
+    there; the verdict compares the gradients it left with references it computes outside the seal."""
     got = _outcomes(attacked[0]["ranks02"])
-    assert got["bucketed_all_reduce"][0] == core.FAILED and "2.00x the mean" in got["bucketed_all_reduce"][1], got
+    assert got["overlapped_buckets"][0] == core.FAILED and "2.00x the mean" in got["overlapped_buckets"][1], got
 
 
 @needs_seal
@@ -423,12 +448,12 @@ def test_a_notebook_past_its_time_limit_is_stopped(tmp_path):
     [g] = grading.grade_class([path], limits=seal.Limits(wall_s=15, memory_bytes=1 << 30, pids=256))
     assert time.monotonic() - start < 60
     assert not g.graded and "time limit (15 s" in g.reason
-    assert [r.outcome for r in g.rows] == [core.UNGRADED] * 2
+    assert [r.outcome for r in g.rows] == [core.UNGRADED] * len(core.exercises("01"))
 
 
 @needs_seal
 def test_an_honest_class_of_six_is_graded_side_by_side(tmp_path, capsys):
-    solved = {k: sw.STUDENT[k] for k in ("model_state_bill", "block_activation_bytes")}
+    solved = {k: sw.STUDENT[k] for k in ("zero_state_bytes", "model_state_bill", "block_activation_bytes")}
     for i in range(6):
         data = sw.notebook("01", solved, section_only=True)
         data["metadata"]["course"] = {"student": f"Student {i % 5}"}  # two notebooks name the same student
@@ -450,7 +475,7 @@ def test_an_honest_class_of_six_is_graded_side_by_side(tmp_path, capsys):
     assert "Student 0 (copy0.ipynb)" in table and "Student 3" in table
     document = json.loads((out / "grades.json").read_text())
     rows = [r for g in document["notebooks"] for r in g["rows"]]
-    assert len(rows) == 12 and {r["outcome"] for r in rows} == {core.PASSED}
+    assert len(rows) == 6 * len(core.exercises("01")) and {r["outcome"] for r in rows} == {core.PASSED}
     spans = sorted((g["started_at"], g["ended_at"]) for g in document["notebooks"])
     assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), "no two notebooks were graded at the same time"
 
@@ -502,7 +527,7 @@ def test_without_root_the_grader_says_what_is_missing():
 def test_without_namespaces_the_seal_still_grades_in_a_fresh_folder(tmp_path):
     """The seal a user without root gets (forced here): a fresh folder, a scrubbed environment, the limits a
     process can set on another, the wall time; the same judges outside it."""
-    solved = {k: sw.STUDENT[k] for k in ("model_state_bill", "block_activation_bytes")}
+    solved = {k: sw.STUDENT[k] for k in ("zero_state_bytes", "model_state_bill", "block_activation_bytes")}
     where = "import os\nassert os.getcwd().endswith('work') and 'COURSE_TEST_CANARY' not in os.environ, os.getcwd()"
     path = sw.write(tmp_path / "laptop.ipynb", sw.notebook("01", solved, [where], section_only=True))
     caps = seal.Capabilities(root=False, unshare=None, cgroup=None)
@@ -511,5 +536,5 @@ def test_without_namespaces_the_seal_still_grades_in_a_fresh_folder(tmp_path):
         g = grading.grade_notebook(path, caps=caps)
     finally:
         os.environ.pop("COURSE_TEST_CANARY", None)
-    assert [r.outcome for r in g.rows] == [core.PASSED] * 2, g.rows
+    assert [r.outcome for r in g.rows] == [core.PASSED] * len(core.exercises("01")), g.rows
     assert not g.cell_errors, g.cell_errors

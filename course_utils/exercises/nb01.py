@@ -1,19 +1,157 @@
-"""Notebook 01's exercises: the model-state bill as a function, and one block's activations measured.
+"""Notebook 01's exercises: ZeroRedundancyOptimizer's state per rank measured, the model-state bill as a
+function, and one block's activations measured.
 
-References: ``memory.model_state_bytes`` (the ZeRO paper's table) and
+References: the course's own measurement of a ZeroRedundancyOptimizer in a separate launch
+(``zero_reference_state``), ``memory.model_state_bytes`` (the ZeRO paper's table) and
 ``memory.measure_activation_bytes`` (saved-tensor hooks on the real forward).
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 import torch.nn as nn
 
 from .. import memory
 from ..data import batch_for_rank
-from ..models import build_model, get_config
+from ..models import build_model, get_config, param_count
 from ..units import GB
-from .core import Exercise, Wrong, register
+from .core import REFERENCE_LAUNCH, Exercise, Wrong, register
+
+# ---------------------------------------------------------------------------------------------
+# 01.1: what ZeroRedundancyOptimizer keeps on each rank, measured
+
+ZERO_NPROC = 4
+ZERO_BATCH = 8  # global batch of the one step; divides by ZERO_NPROC
+ADAMW_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, fp32, per parameter
+
+
+def zero_after_one_step(info):
+    """The tiny model and a ZeroRedundancyOptimizer(AdamW) after one step on this rank's slice of the batch."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    cfg = get_config("tiny")
+    model = build_model(cfg, seed=0)
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    x, y = batch_for_rank(0, info.rank, info.world_size, batch=ZERO_BATCH, seq=cfg.seq, vocab=cfg.vocab)
+    model(x, y).backward()  # no DDP here: the state's size does not depend on the gradients' values
+    zero.step()  # AdamW on this rank's partition, then every rank's updated parameters broadcast
+    return model, zero
+
+
+def measured_state(zero) -> dict:
+    """The course's measurement: this rank's per-parameter optimizer state, each storage once, by the real tensors."""
+    seen, nbytes, scalars, owned = set(), 0, 0, 0
+    for p, state in zero.optim.state.items():
+        owned += p.numel()
+        for t in state.values():
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            if t.dim() == 0:
+                scalars += st.nbytes()
+            elif st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                nbytes += st.nbytes()
+    return {"bytes": nbytes, "step_counter_bytes": scalars, "owned_params": owned, "tensors": len(zero.optim.state)}
+
+
+def zero_reference_on_rank() -> list | None:
+    """Worker (the course's code only): every rank's measured state, gathered to rank 0."""
+    import torch.distributed as dist
+
+    from .. import dist as cdist
+
+    with cdist.session() as info:
+        _, zero = zero_after_one_step(info)
+        every = [None] * info.world_size
+        dist.all_gather_object(every, measured_state(zero))
+        return every if info.rank == 0 else None
+
+
+@cache
+def _zero_reference(world: int) -> tuple:
+    from ..launch import launch
+
+    return tuple(launch(zero_reference_on_rank, nproc=world, progress=False, echo=False, backend="gloo")[0])
+
+
+def zero_reference_state(world: int) -> tuple:
+    """``zero_reference_on_rank``'s answer, launched once per process and world size (graders call it from threads)."""
+    with REFERENCE_LAUNCH:
+        return _zero_reference(world)
+
+
+def zero_state_on_rank(fn, info) -> dict:
+    """The student's function on this rank's ZeroRedundancyOptimizer: only its answer comes back."""
+    _, zero = zero_after_one_step(info)
+    return {"bytes": fn(zero)}
+
+
+def zero_state_verdict(per_rank: dict) -> None:
+    world = len(per_rank)
+    ref = zero_reference_state(world)
+    psi = param_count(build_model(get_config("tiny")))
+    formula = ADAMW_BYTES * psi / world
+    for rank, r in sorted(per_rank.items()):
+        got, want = r["bytes"], ref[rank]["bytes"]
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            raise Wrong(f"rank {rank} returned {got!r}: return a number of bytes")
+        if got == want:
+            continue
+        if got == 0:
+            why = "ZeroRedundancyOptimizer's own .state stays empty: this rank's AdamW, and its state, are optimizer.optim"
+        elif abs(got - formula) < 1:
+            why = (
+                f"that is the formula 8Ψ/Nd = {formula:,.0f}, not a measurement: ZeroRedundancyOptimizer gives each "
+                "rank whole tensors, so the ranks' shares differ; add up the tensors this rank really holds"
+            )
+        elif got == want + ref[rank]["step_counter_bytes"]:
+            why = (
+                f"you counted AdamW's 0-dim step counters too ({ref[rank]['tensors']} tensors x 4 bytes): they are "
+                "one number per tensor, not per parameter; leave out tensors with dim() == 0"
+            )
+        elif got == ADAMW_BYTES * psi:
+            why = "that is the state of every parameter: this rank holds only its own partition's"
+        elif got == want + 4 * ref[rank]["owned_params"]:
+            why = "you counted this rank's fp32 weights too: they are the model's, not the optimizer's state"
+        else:
+            why = "count each state tensor's storage once, from the optimizer this rank really steps"
+        raise Wrong(f"rank {rank} holds {want:,} bytes of per-parameter optimizer state; you returned {got!r}: {why}")
+
+
+register(
+    Exercise(
+        "01",
+        "zero_state_bytes",
+        "Measure what ZeroRedundancyOptimizer keeps on each rank",
+        "the per-parameter optimizer state each of 4 gloo ranks holds after one ZeroRedundancyOptimizer(AdamW) step, "
+        "against the course's own measurement in a separate launch",
+        task="Write `zero_state_bytes(optimizer)`: `optimizer` is a `torch.distributed.optim.ZeroRedundancyOptimizer` "
+        "(ZeRO stage 1 in torch) wrapping `torch.optim.AdamW`, on this rank, after one step of the tiny model on 4 "
+        "ranks. Return the bytes of optimizer state this rank holds: every state tensor with one number per "
+        "parameter, each storage once (leave out AdamW's 0-dim `step` counters). Predict first: stage 1 promises "
+        "8Ψ/Nd bytes of AdamW state per rank. Will every rank hold that?",
+        stub="def zero_state_bytes(optimizer):\n"
+        '    """Bytes of per-parameter optimizer state this rank holds (each storage once, no 0-dim step counters)."""\n'
+        '    raise NotImplementedError("exercise 01.zero_state_bytes: your code here")\n',
+        hints=(
+            "ZeroRedundancyOptimizer runs an ordinary `torch.optim.AdamW` over this rank's parameters: it is "
+            "`optimizer.optim`, and its `.state` maps each of those parameters to a dict of tensors.",
+            "Keep the tensors with `t.dim() > 0` and add `t.untyped_storage().nbytes()` once per "
+            "`t.untyped_storage().data_ptr()`.",
+            "It hands out whole tensors, largest first, each to the rank with the fewest elements so far "
+            "(`_partition_parameters` in torch's zero_redundancy_optimizer.py): print `sum(p.numel() for p in "
+            "optimizer.optim.state)` on each rank and compare it with Ψ/4.",
+        ),
+        on_rank=zero_state_on_rank,
+        verdict=zero_state_verdict,
+        nproc=ZERO_NPROC,
+        timeout_s=90.0,
+    )
+)
+
 
 FORMULA = {stage: memory.formula_text(stage) for stage in memory.STAGES}  # "2·Ψ + (2 + K)·Ψ/Nd" for stage 2
 CASES = [
@@ -57,7 +195,8 @@ register(
             "Start from plain data parallelism: every GPU holds all (2 + 2 + K)·Ψ bytes.",
             "Each stage divides one more term by Nd: stage 1 the optimizer's K·Ψ, stage 2 also the "
             "gradients' 2Ψ, stage 3 also the weights' 2Ψ.",
-            "Stage 2 is 2·Ψ + (2 + K)·Ψ / Nd: 7.5e9 parameters at Nd = 64 is 16.6 GB.",
+            "Check yourself against the table of section 4 before you run the check: it prints all four rows for the "
+            "paper's 7.5B on 64 GPUs.",
         ),
         judge=judge_model_state_bill,
     )

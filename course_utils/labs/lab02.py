@@ -46,6 +46,40 @@ def socket_bytes_written() -> int | None:
         return None
 
 
+def tcp_bytes_sent() -> int | None:
+    """Bytes sent so far by every TCP socket this process holds (Linux ``TCP_INFO.tcpi_bytes_sent``), or None.
+
+    Around a gloo collective it equals ``socket_bytes_written`` to the byte and, unlike it, ignores what the
+    process prints or writes to files: exercise 02.2 reads it around a student's backward (notebook 02).
+    """
+    import os
+    import socket
+    import struct
+
+    total, seen = 0, False
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    for name in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.fromfd(int(name), socket.AF_INET, socket.SOCK_STREAM)  # a duplicate: gloo's stays open
+        except OSError:
+            continue
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) == socket.SOCK_STREAM:
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+                if len(info) >= 208:  # struct tcp_info: __u64 tcpi_bytes_sent at offset 200 (Linux >= 4.19)
+                    total, seen = total + struct.unpack_from("Q", info, 200)[0], True
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return total if seen else None
+
+
 def _timeline_rows(events: list, origin: float) -> dict:
     """Timeline events of one step as milliseconds after ``origin`` (the start of backward)."""
     ms = lambda t: (t - origin) * 1e3  # noqa: E731
@@ -114,6 +148,7 @@ class _BucketWatch(Observer):
             forward_ms=(self.t0 - self.t_backward) * 1e3,
             backward_end_ms=(self.t_backward_end - self.t_backward) * 1e3,
             synced_ms=(self.t_synced - self.t_backward) * 1e3,
+            clock_origin_s=self.t_backward,  # perf_counter is CLOCK_MONOTONIC: one clock for every process of a host
         )
         return rows
 
@@ -179,6 +214,65 @@ def overlap_summary(timeline: dict) -> dict:
         "in_flight_during_backward_ms": _union_ms([(start, min(stop, end)) for start, stop in spans]),
         "wait_after_backward_ms": timeline["synced_ms"] - end,
         "step_ms": timeline["synced_ms"] - timeline["forward_ms"],
+    }
+
+
+def on_one_axis(timelines: list) -> list:
+    """Every rank's timeline moved onto rank 0's: ms after rank 0's backward began (notebook 02).
+
+    The sweep's timelines are each in ms after that rank's own backward began; their ``clock_origin_s``
+    is that moment on ``time.perf_counter``, which on Linux is ``CLOCK_MONOTONIC``, one clock shared by
+    every process of the host, so shifting by the difference puts all ranks on one time axis with no
+    clock alignment. Only for ranks on one host.
+    """
+    zero = timelines[0]["clock_origin_s"]
+    moved = []
+    for t in timelines:
+        d = (t["clock_origin_s"] - zero) * 1e3
+        moved.append(
+            {
+                **t,
+                **{k: t[k] + d for k in ("forward_ms", "backward_end_ms", "synced_ms")},
+                "backward_start_ms": d,
+                "ready": [{**r, "t_ms": r["t_ms"] + d} for r in t["ready"]],
+                "all_reduce": [
+                    {**r, "start_ms": r["start_ms"] + d, "end_ms": None if r["end_ms"] is None else r["end_ms"] + d}
+                    for r in t["all_reduce"]
+                ],
+            }
+        )
+    return moved
+
+
+def straggler_summary(timelines: list) -> dict:
+    """What each rank's all-reduces waited for, from timelines on one axis (``on_one_axis``) (notebook 02).
+
+    An all-reduce completes on a rank only once every rank has issued it. Per bucket: ``last_start_ms``
+    (when the last rank issued it) and ``earliest_end_ms`` (the first rank to see it complete), which
+    can never be before the last start. Per rank: ``backward_ms`` (its backward's duration),
+    ``waiting_for_others_ms`` (the sum over its buckets of the time from its own issue to the last
+    rank's issue: in flight, but waiting for a straggler) and ``in_flight_after_last_issue_ms`` (the
+    transfer and the sums themselves).
+    """
+    starts = [{r["bucket"]: r["start_ms"] for r in t["all_reduce"]} for t in timelines]
+    ends = [
+        {r["bucket"]: r["end_ms"] if r["end_ms"] is not None else t["synced_ms"] for r in t["all_reduce"]}
+        for t in timelines
+    ]
+    buckets = sorted(starts[0])
+    last = {b: max(s[b] for s in starts) for b in buckets}
+    return {
+        "buckets": [
+            {"bucket": b, "last_start_ms": last[b], "earliest_end_ms": min(e[b] for e in ends)} for b in buckets
+        ],
+        "ranks": [
+            {
+                "backward_ms": t["backward_end_ms"] - t["backward_start_ms"],
+                "waiting_for_others_ms": sum(last[b] - s[b] for b in buckets),
+                "in_flight_after_last_issue_ms": sum(e[b] - last[b] for b in buckets),
+            }
+            for t, s, e in zip(timelines, starts, ends)
+        ],
     }
 
 

@@ -35,6 +35,7 @@ from .bill import (
     optimizer_bill,
     per_parameter,
     smallest_nd_that_fits,
+    paper_agrees,
     zero_r_and_headlines,
 )
 from .chart import (
@@ -81,6 +82,7 @@ __all__ = [
     "optimizer_bill",
     "per_parameter",
     "smallest_nd_that_fits",
+    "paper_agrees",
     "zero_r_and_headlines",
     "BILL_PARTS",
     "GPU_CHOICES",

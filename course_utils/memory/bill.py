@@ -322,33 +322,120 @@ def activation_bytes_korthikanti(h, b, s, layers, heads, *, dropout: bool = True
 
 
 def zero_r_and_headlines(gpu_mem: float = 32 * GB) -> list[dict]:
-    """The ZeRO paper's ZeRO-R sums and headline results, recomputed with this module's formulas (notebook 01).
+    """The ZeRO paper's ZeRO-R sums and headline results beside this module's formulas (notebook 01).
 
-    Each row: ``claim``, ``paper`` (the figure the paper states, or its annotated reading
-    works out from the paper's inputs, in the row's ``unit``) and ``ours`` (recomputed here, in the
-    same unit). Model states are mixed-precision Adam
-    (K = 12); the 100B model is L = 125 blocks of width h = 8,192 at b = 32, s = 1,024 (the
-    paper's Table 4), ZeRO-100B is stage 2 with Nm = 16 inside a DGX-2.
+    Each row: ``claim``; ``words``, what the paper itself says (its words, with the section), or
+    ``None`` for a figure the paper never states (the annotated reading's own arithmetic, kept as
+    ``derived``); ``stated``, the paper's number in ``unit`` (``None`` when it states none);
+    ``relation``, how the paper's words bind the recomputed value: ``"about"`` (within 5%),
+    ``"below"`` (ours must be under the stated figure: "less than 10%", "fits a 32 GB GPU") or
+    ``"above"`` (the paper's limit includes more than model states, so model states alone must allow
+    more); ``ours``, recomputed here in the same unit; ``note``, what the comparison reveals. Use
+    ``paper_agrees(row)`` to hold a row against the paper. Model states are mixed-precision Adam
+    (K = 12); the 100B model is L = 125 blocks of width h = 8,192 at b = 32, s = 1,024 (the paper's
+    Table 4), ZeRO-100B is stage 2 with Nm = 16 inside a DGX-2.
     """
     h, b, s, L = 8192, 32, 1024, 125
     inputs = activation_numbers(h, b, s, L, checkpointing=True) - activation_numbers(h, b, s, 1)  # L layer inputs
     message = h * b * s  # one block input: the message of every MP collective
-    megatron = 6 * 2 * message  # 6 all-reduces per block (fwd, recompute, bwd), 2× each
+    megatron = 6 * 2 * message  # 6 all-reduces per block (fwd, recompute, bwd), 2x each
+    two_bytes = ACTIVATION_BYTES_PER_NUMBER
     rows = [
-        ("plain DP: 1.4B parameters' model states on one GPU", 22.4, model_state_bytes(1.4e9) / GB, "GB"),
         (
-            "plain DP: the most parameters whose model states alone fit",
-            2.0,
+            "plain DP: the largest model on a 32 GB GPU",
+            '"runs out of memory for models with more than 1.4B parameters" (§1)',
+            1.4,
+            "above",
             gpu_mem / model_state_bytes(1) / 1e9,
-            "billion",
+            "billion parameters",
+            "model states alone stop at 2B; the paper's 1.4B leaves room for activations and buffers",
         ),
-        ("7.5B on Nd = 64, stage 1", 31.4, model_state_bytes(7.5e9, 64, ZERO1) / GB, "GB"),
-        ("13B with no model parallelism, stage 2 on 128 GPUs", 27.4, model_state_bytes(13e9, 128, ZERO2) / GB, "GB"),
-        ("60B, Nm = 16, stage 2 on 64 GPUs (Nd = 4)", 20.6, model_state_bytes(60e9, 4, ZERO2, nm=16) / GB, "GB"),
-        ("60B, Nm = 16, stage 2 on 400 GPUs (Nd = 25)", 9.6, model_state_bytes(60e9, 25, ZERO2, nm=16) / GB, "GB"),
-        ("Pa: 100B model's activation checkpoints, L·b·s·h", 33.6, inputs / 1e9, "billion numbers"),
-        ("Pa: the same split over Nm = 16", 2.1, inputs / 16 / 1e9, "billion numbers"),
-        ("Pa: its extra all-gather, against Megatron-LM's traffic per block", 8.3, 100 * message / megatron, "%"),
-        ("CB: one fused fp32 gradient buffer for 3B parameters", 12.0, fused_gradient_buffer_bytes(3e9) / GB, "GB"),
+        (
+            "7.5B on Nd = 64, stage 1 (Pos)",
+            "31.4GB (Figure 1)",
+            31.4,
+            "about",
+            model_state_bytes(7.5e9, 64, ZERO1) / GB,
+            "GB",
+            "",
+        ),
+        (
+            "13B, no model parallelism, stage 2 on 128 GPUs",
+            '"up to 13B parameters" with no model changes, on 32 GB V100s (§10.4)',
+            gpu_mem / GB,
+            "below",
+            model_state_bytes(13e9, 128, ZERO2) / GB,
+            "GB",
+            "the paper states that it fits, not how much it holds",
+        ),
+        (
+            "Pa: the 100B model's activation checkpoints",
+            '"about 33 GB" (§6.1)',
+            33.0,
+            "about",
+            inputs / 1e9,
+            "billion numbers",
+            f"33.6 billion numbers; at {two_bytes} bytes each that is {two_bytes * inputs / 1e9:.1f} GB, "
+            "twice the paper's figure",
+        ),
+        (
+            "Pa: the same, split over Nm = 16",
+            '"about 2 GB" (§6.1)',
+            2.0,
+            "about",
+            inputs / 16 / 1e9,
+            "billion numbers",
+            f"{two_bytes * inputs / 16 / 1e9:.1f} GB at {two_bytes} bytes a number",
+        ),
+        (
+            "Pa: its extra all-gather against Megatron-LM's traffic per block",
+            '"less than 10%" (§8)',
+            10.0,
+            "below",
+            100 * message / megatron,
+            "%",
+            "",
+        ),
+        (
+            "CB: one fused fp32 gradient buffer for 3B parameters",
+            '"12 GB" (§6.2)',
+            12.0,
+            "about",
+            fused_gradient_buffer_bytes(3e9) / GB,
+            "GB",
+            "",
+        ),
+        ("plain DP: 1.4B parameters' model states", None, None, None, model_state_bytes(1.4e9) / GB, "GB", "derived"),
+        (
+            "60B, Nm = 16, stage 2 on 64 GPUs (Nd = 4)",
+            None,
+            None,
+            None,
+            model_state_bytes(60e9, 4, ZERO2, nm=16) / GB,
+            "GB",
+            "derived",
+        ),
+        (
+            "60B, Nm = 16, stage 2 on 400 GPUs (Nd = 25)",
+            None,
+            None,
+            None,
+            model_state_bytes(60e9, 25, ZERO2, nm=16) / GB,
+            "GB",
+            "derived",
+        ),
     ]
-    return [{"claim": c, "paper": p, "ours": o, "unit": u} for c, p, o, u in rows]
+    keys = ("claim", "words", "stated", "relation", "ours", "unit", "note")
+    return [dict(zip(keys, row)) for row in rows]
+
+
+def paper_agrees(row: dict) -> bool | None:
+    """Whether a row of ``zero_r_and_headlines`` agrees with what the paper states (``None``: it states nothing)."""
+    stated, ours = row["stated"], row["ours"]
+    if stated is None:
+        return None
+    if row["relation"] == "about":
+        return abs(ours - stated) <= 0.05 * stated
+    if row["relation"] == "below":
+        return ours < stated
+    return ours > stated

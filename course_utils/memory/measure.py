@@ -105,18 +105,130 @@ def measured_bill(model, optimizer=None) -> dict:
     return out
 
 
+class MainGradAdamW:
+    """``torch.optim.AdamW`` as large-scale trainers drive it: bf16 weights on the model, every bf16
+    gradient added into an fp32 ``main_grad`` as soon as it is final (then freed), fp32 master weights
+    and the AdamW moments in the optimizer (notebook 01).
+
+    Megatron-Core's bf16 recipe (its ``accumulate_allreduce_grads_in_fp32``): 2 + 4 + (4 + 8) = 18 bytes
+    per parameter, the figure its distributed-optimizer page states for "float16 param, fp32 grads".
+    ``state`` maps each model parameter to its master copy and AdamW's moments, shaped like
+    ``torch.optim.Optimizer.state`` so ``measured_bill`` counts it the same way.
+    """
+
+    def __init__(self, model, lr: float = 1e-3):
+        import torch
+
+        self.params = list(model.parameters())
+        self.masters = [p.detach().float().clone() for p in self.params]  # taken before the cast
+        for p in self.params:
+            p.data = p.data.to(torch.bfloat16)
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+            p.register_post_accumulate_grad_hook(self._accumulate)
+        self.inner = torch.optim.AdamW(self.masters, lr=lr, foreach=False)
+
+    @staticmethod
+    def _accumulate(p) -> None:  # the bf16 gradient is final: add it into main_grad and free it
+        p.main_grad.add_(p.grad)
+        p.grad = None
+
+    @property
+    def state(self) -> dict:
+        return {p: {"master": m, **self.inner.state.get(m, {})} for p, m in zip(self.params, self.masters)}
+
+    def step(self) -> None:
+        import torch
+
+        for m, p in zip(self.masters, self.params):
+            m.grad = p.main_grad  # AdamW reads main_grad itself: no copy
+        self.inner.step()
+        with torch.no_grad():
+            for m, p in zip(self.masters, self.params):
+                p.copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.main_grad.zero_()  # the buffer lives on: it is part of the bill
+
+
+class Autocast:
+    """``model(x, y)`` under ``torch.autocast`` (bf16, the device's type), the PyTorch AMP recipe (notebook 01)."""
+
+    def __init__(self, model):
+        self.module = model
+
+    def __call__(self, *args):
+        import torch
+
+        device = next(self.module.parameters()).device.type
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            return self.module(*args)
+
+
+def _sixteen_bit_copies_watcher(net):
+    """A ``TorchDispatchMode`` that sees every 16-bit copy made of one of ``net``'s parameters.
+
+    ``alive()`` adds up the copies still alive (a weak reference each): autocast's weight cache holds
+    them inside the region, and autograd keeps those a matmul saved until the backward has used them.
+    """
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+
+    class SixteenBitCopies(TorchDispatchMode):
+        copies: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            src = args[0] if args else None
+            if (
+                func is torch.ops.aten._to_copy.default
+                and isinstance(src, torch.Tensor)
+                and src.untyped_storage().data_ptr() in params
+                and out.dtype in (torch.bfloat16, torch.float16)
+            ):
+                self.copies.append((out.nbytes, weakref.ref(out)))
+            return out
+
+        def alive(self) -> int:
+            return sum(n for n, ref in self.copies if ref() is not None)
+
+    return SixteenBitCopies()
+
+
+def _linear_weight_numel(net) -> int:
+    """Parameters read by an ``nn.Linear`` (each storage once: the tied head is the embedding's weight)."""
+    import torch
+
+    seen = {
+        m.weight.untyped_storage().data_ptr(): m.weight.numel() for m in net.modules() if isinstance(m, torch.nn.Linear)
+    }
+    return sum(seen.values())
+
+
+RECIPES = ("adam_mixed", "adam_fp32", "autocast_adamw", "main_grad_adamw")
+
+
 def measure_model_state_bytes(
     model="tiny", optimizer: str = "adam_mixed", *, seed: int = 0, batch: int = 4, dtype=None
 ) -> dict:
     """Build the course model, run one real training step, and count the bytes it holds (notebook 01).
 
-    ``optimizer``: "adam_mixed" (``MixedPrecisionAdam``: bf16 weights and grads, fp32 master,
-    momentum, variance) or "adam_fp32" (``torch.optim.Adam`` on an fp32 model). The step is the
-    course's one loop (``loop.run_steps``) in this process; the gradients are counted after the
-    step, before they are cleared, as they are at the step's peak.
+    ``optimizer`` (a recipe): "adam_mixed" (``MixedPrecisionAdam``: the paper's bf16 weights and grads,
+    fp32 master, momentum, variance), "adam_fp32" (``torch.optim.Adam`` on an fp32 model),
+    "autocast_adamw" (what a PyTorch user runs: an fp32 model called under ``torch.autocast`` bf16,
+    ``torch.optim.AdamW``) or "main_grad_adamw" (``MainGradAdamW``: bf16 weights, an fp32 ``main_grad``,
+    fp32 master and moments). The step is the course's one loop (``loop.run_steps``) in this process;
+    the gradients are counted after the step, before they are cleared, as they are at the step's peak.
 
     Returns ``measured_bill(...)`` plus ``psi`` (Ψ, from ``models.param_count``), ``optimizer_name``,
-    ``per_param`` ({part: bytes / Ψ}) and ``loss``.
+    ``per_param`` ({part: bytes / Ψ}) and ``loss``; with "autocast_adamw" also ``copies_after_forward``
+    (bytes of 16-bit weight copies alive between the forward and the backward, seen by a
+    ``TorchDispatchMode``), ``copies_after_backward`` and ``linear_psi`` (parameters an ``nn.Linear``
+    reads, counted from the model's modules).
     """
     import torch
 
@@ -125,24 +237,54 @@ def measure_model_state_bytes(
     from ..models import build_model, get_config, param_count
 
     net = build_model(get_config(model), seed=seed)
+    forward, watcher = net, None
     if optimizer == "adam_mixed":
         opt = MixedPrecisionAdam(net, dtype=dtype)
     elif optimizer == "adam_fp32":
         opt = torch.optim.Adam(net.parameters(), lr=1e-3, foreach=False)
+    elif optimizer == "autocast_adamw":
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
+        forward, watcher = Autocast(net), _sixteen_bit_copies_watcher(net)
+    elif optimizer == "main_grad_adamw":
+        opt = MainGradAdamW(net)
     else:
-        raise CourseInputError(f"optimizer must be 'adam_mixed' or 'adam_fp32', got {optimizer!r}")
+        raise CourseInputError(f"optimizer must be one of {', '.join(RECIPES)}, got {optimizer!r}")
 
     class BillAfterTheStep(Observer):
+        copies: dict = {}
+
+        def before_forward(self, step: int) -> None:
+            if watcher is not None:
+                watcher.__enter__()
+
+        def after_forward(self, step: int, loss) -> None:
+            if watcher is not None:
+                self.copies["after_forward"] = watcher.alive()
+
+        def after_backward(self, step: int) -> None:
+            if watcher is not None:
+                watcher.__exit__(None, None, None)
+                self.copies["after_backward"] = watcher.alive()
+
         def after_update(self, step: int) -> None:
             self.bill = measured_bill(net, opt)
+            if isinstance(opt, MainGradAdamW):  # the gradients live in main_grad, not in .grad
+                self.bill["gradients"] = sum(p.main_grad.nbytes for p in opt.params)
+                self.bill["total"] = self.bill["weights"] + self.bill["gradients"] + self.bill["optimizer"]
 
     counted = BillAfterTheStep()
-    prepared = Prepared(model=net, optimizer=opt, full_state_dict=net.state_dict, held=lambda: ((), (), ()))
+    prepared = Prepared(model=forward, optimizer=opt, full_state_dict=net.state_dict, held=lambda: ((), (), ()))
     (loss,) = run_steps(prepared, TrainConfig(model=model, batch=batch, seed=seed), one_process(), range(1), [counted])
     out = counted.bill
     psi = param_count(net)
     out["per_param"] = {k: out[k] / psi for k in ("weights", "gradients", "optimizer", "total")}
     out.update(psi=psi, optimizer_name=optimizer, loss=loss.item())
+    if watcher is not None:
+        out.update(
+            copies_after_forward=counted.copies["after_forward"],
+            copies_after_backward=counted.copies["after_backward"],
+            linear_psi=_linear_weight_numel(net),
+        )
     return out
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 from .base import PART_COLORS, new_figure
 
 
-def ddp_timelines_figure(timelines: list, *, title: str = "", width: float = 8.5):
-    """Every rank's DDP step, one panel per rank, each on its own clock (notebook 02).
+def ddp_timelines_figure(timelines: list, *, title: str = "", width: float = 8.5, one_axis: bool = False):
+    """Every rank's DDP step, one panel per rank (notebook 02).
 
     ``timelines`` is a row's ``"timelines"`` from ``labs.lab02.ddp_measurements``' sweep: one timeline
-    per rank, times in ms after that rank's backward began. Two panels to a row (12.5 inches
+    per rank, times in ms after that rank's backward began; with ``one_axis`` they have been moved onto
+    rank 0's clock (``labs.lab02.on_one_axis``) and the panels share that axis. Two panels to a row (12.5 inches
     wide), so two ranks fit a 1280 x 720 slide with their labels at 14 px (issue 28).
     """
     buckets = len({r["bucket"] for r in timelines[0]["ready"]})
@@ -19,7 +20,7 @@ def ddp_timelines_figure(timelines: list, *, title: str = "", width: float = 8.5
     fig = new_figure(width if cols == 1 else 12.5, 1.2 + rows * (0.6 + 0.3 * (buckets + 1)))
     axes = fig.subplots(rows, cols, sharex=True, squeeze=False).ravel()
     for rank, (ax, timeline) in enumerate(zip(axes, timelines)):
-        _draw_ddp_timeline(ax, timeline, legend=False, xlabel=rank >= len(timelines) - cols)
+        _draw_ddp_timeline(ax, timeline, legend=False, xlabel=rank >= len(timelines) - cols, one_axis=one_axis)
         ax.set_title(f"rank {rank}", fontsize=9, loc="left")
         ax.tick_params(labelleft=rank % cols == 0)  # the same buckets on every rank: named once a row
         ax.tick_params(labelbottom=rank >= len(timelines) - cols)  # times under the last panel of each column
@@ -30,11 +31,20 @@ def ddp_timelines_figure(timelines: list, *, title: str = "", width: float = 8.5
     return fig
 
 
-def _draw_ddp_timeline(ax, timeline: dict, *, legend: bool = True, xlabel: bool = True) -> None:
+def _draw_ddp_timeline(ax, timeline: dict, *, legend: bool = True, xlabel: bool = True, one_axis: bool = False) -> None:
     buckets = sorted({r["bucket"] for r in timeline["ready"]})
     top = len(buckets)
-    ax.barh(top, -timeline["forward_ms"], left=timeline["forward_ms"], color="#bbbbbb", height=0.6, label="forward")
-    ax.barh(top, timeline["backward_end_ms"], left=0, color=PART_COLORS["gradients"], height=0.6, label="backward")
+    began = timeline.get("backward_start_ms", 0.0) if one_axis else 0.0
+    forward = timeline["forward_ms"]
+    ax.barh(top, began - forward, left=forward, color="#bbbbbb", height=0.6, label="forward")
+    ax.barh(
+        top,
+        timeline["backward_end_ms"] - began,
+        left=began,
+        color=PART_COLORS["gradients"],
+        height=0.6,
+        label="backward",
+    )
     ax.barh(
         top,
         timeline["synced_ms"] - timeline["backward_end_ms"],
@@ -63,7 +73,7 @@ def _draw_ddp_timeline(ax, timeline: dict, *, legend: bool = True, xlabel: bool 
     ax.set_yticks(list(buckets) + [top], [f"bucket {b}" for b in buckets] + ["compute"])
     ax.invert_yaxis()
     if xlabel:
-        ax.set_xlabel("time since backward began (ms)")
+        ax.set_xlabel("ms since rank 0's backward began (one clock)" if one_axis else "time since backward began (ms)")
     if legend:
         ax.legend(
             loc="upper center", bbox_to_anchor=(0.5, -0.3 if xlabel else -0.14), ncol=5, fontsize=8, frameon=False

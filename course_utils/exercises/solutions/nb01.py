@@ -3,6 +3,16 @@
 import torch
 
 
+def zero_state_bytes(optimizer):
+    """Bytes of per-parameter optimizer state this rank holds (each storage once, no 0-dim step counters)."""
+    seen = {}
+    for state in optimizer.optim.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def model_state_bill(psi, nd, stage, k=12):
     """Model-state bytes per GPU: 2-byte weights, 2-byte gradients, k optimizer bytes per parameter."""
     weights, grads, optim = 2 * psi, 2 * psi, k * psi
