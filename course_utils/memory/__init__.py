@@ -33,9 +33,9 @@ from .bill import (
     fused_gradient_buffer_bytes,
     model_state_bytes,
     optimizer_bill,
+    paper_agrees,
     per_parameter,
     smallest_nd_that_fits,
-    paper_agrees,
     zero_r_and_headlines,
 )
 from .chart import (
