@@ -343,7 +343,7 @@ def links_vs_planner(
     mesh is hybrid, in the record) and ``other`` take equally long (``plan.crossover_bandwidth``; None:
     never) and ``hsdp_faster``: "below" or "above" it, "always" or "never"; ``text``: that in words.
     """
-    from .models import build_model, param_count
+    from .models import build_model, param_count, unit_modules, unit_table
     from .train import TrainConfig
 
     cfg = TrainConfig(**config, nproc=nodes * nproc_per_node, node_size=nproc_per_node)
@@ -366,13 +366,16 @@ def links_vs_planner(
             progress=False,
         )[0]
         out = {"rows": rows, "links": {}, "commands": []}
-    psi = param_count(build_model(cfg.model))
-    base = _add_planned(out["rows"], psi, nodes, nproc_per_node)
+    model = build_model(cfg.model)
+    psi = param_count(model)
+    root = next(u["numel"] for u in unit_table(model, 1, unit_modules(model)) if u["name"] == "(root)")
+    base = _add_planned(out["rows"], psi, nodes, nproc_per_node, root)
     return {**out, "why_not": why_not, "psi": psi, "crossover": _crossover(base, out["rows"])}
 
 
-def _add_planned(rows: list[dict], psi: int, nodes: int, nproc_per_node: int) -> dict:
-    """Each row's planned bytes and step time (``plan.network_step``); returns the unlimited link's step times."""
+def _add_planned(rows: list[dict], psi: int, nodes: int, nproc_per_node: int, root: int = 0) -> dict:
+    """Each row's planned bytes and step time (``plan.network_step``, the model's root unit kept gathered where
+    the row says so); returns the unlimited link's step times."""
     from . import plan
     from .strategies import get as strategy
 
@@ -380,7 +383,7 @@ def _add_planned(rows: list[dict], psi: int, nodes: int, nproc_per_node: int) ->
     for r in rows:
         rate = None if r["link"] == "loopback" else parse_link(r["link"]).bytes_per_s
         machines = plan.Cluster(gpus_per_node=nproc_per_node, nodes=nodes, inter_bw=rate or 1e12)
-        net = plan.network_step(strategy(r["strategy"]), psi, machines, bytes_per_value=4)
+        net = plan.network_step(strategy(r["strategy"]), psi, machines, bytes_per_value=4, root_params=root)
         r["planned_cross_node_bytes"] = net["cross_node_bytes"]
         r["link_bytes"] = net["network_s"] * machines.inter_bw  # what the busiest cable carries per step
         r["planned_step_time_s"] = (

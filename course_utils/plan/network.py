@@ -51,7 +51,9 @@ def _hsdp_shard(cluster: Cluster, shard_size: int | None) -> int:
     return shard_size or cluster.gpus_per_node // cluster.mp
 
 
-def network_step(strategy, params: float, cluster: Cluster, *, bytes_per_value: float = GRAD_BYTES) -> dict:
+def network_step(
+    strategy, params: float, cluster: Cluster, *, bytes_per_value: float = GRAD_BYTES, root_params: float = 0.0
+) -> dict:
     """What one step puts on the links between nodes, in the ring model above (notebook 05).
 
     Returns ``cross_node_bytes``: ring bytes one GPU sends per step in collectives whose group spans
@@ -68,6 +70,10 @@ def network_step(strategy, params: float, cluster: Cluster, *, bytes_per_value: 
       all-reduce of its P/n shard over the nodes, 2(P/n)(nodes−1)/nodes, and the node's n GPUs run
       those n rings side by side over the same link (hence ``ring_time`` of n·P/n = P, as ``plan``
       times it).
+
+    ``root_params``: parameters of the root unit, which a row that ``keeps_root`` (FSDP2's default) does
+    not gather again for the backward: that all-gather moves P less the root's share. 0 (the default)
+    prices the root as gathered twice, an upper bound when the model's root is not known.
     """
     strategy = get(strategy)
     p = bytes_per_value * params / cluster.mp
@@ -76,10 +82,14 @@ def network_step(strategy, params: float, cluster: Cluster, *, bytes_per_value: 
     groups = _groups(strategy, cluster)
     shard = groups.get("shard", (1, False))[0] if strategy.shard_over != "none" else 1
     cross = seconds = 0.0
+    root = bytes_per_value * root_params / cluster.mp
     for c in strategy.collectives:
         n, spans = groups[c.over]
         if spans:
-            cross += RING_FACTOR[c.kind](n) * (p / shard if c.of == "grad_shard" else p)
+            moved = p / shard if c.of == "grad_shard" else p
+            if strategy.keeps_root and c.of == "params" and c.when == "backward":
+                moved -= root  # the root stays gathered from its forward to its backward
+            cross += RING_FACTOR[c.kind](n) * moved
             # a gradient shard's ring runs beside the node's other n - 1: together they carry all of P
             seconds += ring_time(p, n, cluster, spans_nodes=True, kind=c.kind)
     return {"cross_node_bytes": cross, "network_s": seconds}
