@@ -132,7 +132,7 @@ register(
         "(ZeRO stage 1 in torch) wrapping `torch.optim.AdamW`, on this rank, after one step of the tiny model on 4 "
         "ranks. Return the bytes of optimizer state this rank holds: every state tensor with one number per "
         "parameter, each storage once (leave out AdamW's 0-dim `step` counters). Predict first: stage 1 promises "
-        "8Ψ/Nd bytes of AdamW state per rank. Will every rank hold that?",
+        "$8\\Psi/N_d$ bytes of AdamW state per rank. Will every rank hold that?",
         stub="def zero_state_bytes(optimizer):\n"
         '    """Bytes of per-parameter optimizer state this rank holds (each storage once, no 0-dim step counters)."""\n'
         '    raise NotImplementedError("exercise 01.zero_state_bytes: your code here")\n',
