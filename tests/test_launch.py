@@ -466,7 +466,7 @@ def test_three_collectives_in_a_world_of_one(monkeypatch):
     out = examples.three_collectives(8)  # one rank: it owns the whole vector, and every sum is its own
     assert out["broadcast"] == [1.0] * 8
     assert out["all_gather"] == [float(i) for i in range(8)]
-    assert out["reduce_scatter"] == [1.0] * 8
+    assert out["reduce_scatter"] == [float(i + 1) for i in range(8)]  # rank 0's own (0 + 1)(i + 1), nothing added
 
 
 def test_background_returns_raises_and_stops_on_timeout():

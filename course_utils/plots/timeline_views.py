@@ -22,11 +22,12 @@ TIMELINE_COLORS = {
 }
 
 
-def timelines_figure(timelines: dict, *, title: str = "", width: float = 11.0, row_height: float = 2.3):
-    """``timelines``: ``{label: StepTimeline.result()}``. One panel per run, two columns, the same y axis
-    (bytes, kB = 10^3), x the operations of the step; the peak marked and its phase named."""
+def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, row_height: float = 1.7):
+    """``timelines``: ``{label: StepTimeline.result()}``. One panel per run, up to three columns (so that every
+    run fits one 1280 x 720 slide), the same y axis (bytes, kB = 10^3), x the operations of the step; the peak
+    marked and its phase named."""
     names = list(timelines)
-    cols = 2 if len(names) > 1 else 1
+    cols = min(3, len(names))
     rows = -(-len(names) // cols)
     fig = new_figure(width, row_height * rows + 0.6)
     top = max(t["peak"]["total"] for t in timelines.values()) / 1e3 * 1.08
