@@ -22,7 +22,7 @@ TIMELINE_COLORS = {
 }
 
 
-def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, row_height: float = 1.7):
+def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, row_height: float = 1.2):
     """``timelines``: ``{label: StepTimeline.result()}``. One panel per run, up to three columns (so that every
     run fits one 1280 x 720 slide), the same y axis (bytes, kB = 10^3), x the operations of the step; the peak
     marked and its phase named."""
