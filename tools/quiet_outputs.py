@@ -58,6 +58,15 @@ def _temp_path() -> re.Pattern:
 LOG_POINTER = re.compile(r"^\(every rank's output[^:()]*: (?P<path>\S+)\)$")
 
 
+#: The checkout the notebooks run from: a clone may itself live under /tmp, and a frame of the course's own code
+#: (``.../course_utils/examples.py``) is the student's to read, not a temporary path.
+COURSE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def _in_the_course(path: str) -> bool:
+    return path == COURSE_ROOT or path.startswith(COURSE_ROOT + os.sep)
+
+
 def _closing_pointer(text: str, start: int) -> bool:
     """True when the match at ``start`` is the launcher's logs pointer and nothing but blank lines follows it."""
     line_start = text.rfind("\n", 0, start) + 1
@@ -115,7 +124,7 @@ def noise(outputs: list) -> list[str]:
                 line = text[text.rfind("\n", 0, m.start()) + 1 :].split("\n", 1)[0].strip()
                 add(f"warning: {line[:160]}")
             for m in temp.finditer(text):
-                if not _closing_pointer(text, m.start()):
+                if not _closing_pointer(text, m.start()) and not _in_the_course(m.group(0)):
                     add(f"temporary path: {m.group(0)[:160]}")
             for m in FRAME.finditer(text):
                 path = m.group("path").replace("\\", "/")

@@ -62,38 +62,24 @@ def tcp_bytes_sent() -> int | None:
     store_port = int(os.environ.get("MASTER_PORT") or 0)
     total, seen = 0, False
     try:
-        fds = os.listdir("/proc/self/fd")
+        fds = [int(n) for n in os.listdir("/proc/self/fd") if os.readlink(f"/proc/self/fd/{n}").startswith("socket:")]
     except OSError:
         return None
-    for name in fds:
+    for fd in fds:
         try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+            sock = socket.socket(fileno=os.dup(fd))  # a duplicate, its family and type read from the kernel
+        except OSError:
+            continue
+        try:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
                 continue
-            probe = socket.fromfd(int(name), socket.AF_INET, socket.SOCK_STREAM)  # a duplicate: gloo's stays open
-        except OSError:
-            continue
-        try:
-            family = probe.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN)
-            kind = probe.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
-        except OSError:
-            probe.close()
-            continue
-        probe.close()
-        if kind != socket.SOCK_STREAM or family not in (socket.AF_INET, socket.AF_INET6):
-            continue
-        sock = socket.fromfd(int(name), family, socket.SOCK_STREAM)
-        try:
             ports = {sock.getsockname()[1]}
-            try:
-                ports.add(sock.getpeername()[1])
-            except OSError:  # a listening socket has no peer
-                pass
-            if store_port and store_port in ports:
+            if store_port in ports or (sock.getpeername()[1] == store_port if store_port else False):
                 continue
             info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
             if len(info) >= 208:  # struct tcp_info: __u64 tcpi_bytes_sent at offset 200 (Linux >= 4.19)
                 total, seen = total + struct.unpack_from("Q", info, 200)[0], True
-        except OSError:
+        except OSError:  # a listening socket has no peer; a socket closed meanwhile
             pass
         finally:
             sock.close()
