@@ -1,10 +1,11 @@
 """The per-operation memory timeline (``timeline.StepTimeline``) against the predictions from the record.
 
-One 2-rank launch watches step 2 of seven strategies (``labs.lab03.timelines_worker``); every
+One 2-rank launch watches step 2 of nine strategies (``labs.lab03.timelines_worker``); every
 category at rest, and the model-state peaks that the schedule decides, must equal
 ``predict.timeline``'s numbers to the byte: on CPU a storage is numel x element size, no allocator
 rounds it. The backend's copies (gloo's reduce-scatter clone) are waited out before the next
-operation, so none is left unsettled.
+operation, so none is left unsettled. At 2 ranks of one 2-rank "node", HYBRID_SHARD replicates over a group of
+one: its 2-D mesh and shard group are what is checked, at rest equal to FULL_SHARD's.
 """
 
 from __future__ import annotations
@@ -78,3 +79,22 @@ def test_the_hand_built_stage2_never_holds_every_full_gradient(watched):
     for out in watched.values():
         assert out["zero2"]["timeline"]["states_peak"]["grads"] < 4 * psi
         assert out["zero1"]["timeline"]["states_peak"]["grads"] >= 4 * psi
+
+
+def test_ddp_peaks_in_the_backward_with_every_full_gradient_beside_its_buckets(watched):
+    psi = param_count(MODEL)
+    mcfg = get_config(MODEL)
+    tensors = len(list(build_model(mcfg).parameters()))
+    for rank, out in watched.items():
+        peak = out["ddp"]["timeline"]["states_peak"]
+        rest = predict_timeline.rest_bytes(
+            strategies.get("ddp"),
+            _units("ddp", out["ddp"]),
+            tensors,
+            1,
+            batch=TrainConfig().batch,
+            seq=mcfg.seq,
+            losses=WATCH,
+        )
+        assert peak["where"].startswith("backward") and peak["grads"] == 4 * psi, (rank, peak)
+        assert peak["states"] == predict_timeline.full_gradients_states_peak(rest, psi), (rank, peak, rest)

@@ -19,7 +19,19 @@ from ..launch import launch
 from ..loop import Prepared, TrainConfig, device_mesh, make_optimizer, prepare, run_steps
 from ..models import build_model, get_config
 from ..per_param import shard_rows
-from ..strategies import DDP, FULL_SHARD, SHARD_GRAD_OP, SINGLE, TORCH_ZERO1, ZERO1, ZERO2, ZERO3, get
+from ..strategies import (
+    DDP,
+    FULL_SHARD,
+    HYBRID_SHARD,
+    NO_SHARD,
+    SHARD_GRAD_OP,
+    SINGLE,
+    TORCH_ZERO1,
+    ZERO1,
+    ZERO2,
+    ZERO3,
+    get,
+)
 from ..zero import ShardedOptimizer, shard_bounds
 
 #: What ``agreement`` compares with one process by default: plain DP, the three stages, torch's stage 1.
@@ -317,7 +329,9 @@ def _worst(grads: dict, ref) -> float:
 
 
 #: The strategies whose step ``timelines`` watches by default: one of each kind of layout and schedule.
-TIMELINE_STRATEGIES = tuple(s.name for s in (SINGLE, DDP, ZERO1, ZERO2, ZERO3, SHARD_GRAD_OP, FULL_SHARD))
+TIMELINE_STRATEGIES = tuple(
+    s.name for s in (SINGLE, DDP, ZERO1, ZERO2, ZERO3, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD)
+)
 
 
 def timelines_worker(config: dict, names=TIMELINE_STRATEGIES, watch_step: int = 2) -> dict:

@@ -47,10 +47,18 @@ from .held import (
 )
 from .runs import comm_matches, expected_bytes, fsdp_run, memory_check, peak_check, planned_units, traffic_check
 from .sent import fsdp_collectives, paper_sent_bytes, traffic_in_psi, zero_traffic
-from .timeline import forward_end_states, kept_all_gather_outputs, reduce_at_step_states_peak, rest_bytes, rest_check
+from .timeline import (
+    forward_end_states,
+    full_gradients_states_peak,
+    kept_all_gather_outputs,
+    reduce_at_step_states_peak,
+    rest_bytes,
+    rest_check,
+)
 
 __all__ = [
     "forward_end_states",
+    "full_gradients_states_peak",
     "kept_all_gather_outputs",
     "reduce_at_step_states_peak",
     "rest_bytes",

@@ -83,6 +83,14 @@ def reduce_at_step_states_peak(units: list[dict], psi: int, shard: int, *, backe
     return FP32 * (padded + psi + padded + clone + padded // shard) + 2 * FP32 * (padded // shard) + FP32 * len(units)
 
 
+def full_gradients_states_peak(rest: dict, psi: int) -> int:
+    """Model states at the peak of a row that keeps its whole model and every full gradient until the
+    optimizer's step (DDP): what it holds at rest (weights, Adam's state, the bucket buffers, ``rest_bytes``)
+    plus 4Ψ of ``.grad`` (copied out of the buckets: ``gradient_as_bucket_view`` is off), reached in the
+    backward once the last gradient exists (notebook 03)."""
+    return sum(rest[k] for k in ("params", "optim", "comm")) + FP32 * psi
+
+
 def kept_all_gather_outputs(units: list[dict]) -> int:
     """FSDP2's flat all-gather outputs alive at the last block's copy-out in the forward: the previous
     unit's (kept until this copy-out, ``_fsdp_param_group.py`` in torch 2.13) and this one's; the two
