@@ -156,3 +156,22 @@ def test_every_code_cell_is_valid_python(path):
                 ast.parse("\n".join(lines))
             except SyntaxError as exc:
                 raise AssertionError(f"{path.name} cell {i}: {exc}") from None
+
+
+def _measured_seconds(name: str) -> float:
+    """The notebook's wall seconds in the newest column of benchmarks/budget.md's notebook table."""
+    for line in (ROOT / "benchmarks" / "budget.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] == name:
+            return float(re.match(r"[\d.]+", cells[-1]).group(0))
+    raise AssertionError(f"benchmarks/budget.md has no row for {name}: measure it (make course) and add it")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_header_states_the_measured_time(path):
+    """A student plans their hour by the title cell's 'Runs in': it must be the measured time, not a hope."""
+    title = "".join(json.loads(path.read_text())["cells"][0]["source"])
+    claim = re.search(r"\*Runs in:\* about (\d+) s on a 2-core laptop CPU", title)
+    assert claim, f"{path.name}: the title cell must say '*Runs in:* about N s on a 2-core laptop CPU'"
+    measured = _measured_seconds(path.stem)
+    assert abs(int(claim.group(1)) - measured) <= max(5.0, 0.15 * measured), (path.name, claim.group(1), measured)
