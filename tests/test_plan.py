@@ -82,9 +82,10 @@ def test_activation_bound_no_stage_helps():
 
 
 def test_a_layer_too_large_to_gather():
-    p = plan.plan(plan.model_spec(layers=4, width=65536), plan.Cluster(nodes=128))
+    p = plan.plan(plan.model_spec(layers=4, width=81920), plan.Cluster(nodes=128))
     assert p.recommendation["strategy"] == "none"
-    assert p.limits["single_layer_limit"] and "layer" in p.recommendation["reason"]
+    assert p.limits["single_layer_limit"] and "a single FSDP unit" in p.recommendation["reason"]
+    assert p.limits["single_matrix_limit"] and "tensor parallelism" in p.recommendation["reason"]  # not a boundary
     assert p.strategies["zero3"].model_states < 10 * GB  # the model states alone would fit
 
 
