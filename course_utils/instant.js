@@ -276,7 +276,7 @@
     draw();
   };
 
-  /* Notebook 03: the stage-3 schedule, one state per step: GPUs x layers, and what each GPU has sent. */
+  /* Notebook 03: the stage-3 schedule, one state per step: GPUs x units (layers, root), and what each GPU has sent. */
   VIEWS["zero3-stepper"] = function (root, d) {
     var s = { i: 0 }, last = d.states.length - 1;
     var box = setup(root, d);
@@ -296,7 +296,7 @@
       step.disabled = s.i === last;
       back.disabled = s.i === 0;
       clear(box.chart);
-      // left: the grid, one row per GPU, one column per layer cut into nd slices
+      // left: the grid, one row per GPU, one column per unit cut into nd slices
       var gx = 70, gy = 34, cell = Math.min(300 / layers, (H - 90) / nd), slice = cell * 0.92 / nd;
       label(box.chart, gx, 20, st.heading, { "class": "ci-axis" });
       for (var g = 0; g < nd; g++) {
@@ -312,7 +312,7 @@
         }
       }
       for (l = 0; l < layers; l++) {
-        label(box.chart, gx + l * cell + cell * 0.46, gy + nd * cell + 16, "layer " + l,
+        label(box.chart, gx + l * cell + cell * 0.46, gy + nd * cell + 16, d.labels[l],
               { "text-anchor": "middle", "class": "ci-tick" });
       }
       if (st.layer !== null) {

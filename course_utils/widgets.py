@@ -412,23 +412,26 @@ def _stage3_readout(state) -> str:
 
 
 def zero3_stepper(nd: int = 4):
-    """Stage 3 step by step: GPUs × shards, Step, Back and Reset through forward and backward (notebook 03).
+    """Stage 3 step by step: GPUs × units (the layers and the root), Step, Back and Reset through forward and
+    backward (notebook 03).
 
     An instant view of every state of ``stepper.stage3_schedule(nd)``. Controls (CSS class, label):
     ``course-zero3-step`` ("Step"), ``course-zero3-back`` ("Back"), ``course-zero3-reset`` ("Reset") and
     a slider over the steps, ``course-zero3-slider``; the picture ``course-zero3-chart``; the readout of
-    exact values ``course-zero3-readout``. Headless, the PNG is two states, one per row: layer 0 gathered in
-    the forward pass, and the end (every GPU has sent 3(Nd-1)/Nd·Ψ). Two, not more: on a 1280 x 720 slide more
-    rows would shrink the labels below 14 px (issue 28).
+    exact values ``course-zero3-readout``. Headless, the PNG is two states, one per row: the root and layer 0
+    gathered in the forward pass (the most any GPU holds), and the end (every GPU has sent 3(Nd-1)/Nd·Ψ).
+    Two, not more: on a 1280 x 720 slide more rows would shrink the labels below 14 px (issue 28).
     """
-    from .stepper import TRAFFIC_KINDS, stage3_schedule
+    from .stepper import TRAFFIC_KINDS, column_labels, stage3_schedule
 
     states = stage3_schedule(nd)
+    labels = column_labels(nd)
     dp = 2 * (nd - 1) / nd
     data = {
         "css": "course-zero3",
         "nd": nd,
         "layers": len(states[0].held[0]),
+        "labels": labels,
         "dp": dp,
         "dpLabel": f"plain DP: {dp:.3g}Ψ",
         "xmax": 3 * (nd - 1) / nd * 1.25,
@@ -438,7 +441,7 @@ def zero3_stepper(nd: int = 4):
         "states": [
             {
                 "step": st.step,
-                "heading": f"step {st.step}: {st.phase}" + (f", layer {st.layer}" if st.layer is not None else ""),
+                "heading": f"step {st.step}: {st.phase}" + (f", {labels[st.layer]}" if st.layer is not None else ""),
                 "layer": st.layer,
                 "whole": [[h == "whole" for h in row] for row in st.held],
                 "grads": list(st.grads),
@@ -452,7 +455,7 @@ def zero3_stepper(nd: int = 4):
     }
 
     def still():
-        return plots.zero3_schedule_frames([states[1], states[-1]])
+        return plots.zero3_schedule_frames([states[2], states[-1]])
 
     # its text (what a reader that runs no script reads beside the frames) is where the schedule ends
     return InstantView("zero3-stepper", data, states[-1].caption, **_static_of(still))

@@ -542,7 +542,7 @@ def _timeline(buckets=8):
     [
         lambda plots: plots.ddp_timelines_figure([_timeline(), _timeline()]),
         lambda plots: plots.zero3_schedule_frames(
-            [__import__("course_utils.stepper").stepper.stage3_schedule(4)[i] for i in (1, -1)]
+            [__import__("course_utils.stepper").stepper.stage3_schedule(4)[i] for i in (2, -1)]
         ),
     ],
     ids=["ddp_timelines_two_ranks", "stage3_two_moments"],

@@ -147,7 +147,8 @@ def test_stepper_states_are_the_schedule():
 
     d = _json(widgets.zero3_stepper(4))
     schedule = stage3_schedule(4)
-    assert len(d["states"]) == len(schedule) == 4 * 4 + 2
+    assert len(d["states"]) == len(schedule) == 4 * 4 + 6
+    assert d["labels"] == ["layer 0", "layer 1", "layer 2", "layer 3", "root"]
     for shown, state in zip(d["states"], schedule):
         assert shown["caption"] == state.caption and shown["layer"] == state.layer
         assert shown["whole"] == [[h == "whole" for h in row] for row in state.held]

@@ -114,27 +114,34 @@ def test_peak_gathered_is_root_plus_largest_unit():
 @pytest.mark.parametrize("nd", [2, 4, 5])
 def test_stepper_walks_forward_then_backward(nd):
     states = stepper.stage3_schedule(nd)
-    assert len(states) == 4 * nd + 2
+    root = nd  # the last column: every parameter outside the layers, as in zero.Zero3Module
+    assert len(states) == 4 * nd + 6
     assert [s.step for s in states] == list(range(len(states)))
-    assert [s.layer for s in states if s.action == "gather"] == list(range(nd)) + list(reversed(range(nd)))
+    gathers = [s.layer for s in states if s.action == "gather"]
+    assert gathers == [root, *range(nd), root, *reversed(range(nd))]  # the root first in each direction
+    assert [s.layer for s in states if s.action == "reduce"] == [*reversed(range(nd)), root]  # its gradients last
     assert states[0].phase == "start" and states[-1].phase == "done"
+    units = nd + 1  # each drawn as Ψ/(L+1)
     for s in states:
         for g in range(nd):
-            assert all(h in ("slice", "whole") for h in s.held[g])  # a GPU never drops its own slice of any layer
-            assert sum(h == "whole" for h in s.held[g]) <= 1  # at most one layer gathered at a time
-            # its own slices (Ψ/Nd) plus the rest of at most one layer of Ψ/L: the course's code, rank r owning slice r
-            assert s.held_psi(g) <= 1 / nd + (1 - 1 / nd) / nd + 1e-12
+            assert all(h in ("slice", "whole") for h in s.held[g])  # a GPU never drops its own slice of any unit
+            assert sum(h == "whole" for h in s.held[g][:root]) <= 1  # at most one layer gathered at a time
+            if s.phase == "forward" or (s.phase == "backward" and not s.grads[root]):
+                assert s.held[g][root] == "whole" or s.action == "drop"  # the root is whole while layers run
+            # its own slices (Ψ/Nd) plus the rest of the root and of at most one layer
+            assert s.held_psi(g) <= 1 / nd + 2 * (1 - 1 / nd) / units + 1e-12
         if s.action == "gather":
             assert all(s.held[g][s.layer] == "whole" for g in range(nd))
-        if s.action in ("drop", "reduce", ""):
-            assert all(s.held_psi(g) == pytest.approx(1 / nd) for g in range(nd))
+    assert max(s.held_psi(0) for s in states) == pytest.approx(1 / nd + 2 * (1 - 1 / nd) / units)
+    assert all(s.held_psi(g) == pytest.approx(1 / nd) for s in (states[0], states[-1]) for g in range(nd))
     final = states[-1]
-    assert all(final.grads) and not any(states[2 * nd].grads)
+    forward_done = next(s for s in states if s.layer == root and s.action == "drop")
+    assert all(final.grads) and not any(forward_done.grads)
     for g in range(nd):
         assert final.sent_total(g) == pytest.approx(3 * (nd - 1) / nd)
         for kind in stepper.TRAFFIC_KINDS:
             assert final.sent[g][kind] == pytest.approx((nd - 1) / nd)
-    assert states[2 * nd].sent_total(0) == pytest.approx((nd - 1) / nd)  # forward done: one all-gather of Ψ
+    assert forward_done.sent_total(0) == pytest.approx((nd - 1) / nd)  # forward done: one all-gather of Ψ
 
 
 def test_stepper_refuses_a_world_of_one_or_a_fraction():

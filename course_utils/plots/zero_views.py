@@ -18,10 +18,10 @@ TRAFFIC_COLORS = {
 def zero3_schedule_figure(state, *, width: float = 10.0, height: float = 4.2):
     """One state of the stage-3 schedule: the GPUs × layers grid and what each GPU has sent (notebook 03).
 
-    ``state`` is a ``stepper.Stage3State``. Left: row g is GPU g, column l is layer l, cut into
-    Nd vertical slices; GPU g's own slice g of every layer is filled purple, the rest of a layer
-    light while it is gathered whole, an orange mark on a slice once its summed gradients have
-    arrived, the outlined column the layer being worked on. Right: Ψ units each GPU has sent so
+    ``state`` is a ``stepper.Stage3State``. Left: row g is GPU g, a column per unit (the layers, then
+    the root), cut into Nd vertical slices; GPU g's own slice g of every unit is filled purple, the rest
+    of a unit light while it is gathered whole, an orange mark on a slice once its summed gradients have
+    arrived, the outlined column the unit being worked on. Right: Ψ units each GPU has sent so
     far, by kind, against plain DP's 2(Nd-1)/Nd·Ψ.
     """
     fig = new_figure(width, height)
@@ -47,9 +47,10 @@ def zero3_schedule_frames(states: list, *, width: float = 10.0, row_height: floa
 def _draw_stage3(grid, bars, state, *, legend: bool = True) -> None:
     from matplotlib.patches import Rectangle
 
-    from ..stepper import TRAFFIC_KINDS
+    from ..stepper import TRAFFIC_KINDS, column_labels
 
     nd = state.nd
+    labels = column_labels(nd)
     layers = len(state.held[0])
     w = 0.92 / nd  # one slice's width inside a layer's cell
     for g in range(nd):
@@ -65,14 +66,15 @@ def _draw_stage3(grid, bars, state, *, legend: bool = True) -> None:
         grid.add_patch(Rectangle((state.layer - 0.04, -0.04), 1.0, nd, fill=False, edgecolor="#222222", lw=2))
     grid.set_xlim(-0.1, layers)
     grid.set_ylim(-0.1, nd)
-    grid.set_xticks([s + 0.46 for s in range(layers)], [f"layer {s}" for s in range(layers)], fontsize=8)
+    grid.set_xticks([s + 0.46 for s in range(layers)], labels, fontsize=8)
     grid.set_yticks([nd - 1 - g + 0.46 for g in range(nd)], [f"GPU {g}" for g in range(nd)], fontsize=8)
     grid.set_aspect("equal")
     grid.tick_params(length=0)
     for spine in grid.spines.values():
         spine.set_visible(False)
     grid.set_title(
-        f"step {state.step}: {state.phase}" + (f", layer {state.layer}" if state.layer is not None else ""), fontsize=10
+        f"step {state.step}: {state.phase}" + (f", {labels[state.layer]}" if state.layer is not None else ""),
+        fontsize=10,
     )
     left = np.zeros(nd)
     for kind in TRAFFIC_KINDS:
