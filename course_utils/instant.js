@@ -206,7 +206,7 @@
       box.title.textContent = d.titles[s.m][s.k][s.g];
       presets.forEach(function (b, i) { b.classList.toggle("ci-on", d.presets[i][1] === s.m); });
       clear(box.readout);
-      tag("b", {}, box.readout, "Ψ = " + d.models[s.m] + ", K = " + d.kShort[s.k] + ", Nd = " + nd + ", GPU " +
+      tag("b", {}, box.readout, "Ψ = " + d.models[s.m] + (d.nmText || "") + ", K = " + d.kShort[s.k] + ", Nd = " + nd + ", GPU " +
           d.gpuShort[s.g]);
       var table = tag("table", {}, box.readout), head = tag("tr", {}, table);
       ["", "bytes per GPU", "", ""].forEach(function (h) { tag("th", { "class": h ? "ci-num" : "" }, head, h); });

@@ -100,6 +100,7 @@ def memory_chart_states(models: list, ks: list, nds: list, gpus: list, *, nm=1, 
         "models": [label for label, _ in models],
         "ks": [label for label, _ in ks],
         "kShort": [f"{k:g}" for _, k in ks],
+        "nmText": f", Nm = {nm}" if nm > 1 else "",  # per GPU of an Nm-way model-parallel group: say so
         "nds": [int(n) for n in nds],
         "axis": [i for i, n in enumerate(nds) if n in axis],
         "gpus": [label for label, _ in gpus],

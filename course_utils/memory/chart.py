@@ -138,7 +138,9 @@ def readout_text(view: dict) -> str:
     """One line of exact values at the chosen Nd, the text the chart's widget shows (notebook 01)."""
     parts = [f"{STAGE_NAMES[s]}: {fmt_size(view['readout'][s])}{' ✓' if view['fits'][s] else ''}" for s in STAGES]
     return (
-        f"Ψ = {fmt_count(view['psi'])}, K = {view['k']:g}, Nd = {view['nd']}: "
+        f"Ψ = {fmt_count(view['psi'])}"
+        + (f", Nm = {view['nm']}" if view.get("nm", 1) > 1 else "")
+        + f", K = {view['k']:g}, Nd = {view['nd']}: "
         + " · ".join(parts)
         + f"  (✓ fits {view['gpu_mem'] / GB:g} GB)"
     )
