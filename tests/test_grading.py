@@ -452,11 +452,13 @@ def test_a_notebook_past_its_time_limit_is_stopped(tmp_path):
 
 
 @needs_seal
-def test_an_honest_class_of_six_is_graded_side_by_side(tmp_path, capsys):
+def test_an_honest_class_is_graded_side_by_side(tmp_path, capsys):
+    """Three notebooks on two jobs: two graded at once, and two that name the same student kept apart (a class of
+    30 is measured by tools/grade_bench, not here)."""
     solved = {k: sw.STUDENT[k] for k in ("zero_state_bytes", "model_state_bill", "block_activation_bytes")}
-    for i in range(6):
+    for i in range(3):
         data = sw.notebook("01", solved, section_only=True)
-        data["metadata"]["course"] = {"student": f"Student {i % 5}"}  # two notebooks name the same student
+        data["metadata"]["course"] = {"student": f"Student {i % 2}"}  # copy0 and copy2 name the same student
         sw.write(tmp_path / f"copy{i}.ipynb", data)
     out = tmp_path / "grades"
     args = [
@@ -472,10 +474,10 @@ def test_an_honest_class_of_six_is_graded_side_by_side(tmp_path, capsys):
     ]
     assert cli.main(args) == 0
     table = capsys.readouterr().out
-    assert "Student 0 (copy0.ipynb)" in table and "Student 3" in table
+    assert "Student 0 (copy0.ipynb)" in table and "Student 0 (copy2.ipynb)" in table and "Student 1" in table
     document = json.loads((out / "grades.json").read_text())
     rows = [r for g in document["notebooks"] for r in g["rows"]]
-    assert len(rows) == 6 * len(core.exercises("01")) and {r["outcome"] for r in rows} == {core.PASSED}
+    assert len(rows) == 3 * len(core.exercises("01")) and {r["outcome"] for r in rows} == {core.PASSED}
     spans = sorted((g["started_at"], g["ended_at"]) for g in document["notebooks"])
     assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), "no two notebooks were graded at the same time"
 
