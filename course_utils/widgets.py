@@ -413,15 +413,13 @@ def _stage3_readout(state) -> str:
 
 
 def zero3_stepper(nd: int = 4):
-    """Stage 3 step by step: GPUs × units (the layers and the root), Step, Back and Reset through forward and
-    backward (notebook 03).
+    """Stage 3 step by step: GPUs × units (layers, root), Step, Back and Reset through both passes (notebook 03).
 
     An instant view of every state of ``stepper.stage3_schedule(nd)``. Controls (CSS class, label):
     ``course-zero3-step`` ("Step"), ``course-zero3-back`` ("Back"), ``course-zero3-reset`` ("Reset") and
     a slider over the steps, ``course-zero3-slider``; the picture ``course-zero3-chart``; the readout of
-    exact values ``course-zero3-readout``. Headless, the PNG is two states, one per row: the root and layer 0
-    gathered in the forward pass (the most any GPU holds), and the end (every GPU has sent 3(Nd-1)/Nd·Ψ).
-    Two, not more: on a 1280 x 720 slide more rows would shrink the labels below 14 px (issue 28).
+    exact values ``course-zero3-readout``. Headless, the PNG is two states: the root and layer 0 gathered in the
+    forward (the most any GPU holds), and the end; more rows would shrink the labels below 14 px (issue 28).
     """
     from .stepper import TRAFFIC_KINDS, column_labels, stage3_schedule
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 
 
 # 01 -------------------------------------------------------------------------------------------
@@ -133,6 +134,168 @@ def unsharded_inner_optimizer(params, optimizer_class, **defaults):
     return step
 
 
+def zero2_keeps_full_grads(flats):
+    for flat in flats:
+        arrived = [0]
+
+        def ready(param, flat=flat, arrived=arrived):
+            arrived[0] += 1
+            if arrived[0] == len(flat.params):
+                arrived[0] = 0
+                send = torch.zeros(flat.padded)
+                torch.cat([p.grad.reshape(-1) for p in flat.params], out=send[: flat.numel])
+                out = torch.empty(flat.shard_numel)
+                dist.reduce_scatter_single(out, send)
+                flat.grad_shard = out / flat.nd  # ... and the full gradients stay: that is stage 1's memory
+
+        for p in flat.params:
+            p.register_post_accumulate_grad_hook(ready)
+
+
+def zero2_all_reduce(flats):
+    for flat in flats:
+        arrived = [0]
+
+        def ready(param, flat=flat, arrived=arrived):
+            arrived[0] += 1
+            if arrived[0] == len(flat.params):
+                arrived[0] = 0
+                send = torch.zeros(flat.padded)
+                torch.cat([p.grad.reshape(-1) for p in flat.params], out=send[: flat.numel])
+                dist.all_reduce(send)  # every rank gets the whole sum, then keeps its slice
+                s = flat.shard_numel
+                flat.grad_shard = send[flat.rank * s : (flat.rank + 1) * s] / flat.nd
+                for p in flat.params:
+                    p.grad = None
+
+        for p in flat.params:
+            p.register_post_accumulate_grad_hook(ready)
+
+
+def zero2_sum_not_mean(flats):
+    for flat in flats:
+        arrived = [0]
+
+        def ready(param, flat=flat, arrived=arrived):
+            arrived[0] += 1
+            if arrived[0] == len(flat.params):
+                arrived[0] = 0
+                send = torch.zeros(flat.padded)
+                torch.cat([p.grad.reshape(-1) for p in flat.params], out=send[: flat.numel])
+                out = torch.empty(flat.shard_numel)
+                dist.reduce_scatter_single(out, send)
+                flat.grad_shard = out  # the sum over ranks, not the mean
+                for p in flat.params:
+                    p.grad = None
+
+        for p in flat.params:
+            p.register_post_accumulate_grad_hook(ready)
+
+
+def zero2_after_backward(flats):
+    """Everything right, but sent from a callback at the end of the backward: stage 1's timing."""
+    queued = [False]
+
+    def reduce_all():
+        queued[0] = False
+        for flat in flats:
+            send = torch.zeros(flat.padded)
+            torch.cat([p.grad.reshape(-1) for p in flat.params], out=send[: flat.numel])
+            out = torch.empty(flat.shard_numel)
+            dist.reduce_scatter_single(out, send)
+            flat.grad_shard = out / flat.nd
+            for p in flat.params:
+                p.grad = None
+
+    def ready(param):
+        if not queued[0]:
+            queued[0] = True
+            Variable._execution_engine.queue_callback(reduce_all)
+
+    for flat in flats:
+        for p in flat.params:
+            p.register_post_accumulate_grad_hook(ready)
+
+
+def zero2_first_gradient(flats):
+    """Sends a bucket when its *first* gradient arrives: the others are still missing (zeros)."""
+    for flat in flats:
+        arrived = [0]
+
+        def ready(param, flat=flat, arrived=arrived):
+            arrived[0] += 1
+            if arrived[0] == 1:  # too early: the rest of the bucket has not been computed yet
+                send = torch.zeros(flat.padded)
+                off = 0
+                for p in flat.params:
+                    if p.grad is not None:
+                        send[off : off + p.numel()] = p.grad.reshape(-1)
+                    off += p.numel()
+                out = torch.empty(flat.shard_numel)
+                dist.reduce_scatter_single(out, send)
+                flat.grad_shard = out / flat.nd
+            if arrived[0] == len(flat.params):
+                arrived[0] = 0
+                for p in flat.params:
+                    p.grad = None
+
+        for p in flat.params:
+            p.register_post_accumulate_grad_hook(ready)
+
+
+def unit_never_freed(module, flat):
+    storage = flat.full.untyped_storage()
+
+    def gather(mod, args):
+        if storage.nbytes() == 0:
+            storage.resize_(flat.padded * flat.full.element_size())
+        dist.all_gather_single(flat.full, flat.shard)
+
+    module.register_forward_pre_hook(gather)  # ... and nothing after the forward
+
+
+def unit_rebinds_instead_of_freeing(module, flat):
+    def gather(mod, args):
+        flat.full.untyped_storage().resize_(flat.padded * flat.full.element_size())
+        dist.all_gather_single(flat.full, flat.shard)
+
+    def free(mod, args, output):
+        flat.full = flat.full[:0]  # a new (empty) view: the storage the parameters use is still there
+
+    module.register_forward_pre_hook(gather)
+    module.register_forward_hook(free)
+
+
+def unit_gathers_into_new_tensor(module, flat):
+    def gather(mod, args):
+        full = torch.empty(flat.padded, dtype=flat.shard.dtype)
+        dist.all_gather_single(full, flat.shard)
+        flat.full = full  # the parameters are views into the old storage: they never see this
+
+    def free(mod, args, output):
+        flat.full.untyped_storage().resize_(0)
+
+    module.register_forward_pre_hook(gather)
+    module.register_forward_hook(free)
+
+
+def unit_gathers_with_all_reduce(module, flat):
+    storage = flat.full.untyped_storage()
+
+    def gather(mod, args):
+        storage.resize_(flat.padded * flat.full.element_size())
+        flat.full.zero_()
+        s = flat.shard_numel
+        flat.full[flat.rank * s : (flat.rank + 1) * s] = flat.shard
+        dist.all_reduce(flat.full)  # zeros everywhere but my slice: the sum is the whole unit
+
+    def free(mod, args, output):
+        storage.resize_(0)
+
+    module.register_forward_pre_hook(gather)
+    module.register_forward_hook(free)
+
+
 # 04 -------------------------------------------------------------------------------------------
 def shard_wrong_offset(full, rank, world_size):
     rows = full.shape[0]
@@ -218,6 +381,19 @@ MISTAKES = {
     ],
     ("03", "zero2_step"): [(zero2_wrong_shard_offset, "[r·S, (r+1)·S)")],
     ("03", "sharded_optimizer"): [(unsharded_inner_optimizer, "K·Ψ/Nd")],
+    ("03", "zero2_hooks"): [
+        (zero2_keeps_full_grads, "set each of its parameters' .grad to None"),
+        (zero2_all_reduce, "called all_reduce"),
+        (zero2_sum_not_mean, "divide by Nd"),
+        (zero2_after_backward, "after the backward had finished producing gradients"),
+        (zero2_first_gradient, "only once every one of them has arrived"),
+    ],
+    ("03", "zero3_gather_free"): [
+        (unit_never_freed, "free each block after its forward"),
+        (unit_rebinds_instead_of_freeing, "rebinding flat.full frees nothing"),
+        (unit_gathers_into_new_tensor, "not into a new tensor"),
+        (unit_gathers_with_all_reduce, "gathered with all_reduce"),
+    ],
     ("04", "shard_dim0"): [(shard_wrong_offset, "did you start at rank·c")],
     ("04", "unshard"): [(unshard_keeps_padding, "padding")],
     ("04", "clip_sharded"): [(clip_with_local_norm, "all-reduce the sum of squares")],

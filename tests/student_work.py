@@ -95,6 +95,37 @@ STUDENT = {
     params[r * size : (r + 1) * size].sub_(lr * mine / n)
     dist.all_gather_single(params, params[r * size : (r + 1) * size].clone())
 """,
+    "zero2_hooks": """def zero2_hooks(flats):
+    for flat in flats:
+        seen = {"n": 0}
+
+        def hook(p, flat=flat, seen=seen):
+            seen["n"] += 1
+            if seen["n"] < len(flat.params):
+                return
+            seen["n"] = 0
+            grads = torch.zeros(flat.padded)
+            grads[: flat.numel] = torch.cat([q.grad.flatten() for q in flat.params])
+            mine = torch.zeros(flat.shard_numel)
+            dist.reduce_scatter_single(mine, grads)
+            flat.grad_shard = mine / dist.get_world_size()
+            for q in flat.params:
+                q.grad = None
+
+        for p in flat.params:
+            p.register_post_accumulate_grad_hook(hook)
+""",
+    "zero3_gather_free": """def zero3_gather_free(module, flat):
+    def before(m, args):
+        flat.full.untyped_storage().resize_(flat.padded * 4)
+        dist.all_gather_single(flat.full, flat.shard)
+
+    def after(m, args, out):
+        flat.full.untyped_storage().resize_(0)
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
+""",
     "sharded_optimizer": """def sharded_optimizer(params, optimizer_class, **defaults):
     n, r = dist.get_world_size(), dist.get_rank()
     size = params.numel() // n

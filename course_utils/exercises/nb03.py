@@ -1,4 +1,5 @@
-"""Notebook 03's exercises: a ZeRO-2 step from reduce-scatter and all-gather, and a sharded optimizer.
+"""Notebook 03's exercises: a ZeRO-2 step from reduce-scatter and all-gather, and a sharded optimizer (then, in
+``nb03_stages``, stage 2's gradient hooks and stage 3's gather and free, built inside the course's mechanism).
 
 References: one process applying the same optimizer to the mean of every rank's gradients (the
 update data parallelism must reproduce), ``zero.padded_numel``/``zero.shard_bounds`` (the flat
@@ -236,3 +237,7 @@ register(
         nproc=2,
     )
 )
+
+
+# The two that build the mechanism (stage 2's hooks, stage 3's gather and free), registered after these two.
+from . import nb03_stages  # noqa: E402, F401

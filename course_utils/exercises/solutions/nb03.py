@@ -31,3 +31,40 @@ def sharded_optimizer(params, optimizer_class, **defaults):
         dist.all_gather_single(params, shard.detach())
 
     return step
+
+
+def zero2_hooks(flats):
+    """Stage 2: reduce-scatter each bucket from a gradient hook as it fills, then drop its full gradients."""
+    for flat in flats:
+        arrived = [0]
+
+        def ready(param, flat=flat, arrived=arrived):
+            arrived[0] += 1
+            if arrived[0] < len(flat.params):
+                return  # the bucket is not complete yet
+            arrived[0] = 0
+            send = torch.zeros(flat.padded, dtype=param.grad.dtype)
+            torch.cat([p.grad.reshape(-1) for p in flat.params], out=send[: flat.numel])
+            out = torch.empty(flat.shard_numel, dtype=send.dtype)
+            dist.reduce_scatter_single(out, send)  # the sum over ranks of my S elements only
+            flat.grad_shard = out / flat.nd
+            for p in flat.params:
+                p.grad = None  # what stage 2 saves: the bucket's full gradients go now
+
+        for p in flat.params:
+            p.register_post_accumulate_grad_hook(ready)
+
+
+def zero3_gather_free(module, flat):
+    """Stage 3 for one unit: all-gather before its forward, free after it."""
+    storage = flat.full.untyped_storage()
+
+    def gather(mod, args):
+        storage.resize_(flat.padded * flat.full.element_size())  # the parameters are views into it
+        dist.all_gather_single(flat.full, flat.shard)
+
+    def free(mod, args, output):
+        storage.resize_(0)  # the shapes stay, the memory goes
+
+    module.register_forward_pre_hook(gather)
+    module.register_forward_hook(free)
