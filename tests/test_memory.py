@@ -305,3 +305,29 @@ def test_a_pytorch_users_bill_is_measured_not_assumed():
     assert abs(mg["loss"] - paper["loss"]) < 1e-3 and abs(amp["loss"] - paper["loss"]) < 1e-2
     with pytest.raises(CourseInputError, match="autocast_adamw"):
         memory.measure_model_state_bytes("tiny", "sgd")
+
+
+def test_whole_tensor_partition_is_torchs_zero_redundancy_optimizer_partition():
+    """memory.whole_tensor_partition against torch's own _partition_parameters, run on the course model's
+    real parameters (no process group: torch's method on a stand-in that holds what it reads)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer as Zero
+
+    from course_utils.models import build_model, get_config
+
+    params = list(build_model(get_config("small"), seed=0).parameters()) + list(
+        build_model(get_config("tiny"), seed=0).parameters()
+    )
+    for nd in (1, 2, 3, 4, 8):
+        zero = SimpleNamespace(_partition_parameters_cache=[], world_size=nd, param_groups=[{"params": params}])
+        zero._get_min_index = lambda values, disallowed=None, z=zero: Zero._get_min_index(z, values, disallowed)
+        zero._partition_param_group = lambda group, per_rank, z=zero: Zero._partition_param_group(z, group, per_rank)
+        torch_ranks = [[p.numel() for g in groups for p in g["params"]] for groups in Zero._partition_parameters(zero)]
+        assert memory.whole_tensor_partition([p.numel() for p in params], nd) == torch_ranks
+    # the tiny model on 4 ranks (exercise 01.1): five 16,384-element matrices on four ranks, so one rank holds two
+    tiny = [p.numel() for p in build_model(get_config("tiny"), seed=0).parameters()]
+    shares = [sum(r) for r in memory.whole_tensor_partition(tiny, 4)]
+    assert sum(shares) == sum(tiny) and max(shares) > sum(tiny) / 4 > min(shares)
+    with pytest.raises(CourseInputError, match="whole number of ranks"):
+        memory.whole_tensor_partition(tiny, 0)

@@ -36,6 +36,7 @@ from .bill import (
     paper_agrees,
     per_parameter,
     smallest_nd_that_fits,
+    whole_tensor_partition,
     zero_r_and_headlines,
 )
 from .chart import (
@@ -85,6 +86,7 @@ __all__ = [
     "per_parameter",
     "smallest_nd_that_fits",
     "paper_agrees",
+    "whole_tensor_partition",
     "zero_r_and_headlines",
     "BILL_PARTS",
     "GPU_CHOICES",
