@@ -229,6 +229,30 @@ def test_measured_activations_against_rule():
         assert 0 <= r["measured_blocks"] - k22 < 0.02 * k22
     # with dropout and unfused attention, the paper's 34·s·b·h + 5·a·s²·b bytes per layer
     assert memory.activation_bytes_korthikanti(64, 1, 32, 1, 4) == 34 * 32 * 64 + 5 * 4 * 32 * 32
+    # the chart's view: one point per measured shape, in bytes per h·b·s·L, on the formulas' constants
+    view = memory.activation_view(rows)
+    assert len(set(view["labels"])) == len(rows)  # every shape its own labelled x position
+    assert all(32 <= v < 32 * 1.02 for v in view["full"]) and view["checkpointed"] == [2.0] * len(rows)
+    assert sorted(view["lines"].values()) == [2, 12 * 2, 32, 34]  # block input, the paper, Korthikanti et al.
+    with pytest.raises(CourseInputError, match="at least one measured row"):
+        memory.activation_view([])
+
+
+def test_gpt2_bill_stacks_whole_bills_with_both_activation_counts():
+    from course_utils import plots
+
+    psi, h, layers, b, s = 1.5e9, 1600, 48, 32, 1024
+    view = memory.gpt2_bill_view(psi, h=h, layers=layers, heads=25, b=b, s=s)
+    states_and_buffer = (2 + 2 + 12 + 4) * psi  # bf16 weights and grads, K = 12, the fused fp32 buffer
+    by_hand = [
+        states_and_buffer + 2 * (h * b * s * layers + 12 * h * b * s),  # L layer inputs + one layer rebuilt
+        states_and_buffer + 2 * 12 * h * b * s * layers,  # the paper's 12·h·b·s·L numbers
+        states_and_buffer + 32 * s * b * h * layers,  # Korthikanti et al., fused attention, no dropout
+    ]
+    assert list(view["totals"].values()) == pytest.approx(by_hand, rel=1e-12)
+    assert round(by_hand[0] / GB, 1) == 36.3 and "36.3 GB" in view["title"] and "no bill fits" in view["title"]
+    fig = plots.gpt2_bill_figure(view)
+    assert list(fig.course_totals.values()) == pytest.approx([t / GB for t in by_hand], rel=1e-12)  # drawn ends
 
 
 def test_bill_chart_stacks_what_is_held_from_zero():
@@ -281,3 +305,29 @@ def test_a_pytorch_users_bill_is_measured_not_assumed():
     assert abs(mg["loss"] - paper["loss"]) < 1e-3 and abs(amp["loss"] - paper["loss"]) < 1e-2
     with pytest.raises(CourseInputError, match="autocast_adamw"):
         memory.measure_model_state_bytes("tiny", "sgd")
+
+
+def test_whole_tensor_partition_is_torchs_zero_redundancy_optimizer_partition():
+    """memory.whole_tensor_partition against torch's own _partition_parameters, run on the course model's
+    real parameters (no process group: torch's method on a stand-in that holds what it reads)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer as Zero
+
+    from course_utils.models import build_model, get_config
+
+    params = list(build_model(get_config("small"), seed=0).parameters()) + list(
+        build_model(get_config("tiny"), seed=0).parameters()
+    )
+    for nd in (1, 2, 3, 4, 8):
+        zero = SimpleNamespace(_partition_parameters_cache=[], world_size=nd, param_groups=[{"params": params}])
+        zero._get_min_index = lambda values, disallowed=None, z=zero: Zero._get_min_index(z, values, disallowed)
+        zero._partition_param_group = lambda group, per_rank, z=zero: Zero._partition_param_group(z, group, per_rank)
+        torch_ranks = [[p.numel() for g in groups for p in g["params"]] for groups in Zero._partition_parameters(zero)]
+        assert memory.whole_tensor_partition([p.numel() for p in params], nd) == torch_ranks
+    # the tiny model on 4 ranks (exercise 01.1): five 16,384-element matrices on four ranks, so one rank holds two
+    tiny = [p.numel() for p in build_model(get_config("tiny"), seed=0).parameters()]
+    shares = [sum(r) for r in memory.whole_tensor_partition(tiny, 4)]
+    assert sum(shares) == sum(tiny) and max(shares) > sum(tiny) / 4 > min(shares)
+    with pytest.raises(CourseInputError, match="whole number of ranks"):
+        memory.whole_tensor_partition(tiny, 0)

@@ -7,6 +7,8 @@ Each exercise's task, stub and check cell come from its ``Exercise`` record in
     python -m tools.exercise_cells 02         # one notebook
 
 Only cells whose id starts with ``NN-ex-`` are replaced; the rest of the notebook is untouched.
+A module's ``AFTER_CHECK`` ({exercise name: [(kind, source, slide), ...]}) adds cells right after that
+exercise's check and hints: what the student should read only once the check has run.
 Slides: the task is a slide, the stub and the check stay out of the deck (the task, not the solution).
 The teacher's notes (how to run the exercises with a class, what each check compares) are written as
 notes cells and moved into cell metadata by ``tools/editions.py`` (the student's notebook holds none).
@@ -88,6 +90,9 @@ def section(nb: str) -> list[dict]:
             ),
             _cell("markdown", cid(), f"What the check compares: {ex.checks}.", "notes"),
         ]
+        # what a student reads once the check ran (the module's AFTER_CHECK); ids outside the numbering
+        for j, (kind, source, slide) in enumerate(getattr(module, "AFTER_CHECK", {}).get(ex.name, ()), 1):
+            cells.append(_cell(kind, f"{nb}-ex-{ex.name}-after-{j}", source, slide))
     editions.convert(section := {"cells": cells})  # notes cells into the metadata of the cell before them
     return section["cells"]
 

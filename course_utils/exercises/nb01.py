@@ -267,3 +267,49 @@ register(
         judge=judge_block_activation_bytes,
     )
 )
+
+
+#: Read once exercise 01.1's check has run (``tools/exercise_cells.py`` puts these right after its hints):
+#: why a rank's share is not 8Ψ/Nd, from the course's arithmetic on the model's real tensor sizes, no launch.
+AFTER_CHECK = {
+    "zero_state_bytes": [
+        (
+            "markdown",
+            "#### Once your check has run: why no rank holds exactly $8\\Psi/N_d$\n\n"
+            "ZeroRedundancyOptimizer never splits a tensor. It sorts them largest first and gives each to the rank "
+            "with the fewest elements so far (`_partition_parameters` in torch's `zero_redundancy_optimizer.py`), "
+            "so a rank's share is a sum of whole tensors. `memory.whole_tensor_partition` does the same sum on the "
+            "tiny model's tensor sizes, without a launch:",
+            "skip",
+        ),
+        (
+            "code",
+            "from course_utils import memory\n"
+            "from course_utils.models import build_model\n\n"
+            'sizes = [p.numel() for p in build_model("tiny").parameters()]  # each tensor once\n'
+            "ranks = memory.whole_tensor_partition(sizes, 4)\n"
+            "even = 8 * sum(sizes) / 4  # 8Ψ/Nd: AdamW's two fp32 moments, split evenly\n"
+            "for rank, tensors in enumerate(ranks):\n"
+            "    held = 8 * sum(tensors)\n"
+            "    print(\n"
+            '        f"rank {rank}: {len(tensors):>2} tensors, the largest {tensors[0]:>6,} elements: "\n'
+            '        f"{held:>7,} bytes of AdamW state = {held / even:.3f} × 8Ψ/Nd"\n'
+            "    )\n"
+            "big = max(sizes)\n"
+            'print(f"largest tensors: {sizes.count(big)} of {big:,} elements, each {big / sum(sizes):.1%} of Ψ")\n'
+            "assert sum(map(sum, ranks)) == sum(sizes)  # every tensor on exactly one rank\n"
+            "assert max(8 * sum(t) for t in ranks) > even  # so some rank holds more than 8Ψ/Nd",
+            "skip",
+        ),
+        (
+            "markdown",
+            "Five tensors tie for largest (the token embedding and each block's two MLP matrices): four ranks take "
+            "one each and the fifth goes to rank 0, which ends above $8\\Psi/N_d$ while the others end below it. "
+            "The small tensors cannot even that out, because a tensor, once placed, never moves; and the fullest "
+            "rank is what sizes the GPU. The paper's $P_{os}$ and the course's own stages in notebook 03 instead lay "
+            "the parameters end to end in one flat buffer and cut it into $N_d$ equal slices: $8\\Psi/N_d$ on every "
+            "rank, up to a few elements of padding.",
+            "skip",
+        ),
+    ]
+}

@@ -178,6 +178,27 @@ def smallest_nd_that_fits(
     return max(1, math.ceil(sharded / (budget - fixed) - 1e-12))
 
 
+def whole_tensor_partition(numels, nd: int) -> list[list[int]]:
+    """How ZeroRedundancyOptimizer (torch's ZeRO stage 1) hands whole tensors to ``nd`` ranks (notebook 01).
+
+    torch never splits a tensor: ``_partition_parameters`` (torch/distributed/optim/
+    zero_redundancy_optimizer.py) sorts the tensors largest first and gives each to the rank holding the
+    fewest elements so far (the lowest rank on a tie). So a rank's share is a sum of whole tensors and
+    misses Ψ/Nd by up to one tensor. ``numels``: each parameter tensor's element count, in the order
+    ``model.parameters()`` gives them. Returns each rank's tensors' element counts, in the order
+    it received them (a rank's optimizer state is 8 bytes per element with AdamW).
+    """
+    if not (isinstance(nd, int) and nd >= 1):
+        raise CourseInputError(f"nd (Nd) must be a whole number of ranks >= 1, got {nd!r}")
+    ranks: list[list[int]] = [[] for _ in range(nd)]
+    held = [0] * nd
+    for n in sorted((int(n) for n in numels), reverse=True):  # a stable sort, as torch's sorted(...)
+        rank = held.index(min(held))
+        ranks[rank].append(n)
+        held[rank] += n
+    return ranks
+
+
 @dataclass(frozen=True)
 class OptimizerBill:
     """Bytes per parameter an optimizer setting keeps, and where each byte comes from (notebook 01).

@@ -14,6 +14,7 @@ from ..errors import CourseInputError
 from ..strategies import GRADS, OPTIM, PARAMS, ZERO_TABLE
 from ..units import GB, fmt_bytes, fmt_count, fmt_size
 from .bill import (
+    ACTIVATION_BYTES_PER_NUMBER,
     ADAM_MIXED_K,
     GRAD_BYTES,
     STAGE_NAMES,
@@ -21,8 +22,11 @@ from .bill import (
     WEIGHT_BYTES,
     _check,
     _check_positive,
+    activation_bytes,
+    activation_bytes_korthikanti,
     bytes_per_gpu,
     floor_bytes,
+    fused_gradient_buffer_bytes,
     model_state_bytes,
     smallest_nd_that_fits,
 )
@@ -175,3 +179,78 @@ def bill_bars(psi, nd: int = 4, *, k: float = ADAM_MIXED_K, nm=1, activations: f
             for part in BILL_PARTS
         }
     return out
+
+
+def activation_view(rows: list) -> dict:
+    """What notebook 01's activation chart shows: bytes per h·b·s·L of every measured shape (notebook 01).
+
+    ``rows`` is ``measure.compare_activations(...)``. Dividing the measured bytes by h·b·s·L takes the
+    shape out, so every row should land on one constant; the ``lines`` are the constants the formulas
+    give, in bytes per h·b·s·L: the paper's 12 numbers at 2 bytes, Korthikanti et al.'s 32 (fused
+    attention, no dropout: the course model) and 34 (with the two dropout masks). ``checkpointed`` is
+    one 16-bit block input per layer. Returns ``labels``, ``full`` and ``checkpointed`` (one per row),
+    ``lines`` ({label: bytes}), a ``title`` that states what the rows show and the ``xlabel``.
+    """
+    if not rows:
+        raise CourseInputError("activation_view needs at least one measured row (memory.compare_activations)")
+    units = [r["width"] * r["batch"] * r["seq"] * r["layers"] for r in rows]
+    full = [r["measured_blocks"] / u for r, u in zip(rows, units)]
+    ckpt = [r["measured_blocks_ckpt"] / u for r, u in zip(rows, units)]
+    paper = activation_bytes(1, 1, 1, 1)  # 12 numbers x 2 bytes, per unit of h·b·s·L
+    fused = activation_bytes_korthikanti(1, 1, 1, 1, 1, dropout=False, fused_attention=True)
+    masks = activation_bytes_korthikanti(1, 1, 1, 1, 1, dropout=True, fused_attention=True)
+    lines = {
+        f"Korthikanti et al. with dropout masks: {masks:g}": masks,
+        f"Korthikanti et al., fused attention, no dropout: {fused:g}": fused,
+        f"the paper: 12 numbers × 2 bytes = {paper:g}": paper,
+        f"one 16-bit block input: {ACTIVATION_BYTES_PER_NUMBER:g}": float(ACTIVATION_BYTES_PER_NUMBER),
+    }
+    title = (
+        f"Every shape keeps {min(full):.1f} to {max(full):.1f} bytes per h·b·s·L: Korthikanti et al.'s "
+        f"{fused:g}, not the paper's {paper:g}"
+    )
+    same_l = len({r["layers"] for r in rows}) == 1
+    labels = [f"b={r['batch']}\ns={r['seq']}\nh={r['width']}" + ("" if same_l else f"\nL={r['layers']}") for r in rows]
+    shape = "measured shape: batch b, sequence s, width h" + (f" (L = {rows[0]['layers']} layers)" if same_l else "")
+    return {"labels": labels, "full": full, "checkpointed": ckpt, "lines": lines, "title": title, "xlabel": shape}
+
+
+def gpt2_bill_view(
+    psi: float = 1.5e9,
+    *,
+    h: int = 1600,
+    layers: int = 48,
+    heads: int = 25,
+    b: int = 32,
+    s: int = 1024,
+    gpu_mem: float = 32 * GB,
+) -> dict:
+    """The paper's GPT-2 1.5B bill (§3) as stacked bars, one bar per way of keeping activations (notebook 01).
+
+    Each bar is one whole bill: 16-bit weights (2Ψ), 16-bit gradients (2Ψ), optimizer state
+    (12Ψ), activations and the fused fp32 gradient buffer (4Ψ), so its top is the total. The bars
+    differ only in the activations: checkpointed, by the paper's rule (the paper's own case); every
+    activation kept by the paper's 12·h·b·s·L (a lower bound); and by Korthikanti et al. with fused
+    attention and no dropout (what autograd keeps today, notebook 01 measures it). Returns ``bars``
+    ({label: {part: bytes}}, parts as ``plots.PART_COLORS`` names them), ``totals``, ``gpu_mem`` and
+    a ``title`` that states the answer.
+    """
+    _check_positive(psi=psi, gpu_mem=gpu_mem)
+    states = {"weights": WEIGHT_BYTES * psi, "gradients": GRAD_BYTES * psi, "optimizer": ADAM_MIXED_K * psi}
+    buffer = {"buffers": fused_gradient_buffer_bytes(psi)}
+    activations = {
+        "activation checkpointing (the paper's rule)": activation_bytes(h, b, s, layers, checkpointing=True),
+        "every activation kept, the paper's rule (a lower bound)": activation_bytes(h, b, s, layers),
+        "every activation kept, Korthikanti et al. (fused attention)": activation_bytes_korthikanti(
+            h, b, s, layers, heads, dropout=False, fused_attention=True
+        ),
+    }
+    bars = {label: {**states, "activations": a, **buffer} for label, a in activations.items()}
+    totals = {label: sum(parts.values()) for label, parts in bars.items()}
+    least, fit = min(totals.values()), sum(t <= gpu_mem for t in totals.values())
+    verdict = "no bill fits" if fit == 0 else f"{fit} of {len(totals)} bills fit"
+    title = (
+        f"GPT-2 {fmt_count(psi)}, b = {b}: {least / GB:.1f} GB even with checkpointing; "
+        f"{verdict} one {gpu_mem / GB:g} GB GPU"
+    )
+    return {"bars": bars, "totals": totals, "gpu_mem": float(gpu_mem), "title": title}

@@ -44,7 +44,7 @@ from .fsdp_views import (
 from .memory_views import (
     activations_figure,
     bill_bars_figure,
-    bill_items_figure,
+    gpt2_bill_figure,
     measured_memory_figure,
     memory_chart_figure,
 )
@@ -71,7 +71,7 @@ __all__ = [
     "table_markdown",
     "activations_figure",
     "bill_bars_figure",
-    "bill_items_figure",
+    "gpt2_bill_figure",
     "measured_memory_figure",
     "memory_chart_figure",
     "bucket_sweep_figure",

@@ -95,63 +95,86 @@ def bill_bars_figure(
     return fig
 
 
-def bill_items_figure(items: dict, *, gpu_mem: float, title: str = "", width: float = 7.5, height: float = 3.5):
-    """Items of a training bill as horizontal bars in GB against one GPU's memory (notebook 01).
+def gpt2_bill_figure(view: dict, *, width: float = 7.5, height: float = 3.6):
+    """One training bill per bar, stacked part by part in GB, against one GPU's memory (notebook 01).
 
-    ``items``: ``{label: bytes}`` in the order to draw, top to bottom.
+    ``view`` is ``memory.gpt2_bill_view(...)``: each bar's segments are the parts of one bill, so
+    its end is the bill's total (written beside it); the bars are the alternative ways of keeping
+    activations. The drawn ends are returned in ``fig.course_totals`` ({label: GB}) for the notebook.
     """
+    import textwrap
+
+    from matplotlib.patches import Patch
+
     fig = new_figure(width, height)
     ax = fig.add_subplot()
-    labels = list(items)[::-1]
-    values = [items[k] / GB for k in labels]
-    ax.barh(labels, values, color="#3a7dc9")
-    for y, v in enumerate(values):
-        ax.text(v, y, f" {v:.1f} GB", va="center", fontsize=9)
-    ax.axvline(gpu_mem / GB, color="#c0392b", ls="--", lw=1.5)
-    ax.text(gpu_mem / GB, -0.45, f" one {gpu_mem / GB:g} GB GPU", color="#c0392b", fontsize=9, va="center")
+    labels = list(view["bars"])
+    ends = {}
+    for y, label in enumerate(reversed(labels)):  # the first bar on top
+        left = 0.0
+        for part, n in view["bars"][label].items():
+            ax.barh(y, n / GB, left=left, color=PART_COLORS[part], edgecolor="white", height=0.6)
+            left += n / GB
+        ends[label] = left
+        ax.text(left, y, f" {left:.1f} GB", va="center", fontweight="bold")
+    ax.set_yticks(range(len(labels)), [textwrap.fill(label, 32) for label in reversed(labels)])
+    gpu = view["gpu_mem"] / GB
+    ax.axvline(gpu, color="#c0392b", ls="--", lw=1.5)
+    ax.text(gpu, len(labels) - 0.55, f" one {gpu:g} GB GPU", color="#c0392b", va="center")
     ax.set_xlabel("GB (10^9 bytes)")
-    ax.set_xlim(0, max(values + [gpu_mem / GB]) * 1.25)
+    ax.set_xlim(0, max([*ends.values(), gpu]) * 1.2)
+    ax.set_ylim(-0.5, len(labels) - 0.3)
+    parts = list(next(iter(view["bars"].values())))
+    names = {
+        "weights": "16-bit weights (2Ψ)",
+        "gradients": "16-bit gradients (2Ψ)",
+        "optimizer": "optimizer state (12Ψ)",
+        "buffers": "fused fp32 gradient buffer (4Ψ)",
+    }
+    fig.legend(
+        handles=[Patch(color=PART_COLORS[p], label=names.get(p, p)) for p in parts],
+        loc="outside lower center",
+        ncols=3,
+        fontsize=8,
+        frameon=False,
+    )
     # over the whole figure, not the axes: the long bar labels push the axes right, and a title centred
     # on them ran off the image's right edge (issue 23: deck 01's clipped chart title)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(view["title"], fontsize=10)
+    fig.course_totals = {label: ends[label] for label in labels}  # in the view's order
     return fig
 
 
-def activations_figure(rows: list, *, width: float = 7.5, height: float = 4.0):
-    """Measured activation bytes of the transformer blocks against the paper's 12·h·b·s·L rule,
-    with and without activation checkpointing (notebook 01). ``rows``: ``memory.compare_activations``."""
+def activations_figure(view: dict, *, width: float = 7.5, height: float = 4.0):
+    """Activation bytes per h·b·s·L of every measured shape, with the formulas' constants as lines (notebook 01).
+
+    ``view`` is ``memory.activation_view(rows)``: one x position per measured shape (b, s, h), so
+    a shape that strayed from the formula would stand out; the right axis reads the same in 16-bit
+    numbers, the paper's unit.
+    """
     fig = new_figure(width, height)
     ax = fig.add_subplot()
-    rule = np.array([r["rule"] for r in rows])
+    xs = np.arange(len(view["labels"]))
+    styles = [("#555555", ":"), ("#5aa469", "-"), ("#c0392b", "--"), ("#555555", "-.")]
+    for (label, value), (color, ls) in zip(view["lines"].items(), styles):
+        ax.axhline(value, color=color, ls=ls, lw=1.2, label=label, zorder=1)
     ax.scatter(
-        rule,
-        [r["measured_blocks"] for r in rows],
-        color=PART_COLORS["activations"],
-        label="measured, every activation kept",
-        zorder=3,
+        xs, view["full"], color=PART_COLORS["activations"], s=60, zorder=3, label="measured, every activation kept"
     )
-    ax.scatter(
-        rule,
-        [r["measured_blocks_ckpt"] for r in rows],
-        color="#555555",
-        marker="s",
-        label="measured, activation checkpointing",
-        zorder=3,
-    )
-    lo, hi = min(rule.min(), min(r["measured_blocks_ckpt"] for r in rows)) / 2, rule.max() * 3
-    xs = np.array([lo, hi])
-    ax.plot(xs, xs, color="#c0392b", ls="--", lw=1, label="the rule: 12·h·b·s·L numbers × 2 bytes")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("the paper's rule, bytes")
-    ax.set_ylabel("saved for backward, bytes (measured)")
-    mean = float(np.mean([r["ratio"] for r in rows]))
-    ax.set_title(
-        f"The rule is right to within a constant ({mean:.2f}×) here; checkpointing keeps one input per block",
-        fontsize=10,
-    )
-    ax.legend(fontsize=8)
-    ax.grid(True, alpha=0.3)
+    for x, v in zip(xs, view["full"]):
+        ax.text(x, v - 1.2, f"{v:.2f}", ha="center", va="top", fontsize=8)
+    ax.scatter(xs, view["checkpointed"], color="#555555", marker="s", s=50, zorder=3, label="measured, checkpointing")
+    ax.set_xticks(xs, view["labels"], fontsize=8)
+    ax.set_xlim(-0.6, len(xs) - 0.4)
+    ax.set_ylim(0, max(max(view["full"]), *view["lines"].values()) * 1.12)
+    ax.set_ylabel("bytes per h·b·s·L")
+    ax.set_xlabel(view["xlabel"])
+    numbers = ax.secondary_yaxis("right", functions=(lambda y: y / 2, lambda n: n * 2))
+    numbers.set_yticks([0, 4, 8, 12, 16])
+    numbers.set_ylabel("16-bit numbers per h·b·s·L")
+    ax.set_title(view["title"], fontsize=10)
+    ax.legend(fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 0.09))
+    ax.grid(True, axis="y", alpha=0.3)
     return fig
 
 
