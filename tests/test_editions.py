@@ -19,7 +19,8 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT))
 from tools import build_course as bc  # noqa: E402
 from tools import editions as ed  # noqa: E402
-from tools.nb_canonical import canonical, dumps  # noqa: E402
+from tools.editions import dumps  # noqa: E402
+from tools.editions import stored_form as canonical
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 

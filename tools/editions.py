@@ -30,7 +30,8 @@ Commands (NN: a notebook's number or name; none means every notebook)::
 cells marked ``notes`` that ``display(Markdown(f"..."))``) and moves each into the metadata of the cell
 before it; a ``<!-- more -->`` line in a notes cell starts its More part, and a slide whose notes run
 past ``NOTES_MAX_WORDS`` gets its last paragraphs moved into More (it says which, to review).
-Converting a converted notebook changes nothing; ``nb_canonical.py`` converts as part of the stored form.
+Converting a converted notebook changes nothing; the stored form (``stored_form``, written by
+``nb_canonical.py``) includes the conversion.
 """
 
 from __future__ import annotations
@@ -746,13 +747,43 @@ def select(names) -> list[Path]:
     return chosen
 
 
-def _write(path: Path, nb, stored_form: bool = True) -> None:
-    """Write ``nb`` in the repository's stored form (``expand`` writes its cells as they are)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from tools.nb_canonical import dumps, write_notebook
+def stored_form(nb: dict, said: list | None = None) -> dict:
+    """The stored form of a notebook (stripped; sources as one string; every cell with an id; notes in
+    metadata: ``convert``). What the notes conversion did is appended to ``said``."""
+    import uuid
 
-    if stored_form:
+    prefix = None
+    for cell in nb["cells"]:
+        if isinstance(cell.get("source"), list):
+            cell["source"] = "".join(cell["source"])
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+        prefix = prefix or (cell.get("id") or "").split("-")[0]
+        if not cell.get("id"):
+            cell["id"] = f"{prefix or 'cell'}-{uuid.uuid4().hex[:6]}"
+    converted = convert(nb)
+    if said is not None:
+        said += converted
+    return nb
+
+
+def dumps(nb: dict) -> str:
+    """The stored text of a notebook already in its stored form."""
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
+def write_notebook(path: Path, nb: dict) -> bool:
+    """Write ``nb`` to ``path`` in the stored form; True if that changed the file."""
+    new = dumps(stored_form(nb))
+    old = path.read_text(encoding="utf-8") if path.exists() else None
+    if new != old:
+        path.write_text(new, encoding="utf-8")
+    return new != old
+
+
+def _write(path: Path, nb, stored: bool = True) -> None:
+    """Write ``nb`` in the repository's stored form (``expand`` writes its cells as they are)."""
+    if stored:
         write_notebook(path, nb)
     else:
         path.write_text(dumps(nb), encoding="utf-8")
@@ -796,7 +827,7 @@ def main(argv: list[str]) -> int:
             status |= any("LEFT" in s for s in said)
         elif command == "expand":
             print(f"{path.name}: {expand(nb)} notes cells (run `convert` or nb_canonical.py when done)")
-            _write(path, nb, stored_form=False)
+            _write(path, nb, stored=False)
         elif command == "check":
             problems = [
                 f"teacher text in cell {t['cell']} ({t['kind']}): {t['text'][:100]!r}" for t in teacher_text(nb)

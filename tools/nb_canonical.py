@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,38 +22,8 @@ if str(ROOT) not in sys.path:  # run as a script, this folder is on sys.path, no
     sys.path.insert(0, str(ROOT))
 
 
-def canonical(nb: dict, said: list | None = None) -> dict:
-    """The stored form of a notebook (stripped; sources as one string; every cell with an id; notes in
-    metadata). What the notes conversion did is appended to ``said``."""
-    from tools import editions
-
-    prefix = None
-    for cell in nb["cells"]:
-        if isinstance(cell.get("source"), list):
-            cell["source"] = "".join(cell["source"])
-        if cell["cell_type"] == "code":
-            cell["outputs"], cell["execution_count"] = [], None
-        prefix = prefix or (cell.get("id") or "").split("-")[0]
-        if not cell.get("id"):
-            cell["id"] = f"{prefix or 'cell'}-{uuid.uuid4().hex[:6]}"
-    converted = editions.convert(nb)
-    if said is not None:
-        said += converted
-    return nb
-
-
-def dumps(nb: dict) -> str:
-    """The stored text of a notebook already in canonical form."""
-    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
-
-
-def write_notebook(path: Path, nb: dict) -> bool:
-    """Write ``nb`` to ``path`` in the canonical form; True if that changed the file."""
-    new = dumps(canonical(nb))
-    old = path.read_text(encoding="utf-8") if path.exists() else None
-    if new != old:
-        path.write_text(new, encoding="utf-8")
-    return new != old
+# The stored form lives with the notes conversion it includes (``editions``); this is its command line.
+from tools.editions import write_notebook  # noqa: E402
 
 
 def write(path: Path) -> bool:
