@@ -174,230 +174,298 @@ def replica_main(cfg: FTConfig, replica: int, attempt: int, place: dict, lightho
     (``should_commit``). DiLoCo: the inner Adam steps locally; after every H steps torchft's hook asks
     for a quorum, all-reduces each group's change of the weights since the last synchronisation and
     applies their mean with the outer optimizer, if ``should_commit``. The step numbers follow the
-    manager's count (``quorum_steps``): a discarded step is tried again, and a group that healed jumps
-    to the step its peer is at.
+    manager's count (``_Replica.quorum_steps``): a discarded step is tried again, and a group that healed
+    jumps to the step its peer is at.
     """
-    from datetime import timedelta
-
     import torch
-    import torchft
-    from torchft.checkpointing.pg_transport import PGTransport
 
-    from .failures import die_hard
-    from .instrument import Observer, weights_sha256
-    from .loop import Prepared, make_optimizer, module_held, run_steps
-    from .models import build_model, get_config
+    from .loop import Prepared, module_held, run_steps
 
     ft_nodes.enter(place)  # first: every socket below opens in this group's place
-    cores = len(place["cores"]) if place.get("cores") else (os.cpu_count() or 1) // cfg.replicas
-    torch.set_num_threads(max(1, cores))  # R processes on a few cores, as course_utils.dist.init splits them
-    counting = place.get("ns") is not None  # a node's cable; loopback carries the whole machine's traffic
-    mcfg = get_config(cfg.model)
-    model = build_model(mcfg, seed=cfg.seed)  # every group starts from the same weights (init_sync off)
-    inner = make_optimizer(model.parameters(), cfg.train_config())
-    store = ft_nodes.bound_store(place["addr"])  # one process per group: the group's own store is local
-    pg = ft_nodes.process_group(place["addr"], timeout=timedelta(seconds=10))
-    transport = PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu"))
-    healed = []
-    recv = transport.recv_checkpoint
-
-    def timed_recv(*args, **kwargs):  # heal_s: the copy from the live peer, timed where it happens
-        t0 = time.perf_counter()
-        state = recv(*args, **kwargs)
-        healed.append(time.perf_counter() - t0)
-        return state
-
-    transport.recv_checkpoint = timed_recv
-    ft_nodes.bind_manager_server(place["addr"])
-    manager = torchft.Manager(
-        pg=pg,
-        min_replica_size=1,
-        state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
-        load_state_dict=lambda sd: (
-            model.load_state_dict(sd["model"]),
-            inner.load_state_dict(sd["optim"]) if cfg.heal_optimizer else None,
-        ),
-        replica_id=f"replica{replica}",
-        lighthouse_addr=lighthouse,
-        hostname=place["addr"],
-        store_addr=place["addr"],
-        store_port=store.port,
-        rank=0,
-        world_size=1,
-        # Synchronous quorum: a group that heals loads the peer's state before its forward pass and
-        # takes a full part in that same step (torchft's default overlaps the quorum with forward;
-        # DiLoCo requires it synchronous).
-        use_async_quorum=False,
-        init_sync=False,
-        checkpoint_transport=transport,
-        timeout=timedelta(seconds=10),
-        quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s or cfg.timeout_s),
-        connect_timeout=timedelta(seconds=10),
+    group = _Replica(cfg, replica, attempt, place, lighthouse, run_dir)
+    group.build()
+    group.wait_for_every_group()
+    prepared = Prepared(
+        model=group.net,
+        optimizer=group.update,
+        full_state_dict=group.model.state_dict,
+        held=lambda: module_held(group.model, group.inner),
     )
-    timed = {"quorum": [], "commit": []}
-    for name, method in (("quorum", "start_quorum"), ("commit", "should_commit")):
-        real = getattr(manager, method)
+    info = SimpleNamespace(rank=replica, world_size=cfg.replicas, device=torch.device("cpu"))
+    steps = group.diloco_steps() if cfg.diloco else group.quorum_steps()
+    run_steps(prepared, cfg.train_config(), info, steps, [_committed(group)])
+    group.finish()
 
-        def timed_call(*args, _real=real, _list=timed[name], _name=name, **kwargs):  # TorchFT's own cost per step
-            if _name == "quorum" and attempt > 0:  # a restarted group asks to join: the others may go on
-                (run_dir / f"asking-{replica}-{attempt}").touch()
+
+class _Replica:
+    """What one replica group holds and does: its model and optimizers, torchft's manager (timed), the
+    planned failure, its event log, and the step numbers it trains (``replica_main``, notebook 06)."""
+
+    def __init__(self, cfg: FTConfig, replica: int, attempt: int, place: dict, lighthouse: str, run_dir: Path):
+        self.cfg, self.replica, self.attempt, self.place = cfg, replica, attempt, place
+        self.lighthouse, self.run_dir = lighthouse, run_dir
+        self.counting = place.get("ns") is not None  # a node's cable; loopback carries the whole machine's traffic
+        self.kill = cfg.kill_at() if attempt == 0 else None
+        self.hang = next(iter(cfg.planned("hang")), None) if attempt == 0 else None
+        self.healed: list[float] = []  # seconds of each heal's copy from a live peer
+        self.timed = {"quorum": [], "commit": []}  # TorchFT's own cost per call
+        self.clock: dict = {}
+        self.events = open(run_dir / f"events-{replica}-{attempt}.jsonl", "w")
+
+    def record(self, **row) -> None:
+        self.events.write(json.dumps({"replica": self.replica, "attempt": self.attempt, **row}) + "\n")
+        self.events.flush()
+
+    def build(self) -> None:
+        """The model, Adam, this group's process group and torchft's manager; then the strategy's wrappers."""
+        import torch
+
+        from .loop import make_optimizer
+        from .models import build_model, get_config
+
+        cfg, place = self.cfg, self.place
+        cores = len(place["cores"]) if place.get("cores") else (os.cpu_count() or 1) // cfg.replicas
+        torch.set_num_threads(max(1, cores))  # R processes on a few cores, as course_utils.dist.init splits them
+        self.model = build_model(get_config(cfg.model), seed=cfg.seed)  # every group the same weights (no init_sync)
+        self.inner = make_optimizer(self.model.parameters(), cfg.train_config())
+        self.manager = self._manager()
+        self._time_manager_calls()
+        if self.kill and self.kill[0] == self.replica and cfg.during_allreduce:
+            self._die_in_allreduce()
+        self._wrap()
+
+    def _manager(self):
+        from datetime import timedelta
+
+        import torch
+        import torchft
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        cfg, place, model, inner = self.cfg, self.place, self.model, self.inner
+        store = ft_nodes.bound_store(place["addr"])  # one process per group: the group's own store is local
+        pg = ft_nodes.process_group(place["addr"], timeout=timedelta(seconds=10))
+        transport = PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu"))
+        recv = transport.recv_checkpoint
+
+        def timed_recv(*args, **kwargs):  # heal_s: the copy from the live peer, timed where it happens
             t0 = time.perf_counter()
-            out = _real(*args, **kwargs)
-            _list.append(time.perf_counter() - t0)
-            return out
+            state = recv(*args, **kwargs)
+            self.healed.append(time.perf_counter() - t0)
+            return state
 
-        setattr(manager, method, timed_call)
-    kill = cfg.kill_at() if attempt == 0 else None
-    hang = next(iter(cfg.planned("hang")), None) if attempt == 0 else None
-    events = open(run_dir / f"events-{replica}-{attempt}.jsonl", "w")
+        transport.recv_checkpoint = timed_recv
+        ft_nodes.bind_manager_server(place["addr"])
+        return torchft.Manager(
+            pg=pg,
+            min_replica_size=1,
+            state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+            load_state_dict=lambda sd: (
+                model.load_state_dict(sd["model"]),
+                inner.load_state_dict(sd["optim"]) if cfg.heal_optimizer else None,
+            ),
+            replica_id=f"replica{self.replica}",
+            lighthouse_addr=self.lighthouse,
+            hostname=place["addr"],
+            store_addr=place["addr"],
+            store_port=store.port,
+            rank=0,
+            world_size=1,
+            # Synchronous quorum: a group that heals loads the peer's state before its forward pass and
+            # takes a full part in that same step (torchft's default overlaps the quorum with forward;
+            # DiLoCo requires it synchronous).
+            use_async_quorum=False,
+            init_sync=False,
+            checkpoint_transport=transport,
+            timeout=timedelta(seconds=10),
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s or cfg.timeout_s),
+            connect_timeout=timedelta(seconds=10),
+        )
 
-    def record(**row):
-        events.write(json.dumps({"replica": replica, "attempt": attempt, **row}) + "\n")
-        events.flush()
+    def _time_manager_calls(self) -> None:
+        for name, method in (("quorum", "start_quorum"), ("commit", "should_commit")):
+            real = getattr(self.manager, method)
 
-    if kill and kill[0] == replica and cfg.during_allreduce:
+            def timed_call(*args, _real=real, _list=self.timed[name], _name=name, **kwargs):
+                if _name == "quorum" and self.attempt > 0:  # a restarted group asks to join: the others may go on
+                    (self.run_dir / f"asking-{self.replica}-{self.attempt}").touch()
+                t0 = time.perf_counter()
+                out = _real(*args, **kwargs)
+                _list.append(time.perf_counter() - t0)
+                return out
+
+            setattr(self.manager, method, timed_call)
+
+    def _die_in_allreduce(self) -> None:
+        from .failures import die_hard
+
+        manager, cfg, kill = self.manager, self.cfg, self.kill
         allreduce = manager.allreduce
 
         def die_in_allreduce(tensor, *args, **kwargs):  # DDP's comm hook (DiLoCo's sync) calls manager.allreduce
             # the peers' all-reduce of this step (DiLoCo: of the round holding it) waits for our part
             if manager.current_step() == (kill[1] // cfg.sync_every if cfg.diloco else kill[1]):
-                record(kill=kill[1], where="allreduce", t=time.time())
-                die_hard(f"replica {replica} inside the all-reduce of step {kill[1]}")
+                self.record(kill=kill[1], where="allreduce", t=time.time())
+                die_hard(f"replica {self.replica} inside the all-reduce of step {kill[1]}")
             return allreduce(tensor, *args, **kwargs)
 
         manager.allreduce = die_in_allreduce
 
-    if cfg.diloco:
-        from torchft.local_sgd import DiLoCo
+    def _wrap(self) -> None:
+        """``update`` (the loop's optimizer) and ``net`` (the module it trains): DiLoCo's or synchronous DDP's."""
+        import torch
+        import torchft
 
-        outer = torch.optim.SGD(model.parameters(), lr=cfg.outer_lr, momentum=0.9, nesterov=True)
-        DiLoCo(
-            manager,
-            [model],
-            inner,
-            outer,
-            sync_every=cfg.sync_every,
-            backup_device=torch.device("cpu"),
-            pin_memory=False,
-        ).__enter__()  # hooks on the inner optimizer's step; they stay for the life of this process
-        update, net = SimpleNamespace(step=inner.step, zero_grad=inner.zero_grad), model
-    else:
-        optimizer = torchft.Optimizer(manager, inner)
-        # The loop's optimizer: torchft's step (applied only if should_commit() says every group's
-        # all-reduce worked); its zero_grad only clears gradients, the quorum being quorum_steps' act.
-        update, net = (
-            SimpleNamespace(step=optimizer.step, zero_grad=inner.zero_grad),
-            torchft.DistributedDataParallel(manager, model),
-        )
+        cfg, model, inner = self.cfg, self.model, self.inner
+        if cfg.diloco:
+            from torchft.local_sgd import DiLoCo
 
-    # Start together: every group is heartbeating before any asks for the first quorum.
-    (run_dir / f"ready-{replica}").touch()
-    while attempt == 0 and not all((run_dir / f"ready-{r}").exists() for r in range(cfg.replicas)):
-        time.sleep(0.01)
+            outer = torch.optim.SGD(model.parameters(), lr=cfg.outer_lr, momentum=0.9, nesterov=True)
+            DiLoCo(
+                self.manager,
+                [model],
+                inner,
+                outer,
+                sync_every=cfg.sync_every,
+                backup_device=torch.device("cpu"),
+                pin_memory=False,
+            ).__enter__()  # hooks on the inner optimizer's step; they stay for the life of this process
+            self.update, self.net = SimpleNamespace(step=inner.step, zero_grad=inner.zero_grad), model
+        else:
+            self.optimizer = torchft.Optimizer(self.manager, inner)
+            # The loop's optimizer: torchft's step (applied only if should_commit() says every group's
+            # all-reduce worked); its zero_grad only clears gradients, the quorum being quorum_steps' act.
+            self.update = SimpleNamespace(step=self.optimizer.step, zero_grad=inner.zero_grad)
+            self.net = torchft.DistributedDataParallel(self.manager, model)
 
-    clock = {}
+    def wait_for_every_group(self) -> None:
+        """Start together: every group is heartbeating before any asks for the first quorum."""
+        run_dir, cfg = self.run_dir, self.cfg
+        (run_dir / f"ready-{self.replica}").touch()
+        while self.attempt == 0 and not all((run_dir / f"ready-{r}").exists() for r in range(cfg.replicas)):
+            time.sleep(0.01)
 
-    def before_step(step):
-        if kill and kill[0] == replica and not cfg.during_allreduce and step == kill[1]:
-            record(kill=kill[1], where="between", t=time.time())
+    def before_step(self, step: int) -> None:
+        from .failures import die_hard
+
+        kill, hang, replica = self.kill, self.hang, self.replica
+        if kill and kill[0] == replica and not self.cfg.during_allreduce and step == kill[1]:
+            self.record(kill=kill[1], where="between", t=time.time())
             die_hard(f"replica {replica} between steps, before step {kill[1]}")
         if hang and hang[0] == replica and step == hang[1]:
-            record(hang=hang[1], t=time.time())
+            self.record(hang=hang[1], t=time.time())
             time.sleep(10**6)  # stuck in Python: torchft's heartbeat runs in its own (Rust) threads
-        clock.update(t0=time.time(), bytes0=ft_nodes.link_bytes(place["iface"]) if counting else None)
+        link = ft_nodes.link_bytes(self.place["iface"]) if self.counting else None
+        self.clock.update(t0=time.time(), bytes0=link)
 
-    def quorum_steps():
+    def quorum_steps(self):
         """Synchronous: the step numbers as the manager hands them out; a step starts with its quorum."""
+        manager, cfg = self.manager, self.cfg
         while manager.current_step() < cfg.steps:
-            before_step(manager.current_step())
+            self.before_step(manager.current_step())
             while True:
-                optimizer.zero_grad()  # the quorum for this step; heals this group here if it is behind
+                self.optimizer.zero_grad()  # the quorum for this step; heals this group here if it is behind
                 late = cfg.steps - manager.current_step() <= cfg.after_heal
-                if not (late and _holding(run_dir, cfg, manager.num_participants())):
+                if not (late and _holding(self.run_dir, cfg, manager.num_participants())):
                     break
-                (run_dir / "holding").touch()  # tells the job manager not to wait any longer
+                (self.run_dir / "holding").touch()  # tells the job manager not to wait any longer
                 time.sleep(0.02)  # a quorum without a step: the restarted group joins one of these
-            clock["quorum"] = time.time()
+            self.clock["quorum"] = time.time()
             step = manager.current_step()
-            if healed:
-                record(healed_to_step=step, heal_s=healed.pop(), t=clock["quorum"])
+            if self.healed:
+                self.record(healed_to_step=step, heal_s=self.healed.pop(), t=self.clock["quorum"])
             if step >= cfg.steps:  # healed from a peer that had already finished
                 return
             yield step
 
-    def diloco_steps():
+    def diloco_steps(self):
         """DiLoCo: H local steps per round; the round's last step ends in the synchronisation."""
+        manager, cfg = self.manager, self.cfg
         tries = 0
         while manager.current_step() * cfg.sync_every < cfg.steps:
             outer_step = manager.current_step()
             rounds_left = cfg.steps // cfg.sync_every - outer_step
-            while rounds_left <= cfg.after_heal and _restarting(run_dir, cfg):
-                (run_dir / "holding").touch()  # tells the job manager not to wait any longer
+            while rounds_left <= cfg.after_heal and _restarting(self.run_dir, cfg):
+                (self.run_dir / "holding").touch()  # tells the job manager not to wait any longer
                 time.sleep(0.02)  # the last rounds wait until a restarted group is running again
             tries += 1
             for local in range(cfg.sync_every):
                 step = outer_step * cfg.sync_every + local
-                before_step(step)
-                clock.update(quorum=clock["t0"], round=tries, sync=local == cfg.sync_every - 1, outer=outer_step)
+                self.before_step(step)
+                self.clock.update(
+                    quorum=self.clock["t0"], round=tries, sync=local == cfg.sync_every - 1, outer=outer_step
+                )
                 yield step
 
-    class Committed(Observer):  # what the manager decided about each step, as the loop runs it
+    def finish(self) -> None:
+        """Keep answering quorums (no steps) until every group has finished, then write the final line.
+
+        So a restarted group that arrives late can still heal from a finished one (synchronous mode:
+        DiLoCo's quorum is followed by an all-reduce a finished group would not join).
+        """
+        from .instrument import weights_sha256
+
+        cfg, manager = self.cfg, self.manager
+        (self.run_dir / f"done-{self.replica}").touch()
+        while not cfg.diloco and not _all_finished(self.run_dir, cfg):
+            self.optimizer.zero_grad()
+            time.sleep(0.05)
+        self.record(
+            final=True,
+            step=manager.current_step() * (cfg.sync_every if cfg.diloco else 1),
+            weights_sha256=weights_sha256(self.model.state_dict()),
+            adam_sha256=weights_sha256(_adam_state(self.model, self.inner)),
+            adam_steps=sorted({int(s["step"]) for s in self.inner.state.values()}),
+            listening=ft_nodes.listening_addresses([os.getpid()]),
+            t=time.time(),
+            pid=os.getpid(),
+        )
+        self.events.close()
+        manager.shutdown(wait=False)
+
+
+def _committed_row(group: _Replica, step: int, loss: float) -> dict:
+    """What the manager decided about one step, as the loop ran it: one line of the group's event log."""
+    cfg, manager, clock, timed = group.cfg, group.manager, group.clock, group.timed
+    row = dict(step=step, t0=clock["t0"], t1=time.time(), loss=loss)
+    if group.counting:
+        (rx0, tx0), (rx1, tx1) = clock["bytes0"], ft_nodes.link_bytes(group.place["iface"])
+        row.update(rx=rx1 - rx0, tx=tx1 - tx0)
+    if not cfg.diloco:
+        row.update(
+            committed=manager.current_step() > step,
+            participants=manager.num_participants(),
+            quorum_s=clock["quorum"] - clock["t0"],
+            commit_s=timed["commit"].pop(),
+        )
+    elif clock["sync"]:  # the synchronisation ran inside inner.step(): quorum, all-reduce, outer step
+        row.update(
+            round=clock["round"],
+            sync=True,
+            committed=manager.current_step() > clock["outer"],
+            participants=manager.num_participants(),
+            quorum_s=timed["quorum"].pop(),
+            commit_s=timed["commit"].pop(),
+        )
+        if group.healed:
+            group.record(healed_to_step=manager.current_step() * cfg.sync_every, heal_s=group.healed.pop(), t=row["t1"])
+            row["healed"] = True  # this round's local steps were replaced by the peer's state
+    else:
+        row.update(round=clock["round"])
+    return row
+
+
+def _committed(group: _Replica):
+    """An observer of the loop that writes each step's row to the group's event log (``_committed_row``)."""
+    from .instrument import Observer  # imports torch: only in the replica's own process
+
+    class Committed(Observer):
         def after_forward(self, step, loss):
             self.loss = loss
 
         def after_update(self, step):
-            row = dict(step=step, t0=clock["t0"], t1=time.time(), loss=float(self.loss))
-            if counting:
-                (rx0, tx0), (rx1, tx1) = clock["bytes0"], ft_nodes.link_bytes(place["iface"])
-                row.update(rx=rx1 - rx0, tx=tx1 - tx0)
-            if not cfg.diloco:
-                row.update(
-                    committed=manager.current_step() > step,
-                    participants=manager.num_participants(),
-                    quorum_s=clock["quorum"] - clock["t0"],
-                    commit_s=timed["commit"].pop(),
-                )
-            elif clock["sync"]:  # the synchronisation ran inside inner.step(): quorum, all-reduce, outer step
-                row.update(
-                    round=clock["round"],
-                    sync=True,
-                    committed=manager.current_step() > clock["outer"],
-                    participants=manager.num_participants(),
-                    quorum_s=timed["quorum"].pop(),
-                    commit_s=timed["commit"].pop(),
-                )
-                if healed:
-                    record(healed_to_step=manager.current_step() * cfg.sync_every, heal_s=healed.pop(), t=row["t1"])
-                    row["healed"] = True  # this round's local steps were replaced by the peer's state
-            else:
-                row.update(round=clock["round"])
-            record(**row)
+            group.record(**_committed_row(group, step, float(self.loss)))
 
-    prepared = Prepared(
-        model=net, optimizer=update, full_state_dict=model.state_dict, held=lambda: module_held(model, inner)
-    )
-    info = SimpleNamespace(rank=replica, world_size=cfg.replicas, device=torch.device("cpu"))
-    run_steps(prepared, cfg.train_config(), info, diloco_steps() if cfg.diloco else quorum_steps(), [Committed()])
-
-    # A group that finished keeps answering quorums (no steps) until every group has finished, so a
-    # restarted group that arrives late can still heal from it (synchronous mode: DiLoCo's quorum is
-    # followed by an all-reduce a finished group would not join).
-    (run_dir / f"done-{replica}").touch()
-    while not cfg.diloco and not _all_finished(run_dir, cfg):
-        optimizer.zero_grad()
-        time.sleep(0.05)
-    record(
-        final=True,
-        step=manager.current_step() * (cfg.sync_every if cfg.diloco else 1),
-        weights_sha256=weights_sha256(model.state_dict()),
-        adam_sha256=weights_sha256(_adam_state(model, inner)),
-        adam_steps=sorted({int(s["step"]) for s in inner.state.values()}),
-        listening=ft_nodes.listening_addresses([os.getpid()]),
-        t=time.time(),
-        pid=os.getpid(),
-    )
-    events.close()
-    manager.shutdown(wait=False)
+    return Committed()
 
 
 def _restarting(run_dir: Path, cfg: FTConfig) -> bool:

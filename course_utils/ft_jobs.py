@@ -112,49 +112,8 @@ def job_manager(config: dict, places: list, run_dir: str) -> dict:
 
     running = {group(r, 0): (r, 0) for r in range(cfg.replicas)}
     jobs = {"exits": [], "restarts": [], "stopped": None, "listening": set()}
-    dead, planned, sampled = [], {r for r, _ in cfg.planned("kill")}, 0.0
-    hung = {r for r, _ in cfg.planned("hang")}
     try:
-        while running or dead:
-            if time.monotonic() - sampled > 0.25:  # what every process of the run listens on, as it runs
-                jobs["listening"].update(ft_nodes.listening_addresses([lighthouse, *running]))
-                sampled = time.monotonic()
-            pid, status = os.waitpid(-1, os.WNOHANG) if running else (0, 0)
-            if pid in running:
-                replica, attempt = running.pop(pid)
-                code = os.waitstatus_to_exitcode(status)
-                jobs["exits"].append({"replica": replica, "attempt": attempt, "code": code, "t": time.time()})
-                if code != 0 and (attempt > 0 or replica not in planned):
-                    log = run_dir / f"replica-{replica}-{attempt}.log"
-                    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-                    jobs["stopped"] = {
-                        "replica": replica,
-                        "attempt": attempt,
-                        "code": code,
-                        "error": lines[-1] if lines else "(no output)",
-                        "log": str(log),
-                        "t": time.time(),
-                    }
-                    break  # a failure nobody planned: stop every group (the finally below)
-                if code != 0:  # the job manager's answer to a dead group: start it again, or let it go
-                    (run_dir / f"dead-{replica}").touch()
-                    # DiLoCo: a group restarted after the others finished has nobody to heal from
-                    if cfg.restart_after is None or (cfg.diloco and _all_finished(run_dir, cfg)):
-                        (run_dir / f"gone-{replica}").touch()
-                    else:
-                        dead.append(replica)
-            if hung and all((run_dir / f"done-{r}").exists() for r in range(cfg.replicas) if r not in hung):
-                break  # the others finished without the hung group, which never will
-            for replica in list(dead):
-                if (
-                    _all_finished(run_dir, cfg)
-                    or (run_dir / "holding").exists()
-                    or _committed_without(run_dir, cfg, replica) >= cfg.restart_after
-                ):
-                    running[group(replica, 1)] = (replica, 1)
-                    jobs["restarts"].append({"replica": replica, "t": time.time()})
-                    dead.remove(replica)
-            time.sleep(0.02)
+        _supervise(cfg, run_dir, running, jobs, group, lighthouse)
     finally:
         for pid, sig in [*((p, signal.SIGKILL) for p in running), (lighthouse, signal.SIGTERM)]:
             try:
@@ -172,3 +131,57 @@ def job_manager(config: dict, places: list, run_dir: str) -> dict:
             f"its log: {s['log']}"
         )
     return jobs
+
+
+def _supervise(cfg: FTConfig, run_dir: Path, running: dict, jobs: dict, group, lighthouse: int) -> None:
+    """Until every group has finished (or one failed as nobody planned): reap the groups that exit, restart a
+    dead one when its time comes (``group(replica, attempt)`` forks it), sample what the run listens on."""
+    dead, sampled = [], 0.0
+    hung = {r for r, _ in cfg.planned("hang")}
+    while running or dead:
+        if time.monotonic() - sampled > 0.25:  # what every process of the run listens on, as it runs
+            jobs["listening"].update(ft_nodes.listening_addresses([lighthouse, *running]))
+            sampled = time.monotonic()
+        pid, status = os.waitpid(-1, os.WNOHANG) if running else (0, 0)
+        if pid in running:
+            replica, attempt = running.pop(pid)
+            if not _exited(cfg, run_dir, jobs, replica, attempt, os.waitstatus_to_exitcode(status), dead):
+                return  # a failure nobody planned: the caller stops every group
+        if hung and all((run_dir / f"done-{r}").exists() for r in range(cfg.replicas) if r not in hung):
+            return  # the others finished without the hung group, which never will
+        for replica in list(dead):
+            if (
+                _all_finished(run_dir, cfg)
+                or (run_dir / "holding").exists()
+                or _committed_without(run_dir, cfg, replica) >= cfg.restart_after
+            ):
+                running[group(replica, 1)] = (replica, 1)
+                jobs["restarts"].append({"replica": replica, "t": time.time()})
+                dead.remove(replica)
+        time.sleep(0.02)
+
+
+def _exited(cfg: FTConfig, run_dir: Path, jobs: dict, replica: int, attempt: int, code: int, dead: list) -> bool:
+    """Note a group's exit; False when it failed as nobody planned (the run stops), else True (a planned death
+    joins ``dead``, to be restarted, or is marked gone)."""
+    jobs["exits"].append({"replica": replica, "attempt": attempt, "code": code, "t": time.time()})
+    if code != 0 and (attempt > 0 or replica not in {r for r, _ in cfg.planned("kill")}):
+        log = run_dir / f"replica-{replica}-{attempt}.log"
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        jobs["stopped"] = {
+            "replica": replica,
+            "attempt": attempt,
+            "code": code,
+            "error": lines[-1] if lines else "(no output)",
+            "log": str(log),
+            "t": time.time(),
+        }
+        return False
+    if code != 0:  # the job manager's answer to a dead group: start it again, or let it go
+        (run_dir / f"dead-{replica}").touch()
+        # DiLoCo: a group restarted after the others finished has nobody to heal from
+        if cfg.restart_after is None or (cfg.diloco and _all_finished(run_dir, cfg)):
+            (run_dir / f"gone-{replica}").touch()
+        else:
+            dead.append(replica)
+    return True

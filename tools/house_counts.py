@@ -47,7 +47,24 @@ FUNCTION_LINES = 60
 #: Which modules are mechanism (what a student reads to learn a strategy, and the one loop) and which are
 #: process control (starting, watching and ending processes); a subpackage is named by its folder.
 MECHANISM = {"ddp", "zero", "fsdp", "per_param", "examples", "apply", "strategies", "strategy_spec", "loop", "runtypes"}
-PROCESS_CONTROL = {"launch", "_agent", "dist", "worker", "cluster", "checkpoint", "checksums", "ft"}
+PROCESS_CONTROL = {
+    "launch",
+    "_agent",
+    "_procs",
+    "_report",
+    "background",
+    "dist",
+    "worker",
+    "cluster",
+    "namespaces",
+    "checkpoint",
+    "checksums",
+    "ft",
+    "ft_groups",
+    "ft_jobs",
+    "ft_nodes",
+    "hangs",
+}
 #: Calls whose string arguments are the command line's argument parsing.
 ARGPARSE_CALLS = {"add_argument", "set_defaults", "add_parser", "add_argument_group"}
 
