@@ -276,6 +276,13 @@ class StepTimeline:
         }
 
 
+def most(result: dict, category: str) -> int:
+    """The most bytes of one category a rank held at any operation of the watched step (``StepTimeline.result``'s
+    rows; notebook 03)."""
+    column = result["columns"].index(category)
+    return max(row[column] for row in result["rows"])
+
+
 class TimelineObserver(Observer):
     """Tells a ``StepTimeline`` the loop's phases (an observer of ``loop.run_steps``, notebooks 03 and 04)."""
 

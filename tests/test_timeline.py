@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import pytest
 
-from course_utils import strategies
+from course_utils import strategies, timeline
 from course_utils.labs import lab03
 from course_utils.launch import launch
 from course_utils.models import build_model, get_config, param_count
@@ -98,3 +98,13 @@ def test_ddp_peaks_in_the_backward_with_every_full_gradient_beside_its_buckets(w
         )
         assert peak["where"].startswith("backward") and peak["grads"] == 4 * psi, (rank, peak)
         assert peak["states"] == predict_timeline.full_gradients_states_peak(rest, psi), (rank, peak, rest)
+
+
+def test_stage2_holds_one_bucket_in_flight_whatever_psi(watched):
+    """ZeRO-R's constant-size buffer: the hand-built stage 2's communication bytes peak at its largest bucket and
+    the slice it receives (gloo's clone beside them), DDP's at 4Ψ of buckets for the whole step."""
+    psi = param_count(MODEL)
+    for rank, out in watched.items():
+        want = predict_timeline.bucket_buffers_peak(out["zero2"]["info"]["units"], NPROC)
+        assert {c: timeline.most(out["zero2"]["timeline"], c) for c in ("comm", "hidden")} == want, rank
+        assert want["comm"] < 2 * psi and timeline.most(out["ddp"]["timeline"], "comm") == 4 * psi

@@ -48,6 +48,7 @@ from .held import (
 from .runs import comm_matches, expected_bytes, fsdp_run, memory_check, peak_check, planned_units, traffic_check
 from .sent import fsdp_collectives, paper_sent_bytes, traffic_in_psi, zero_traffic
 from .timeline import (
+    bucket_buffers_peak,
     forward_end_states,
     full_gradients_states_peak,
     kept_all_gather_outputs,
@@ -57,6 +58,7 @@ from .timeline import (
 )
 
 __all__ = [
+    "bucket_buffers_peak",
     "forward_end_states",
     "full_gradients_states_peak",
     "kept_all_gather_outputs",

@@ -91,6 +91,15 @@ def full_gradients_states_peak(rest: dict, psi: int) -> int:
     return sum(rest[k] for k in ("params", "optim", "comm")) + FP32 * psi
 
 
+def bucket_buffers_peak(units: list[dict], shard: int, *, backend_clones: bool = True) -> dict:
+    """The most communication-buffer bytes a rank of the hand-built stage 2 holds at once (notebook 03): its
+    largest bucket's flat gradients and the averaged slice it receives (``comm``) and, on gloo, the clone of the
+    bucket its reduce-scatter makes (``hidden``; none on NCCL). One bucket in flight at a time: the size is set by
+    the bucket cap (or the largest tensor), not by Ψ, which is ZeRO-R's constant-size buffer (C_B)."""
+    largest = max(u["padded"] for u in units)
+    return {"comm": FP32 * (largest + largest // shard), "hidden": FP32 * largest if backend_clones else 0}
+
+
 def kept_all_gather_outputs(units: list[dict]) -> int:
     """FSDP2's flat all-gather outputs alive at the last block's copy-out in the forward: the previous
     unit's (kept until this copy-out, ``_fsdp_param_group.py`` in torch 2.13) and this one's; the two
