@@ -53,6 +53,46 @@ from .zero import GatheredBytes, assign_units
 # ---------------------------------------------------------------------------------------------
 
 
+#: The three layouts, in the order the course meets them (notebook 03's flat buffer first).
+LAYOUTS = {
+    "flat": "one flat buffer per unit (ours, FSDP1, DeepSpeed 1-2)",
+    "per_parameter_flat": "each parameter flat and padded (DeepSpeed 3)",
+    "rows": "each parameter by rows of dim 0 (FSDP2)",
+}
+
+
+def layouts(shapes: dict, nd: int) -> dict:
+    """Which rank keeps each element of one unit's parameters, in each of the three layouts (notebook 04).
+
+    ``shapes``: ``{name: shape}`` in the unit's order. Returns ``{layout: {"owner": {name: int tensor shaped like
+    the parameter, the rank keeping each element}, "padding": zero elements added across the ranks}}`` for the
+    layouts of ``LAYOUTS``: the unit end to end in Nd equal slices (``zero.padded_numel``: a slice can end inside a
+    matrix); each parameter's own Nd equal pieces (padded to a multiple of Nd); each parameter's rows, c =
+    ceil(dim0 / Nd) per rank (``chunk_rows``: a rank past the end keeps none, and pads c rows).
+    """
+    from .zero import padded_numel
+
+    sizes = {n: int(torch.Size(s).numel()) for n, s in shapes.items()}
+    flat, offset, total = {}, 0, sum(sizes.values())
+    slice_size = padded_numel(total, nd) // nd
+    for name, shape in shapes.items():
+        flat[name] = ((torch.arange(sizes[name]) + offset) // slice_size).reshape(shape)
+        offset += sizes[name]
+    pieces = {n: (torch.arange(sizes[n]) // (padded_numel(sizes[n], nd) // nd)).reshape(s) for n, s in shapes.items()}
+    rows = {}
+    for name, shape in shapes.items():
+        dim0, per_row = shape[0], sizes[name] // shape[0]
+        rows[name] = (torch.arange(dim0) // chunk_rows(dim0, nd)).repeat_interleave(per_row).reshape(shape)
+    return {
+        "flat": {"owner": flat, "padding": padded_numel(total, nd) - total},
+        "per_parameter_flat": {"owner": pieces, "padding": sum(padded_numel(n, nd) - n for n in sizes.values())},
+        "rows": {
+            "owner": rows,
+            "padding": sum((chunk_rows(s[0], nd) * nd - s[0]) * (sizes[n] // s[0]) for n, s in shapes.items()),
+        },
+    }
+
+
 def chunk_rows(dim0: int, nd: int) -> int:
     """c = ceil(dim0 / Nd): the rows of every (padded) shard, FSDP2's ``chunks[0].size(0)`` (notebook 04)."""
     return -(-int(dim0) // int(nd))

@@ -260,3 +260,31 @@ def clip_worker(max_norm: float = 0.05) -> dict:
             if want.numel():
                 worst = max(worst, ((p.grad - want).norm() / want.norm().clamp_min(1e-30)).item())
         return {"norm": norm.item(), "reference_norm": reference_norm.item(), "max_rel_err": worst}
+
+
+def test_the_three_layouts_cut_where_torch_chunk_cuts():
+    """``per_param.layouts`` against torch.chunk (FSDP2 cuts dim 0 with it; a flat buffer and DeepSpeed stage 3's
+    per-parameter pieces are equal chunks of a padded 1-D tensor), for shapes that leave a rank empty."""
+    from course_utils.zero import padded_numel
+
+    shapes = {"weight": (5, 4), "bias": (5,), "w2": (3, 7)}
+    for nd in (2, 3, 4):
+        view = per_param.layouts(shapes, nd)
+
+        def owners(chunks, length):
+            out = torch.empty(length, dtype=torch.long)
+            for rank, piece in enumerate(chunks):
+                out[piece[piece < length]] = rank
+            return out
+
+        total = sum(torch.Size(s).numel() for s in shapes.values())
+        flat = owners(torch.arange(padded_numel(total, nd)).chunk(nd), total)
+        assert torch.equal(torch.cat([t.reshape(-1) for t in view["flat"]["owner"].values()]), flat)
+        for name, shape in shapes.items():
+            n = torch.Size(shape).numel()
+            piece = owners(torch.arange(padded_numel(n, nd)).chunk(nd), n).reshape(shape)
+            assert torch.equal(view["per_parameter_flat"]["owner"][name], piece)
+            rows = owners(torch.arange(shape[0]).chunk(nd), shape[0])
+            assert torch.equal(view["rows"]["owner"][name], rows.reshape(-1, *[1] * (len(shape) - 1)).expand(shape))
+        kept_rows = [len(c) for c in torch.arange(5).chunk(nd)]
+        assert view["rows"]["padding"] >= (nd * max(kept_rows) - 5) * 4  # the weight's empty rows, at least

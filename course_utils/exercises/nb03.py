@@ -99,7 +99,7 @@ register(
     Exercise(
         "03",
         "zero2_step",
-        "One sharded SGD step from reduce-scatter and all-gather (the arithmetic stages 1 and 2 share)",
+        "One sharded SGD step: the arithmetic stages 1 and 2 share",
         "every rank's weights after one SGD step against one process stepping on the mean gradient, and the bytes "
         "each collective sent (CommCounter against (N-1)/N·Ψ each) on 2 ranks, with the tiny course model's weights "
         "(whatever MODEL says: a check answers in seconds)",

@@ -304,7 +304,7 @@ register(
     Exercise(
         "03",
         "zero2_hooks",
-        "Stage 2 for real: gradient hooks, buckets reduce-scattered as they fill, full gradients dropped",
+        "Stage 2's mechanism: a gradient hook reduce-scatters each bucket as it fills",
         "on 2 ranks: the averaged slices against one process's gradient, the weights after 3 Adam steps against "
         "the course's GradShardedOptimizer bit for bit, one reduce-scatter per bucket issued during the backward, "
         "the bytes sent, no .grad left after the backward, and the peak of live full gradients below 4Ψ",

@@ -39,6 +39,7 @@ from .fsdp_views import (
     fsdp_side_by_side_figure,
     fsdp_side_by_side_table,
     fsdp_table,
+    layouts_figure,
     step_time_cell,
 )
 from .memory_views import (
@@ -54,6 +55,7 @@ from .timeline_views import TIMELINE_COLORS, timelines_figure
 from .zero_views import TRAFFIC_COLORS, calls_cell, zero3_schedule_figure, zero3_schedule_frames
 
 __all__ = [
+    "layouts_figure",
     "TIMELINE_COLORS",
     "timelines_figure",
     "calls_cell",

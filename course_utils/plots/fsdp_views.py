@@ -186,3 +186,39 @@ def bit_identity_table(groups: list[list[str]], *, reference: str = SINGLE.name)
         ["weights", "runs that end bit for bit the same"],
         [[f"{chr(65 + i)}{' (reference)' if reference in g else ''}", ", ".join(g)] for i, g in enumerate(groups)],
     )
+
+
+#: One colour per rank in the layouts picture (notebook 04).
+RANK_COLORS = ("#7b5ea7", "#e8883a", "#3a7dc9", "#5aa469", "#c0504d", "#9a9a9a", "#d4a017", "#2a9d8f")
+
+
+def layouts_figure(view: dict, *, width: float = 12.0, height: float = 4.0):
+    """``per_param.layouts``' three layouts of one unit, side by side: every element of every parameter a square
+    coloured by the rank that keeps it, a 1-D parameter as one row (notebook 04)."""
+    from matplotlib.patches import Patch, Rectangle
+
+    from ..per_param import LAYOUTS
+
+    fig = new_figure(width, height)
+    ranks = 1 + max(int(t.max()) for layout in view.values() for t in layout["owner"].values())
+    for ax, (key, label) in zip(fig.subplots(1, len(LAYOUTS)), LAYOUTS.items()):
+        top, widest = 0, 1
+        for name, owner in view[key]["owner"].items():
+            grid = owner.reshape(owner.shape[0], -1) if owner.dim() > 1 else owner.reshape(1, -1)
+            for (i, j), rank in np.ndenumerate(grid.numpy()):
+                ax.add_patch(Rectangle((j, -(top + i)), 0.92, 0.92, facecolor=RANK_COLORS[rank % len(RANK_COLORS)]))
+            ax.text(-0.3, -(top + grid.shape[0] / 2) + 0.5, name, ha="right", va="center")
+            top, widest = top + grid.shape[0] + 1, max(widest, grid.shape[1])
+        ax.set_xlim(-0.2, widest + 0.2)
+        ax.set_ylim(-top + 0.8, 1.2)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        what, who = label.split(" (")
+        ax.set_title(f"{what}\n({who}: {view[key]['padding']} padding", fontsize=10)
+    fig.legend(
+        handles=[Patch(color=RANK_COLORS[r % len(RANK_COLORS)], label=f"rank {r}") for r in range(ranks)],
+        loc="lower center",
+        ncol=ranks,
+        frameon=False,
+    )
+    return fig
