@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 
-from .dist import print_line
+from .dist import print_line, release_left_groups
 
 
 def call(target: str, args: tuple, kwargs: dict):
@@ -153,6 +153,8 @@ def run_in_worker(payload: bytes, progress_dir: str) -> None:
     with open(tmp, "wb") as fh:
         fh.write(data)
     os.replace(tmp, os.path.join(progress_dir, f"result-rank{rank}.pkl"))
+    del value
+    release_left_groups()  # the function's locals are gone: free the groups it left (dist.shutdown says why)
 
 
 def _note_the_cause(exc: BaseException, progress_dir: str, rank: int) -> None:

@@ -310,6 +310,67 @@ def test_a_hang_names_the_rank_that_never_arrived_and_where_it_was(tmp_path):
     assert "rank 0: raised: its collective timed out" in message
 
 
+def _free_ddp_while_gloo_needs_the_gil() -> bool:
+    """A DDP step inside ``cdist.session()``, then return while one of gloo's threads needs the GIL.
+
+    The hang of a rank that returned and never finished, made certain: the function's DDP module
+    (whose C++ Reducer holds the group after ``destroy_process_group``) is freed as the function
+    returns, while a callback on gloo's worker thread waits to take the GIL back. In the runs it
+    was gloo's thread retiring a backward's last all-reduce (``course_utils.dist.shutdown`` says
+    why that needs the GIL). Rank 0 returns whether the callback ran on gloo's thread, as it must.
+    """
+    import os
+    import threading
+    import time
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from course_utils import dist as cdist
+
+    attached = Path(os.environ["COURSE_PROGRESS_DIR"]) / "callback-attached"
+    go, ran_on = threading.Event(), []
+
+    def needs_the_gil(fut):
+        ran_on.append(threading.get_ident())
+        go.wait(60)  # with the GIL released; then, in the destructor's time...
+        time.sleep(0.5)
+        return fut.value()  # ...this needs it back
+
+    with cdist.session() as info:
+        ddp = DistributedDataParallel(torch.nn.Linear(4, 4))
+        ddp(torch.ones(2, 4)).sum().backward()
+        while info.rank == 1 and not attached.exists():  # rank 1 joins once rank 0's callback is on
+            time.sleep(0.01)
+        work = dist.all_reduce(torch.ones(1), async_op=True)
+        if info.rank == 0:  # the work completes only once its callback has: no wait() here
+            work.get_future().then(needs_the_gil)  # pending until rank 1 joins: gloo's thread runs it
+            attached.touch()
+            while not ran_on:
+                time.sleep(0.01)
+        else:
+            work.wait()
+    go.set()
+    return info.rank == 1 or ran_on != [threading.get_ident()]
+
+
+def test_a_rank_that_used_ddp_in_a_session_finishes_after_returning(tmp_path):
+    """The group a DDP module still holds is freed with the GIL released (course_utils.dist.shutdown);
+    before, rank 0 hung for ever in ProcessGroupGloo's destructor as the function returned."""
+    result = launch(
+        _free_ddp_while_gloo_needs_the_gil,
+        nproc=2,
+        backend="gloo",
+        timeout_s=20,
+        run_dir=tmp_path,
+        echo=False,
+        progress=False,
+    )
+    assert dict(result) == {0: True, 1: True}
+
+
 def test_a_timed_out_run_says_where_every_process_was(tmp_path):
     with pytest.raises(LaunchTimeout) as info:
         launch(
