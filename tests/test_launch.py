@@ -371,6 +371,44 @@ def test_a_rank_that_used_ddp_in_a_session_finishes_after_returning(tmp_path):
     assert dict(result) == {0: True, 1: True}
 
 
+def _stack_dump(frames: list[tuple[str, int, str]]) -> str:
+    """A faulthandler dump as a worker writes it on SIGUSR1: gloo's thread (no Python frame), then the main one."""
+    lines = ["Thread 0x00007f1ac52686c0 (most recent call first):", "  <no Python frame>", ""]
+    lines.append("Current thread 0x00007f1aeadefb80 (most recent call first):")
+    return "\n".join(lines + [f'  File "{path}", line {n} in {func}' for path, n, func in frames]) + "\n"
+
+
+def test_a_rank_stuck_after_its_function_returned_is_reported_as_such(tmp_path):
+    """Rank 1's stack as in the hang of a full test run (2026-12-01): at the call of its function, no deeper
+    Python frame. It had returned and was stuck freeing the function's variables: neither 'returned' nor
+    a rank that never reached a collective."""
+    from pathlib import Path as _Path
+
+    import torch
+
+    from course_utils import _report, worker
+
+    torch_dir, here = _Path(torch.__file__).parent, worker.__file__
+    bottom = [
+        (here, 140, "run_in_worker"),
+        (str(torch_dir / "distributed/elastic/multiprocessing/errors/__init__.py"), 367, "wrapper"),
+        (str(torch_dir / "distributed/elastic/multiprocessing/api.py"), 706, "_wrap"),
+    ]
+    (tmp_path / "result-rank0.pkl").write_bytes(b"")  # rank 0 returned and waits in torch's _wrap
+    (tmp_path / "stack-rank0.txt").write_text(_stack_dump(bottom[2:]))
+    (tmp_path / "stack-rank1.txt").write_text(_stack_dump([(here, 160, "run_the_function"), *bottom]))
+    (tmp_path / "stack-rank2.txt").write_text(
+        _stack_dump([(examples.__file__, 52, "hang_on_rank"), (here, 160, "run_the_function"), *bottom])
+    )
+    ranks = {int(k[4:]): w for k, w in _report.where_ranks_were(tmp_path, 3).items() if k != "agent"}
+    assert ranks[0] == "returned its result"
+    assert ranks[1].startswith("stuck after its function returned, in native code")
+    assert ranks[2].startswith("in hang_on_rank (examples.py line 52")  # still inside its function
+    message = str(_report.timeout_error(ranks, "?", None, 30, 30, "", tmp_path))
+    assert "Rank(s) 1 returned from the function but never finished" in message
+    assert "never reached the collective" not in message
+
+
 def test_a_timed_out_run_says_where_every_process_was(tmp_path):
     with pytest.raises(LaunchTimeout) as info:
         launch(
