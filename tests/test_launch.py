@@ -568,6 +568,23 @@ def test_three_collectives_in_a_world_of_one(monkeypatch):
     assert out["reduce_scatter"] == [float(i + 1) for i in range(8)]  # rank 0's own (0 + 1)(i + 1), nothing added
 
 
+def test_a_world_of_one_frees_the_group_it_left_only_when_the_next_one_starts(monkeypatch):
+    """In a notebook's own process the group a session left is kept (a DDP module the cell made may still
+    hold it: course_utils.dist.shutdown) and freed when the next session starts, before its new group."""
+    import torch.distributed as dist
+
+    from course_utils import dist as cdist
+
+    for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with cdist.session(backend="gloo"):
+        first = dist.group.WORLD
+    assert not dist.is_initialized() and cdist._left_groups == [first]
+    with cdist.session(backend="gloo"):
+        assert cdist._left_groups == [] and dist.group.WORLD is not first
+    cdist.release_left_groups()
+
+
 def test_background_returns_raises_and_stops_on_timeout():
     """launch.Background (notebook 05b): the value comes back, an exception is raised here, and a run past
     its timeout is ended, not left running."""
