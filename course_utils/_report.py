@@ -193,6 +193,8 @@ def _where(frames: list[tuple[str, int, str]]) -> str:
             continue
         if func == "_ask_peers_where_they_are":
             return "raised: its collective timed out (its traceback is above)"
+        if func == "run_the_function" and i == 0:  # no Python frame below the call: the function had returned
+            return STUCK_AFTER_RETURN
         if path.endswith((os.path.join("course_utils", "_agent.py"), os.path.join("course_utils", "worker.py"))):
             continue
         source = linecache.getline(path, number).strip()
@@ -215,6 +217,10 @@ def _is_entry(path: str, func: str) -> bool:
 
 
 NO_STACK = "no stack (the process had not started, or was stuck outside Python)"
+STUCK_AFTER_RETURN = (
+    "stuck after its function returned, in native code while the function's variables were freed "
+    "(a destructor that never returned), before its result was saved"
+)
 
 
 def where_ranks_were(folder: Path, nproc: int, since: dict[str, int] | None = None) -> dict:
@@ -300,6 +306,13 @@ def timeout_error(ranks: dict, agent: str, quiet: float | None, timeout_s: float
         why = (
             f"The workers were still making progress ({quiet:.0f} s before the end): the run is not hung, only "
             "longer than timeout_s, which also bounds the whole run; pass a larger timeout_s (or fewer steps)"
+        )
+    elif any(w == STUCK_AFTER_RETURN for w in ranks.values()):
+        stuck = [r for r, w in ranks.items() if w == STUCK_AFTER_RETURN]
+        why = (
+            f"Rank(s) {', '.join(map(str, stuck))} returned from the function but never finished: no collective "
+            "was waiting, a C++ destructor was (a process group freed while a thread of its own needed the GIL "
+            "is the known case, see course_utils.dist.shutdown)"
         )
     else:
         waiting = [r for r, w in ranks.items() if w != "returned its result"]

@@ -12,6 +12,7 @@ NCCL with one GPU per local rank when there are at least that many GPUs, gloo on
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import os
@@ -165,6 +166,7 @@ def init(backend: str | None = None, timeout_s: float | None = None, *, determin
         # (torchrun sets OMP_NUM_THREADS=1 for the same reason).
         torch.set_num_threads(max(1, usable_cores() // max(1, local_world)))
     if not dist.is_initialized():
+        release_left_groups()  # the last session's locals are gone by now: its groups can go too
         timeout = timedelta(seconds=float(timeout_s or os.environ.get("COURSE_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
         if "MASTER_ADDR" in os.environ and local_world == world:
             listen_on_loopback()  # every rank on this machine: nothing needs to listen beyond it
@@ -250,10 +252,44 @@ def session(backend: str | None = None, timeout_s: float | None = None):
     shutdown()
 
 
+#: The groups ``shutdown`` left, kept until ``release_left_groups``: see ``shutdown`` for why.
+_left_groups: list = []
+
+
 def shutdown() -> None:
-    """Leave the process group if this process joined one (notebook 00)."""
+    """Leave the process group if this process joined one (notebook 00).
+
+    Leaving does not free a gloo group: torch 2.13's ``destroy_process_group`` only unregisters it
+    (gloo has no ``shutdown``), and a DDP module's C++ Reducer still holds it. It was freed when the
+    DDP module was, as the worker function returned, in ``~ProcessGroupGloo``, which joins gloo's
+    worker threads while the main thread holds the GIL. The thread that ran a backward's last
+    all-reduce may not have retired that work yet, and retiring it needs the GIL: the work copied
+    the thread-local state of the backward, which holds a Python object (the ``contextvars.Context``
+    that ``torch.autograd.graph._engine_run_backward`` stashes). Each waited for the other, for
+    ever: a rank that returned and never finished (2 of 65 launches of notebook 02's DDP reference
+    beside two busy loops; the native stacks are in the commit that made this change).
+
+    So the groups left here are kept, and ``release_left_groups`` frees them once the function's
+    locals are gone. Freed from Python, a group's destructor runs with the GIL released (torch binds
+    ``ProcessGroup`` so, pytorch/pytorch#154976), and gloo's threads can finish
+    (``tests/test_launch.py`` makes the wait certain and checks that the rank finishes).
+    """
     if dist.is_initialized():
+        _left_groups.extend(dist.distributed_c10d._world.pg_map)  # the default group and any subgroup
         dist.destroy_process_group()
+
+
+def release_left_groups() -> None:
+    """Free the groups ``shutdown`` left, now that nothing else should hold them (notebook 00).
+
+    Called where a worker function's locals are gone: by ``run_in_worker`` once the function has
+    returned, by ``init`` before it joins a new group, and at exit. A group that something still
+    holds (a DDP module kept in a global) is freed with that object instead.
+    """
+    _left_groups.clear()
+
+
+atexit.register(release_left_groups)  # before the interpreter tears down: gloo's threads may still need it
 
 
 def check_mesh_shape(world_size: int, mesh_shape) -> tuple[int, ...]:

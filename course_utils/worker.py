@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 
-from .dist import print_line
+from .dist import print_line, release_left_groups
 
 
 def call(target: str, args: tuple, kwargs: dict):
@@ -131,7 +131,7 @@ def run_in_worker(payload: bytes, progress_dir: str) -> None:
     if isinstance(fn, str):
         fn = _resolve(fn)
     try:
-        value = fn(*args, **kwargs)
+        value = run_the_function(fn, args, kwargs)
     except KeyboardInterrupt as exc:
         raise RuntimeError(
             f"rank {rank}'s function raised KeyboardInterrupt; a worker is never sent Ctrl-C (the launch is), "
@@ -153,6 +153,14 @@ def run_in_worker(payload: bytes, progress_dir: str) -> None:
     with open(tmp, "wb") as fh:
         fh.write(data)
     os.replace(tmp, os.path.join(progress_dir, f"result-rank{rank}.pkl"))
+    del value
+    release_left_groups()  # the function's locals are gone: free the groups it left (dist.shutdown says why)
+
+
+def run_the_function(fn, args, kwargs):
+    """Call the worker function: its own frame, so a stack stopped here after ``fn`` returned (no deeper
+    Python frame) says the rank was freeing the function's locals (``_report._where``)."""
+    return fn(*args, **kwargs)
 
 
 def _note_the_cause(exc: BaseException, progress_dir: str, rank: int) -> None:

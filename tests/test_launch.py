@@ -310,6 +310,105 @@ def test_a_hang_names_the_rank_that_never_arrived_and_where_it_was(tmp_path):
     assert "rank 0: raised: its collective timed out" in message
 
 
+def _free_ddp_while_gloo_needs_the_gil() -> bool:
+    """A DDP step inside ``cdist.session()``, then return while one of gloo's threads needs the GIL.
+
+    The hang of a rank that returned and never finished, made certain: the function's DDP module
+    (whose C++ Reducer holds the group after ``destroy_process_group``) is freed as the function
+    returns, while a callback on gloo's worker thread waits to take the GIL back. In the runs it
+    was gloo's thread retiring a backward's last all-reduce (``course_utils.dist.shutdown`` says
+    why that needs the GIL). Rank 0 returns whether the callback ran on gloo's thread, as it must.
+    """
+    import os
+    import threading
+    import time
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from course_utils import dist as cdist
+
+    attached = Path(os.environ["COURSE_PROGRESS_DIR"]) / "callback-attached"
+    go, ran_on = threading.Event(), []
+
+    def needs_the_gil(fut):
+        ran_on.append(threading.get_ident())
+        go.wait(60)  # with the GIL released; then, in the destructor's time...
+        time.sleep(0.5)
+        return fut.value()  # ...this needs it back
+
+    with cdist.session() as info:
+        ddp = DistributedDataParallel(torch.nn.Linear(4, 4))
+        ddp(torch.ones(2, 4)).sum().backward()
+        while info.rank == 1 and not attached.exists():  # rank 1 joins once rank 0's callback is on
+            time.sleep(0.01)
+        work = dist.all_reduce(torch.ones(1), async_op=True)
+        if info.rank == 0:  # the work completes only once its callback has: no wait() here
+            work.get_future().then(needs_the_gil)  # pending until rank 1 joins: gloo's thread runs it
+            attached.touch()
+            while not ran_on:
+                time.sleep(0.01)
+        else:
+            work.wait()
+    go.set()
+    return info.rank == 1 or ran_on != [threading.get_ident()]
+
+
+def test_a_rank_that_used_ddp_in_a_session_finishes_after_returning(tmp_path):
+    """The group a DDP module still holds is freed with the GIL released (course_utils.dist.shutdown);
+    before, rank 0 hung for ever in ProcessGroupGloo's destructor as the function returned."""
+    result = launch(
+        _free_ddp_while_gloo_needs_the_gil,
+        nproc=2,
+        backend="gloo",
+        timeout_s=20,
+        run_dir=tmp_path,
+        echo=False,
+        progress=False,
+    )
+    assert dict(result) == {0: True, 1: True}
+
+
+def _stack_dump(frames: list[tuple[str, int, str]]) -> str:
+    """A faulthandler dump as a worker writes it on SIGUSR1: gloo's thread (no Python frame), then the main one."""
+    lines = ["Thread 0x00007f1ac52686c0 (most recent call first):", "  <no Python frame>", ""]
+    lines.append("Current thread 0x00007f1aeadefb80 (most recent call first):")
+    return "\n".join(lines + [f'  File "{path}", line {n} in {func}' for path, n, func in frames]) + "\n"
+
+
+def test_a_rank_stuck_after_its_function_returned_is_reported_as_such(tmp_path):
+    """Rank 1's stack as in the hang of a full test run (2026-12-01): at the call of its function, no deeper
+    Python frame. It had returned and was stuck freeing the function's variables: neither 'returned' nor
+    a rank that never reached a collective."""
+    from pathlib import Path as _Path
+
+    import torch
+
+    from course_utils import _report, worker
+
+    torch_dir, here = _Path(torch.__file__).parent, worker.__file__
+    bottom = [
+        (here, 140, "run_in_worker"),
+        (str(torch_dir / "distributed/elastic/multiprocessing/errors/__init__.py"), 367, "wrapper"),
+        (str(torch_dir / "distributed/elastic/multiprocessing/api.py"), 706, "_wrap"),
+    ]
+    (tmp_path / "result-rank0.pkl").write_bytes(b"")  # rank 0 returned and waits in torch's _wrap
+    (tmp_path / "stack-rank0.txt").write_text(_stack_dump(bottom[2:]))
+    (tmp_path / "stack-rank1.txt").write_text(_stack_dump([(here, 160, "run_the_function"), *bottom]))
+    (tmp_path / "stack-rank2.txt").write_text(
+        _stack_dump([(examples.__file__, 52, "hang_on_rank"), (here, 160, "run_the_function"), *bottom])
+    )
+    ranks = {int(k[4:]): w for k, w in _report.where_ranks_were(tmp_path, 3).items() if k != "agent"}
+    assert ranks[0] == "returned its result"
+    assert ranks[1].startswith("stuck after its function returned, in native code")
+    assert ranks[2].startswith("in hang_on_rank (examples.py line 52")  # still inside its function
+    message = str(_report.timeout_error(ranks, "?", None, 30, 30, "", tmp_path))
+    assert "Rank(s) 1 returned from the function but never finished" in message
+    assert "never reached the collective" not in message
+
+
 def test_a_timed_out_run_says_where_every_process_was(tmp_path):
     with pytest.raises(LaunchTimeout) as info:
         launch(
@@ -467,6 +566,23 @@ def test_three_collectives_in_a_world_of_one(monkeypatch):
     assert out["broadcast"] == [1.0] * 8
     assert out["all_gather"] == [float(i) for i in range(8)]
     assert out["reduce_scatter"] == [float(i + 1) for i in range(8)]  # rank 0's own (0 + 1)(i + 1), nothing added
+
+
+def test_a_world_of_one_frees_the_group_it_left_only_when_the_next_one_starts(monkeypatch):
+    """In a notebook's own process the group a session left is kept (a DDP module the cell made may still
+    hold it: course_utils.dist.shutdown) and freed when the next session starts, before its new group."""
+    import torch.distributed as dist
+
+    from course_utils import dist as cdist
+
+    for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with cdist.session(backend="gloo"):
+        first = dist.group.WORLD
+    assert not dist.is_initialized() and cdist._left_groups == [first]
+    with cdist.session(backend="gloo"):
+        assert cdist._left_groups == [] and dist.group.WORLD is not first
+    cdist.release_left_groups()
 
 
 def test_background_returns_raises_and_stops_on_timeout():
