@@ -141,6 +141,14 @@ def course_weights(worker: str, world: int) -> dict:
         return _course(worker, world)
 
 
+def _weights_off(mine, reference: torch.Tensor) -> float | None:
+    """None when a rank's weights equal the reference bit for bit; else the largest difference (nan: not a tensor
+    of the reference's shape)."""
+    if not isinstance(mine, torch.Tensor) or mine.shape != reference.shape:
+        return float("nan")
+    return None if torch.equal(mine, reference) else float((mine - reference).abs().max())
+
+
 @cache
 def _one_process_first_grads() -> torch.Tensor:
     return _one_process(1)[1]
@@ -275,13 +283,8 @@ def zero2_hooks_verdict(per_rank: dict) -> None:
                     f"error {err:.1e}): reduce-scatter the bucket's gradients laid end to end in the flat "
                     "order of flat.params, zero-padded to flat.padded, only once every one of them has arrived"
                 )
-        mine = r["weights"]
-        if (
-            not isinstance(mine, torch.Tensor)
-            or mine.shape != course[rank].shape
-            or not torch.equal(mine, course[rank])
-        ):
-            off = float((mine - course[rank]).abs().max()) if isinstance(mine, torch.Tensor) else float("nan")
+        off = _weights_off(r["weights"], course[rank])
+        if off is not None:
             raise Wrong(
                 f"after {STEPS} Adam steps rank {rank}'s weights differ from the course's stage 2 by {off:.1e}: on "
                 f"{world} ranks they must agree bit for bit; is every bucket reduced exactly once per step?"
@@ -446,13 +449,8 @@ def zero3_gather_free_verdict(per_rank: dict) -> None:
                 "flat.full.untyped_storage().resize_(0) (rebinding flat.full frees nothing: the parameters are "
                 "views into that storage)"
             )
-        mine = r["weights"]
-        if (
-            not isinstance(mine, torch.Tensor)
-            or mine.shape != course[rank].shape
-            or not torch.equal(mine, course[rank])
-        ):
-            off = float((mine - course[rank]).abs().max()) if isinstance(mine, torch.Tensor) else float("nan")
+        off = _weights_off(r["weights"], course[rank])
+        if off is not None:
             raise Wrong(
                 f"after {STEPS} Adam steps rank {rank}'s weights differ from the course's stage 3 by "
                 f"{off:.1e}: on {len(per_rank)} ranks they must agree bit for bit; does the pre-forward hook "
