@@ -34,6 +34,7 @@ import re
 import select
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -107,6 +108,10 @@ def run_agent(spec: dict, result_path: str) -> None:
     from .worker import run_in_worker
 
     os.chdir(spec["cwd"])
+    # torch's process starter gives every worker an error file from tempfile (``pytorch-errorfile-*.pickle``) and
+    # leaves the file of a worker that failed or was killed behind: in the run's own folder, it goes with the run
+    # (and stays beside the logs of a failed one) instead of piling up in /tmp. The workers set it back.
+    tempfile.tempdir = spec["progress_dir"]
     # The agent's INFO lines are noise in a notebook; its warnings and errors still show.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     _record_exit_codes()

@@ -26,6 +26,7 @@ import os
 import pickle
 import signal
 import sys
+import tempfile
 import time
 
 from .dist import print_line, release_left_groups
@@ -124,6 +125,9 @@ def run_in_worker(payload: bytes, progress_dir: str) -> None:
     names the signal and where the rank was), instead of waiting for the collective it is in.
     """
     rank = int(os.environ.get("RANK", "0"))
+    tempfile.tempdir = (
+        None  # the agent's points into the run's folder (for torch's error files); the user's code gets TMPDIR's
+    )
     dump_stacks_on(os.path.join(progress_dir, f"stack-rank{rank}.txt"))
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     faulthandler.register(signal.SIGINT, file=_stack_file, all_threads=True, chain=True)

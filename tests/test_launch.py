@@ -688,3 +688,21 @@ def test_the_status_line_is_cleared_when_a_notebook_run_ends(tmp_path, monkeypat
     status.update(5.0)
     status.update(6.0, final={0: "done"})
     assert status.handle.shown[0].startswith("[  5.0s] rank 0: 3/8") and status.handle.shown[-1] == ""
+
+
+def _temp_dir() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
+def test_torch_error_files_stay_in_the_run_folder_and_workers_keep_the_usual_temp_dir(tmp_path):
+    """torch's process starter leaves a ``pytorch-errorfile-*.pickle`` for every worker that failed or was killed:
+    inside the run's folder they go with it (and beside a failed run's logs), never piling up in /tmp. The
+    user's code in a worker still gets the usual temporary folder."""
+    import tempfile
+
+    with pytest.raises(WorkerFailed):
+        launch(examples.fail_on_rank, nproc=2, kwargs={"bad_rank": 1}, echo=False, run_dir=str(tmp_path / "run"))
+    assert len(list((tmp_path / "run").rglob("pytorch-errorfile-*.pickle"))) == 2  # one per worker, in the run
+    assert set(launch(_temp_dir, nproc=2, echo=False).values()) == {tempfile.gettempdir()}
