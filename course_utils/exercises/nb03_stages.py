@@ -26,7 +26,6 @@ from __future__ import annotations
 from functools import cache
 
 import torch
-import torch.utils._python_dispatch
 
 from ..compat import provide_renamed_collectives
 from ..data import batch_for_rank
@@ -52,46 +51,22 @@ def _batch(step, info, world=None, rank=None):
     )
 
 
-def _one_process(steps: int):
-    """The reference: one process, the whole global batch, Adam (the update data parallelism must reproduce)."""
-    ref = build_model("tiny", seed=0)
-    opt = torch.optim.Adam(ref.parameters(), lr=LR, foreach=False)
-    first_grads = None
-    for step in range(steps):
-        ref(*_batch(step, None, world=1, rank=0)).backward()
-        if step == 0:
-            first_grads = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
-        opt.step()
-        opt.zero_grad()
-    return ref, first_grads
+class _Collectives(CommCounter):
+    """``CommCounter`` (kinds, payloads, the bytes sent) that also keeps, per collective, ``(kind, payload bytes,
+    issued inside a backward pass?, gradients arrived so far)``: when a bucket was sent, not only how much."""
 
-
-class _Collectives(torch.utils._python_dispatch.TorchDispatchMode):
-    """Each reduce-scatter / all-reduce / all-gather: (kind, payload bytes, inside a backward pass?)."""
-
-    KINDS = {
-        "_reduce_scatter_base_": "reduce_scatter",
-        "reduce_scatter_": "reduce_scatter",
-        "allreduce_": "all_reduce",
-        "_allgather_base_": "all_gather",
-        "allgather_": "all_gather",
-    }
-
-    def __init__(self, arrived=None):
+    def __init__(self, arrived: list | None = None):
         super().__init__()
-        self.events = []
+        self.calls: list[tuple] = []
         self.arrived = arrived  # a one-element list the caller's gradient probe counts in
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = self.KINDS.get(func._overloadpacket.__name__) if func.namespace == "c10d" else None
-        if kind:
-            t = args[1] if kind == "reduce_scatter" else args[0]
-            t = t[0] if isinstance(t, (list, tuple)) else t
-            nbytes = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-            self.events.append(
-                (kind, nbytes, torch._C._current_graph_task_id() != -1, self.arrived[0] if self.arrived else None)
-            )
-        return func(*args, **(kwargs or {}))
+        before = len(self.events)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for kind, payload, _ in self.events[before:]:
+            inside = torch._C._current_graph_task_id() != -1
+            self.calls.append((kind, payload, inside, self.arrived[0] if self.arrived else None))
+        return out
 
 
 # ---- references: the course's own code, never in the student's process (``core.Exercise``'s contract)
@@ -151,7 +126,10 @@ def _weights_off(mine, reference: torch.Tensor) -> float | None:
 
 @cache
 def _one_process_first_grads() -> torch.Tensor:
-    return _one_process(1)[1]
+    """One process's gradient of step 0 on the whole global batch: what the averaged slices must equal."""
+    model = build_model("tiny", seed=0)
+    model(*_batch(0, None, world=1, rank=0)).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
 # =============================================================================================
@@ -189,7 +167,7 @@ def zero2_hooks_on_rank(fn, info) -> dict:
     fn(flats)  # the student's hooks
 
     events, left_after_backward, shards0 = [], [], None
-    with CommCounter() as comm, _Collectives(arrived) as seen:
+    with _Collectives(arrived) as seen:
         for step in range(STEPS):
             arrived[0] = 0
             model(*_batch(step, info)).backward()
@@ -198,10 +176,10 @@ def zero2_hooks_on_rank(fn, info) -> dict:
                 shards0 = [None if f.grad_shard is None else f.grad_shard.clone() for f in flats]
             opt.step()
             opt.zero_grad()
-            events.append(len(seen.events))
+            events.append(len(seen.calls))
     # where each bucket's parameters sit in the model's order: the verdict lays one process's gradient out the same way
     index = {id(p): i for i, p in enumerate(model.parameters())}
-    per_step = [seen.events[(events[i - 1] if i else 0) : events[i]] for i in range(STEPS)]
+    per_step = [seen.calls[(events[i - 1] if i else 0) : events[i]] for i in range(STEPS)]
     return {
         "buckets": len(flats),
         "params": len(params),
@@ -216,7 +194,7 @@ def zero2_hooks_on_rank(fn, info) -> dict:
         "rank": info.rank,
         "slices0": shards0,
         "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-        "sent": {k: v["sent_bytes"] for k, v in comm.summary(STEPS).items()},
+        "sent": {k: v["sent_bytes"] for k, v in seen.summary(STEPS).items()},
     }
 
 
@@ -416,7 +394,7 @@ def zero3_gather_free_on_rank(fn, info) -> dict:
             wrapped(*_batch(step, info)).backward()
             opt.step()
             opt.zero_grad()
-    fwd = [e for e in seen.events if not e[2]]
+    fwd = [e for e in seen.calls if not e[2]]
     return {
         "block_bytes": block_bytes,
         "root_bytes": root_bytes,
