@@ -706,3 +706,30 @@ def test_torch_error_files_stay_in_the_run_folder_and_workers_keep_the_usual_tem
         launch(examples.fail_on_rank, nproc=2, kwargs={"bad_rank": 1}, echo=False, run_dir=str(tmp_path / "run"))
     assert len(list((tmp_path / "run").rglob("pytorch-errorfile-*.pickle"))) == 2  # one per worker, in the run
     assert set(launch(_temp_dir, nproc=2, echo=False).values()) == {tempfile.gettempdir()}
+
+
+def test_the_agents_faster_rendezvous_names_events_and_pauses_as_torch_does(monkeypatch):
+    """The agent replaces two helpers of torch's rendezvous (``_agent._rendezvous_without_stack_walks``): the
+    event names must stay torch's own (the caller of ``_record``, read with ``inspect.stack()``), and only the
+    random skew between nodes is skipped, not the fixed polls between rounds."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from course_utils import _agent
+
+    original_name = dr.get_method_name
+    slept = []
+    monkeypatch.setattr(dr, "get_method_name", dr.get_method_name)  # restored after the test
+    monkeypatch.setattr(dr, "_delay", lambda seconds: slept.append(seconds))
+    _agent._rendezvous_without_stack_walks()
+
+    def _record():
+        return original_name(), dr.get_method_name()
+
+    def next_rendezvous():
+        return _record()
+
+    assert next_rendezvous() == ("next_rendezvous", "next_rendezvous")
+    dr._delay(seconds=(0, 0.3))
+    dr._delay(seconds=1)
+    assert slept == [1]
+    assert dr.get_method_name(depth=10_000) == "no_method_name"
