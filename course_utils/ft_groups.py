@@ -384,7 +384,7 @@ class _Replica:
         while manager.current_step() * cfg.sync_every < cfg.steps:
             outer_step = manager.current_step()
             rounds_left = cfg.steps // cfg.sync_every - outer_step
-            while rounds_left <= cfg.after_heal and _restarting(self.run_dir, cfg):
+            while rounds_left <= cfg.after_heal and _restarting(self.run_dir, cfg, but=self.replica):
                 (self.run_dir / "holding").touch()  # tells the job manager not to wait any longer
                 time.sleep(0.02)  # the last rounds wait until a restarted group is running again
             tries += 1
@@ -463,22 +463,26 @@ def _committed(group: _Replica):
             self.loss = loss
 
         def after_update(self, step):
-            group.record(**_committed_row(group, step, float(self.loss)))
+            group.record(**_committed_row(group, step, float(self.loss.detach())))
 
     return Committed()
 
 
-def _restarting(run_dir: Path, cfg: FTConfig) -> bool:
-    """A group died, will be restarted, and its new process has not yet asked the lighthouse to join.
+def _restarting(run_dir: Path, cfg: FTConfig, but: int | None = None) -> bool:
+    """A group other than ``but`` died, will be restarted, and its new process has not yet asked the
+    lighthouse to join.
 
     (DiLoCo: a restarted group trains one round on its own first, then asks at that round's end; the
-    survivors' next synchronisation, H steps later, is the one it joins.)
+    survivors' next synchronisation, H steps later, is the one it joins.) The restarted group itself is
+    ``but``: it must not wait for its own restart. It did, when the death fell in the first round and the
+    last ``after_heal`` rounds began at once (8 steps, H = 4, a kill at step 3): both groups waited for ever.
     """
     return cfg.restart_after is not None and any(
         (run_dir / f"dead-{r}").exists()
         and not (run_dir / f"gone-{r}").exists()
         and not (run_dir / f"asking-{r}-1").exists()
         for r in range(cfg.replicas)
+        if r != but
     )
 
 

@@ -110,6 +110,18 @@ def test_diloco_loses_the_dead_groups_round_and_heals_it_at_a_synchronisation(di
     assert not run["adam_equal"]  # each group keeps its own inner Adam state: DiLoCo averages weights only
 
 
+def test_a_restarted_diloco_group_never_waits_for_its_own_restart():
+    """Two rounds, group 1 killed in the first synchronisation, the last two rounds waiting for a restart: the
+    restarted group used to hold for a restart (its own) like the survivor, and both waited until the timeout."""
+    run = ft_run(
+        replicas=2, steps=2 * H, diloco=True, sync_every=H, kill=f"1:{H - 1}", during_allreduce=True,
+        restart_after=1, after_heal=2, timeout_s=60,
+    )  # fmt: skip
+    # both end at the last step with the same weights (whether the restarted group joined the retried first round
+    # or healed from the survivor at the end depends on which reached the lighthouse first: either is torchft's)
+    assert run["final_steps"] == {"0": 2 * H, "1": 2 * H} and run["weights_equal"] and len(run["restarts"]) == 1
+
+
 @pytest.mark.skipif(not ON_CLUSTER, reason=cluster.missing() or "")
 def test_diloco_sends_across_the_link_only_when_it_synchronises(diloco):
     """The bytes counted on node 0's cable (the veth's counters), against what a ring all-reduce must send."""
