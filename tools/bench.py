@@ -745,6 +745,8 @@ def execute_notebook(path: Path, out_dir: Path, log_path: Path) -> dict:
     """Run one notebook headless with papermill; its wall time and the launches it made (README)."""
     import papermill
 
+    from tools.build_course import written_once_engine  # the build's engine: the notebook written once
+
     os.environ["COURSE_HEADLESS"] = "1"
     os.environ["COURSE_LAUNCH_LOG"] = str(log_path)
     log_path.unlink(missing_ok=True)
@@ -758,6 +760,7 @@ def execute_notebook(path: Path, out_dir: Path, log_path: Path) -> dict:
             kernel_name="python3",
             progress_bar=False,
             log_output=False,
+            engine_name=written_once_engine(),
         )
     except Exception as exc:  # a failing notebook is reported, the others still run
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"

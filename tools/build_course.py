@@ -114,7 +114,7 @@ def select(paths, names) -> list[Path]:
     return chosen
 
 
-def _written_once_engine():
+def written_once_engine():
     """papermill's nbclient engine, writing the executed notebook once (at the end, or where it stopped).
 
     papermill writes the whole notebook, validated by nbformat, at every cell's start and end: about 240
@@ -178,7 +178,7 @@ def run_teacher_edition(path: Path, out: Path, **papermill_args):
                 kernel_name="python3",
                 progress_bar=False,
                 log_output=False,
-                engine_name=_written_once_engine(),
+                engine_name=written_once_engine(),
                 **papermill_args,
             )
         finally:
