@@ -272,6 +272,27 @@ def _no_frame_after(lines: list[str], j: int) -> bool:
     return j + 1 >= len(lines) or not lines[j + 1].lstrip().startswith('File "')
 
 
+#: What ``root_cause`` says of a rank whose error file holds no whole JSON document (``read_error_file``).
+CUT_SHORT = "stopped while writing its error file"
+
+
+def read_error_file(path) -> dict:
+    """A worker's ``error.json`` as torch wrote it, or ``{}`` when it holds no whole JSON document.
+
+    torch writes the file in place (``error_handler._write_error_file``), so a worker stopped while writing
+    it (the agent's SIGTERM to the survivors of a failure) leaves it empty or cut short: seen once in a full
+    test run, after the agent began noticing failures within 20 ms. Such a file says nothing about the cause.
+    """
+    import json
+
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def root_cause(log_dir: str) -> dict | None:
     """The rank whose error came first in the last attempt, with its traceback.
 
@@ -280,7 +301,6 @@ def root_cause(log_dir: str) -> dict | None:
     (by modification time, in nanoseconds) is the one that caused the others.
     """
     import glob
-    import json
 
     files = glob.glob(os.path.join(log_dir, "*", "attempt_*", "*", "error.json"))
     if not files:
@@ -291,8 +311,10 @@ def root_cause(log_dir: str) -> dict | None:
     in_attempt = {int(d) for d in os.listdir(os.path.dirname(os.path.dirname(files[0]))) if d.isdigit()}
     ranks = []
     for f in files:
-        with open(f) as fh:
-            data = json.load(fh)
+        data = read_error_file(f)
+        if not data:  # stopped while writing it: a consequence, like SignalException
+            ranks.append((int(f.split(os.sep)[-2]), CUT_SHORT, ""))
+            continue
         msg = data.get("message", {})
         if isinstance(msg, dict):
             text = msg.get("message", "")
@@ -303,7 +325,7 @@ def root_cause(log_dir: str) -> dict | None:
     # A rank the agent stopped reports SignalException; a rank that lost a peer reports a broken
     # connection. If every report is one of those, the cause is a rank that left no report at all:
     # it died without a Python error (os._exit, a kill, a crash: like a lost GPU).
-    consequences = ("SignalException", "closed by peer", "Connection reset", "Read error", "remote process")
+    consequences = ("SignalException", "closed by peer", "Connection reset", "Read error", "remote process", CUT_SHORT)
     causes = [r for r in ranks if not any(c in r[1] for c in consequences)]
     silent = sorted(in_attempt - {r for r, _, _ in ranks})
     if not causes and silent:

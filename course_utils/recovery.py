@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ._agent import CUT_SHORT, read_error_file
+
 #: The line ``train_worker`` logs once its last step is done; only a rank that wrote it finished.
 FINISHED_LINE = "finished training"
 
@@ -201,7 +203,7 @@ def lost_work_row(report: dict, every: int, fail_steps: list) -> dict:
 
 def _ending(error_text: str, lines: list[str]) -> str:
     """How one rank's process ended, from its error file's text and its output lines."""
-    if "SignalException" in error_text:
+    if "SignalException" in error_text or CUT_SHORT in error_text:
         return ENDINGS["stopped"]
     if any(c in error_text for c in ("closed by peer", "Connection reset", "Read error", "remote process")):
         return ENDINGS["lost_peer"]
@@ -229,7 +231,8 @@ def attempt_logs(checkpoint_dir, run: str) -> list[dict]:
         lines = [ln for ln in (out.read_text().splitlines() if out.exists() else []) if ln.strip()]
         done = [int(m.group(1)) for ln in lines for m in [re.search(r"step (\d+) done", ln)] if m]
         error = Path(folder, "error.json")
-        text = json.loads(error.read_text()).get("message", {}) if error.exists() else ""
+        data = read_error_file(error) if error.exists() else None
+        text = "" if data is None else data.get("message", "") if data else CUT_SHORT  # stopped mid-write
         text = text.get("message", "") if isinstance(text, dict) else str(text)
         rows.append(
             {

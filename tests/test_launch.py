@@ -733,3 +733,28 @@ def test_the_agents_faster_rendezvous_names_events_and_pauses_as_torch_does(monk
     dr._delay(seconds=1)
     assert slept == [1]
     assert dr.get_method_name(depth=10_000) == "no_method_name"
+
+
+def test_an_error_file_cut_short_is_a_consequence_not_the_cause(tmp_path):
+    """torch writes a worker's error.json in place; a survivor stopped by the agent while writing it leaves an
+    empty file (seen once in a full test run). The rank with a whole report is still named as the cause, and the
+    per-attempt rows of notebook 06 read on."""
+    from course_utils import _agent, recovery
+
+    attempt = tmp_path / "_launch" / "logs" / "run7_x" / "attempt_0"
+    for rank in (0, 1):
+        (attempt / str(rank)).mkdir(parents=True)
+        (attempt / str(rank) / "stdout.log").write_text("step 2 done\n")
+    (attempt / "1" / "error.json").write_text(
+        json.dumps({"message": {"message": "ValueError: bad batch", "extraInfo": {"py_callstack": ""}}})
+    )
+    time.sleep(0.01)
+    (attempt / "0" / "error.json").write_text("")  # rank 0, stopped while writing, after rank 1 failed
+    cause = _agent.root_cause(str(tmp_path / "_launch" / "logs"))
+    assert cause["rank"] == 1 and "ValueError: bad batch" in cause["message"], cause
+    assert "rank(s) 0 failed after it" in cause["message"]
+    rows = recovery.attempt_logs(tmp_path, "run7")
+    assert [(r["rank"], r["last_step_done"], r["ending"]) for r in rows] == [
+        (0, 2, recovery.ENDINGS["stopped"]),
+        (1, 2, recovery.ENDINGS["raised"]),
+    ]
