@@ -274,6 +274,9 @@ def _no_frame_after(lines: list[str], j: int) -> bool:
 
 #: What ``root_cause`` says of a rank whose error file holds no whole JSON document (``read_error_file``).
 CUT_SHORT = "stopped while writing its error file"
+#: What a rank reports when the agent stopped it (or it was stopped mid-report), and when it lost a peer.
+STOPPED = ("SignalException", CUT_SHORT)
+LOST_PEER = ("closed by peer", "Connection reset", "Read error", "remote process")
 
 
 def read_error_file(path) -> dict:
@@ -325,7 +328,7 @@ def root_cause(log_dir: str) -> dict | None:
     # A rank the agent stopped reports SignalException; a rank that lost a peer reports a broken
     # connection. If every report is one of those, the cause is a rank that left no report at all:
     # it died without a Python error (os._exit, a kill, a crash: like a lost GPU).
-    consequences = ("SignalException", "closed by peer", "Connection reset", "Read error", "remote process", CUT_SHORT)
+    consequences = STOPPED + LOST_PEER
     causes = [r for r in ranks if not any(c in r[1] for c in consequences)]
     silent = sorted(in_attempt - {r for r, _, _ in ranks})
     if not causes and silent:

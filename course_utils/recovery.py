@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._agent import CUT_SHORT, read_error_file
+from ._agent import CUT_SHORT, LOST_PEER, STOPPED, read_error_file
 
 #: The line ``train_worker`` logs once its last step is done; only a rank that wrote it finished.
 FINISHED_LINE = "finished training"
@@ -203,9 +203,9 @@ def lost_work_row(report: dict, every: int, fail_steps: list) -> dict:
 
 def _ending(error_text: str, lines: list[str]) -> str:
     """How one rank's process ended, from its error file's text and its output lines."""
-    if "SignalException" in error_text or CUT_SHORT in error_text:
+    if any(c in error_text for c in STOPPED):
         return ENDINGS["stopped"]
-    if any(c in error_text for c in ("closed by peer", "Connection reset", "Read error", "remote process")):
+    if any(c in error_text for c in LOST_PEER):
         return ENDINGS["lost_peer"]
     if error_text:
         return ENDINGS["raised"]
@@ -231,8 +231,10 @@ def attempt_logs(checkpoint_dir, run: str) -> list[dict]:
         lines = [ln for ln in (out.read_text().splitlines() if out.exists() else []) if ln.strip()]
         done = [int(m.group(1)) for ln in lines for m in [re.search(r"step (\d+) done", ln)] if m]
         error = Path(folder, "error.json")
-        data = read_error_file(error) if error.exists() else None
-        text = "" if data is None else data.get("message", "") if data else CUT_SHORT  # stopped mid-write
+        text = ""
+        if error.exists():
+            data = read_error_file(error)  # {}: no whole JSON document, the agent stopped the rank mid-write
+            text = data.get("message", "") if data else CUT_SHORT
         text = text.get("message", "") if isinstance(text, dict) else str(text)
         rows.append(
             {
