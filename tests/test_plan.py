@@ -431,6 +431,75 @@ def test_the_gather_fit_says_when_it_does_not_explain_its_points():
         plan.fit_latency_bandwidth(sweep[:1])
 
 
+def test_an_all_reduce_fit_prices_the_ring_s_two_passes():
+    """The same readings mean half the bandwidth per byte of payload for an all-reduce (it sends 2(N-1)/N of
+    its payload) as for an all-gather ((N-1)/N): the fit counts the bytes each collective really sends."""
+    sizes = [1 << s for s in (8, 12, 16, 20, 22)]
+    rng = np.random.default_rng(1)
+    rows = [
+        {"kind": "all_reduce", "bytes": b, "world_size": 4,
+         "readings": list((2e-4 + 2 * 3 / 4 * b / 1e9) * (1 + 0.02 * rng.uniform(-1, 1, 7)))}
+        for b in sizes
+    ]  # fmt: skip
+    fit = plan.fit_latency_bandwidth(rows)
+    assert fit["bandwidth"] == pytest.approx(1e9, rel=0.05) and fit["latency_s"] == pytest.approx(2e-4, rel=0.2)
+    assert [p["sent_bytes"] for p in fit["points"]] == [1.5 * b for b in sizes]
+    as_gathers = plan.fit_latency_bandwidth([{**r, "kind": "all_gather"} for r in rows])
+    assert as_gathers["bandwidth"] == pytest.approx(fit["bandwidth"] / 2, rel=1e-9)
+
+
+def test_a_bucket_step_is_priced_by_hand():
+    """Two buckets of 1,000 bytes on 2 ranks, 1 ms + 1 µs per byte sent (1,000 bytes each): 2 ms a call.
+    Shared cores: 10 + 2 + 2 = 14 ms. Own engine: bucket 0 ready at 1 ms, done at 3; bucket 1 ready at 4, done
+    at 6; the backward ended at 5, so 1 ms is exposed: 11 ms."""
+    fit = {"latency_s": 1e-3, "bandwidth": 1e6}
+    buckets = [{"bytes": 1000, "names": ["a"]}, {"bytes": 1000, "names": ["b", "c"]}]
+    ready = {"a": 1e-3, "b": 4e-3, "c": 2e-3}
+    got = plan.bucket_step_time(fit, 2, 10e-3, buckets, ready, backward_s=5e-3)
+    assert got["shared_s"] == pytest.approx(14e-3) and got["comm_s"] == pytest.approx(4e-3)
+    assert got["engine_s"] == pytest.approx(11e-3) and got["exposed_s"] == pytest.approx(1e-3)
+    # a bucket issued behind a slow one waits for it: bucket 1 ready at 2 ms starts at 3
+    late = plan.bucket_step_time(fit, 2, 10e-3, buckets, {**ready, "b": 2e-3}, backward_s=4.5e-3)
+    assert late["exposed_s"] == pytest.approx(0.5e-3)
+
+
+def _cap_readings(per_call_in_step, seed=0):
+    """Readings a run of three caps would give: isolated all-reduces on a 0.5 ms + 1 GB/s line, steps of 10 ms
+    plus ``per_call_in_step`` per call, a 2% spread."""
+    rng = np.random.default_rng(seed)
+    noisy = lambda t, k=9: list(t * (1 + 0.02 * rng.uniform(-1, 1, k)))  # noqa: E731
+    names = [f"p{i}" for i in range(8)]
+    buckets = {0.01: [{"bytes": 1000, "names": [n]} for n in names],
+               0.1: [{"bytes": 4000, "names": names[:4]}, {"bytes": 4000, "names": names[4:]}],
+               25.0: [{"bytes": 8000, "names": names}]}  # fmt: skip
+    return {
+        "step_s": {cap: noisy(10e-3 + per_call_in_step * len(b)) for cap, b in buckets.items()},
+        "compute_s": noisy(10e-3),
+        "buckets": buckets,
+        "all_reduce": [
+            {"kind": "all_reduce", "bytes": b, "world_size": 2, "readings": noisy(5e-4 + b / 1e9)}
+            for b in (256, 4096, 65536, 1 << 20)
+        ],  # fmt: skip
+        "ready_s": {n: 1e-3 * (i + 1) for i, n in enumerate(names)},
+        "backward_s": 8.5e-3,
+    }
+
+
+def test_the_cap_model_finds_the_cap_the_readings_favour_and_prices_a_call_in_the_step():
+    model = plan.bucket_cap_model(_cap_readings(per_call_in_step=1.5e-3), 2)
+    assert model["best_measured"] == model["best_shared"] == 25.0 and model["agrees"]
+    assert [r["calls"] for r in model["rows"]] == [8, 2, 1]
+    assert model["per_call_in_step_s"] == pytest.approx(1.5e-3, rel=0.1)  # the slope the readings were made with
+    assert model["fit"]["latency_s"] == pytest.approx(5e-4, rel=0.1)  # ... three times the isolated latency
+
+
+def test_the_cap_model_says_when_its_pick_is_not_the_fastest():
+    """Readings where more calls make the step *faster* (as if each bucket saved time): the model still picks
+    the fewest calls, the fastest measured cap is the smallest, and ``agrees`` says the model was wrong."""
+    model = plan.bucket_cap_model(_cap_readings(per_call_in_step=-1e-3), 2)
+    assert model["best_measured"] == 0.01 and model["best_shared"] == 25.0 and not model["agrees"]
+
+
 def test_the_drawn_line_includes_the_latency():
     bare = plan.overlap_ratio([256.0], 128, flops=1e10, bandwidth=1e9, n=2, bytes_per_param=4)
     lat = plan.overlap_ratio([256.0], 128, flops=1e10, bandwidth=1e9, n=2, bytes_per_param=4, latency=1e-3)

@@ -1,5 +1,6 @@
 """Notebook 02's experiments: the bucket sweep, what torch's DDP does read from torch itself, the ring's bytes
-on the wire; the pitfalls (unused parameters, mismatched collective order) are ``labs.lab02_pitfalls``.
+on the wire; the pitfalls (unused parameters, mismatched collective order) are ``labs.lab02_pitfalls``, the cap's
+cost model ``labs.lab02_cost``.
 
 Each training run is the one loop (``loop.run_steps``) with the observers the notebook reads
 (collectives counted, each bucket's timeline, the bytes gloo wrote to its sockets, the replica
@@ -21,6 +22,7 @@ from ..ddp import BucketedDDP
 from ..instrument import CountCollectives, Observer, weights_sha256
 from ..loop import Prepared, TrainConfig, make_optimizer, module_held, run_steps
 from ..models import build_model, get_config
+from .lab02_cost import cap_costs
 from .lab02_pitfalls import (  # noqa: F401 (notebook 02 reads them here)
     GPTWithAuxHead,
     default_collective_timeouts,
@@ -35,9 +37,8 @@ from .lab02_pitfalls import (  # noqa: F401 (notebook 02 reads them here)
 def socket_bytes_written() -> int | None:
     """Bytes this process has written so far (Linux ``/proc/self/io`` wchar), or None (notebook 02).
 
-    Around a gloo collective, and nothing else, the difference is what this rank put on its TCP
-    sockets: the bytes on the wire, headers included. NCCL traffic (NVLink, InfiniBand) does
-    not go through write() and is not seen.
+    Around a gloo collective, and nothing else, the difference is what this rank put on its TCP sockets: the bytes
+    on the wire, headers included. NCCL traffic (NVLink, InfiniBand) does not go through write() and is not seen.
     """
     try:
         with open("/proc/self/io") as fh:
@@ -47,8 +48,7 @@ def socket_bytes_written() -> int | None:
 
 
 def tcp_bytes_sent() -> int | None:
-    """Bytes sent so far by every TCP socket this process holds but the store's (Linux ``TCP_INFO.tcpi_bytes_sent``),
-    or None.
+    """Bytes sent so far by every TCP socket this process holds but the store's (``TCP_INFO.tcpi_bytes_sent``), or None.
 
     Around a gloo collective it equals ``socket_bytes_written`` to the byte and, unlike it, ignores what the
     process prints or writes to files: exercise 02.2 reads it around a student's backward (notebook 02). The
@@ -463,15 +463,19 @@ def torch_ddp_internals(cfg: TrainConfig, info, cap_mb: float, steps: int = 3) -
 
 
 def ddp_measurements(config: dict, caps_mb: list, torch_cap_mb: float) -> dict | None:
-    """One launch for notebook 02: ``bucket_sweep``'s rows and ``torch_ddp_internals`` at ``torch_cap_mb``.
-
-    Rank 0 returns ``{"sweep": rows, "torch_ddp": internals}``; the other ranks None.
+    """One launch for notebook 02: the sweep's rows (``step_time_s`` from ``lab02_cost.cap_costs``' clean steps;
+    ``counted_step_time_s`` with every operator counted), ``torch_ddp_internals`` at ``torch_cap_mb`` and the
+    cost model's readings. Rank 0 returns ``{"sweep", "torch_ddp", "costs"}``; the other ranks None.
     """
     cfg = TrainConfig(**config).validate()
     with cdist.session() as info:
         rows = [_sweep_one_cap(cfg, info, float(cap)) for cap in caps_mb]
         internals = torch_ddp_internals(cfg, info, float(torch_cap_mb))
-        return {"sweep": rows, "torch_ddp": internals} if info.rank == 0 else None
+        costs = cap_costs(cfg, info, [float(cap) for cap in caps_mb]) if caps_mb else None
+        for row in rows:  # the sweep's own steps ran with every operator counted: time from the clean run
+            row["counted_step_time_s"] = row["step_time_s"]
+            row["step_time_s"] = statistics.median(costs["step_s"][row["cap_mb"]])
+        return {"sweep": rows, "torch_ddp": internals, "costs": costs} if info.rank == 0 else None
 
 
 def all_reduce_on_the_wire(numel: int) -> list | None:

@@ -30,7 +30,7 @@ from .base import (
     show_table,
     table_markdown,
 )
-from .ddp_views import bucket_sweep_figure, ddp_timelines_figure
+from .ddp_views import bucket_cost_figure, bucket_sweep_figure, ddp_timelines_figure
 from .fsdp_views import (
     COMM_COLORS,
     FSDP_COLUMNS,
@@ -77,6 +77,7 @@ __all__ = [
     "measured_memory_figure",
     "memory_chart_figure",
     "bucket_sweep_figure",
+    "bucket_cost_figure",
     "ddp_timelines_figure",
     "zero3_schedule_figure",
     "zero3_schedule_frames",

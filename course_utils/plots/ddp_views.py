@@ -112,3 +112,68 @@ def bucket_sweep_figure(rows: list, *, title: str = "", width: float = 10.0, hei
     if title:
         fig.suptitle(title)
     return fig
+
+
+def bucket_cost_figure(model: dict, *, title: str = "", width: float = 10.0, height: float = 3.8):
+    """The bucket cap's cost model against the measurements (notebook 02).
+
+    ``model`` is ``plan.bucket_cap_model``'s. Left: each isolated all-reduce size, its median and interquartile
+    range, and the fitted line t(B) = latency + sent bytes / bandwidth (log-log). Right: each cap's measured
+    step (median and interquartile range) and what the two models predict.
+    """
+    fit = model["fit"]
+    fig = new_figure(width, height)
+    left, right = fig.subplots(1, 2)
+    pts = fit["points"]
+    sizes = [p["bytes"] for p in pts]
+    med = [p["median_s"] * 1e3 for p in pts]
+    left.errorbar(
+        sizes,
+        med,
+        yerr=[[m - p["q1_s"] * 1e3 for m, p in zip(med, pts)], [p["q3_s"] * 1e3 - m for m, p in zip(med, pts)]],
+        fmt="o",
+        color="#444444",
+        capsize=3,
+        label="measured (median, quartiles)",
+    )
+    left.plot(sizes, [p["predicted_s"] * 1e3 for p in pts], "-", color=PART_COLORS["optimizer"], label="fitted line")
+    left.set_xscale("log")
+    left.set_yscale("log")
+    left.set_xlabel("all-reduce size (bytes)")
+    left.set_ylabel("time (ms)")
+    left.legend(frameon=False, fontsize=8)
+    left.set_title(f"One all-reduce: {fit['latency_s'] * 1e3:.2f} ms + bytes / {fit['bandwidth'] / 1e9:.2g} GB/s")
+    rows = model["rows"]
+    caps = [r["cap_mb"] for r in rows]
+    m = [r["measured"]["median"] * 1e3 for r in rows]
+    right.errorbar(
+        caps,
+        m,
+        yerr=[
+            [x - r["measured"]["q1"] * 1e3 for x, r in zip(m, rows)],
+            [r["measured"]["q3"] * 1e3 - x for x, r in zip(m, rows)],
+        ],
+        fmt="o",
+        color="#444444",
+        capsize=3,
+        label="measured step",
+    )
+    right.plot(
+        caps, [r["shared_s"] * 1e3 for r in rows], "s--", color=PART_COLORS["gradients"], label="model: shared cores"
+    )
+    right.plot(
+        caps,
+        [r["engine_s"] * 1e3 for r in rows],
+        "^:",
+        color=PART_COLORS["activations"],
+        label="model: own engine (GPU)",
+    )
+    right.set_xscale("log")
+    right.set_ylim(bottom=0)
+    right.set_xlabel("bucket cap (MiB)")
+    right.set_ylabel("step time (ms)")
+    right.legend(frameon=False, fontsize=8)
+    right.set_title("Each cap's step, measured and priced")
+    if title:
+        fig.suptitle(title)
+    return fig
