@@ -247,6 +247,7 @@ def sweep_worker(config: dict, strategies: list, links: list, phase_dir: str | N
     import torch.distributed as dist
 
     from . import dist as cdist
+    from .cable import CableBytes
     from .train import TrainConfig, run_training
 
     rows = []
@@ -262,9 +263,12 @@ def sweep_worker(config: dict, strategies: list, links: list, phase_dir: str | N
                     time.sleep(0.01)
             dist.barrier()
             for strategy in strategies:
-                report = run_training(TrainConfig(**{**config, "strategy": strategy}), info)
+                cfg = TrainConfig(**{**config, "strategy": strategy})
+                cable = CableBytes(0, cfg.steps - 1, info.local_rank)
+                report = run_training(cfg, info, extra=[cable])
                 if info.rank == 0:
-                    rows.append({"link": link, **{k: report[k] for k in SWEEP_FIELDS}})
+                    nodes = [seen[0] for seen in report["observed"] if seen[0] is not None]  # one per node: its card
+                    rows.append({"link": link, **{k: report[k] for k in SWEEP_FIELDS}, "cable_bytes": nodes})
     if phase_dir and info.rank == 0:  # results by file: one rank's long line could interleave with others'
         tmp = Path(phase_dir) / "result.json.tmp"
         tmp.write_text(json.dumps(rows))
@@ -337,11 +341,13 @@ def links_vs_planner(
     the same worker on one host under ``launch``, link "loopback": the same mesh, the cross-node
     bytes counted the same way (ranks in "nodes" of ``nproc_per_node``), no step time over a link.
 
-    Each row gains ``planned_cross_node_bytes`` and ``link_bytes`` (``plan.network_step``, fp32
-    values), and ``planned_step_time_s``: the step measured on the unlimited link plus the planner's
-    seconds on this link. ``crossover[other]``: ``bandwidth`` (bytes/s) where HSDP (the strategy whose
-    mesh is hybrid, in the record) and ``other`` take equally long (``plan.crossover_bandwidth``; None:
-    never) and ``hsdp_faster``: "below" or "above" it, "always" or "never"; ``text``: that in words.
+    Each row gains ``planned_cross_node_bytes`` and ``link_bytes`` (``plan.network_step``, fp32 values),
+    ``card_bytes_per_step`` (each node's card, read by ``cable.CableBytes``; empty on one host) beside
+    ``predicted_card_bytes`` (``comm.node_card_bytes`` of the counted collectives), and ``planned_step_time_s``: the
+    step measured on the unlimited link plus the planner's seconds on this link. ``crossover[other]``: ``bandwidth``
+    (bytes/s) where HSDP (the record's strategy that shards inside a node) and ``other`` take equally long
+    (``plan.crossover_bandwidth``; None: never) and ``hsdp_faster``: "below" or "above" it, "always" or "never";
+    ``text``: that in words.
     """
     from .models import build_model, param_count, unit_modules, unit_table
     from .train import TrainConfig
@@ -370,6 +376,9 @@ def links_vs_planner(
     psi = param_count(model)
     root = next(u["numel"] for u in unit_table(model, 1, unit_modules(model)) if u["name"] == "(root)")
     base = _add_planned(out["rows"], psi, nodes, nproc_per_node, root)
+    for r in out["rows"]:  # each node card's own counter per step (none on one host), and what gloo should send
+        r["card_bytes_per_step"] = [b / cfg.steps for b in r.get("cable_bytes") or []]
+        r["predicted_card_bytes"] = sum(k["node_card_bytes"] for k in r["comm_per_step"].values())
     return {**out, "why_not": why_not, "psi": psi, "crossover": _crossover(base, out["rows"])}
 
 
@@ -393,11 +402,12 @@ def _add_planned(rows: list[dict], psi: int, nodes: int, nproc_per_node: int, ro
 
 
 def _crossover(base: dict, rows: list[dict]) -> dict:
-    """Where HSDP (the record's hybrid-mesh strategy) and each other strategy take equally long (notebook 05)."""
+    """Where HSDP (the record's strategy that shards inside a node) and each other strategy take equally long
+    (notebook 05)."""
     from . import plan
     from .strategies import get as strategy
 
-    hybrid = next((name for name in base if strategy(name).mesh == "hybrid"), None)
+    hybrid = next((name for name in base if strategy(name).shard_over == "node"), None)  # shards inside a node
     if hybrid is None:
         return {}
     link_bytes = {r["strategy"]: r["link_bytes"] for r in rows}

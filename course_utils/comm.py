@@ -47,6 +47,23 @@ def ring_bytes_sent(kind: str, payload_bytes: float, group_size: int) -> float:
     return RING_FACTOR[kind](group_size) * payload_bytes
 
 
+#: What torch's gloo backend really sends, per payload byte and rank, where it is not the ring model: it runs a
+#: reduce-scatter as an all-reduce of the whole input and keeps this rank's chunk (notebook 04 reads the summation
+#: order that follows; notebook 05 measures the bytes on a node's cable). NCCL's reduce-scatter is the ring's.
+GLOO_FACTOR = {**RING_FACTOR, "reduce_scatter": RING_FACTOR["all_reduce"]}
+
+
+def node_card_bytes(kind: str, payload_bytes: float, group_size: int, world_size: int) -> float:
+    """Bytes one node's network card sends for one collective whose group spans the nodes, under gloo (notebook 05).
+
+    The nodes hold consecutive ranks and every group that spans nodes spans all of them (the course's meshes: the
+    node is the outer dimension). In a ring each rank sends to the next rank of its group, so in each group exactly
+    one rank per node sends to another node, and a node's ranks belong to ``world_size / group_size`` such
+    groups: the card carries that many ranks' sends (DDP and FULL_SHARD over the whole world: one; HSDP's
+    replicas on 2 nodes of 2: two). Headers and acknowledgements come on top (a few percent, measured)."""
+    return world_size / group_size * GLOO_FACTOR[kind](group_size) * payload_bytes
+
+
 def _check(psi, n) -> None:
     if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
         raise CourseInputError(f"the number of ranks N must be a whole number >= 1, got {n!r}")

@@ -39,7 +39,7 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .comm import ring_bytes_sent
+from .comm import node_card_bytes, ring_bytes_sent
 from .errors import CourseInputError
 
 # c10d op name -> (kind, index of the tensor argument whose size is the payload)
@@ -158,8 +158,13 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def summary(self, steps: int = 1) -> dict:
-        """``{kind: {"calls", "payload_bytes", "sent_bytes", "cross_node_sent_bytes"}}`` per step for this rank."""
-        keys = ("calls", "payload_bytes", "sent_bytes", "cross_node_sent_bytes")
+        """``{kind: {"calls", "payload_bytes", "sent_bytes", "cross_node_sent_bytes", "node_card_bytes"}}`` per step
+        for this rank; ``node_card_bytes``: what its node's network card sends for them under gloo
+        (``comm.node_card_bytes``), the collectives that span nodes only."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        keys = ("calls", "payload_bytes", "sent_bytes", "cross_node_sent_bytes", "node_card_bytes")
         out: dict = defaultdict(lambda: dict.fromkeys(keys, 0.0))
         for (kind, payload, n), spans in zip(self.events, self.spans):
             row = out[kind]
@@ -167,6 +172,7 @@ class CommCounter(TorchDispatchMode):
             row["payload_bytes"] += payload
             row["sent_bytes"] += ring_bytes_sent(kind, payload, n)
             row["cross_node_sent_bytes"] += ring_bytes_sent(kind, payload, n) if spans else 0.0
+            row["node_card_bytes"] += node_card_bytes(kind, payload, n, world) if spans else 0.0
         return {k: {key: v[key] / steps for key in keys} for k, v in sorted(out.items())}
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, pid_alive
 
-from course_utils import cluster, namespaces, plan
+from course_utils import cable, cluster, comm, namespaces, plan
 from course_utils.cli import main as cli_main
 from course_utils.errors import CourseInputError
 from course_utils.models import build_model, param_count, unit_modules, unit_table
@@ -185,6 +185,54 @@ def test_crossover_is_where_the_two_step_times_meet():
     assert bw is not None and 0.5 + 1.0e6 / bw == pytest.approx(0.3 + 3.0e6 / bw)
     assert 0.5 + 1.0e6 / (bw / 2) < 0.3 + 3.0e6 / (bw / 2)  # below it, fewer bytes wins
     assert plan.crossover_bandwidth(0.3, 1.0e6, 0.5, 3.0e6) is None  # faster alone and fewer bytes: never meet
+
+
+def test_the_crossover_is_found_for_the_strategy_that_shards_inside_a_node():
+    """Notebook 05's crossover line: HSDP is the record's strategy that shards inside a node (its mesh is named
+    ("replicate", "shard"), not "hybrid": reading the name once made every crossover silently vanish)."""
+    base = {"ddp": 0.10, "full_shard": 0.30, "hybrid_shard": 0.35}
+    rows = [
+        {"strategy": s, "link_bytes": b} for s, b in (("ddp", 5.2e6), ("full_shard", 7.8e6), ("hybrid_shard", 3.5e6))
+    ]
+    got = cluster._crossover(base, rows)
+    assert set(got) == {"ddp", "full_shard"}
+    for other in got:
+        bw = got[other]["bandwidth"]
+        assert got[other]["hsdp_faster"] == "below" and f"HSDP is faster than {other} below" in got[other]["text"]
+        other_bytes = next(r["link_bytes"] for r in rows if r["strategy"] == other)
+        assert base["hybrid_shard"] + 3.5e6 / bw == pytest.approx(base[other] + other_bytes / bw)
+
+
+def test_a_node_card_carries_one_rank_per_ring_and_gloo_s_reduce_scatter_twice():
+    """What crosses a node's card (notebook 05 reads the veth counters against it): 2 nodes of 2 ranks, payload P.
+    DDP's all-reduce over the world: one rank per node sends across, 2(N-1)/N P = 1.5 P. HSDP's replica all-reduce
+    (groups of 2, one per shard): both ranks of a node send across, 2 x 1.0 P. A reduce-scatter over the world:
+    gloo sends an all-reduce's 1.5 P, not the ring's 0.75 P."""
+    p = 1000.0
+    assert comm.node_card_bytes("all_reduce", p, 4, 4) == pytest.approx(1.5 * p)
+    assert comm.node_card_bytes("all_reduce", p, 2, 4) == pytest.approx(2 * 1.0 * p)
+    assert comm.node_card_bytes("reduce_scatter", p, 4, 4) == pytest.approx(1.5 * p)
+    assert comm.node_card_bytes("all_gather", p, 4, 4) == pytest.approx(0.75 * p)
+    assert comm.ring_bytes_sent("reduce_scatter", p, 4) == pytest.approx(0.75 * p)  # the ring model is unchanged
+
+
+def test_a_card_s_counter_is_read_from_proc_net_dev():
+    """``cable.transmitted`` reads this namespace's counters: loopback's grows by at least what was sent over it."""
+    import socket
+
+    before = cable.transmitted("lo")
+    assert before is not None and cable.transmitted("no-such-card") is None
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        with socket.create_connection(server.getsockname()) as client:
+            peer, _ = server.accept()
+            with peer:
+                client.sendall(b"x" * 200_000)
+                got = 0
+                while got < 200_000:
+                    got += len(peer.recv(65536))
+    assert cable.transmitted("lo") - before >= 200_000
 
 
 # ------------------------------------------------------------------ teardown (root)
