@@ -276,6 +276,81 @@
     draw();
   };
 
+  /* Notebook 05: the planner. Every strategy's bytes per GPU as a stacked bar against the usable memory,
+     its step, and the recommendation, for each model size, node count and network. */
+  VIEWS["planner"] = function (root, d) {
+    var s = { m: d.model, n: d.node, w: d.network };
+    var box = setup(root, d);
+    var row1 = tag("div", { "class": "ci-row" }, box.controls), row2 = tag("div", { "class": "ci-row" }, box.controls);
+    slider(row1, { cls: d.css + "-model", label: "Model Ψ", labels: d.models, value: s.m }, function (i) { s.m = i; draw(); });
+    slider(row2, { cls: d.css + "-nodes", label: "Nodes", labels: d.nodes, value: s.n }, function (i) { s.n = i; draw(); });
+    dropdown(row2, { cls: d.css + "-network", label: "Network", labels: d.networks, value: s.w },
+             function (i) { s.w = i; draw(); });
+    tag("div", { "class": "ci-row ci-fixed" }, box.controls, d.fixed);
+
+    function draw() {
+      var st = d.states[s.m][s.n][s.w], tallest = 0;
+      st.bars.forEach(function (b) { if (b) tallest = Math.max(tallest, b.reduce(function (a, v) { return a + v; }, 0)); });
+      var top = Math.max(d.usable * 1.3, Math.min(tallest * 1.25, d.usable * 2.5)); // a bar taller is cut, marked ▲
+      clear(box.chart);
+      var step = niceStep(top, 5), ticks = [];
+      for (var v = 0; v <= top * 1.0001; v += step) ticks.push([v, tickText(v)]);
+      var n = d.ticks.length;
+      var f = frame(box.chart, { xlo: -0.5, xhi: n - 0.5, ylo: 0, yhi: top, yticks: ticks, ylabel: d.ylabel });
+      var width = f.x(0.62) - f.x(0);
+      st.bars.forEach(function (bar, i) {
+        var lines = d.ticks[i].split("\n");
+        lines.forEach(function (line, j) {
+          label(box.chart, f.x(i), f.y0 + 18 + 15 * j, line,
+                { "text-anchor": "middle", "class": "ci-tick" + (i === st.choice ? " ci-bold" : "") });
+        });
+        if (!bar) {
+          label(box.chart, f.x(i), f.y0 - 8, "n/a", { "text-anchor": "middle", "class": "ci-note" });
+          return;
+        }
+        var bottom = 0, xl = f.x(i) - width / 2;
+        bar.forEach(function (h, p) {
+          var hi = Math.min(bottom + h, top);
+          if (h > 0 && bottom < top) {
+            svg("rect", { x: xl, y: f.y(hi), width: width, height: f.y(bottom) - f.y(hi), fill: d.partColors[p],
+                          stroke: "white", opacity: st.fits[i] ? 1 : 0.45 }, box.chart);
+          }
+          bottom += h;
+        });
+        var said = bottom >= 100 ? bottom.toFixed(0) : bottom.toPrecision(3);
+        var cut = bottom > top * (1 - 48 / (f.y0 - f.y1)); // would reach the legend's strip: labelled inside
+        label(box.chart, f.x(i), cut ? f.y1 + 44 : f.y(bottom) - 6, cut ? "▲ " + said : said,  // a cut bar: inside, below the strip
+              { "text-anchor": "middle", "class": "ci-note" + (i === st.choice ? " ci-bold" : "") });
+      });
+      svg("line", { x1: f.x0, x2: f.x1, y1: f.y(d.usable), y2: f.y(d.usable), stroke: "#c0392b", "stroke-dasharray": "7 4",
+                    "stroke-width": 1.5 }, box.chart);
+      label(box.chart, f.x1 - 6, f.y(d.usable) - 6, d.usableLine, { fill: "#c0392b", "text-anchor": "end", "class": "ci-note" });
+      // the parts, in one row along the top, on a white strip so that a bar cut at the top does not hide them
+      svg("rect", { x: f.x0 + 1, y: f.y1 + 1, width: f.x1 - f.x0 - 2, height: 24, fill: "white", opacity: 0.85 }, box.chart);
+      d.parts.forEach(function (p, i) {
+        var x = f.x0 + 10 + i * 120;
+        svg("rect", { x: x, y: f.y1 + 8, width: 18, height: 11, fill: d.partColors[i] }, box.chart);
+        label(box.chart, x + 24, f.y1 + 18, p, { "class": "ci-legend" });
+      });
+      box.title.textContent = st.choice >= 0 ? "Recommendation: " + d.names[st.choice] : "Nothing fits";
+      clear(box.readout);
+      tag("b", { "class": d.css + "-recommendation" }, box.readout, st.text);
+      var table = tag("table", {}, box.readout), head = tag("tr", {}, table);
+      ["strategy", "GB per GPU", "", "step (est.)"].forEach(function (h, j) { tag("th", { "class": j ? "ci-num" : "" }, head, h); });
+      d.ticks.forEach(function (tick, i) {
+        var bar = st.bars[i], name = tick.replace("\n", " ");
+        if (!bar) return;
+        var total = bar.reduce(function (a, v) { return a + v; }, 0);
+        var tr = tag("tr", { "class": st.fits[i] ? "ci-fits" : "ci-too-big" }, table);
+        tag("td", {}, tr, name);
+        tag("td", { "class": "ci-num" }, tr, total.toFixed(1));
+        tag("td", {}, tr, st.fits[i] ? "fits" : "does not fit");
+        tag("td", { "class": "ci-num" }, tr, st.step[i]);
+      });
+    }
+    draw();
+  };
+
   /* Notebook 03: the stage-3 schedule, one state per step: GPUs x units (layers, root), and what each GPU has sent. */
   VIEWS["zero3-stepper"] = function (root, d) {
     var s = { i: 0 }, last = d.states.length - 1;

@@ -1,5 +1,5 @@
-"""The parts every view's controls share: ipywidgets imported when a view is built, CSS classes for the browser
-tests, dropdowns as wide as their labels, and the value lists a control steps through (notebook 01).
+"""The parts every view's controls share: the value lists a control steps through, and a value a notebook passes
+in kept among them (notebook 01).
 
 ``course_utils.widgets`` builds the views from them.
 """
@@ -8,30 +8,6 @@ from __future__ import annotations
 
 from . import memory
 from .units import fmt_count
-
-
-def _ipw():
-    import ipywidgets
-
-    return ipywidgets
-
-
-def _classed(widget, css_class: str):
-    widget.add_class(css_class)
-    return widget
-
-
-def _fit_labels(widget):
-    """Make a dropdown wide enough for its longest option label and its description.
-
-    ipywidgets draws a Dropdown 300 px wide whatever its labels, which cut "12 bytes: mixed-precision
-    Adam" to "12 bytes: mixed-precision A" in JupyterLab. Widths are in ``ch`` (the width of "0"),
-    with a tenth more for wider letters and room for the arrow and padding.
-    """
-    longest = max(len(str(label)) for label in widget._options_labels)
-    widget.style.description_width = "initial"
-    widget.layout.width = f"{round((longest + len(widget.description)) * 1.1) + 6}ch"
-    return widget
 
 
 def _with(options, value) -> list:

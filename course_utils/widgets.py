@@ -8,9 +8,9 @@ Two kinds:
   answers at once, in JupyterLab, Colab and the exported decks, with no kernel and no network. When the
   notebook runs headless (``is_headless()``: ``COURSE_HEADLESS=1``, set by the Makefile and the test
   runs) the output also holds the opening state as a PNG, drawn by ``plots``.
-- **the planner** (notebook 05), an ipywidgets box whose controls ask the kernel for ``plan.plan``: its
-  nine controls span millions of states, too many to compute beforehand. Headless, a
-  ``plots.StaticFigure`` of the same view.
+- **the planner** (notebook 05), an instant view too, over the three controls a planning discussion moves
+  (model size, nodes, network: about 640 states of ``plan.plan``); the GPU, the link inside a node, the
+  batch and checkpointing are its call's arguments (nine controls together would span millions of states).
 
 What a chart shows is computed by a pure function (``memory.memory_chart_view``, ``memory.bill_bars``,
 ``stepper.stage3_schedule``, ``plan.plan``) that the tests call without a browser; the views only wire
@@ -24,23 +24,19 @@ Sections: shared helpers; notebook 01; notebook 05; notebook 03.
 
 from __future__ import annotations
 
-import html
 import os
 
 import numpy as np
 
 from . import memory, plots
-from .errors import CourseInputError
 from .instant import InstantView
+from .strategies import planned
 from .units import GB, fmt_count, fmt_size
 from .widget_parts import (  # noqa: F401
     K_CHOICES,
     MODEL_SIZES,
     _choices,
-    _classed,
-    _fit_labels,
     _index,
-    _ipw,
     _model_options,
     _with,
 )
@@ -242,7 +238,7 @@ def bill_bars(
 # Notebook 05: the planner
 # ---------------------------------------------------------------------------------------------
 
-#: Links the planner's network slider steps through: label -> bytes/s per node.
+#: Links the planner's network control offers: label -> bytes/s per node.
 NETWORK_CHOICES = {
     "10 GbE (1.25 GB/s)": 1.25e9,
     "25 GbE (3.1 GB/s)": 3.125e9,
@@ -251,13 +247,6 @@ NETWORK_CHOICES = {
     "4 x 100 Gb/s (50 GB/s)": 50e9,
     "8 x 200 Gb/s (200 GB/s)": 200e9,
     "8 x 400 Gb/s (400 GB/s)": 400e9,
-}
-#: Intra-node links: label -> bytes/s per GPU.
-NVLINK_CHOICES = {
-    "PCIe only (25 GB/s)": 25e9,
-    "NVLink, V100 (150 GB/s)": 150e9,
-    "NVLink, A100 (200 GB/s)": 200e9,
-    "NVLink, H100 (360 GB/s)": 360e9,
 }
 
 
@@ -268,6 +257,44 @@ def plan_summary(p) -> str:
     r = p.recommendation
     name = STRATEGY_NAMES.get(r["strategy"], "none")
     return f"{name}: {r['reason']}"
+
+
+#: The nodes the planner's slider offers.
+PLAN_NODES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def planner_states(models: list, nodes: list, networks: list, compute) -> list:
+    """What the planner shows in every state of its three controls, ``[model][nodes][network]``, from
+    ``compute(params, nodes, inter_bw) -> plan.plan(...)`` (notebook 05): each strategy's bytes per GPU by part
+    (GB, ``None`` where it does not apply), whether it fits, its estimated step, the recommendation and its
+    reason, the chart's title. About 640 plans, 0.9 ms each."""
+    names = [row.name for row in planned()]
+    out = []
+    for _, psi in models:
+        out.append([])
+        for n in nodes:
+            out[-1].append([])
+            for _, bw in networks:
+                p = compute(psi, n, bw)
+                rows = [p.strategies.get(name) for name in names]
+                choice = p.recommendation["strategy"]
+                out[-1][-1].append({
+                    "bars": [None if r is None else [round(getattr(r, part) / GB, 3) for part in PLAN_PARTS] for r in rows],
+                    "fits": [bool(r and r.fits) for r in rows],
+                    "step": ["" if r is None else _seconds(r.step_s) for r in rows],
+                    "choice": names.index(choice) if choice in names else -1,
+                    "text": plan_summary(p),
+                })  # fmt: skip
+    return out
+
+
+def _seconds(s: float) -> str:
+    """A step's seconds in three figures, never in scientific notation (3,020 s, not 3.02e+03 s)."""
+    return f"{s:,.0f} s" if s >= 100 else f"{s:.3g} s"
+
+
+#: The parts of a GPU's bytes the planner's bars stack (``plan.StrategyPlan`` fields).
+PLAN_PARTS = ("weights", "gradients", "optimizer", "activations", "buffers")
 
 
 def planner(
@@ -283,114 +310,51 @@ def planner(
     checkpointing: bool = True,
     k: float = memory.ADAM_MIXED_K,
 ):
-    """The planner, live: model, cluster and link controls; memory bars and overlap chart; the
-    recommendation and its reason in one line (notebook 05).
+    """The planner, live: model size, nodes and network in the browser; the memory per GPU of every strategy,
+    whether it fits, its step, the recommendation and its reason (notebook 05).
 
-    Controls (CSS class, description): ``course-plan-model`` ("Model Ψ"), ``course-plan-nodes``
-    ("Nodes"), ``course-plan-gpus`` ("GPUs/node"), ``course-plan-gpu-mem`` ("GPU"),
-    ``course-plan-network`` ("Network"), ``course-plan-nvlink`` ("NVLink"), ``course-plan-batch``
-    ("Micro-batch"), ``course-plan-seq`` ("Sequence"), ``course-plan-checkpointing``. Readout:
-    ``course-plan-recommendation`` (HTML). Chart: ``course-plan-chart``.
-    Headless: a ``plots.StaticFigure`` of ``plots.plan_figure(plan.plan(...))``.
+    An instant view (``planner_states``): the three controls redraw at once, in decks too. Controls (CSS class,
+    label): ``course-plan-model`` ("Model Ψ", a slider), ``course-plan-nodes`` ("Nodes", a slider),
+    ``course-plan-network`` ("Network", a dropdown). The GPU, NVLink, micro-batch, sequence and checkpointing are
+    this call's arguments (a line under the chart says which). Readout: ``course-plan-recommendation`` (the
+    recommendation and its reason, ``plan_summary``) and ``course-plan-readout``; chart: ``course-plan-chart``.
+    Its text is ``plan_summary`` of the opening state; headless, ``plots.plan_figure`` of it as a PNG too.
     """
     from . import plan as planning
+    from .plan import STRATEGY_NAMES
 
-    def compute(params_, nodes_, gpus_, mem_, inter_, intra_, b_, s_, ckpt_):
-        model = planning.model_spec(params_, micro_batch=b_, seq=s_, checkpointing=ckpt_)
-        cluster = planning.Cluster(gpus_per_node=gpus_, nodes=nodes_, gpu_mem=mem_, inter_bw=inter_, intra_bw=intra_)
+    def compute(params_, nodes_, inter_):
+        model = planning.model_spec(params_, micro_batch=micro_batch, seq=seq, checkpointing=checkpointing)
+        cluster = planning.Cluster(
+            gpus_per_node=gpus_per_node, nodes=nodes_, gpu_mem=gpu_mem, inter_bw=inter_, intra_bw=intra_bw
+        )
         return planning.plan(model, cluster, k=k)
 
-    if is_headless():
-        p = compute(params, nodes, gpus_per_node, gpu_mem, inter_bw, intra_bw, micro_batch, seq, checkpointing)
-        return plots.StaticFigure(plots.plan_figure(p), plan_summary(p))
-    w = _ipw()
-
-    def choice(options: dict, value, fmt):
-        opts = dict(options)
-        if float(value) not in opts.values():
-            opts[fmt(value)] = float(value)
-        return list(opts.items()), float(value)
-
-    model = _classed(
-        w.SelectionSlider(
-            options=_model_options([params]), value=float(params), description="Model Ψ", continuous_update=False
-        ),
-        "course-plan-model",
-    )
-    nodes_box = _classed(
-        w.SelectionSlider(
-            options=sorted({1, 2, 4, 8, 16, 32, 64, 128, int(nodes)}),
-            value=int(nodes),
-            description="Nodes",
-            continuous_update=False,
-        ),
-        "course-plan-nodes",
-    )
-    gpus_box = _classed(
-        _fit_labels(
-            w.Dropdown(
-                options=sorted({1, 2, 4, 8, 16, int(gpus_per_node)}), value=int(gpus_per_node), description="GPUs/node"
-            )
-        ),
-        "course-plan-gpus",
-    )
-    opts, val = choice(memory.GPU_CHOICES, gpu_mem, lambda v: f"{v / GB:g} GB")
-    mem_box = _classed(_fit_labels(w.Dropdown(options=opts, value=val, description="GPU")), "course-plan-gpu-mem")
-    opts, val = choice(NETWORK_CHOICES, inter_bw, lambda v: f"{v / 1e9:g} GB/s")
-    # a dropdown, not a slider: a slider's readout is a fixed width and cut "4 x 100 Gb/s (50 GB/s)" short
-    net_box = _classed(
-        _fit_labels(w.Dropdown(options=sorted(opts, key=lambda o: o[1]), value=val, description="Network")),
-        "course-plan-network",
-    )
-    opts, val = choice(NVLINK_CHOICES, intra_bw, lambda v: f"{v / 1e9:g} GB/s")
-    nvl_box = _classed(_fit_labels(w.Dropdown(options=opts, value=val, description="NVLink")), "course-plan-nvlink")
-    batch_box = _classed(
-        w.SelectionSlider(
-            options=sorted({1, 2, 4, 8, 16, 32, int(micro_batch)}),
-            value=int(micro_batch),
-            description="Micro-batch",
-            continuous_update=False,
-        ),
-        "course-plan-batch",
-    )
-    seq_box = _classed(
-        _fit_labels(
-            w.Dropdown(
-                options=sorted({1024, 2048, 4096, 8192, 32768, 131072, int(seq)}),
-                value=int(seq),
-                description="Sequence",
-            )
-        ),
-        "course-plan-seq",
-    )
-    ckpt_box = _classed(
-        w.Checkbox(value=bool(checkpointing), description="activation checkpointing"), "course-plan-checkpointing"
-    )
-    image = _classed(w.Image(format="png"), "course-plan-chart")
-    readout = _classed(w.HTML(), "course-plan-recommendation")
-    controls = (model, nodes_box, gpus_box, mem_box, net_box, nvl_box, batch_box, seq_box, ckpt_box)
-
-    def redraw(*_):
-        try:
-            p = compute(*(c.value for c in controls))
-        except CourseInputError as exc:  # a combination that cannot exist: say so in the readout
-            readout.value = f"<b>{html.escape(str(exc))}</b>"
-            return
-        image.value = plots.png(plots.plan_figure(p))
-        readout.value = f"<b>{html.escape(plan_summary(p))}</b>"
-
-    for control in controls:
-        control.observe(redraw, names="value")
-    redraw()
-    return w.VBox(
-        [
-            w.HBox([model, nodes_box, gpus_box]),
-            w.HBox([mem_box, net_box, nvl_box]),
-            w.HBox([batch_box, seq_box, ckpt_box]),
-            readout,
-            image,
-        ]
-    )
+    opening = compute(params, nodes, inter_bw)  # a combination that cannot exist raises here, in one sentence
+    models = _choices(dict(_model_options()), params, fmt_count)
+    models.sort(key=lambda pair: pair[1])
+    node_list = _with(PLAN_NODES, int(nodes))
+    networks = sorted(_choices(NETWORK_CHOICES, inter_bw, lambda v: f"{v / 1e9:g} GB/s"), key=lambda o: o[1])
+    data = {
+        "css": "course-plan",
+        "models": [label for label, _ in models],
+        "model": _index(models, params),
+        "nodes": [str(n) for n in node_list],
+        "node": node_list.index(int(nodes)),
+        "networks": [label for label, _ in networks],
+        "network": _index(networks, inter_bw),
+        "ticks": [STRATEGY_NAMES[r.name].split(" (")[0].replace(" + optimizer", "\n+") for r in planned()],
+        "names": [STRATEGY_NAMES[r.name] for r in planned()],
+        "parts": list(PLAN_PARTS),
+        "partColors": [plots.PART_COLORS[part] for part in PLAN_PARTS],
+        "usable": opening.cluster.usable / GB,
+        "usableLine": f"usable: {opening.cluster.usable / GB:.0f} of {gpu_mem / GB:.0f} GB",
+        "fixed": f"{gpus_per_node} GPUs of {gpu_mem / GB:g} GB per node, NVLink {intra_bw / 1e9:g} GB/s; micro-batch "
+        f"{micro_batch} x {seq:,} tokens; activation checkpointing {'on' if checkpointing else 'off'}",
+        "ylabel": "GB per GPU (10^9 bytes)",
+        "states": planner_states(models, node_list, networks, compute),
+    }
+    return InstantView("planner", data, plan_summary(opening), **_static_of(lambda: plots.plan_figure(opening)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -283,7 +283,12 @@ ACTIVATION_BYTES_PER_NUMBER = 2
 
 def _check_positive(**values):
     for name, value in values.items():
-        if np.any(~np.isfinite(np.asarray(value, dtype=float))) or np.any(np.asarray(value, dtype=float) <= 0):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # the planner's scalars: no array
+            ok = math.isfinite(value) and value > 0
+        else:
+            v = np.asarray(value, dtype=float)
+            ok = bool(np.all(np.isfinite(v)) and np.all(v > 0))
+        if not ok:
             raise CourseInputError(f"{name} must be a positive number, got {value!r}")
 
 
