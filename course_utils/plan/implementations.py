@@ -186,8 +186,10 @@ def _unit_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:
     hides behind this unit's compute, a unit's reduce-scatter behind the next units' backward. The units, in
     forward order: the root (the embeddings' compute, nothing to hide its gather; kept gathered for the
     backward, its reduce-scatter last), the blocks, the head (the root's parameters, so nothing to gather:
-    its backward hides the last block's gather). On a 2-D mesh the cross-replica all-reduce runs once per
-    step, per unit, on the other link, overlapping the rest of the backward."""
+    its backward hides the last block's gather, which the root's pre-backward prefetches: FSDP2's
+    ``FSDPParamGroup._backward_prefetch`` unshards the group whose forward ended just before). On a 2-D
+    mesh the cross-replica all-reduce runs once per step, per unit, on the other link, overlapping the rest
+    of the backward."""
     S = c.shard
     spans = S > t.gpus_per_node
     link = t.link(S, spans)

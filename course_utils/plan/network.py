@@ -206,7 +206,8 @@ def exposed_comm(fwd, bwd, gather, reduce_scatter, *, backward_gather=None) -> t
     One entry per unit, in forward order: ``fwd[i]`` and ``bwd[i]`` its forward and backward compute,
     ``gather[i]`` its all-gather, ``reduce_scatter[i]`` its gradients' reduce-scatter (seconds). Two
     streams: compute runs one unit at a time; communication runs one collective at a time, in the order
-    they were issued (one process group's collectives share one NCCL stream).
+    they were issued (on NCCL "any collectives, even if issued from different streams, contend for the same
+    per-device NCCL stream": ``BackwardPrefetch``'s docstring, ``torch/distributed/fsdp/api.py``, torch 2.13).
 
     - Forward: unit 0's all-gather starts at 0; unit i+1's is issued when unit i starts computing (one
       unit prefetched: at most two gathered at once); a unit computes once its gather and the unit
