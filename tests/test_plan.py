@@ -658,3 +658,21 @@ def test_the_throughput_planner_prices_gathers_with_exposed_comm(monkeypatch):
     plan.evaluate(s, cluster, plan.BY_KEY["pt-ddp"], plan.Config("pt-ddp", "none", 1, 4, 1, 1), 0.4)
     assert len(calls) == 1
     implementations._unit_schedule.cache_clear()
+
+
+def test_the_first_planner_prices_block_gathers_with_exposed_comm(monkeypatch):
+    """plan.plan's rows that gather block by block expose what ``exposed_comm`` says of their blocks, nothing
+    else (one node: no cross-replica all-reduce, no offload)."""
+    from course_utils.plan import price
+
+    calls = []
+
+    def spy(fwd, bwd, gather, reduce_scatter, *, backward_gather=None):
+        calls.append((len(fwd), gather[0], reduce_scatter[0]))
+        return 0.125, 0.25
+
+    monkeypatch.setattr(price, "exposed_comm", spy)
+    p = plan.plan(plan.model_spec(13e9), plan.Cluster(nodes=1))
+    z3 = p.strategies["zero3"]
+    assert z3.exposed_comm_s == pytest.approx(0.375)
+    assert (p.model.layers, z3.block["gather_s"], z3.block["reduce_scatter_s"]) in calls

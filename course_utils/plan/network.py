@@ -219,8 +219,8 @@ def exposed_comm(fwd, bwd, gather, reduce_scatter, *, backward_gather=None) -> t
       last reduce-scatter are both done.
 
     Exposed = the pass's end minus its compute. The first unit's gather always shows (nothing runs before
-    it), and so does the last unit's reduce-scatter less what follows it. The throughput planner prices a
-    step's gathers and reduce-scatters with this (``implementations._unit_comm``).
+    it), and so does the last unit's reduce-scatter less what follows it. Both planners price a step's
+    gathers and reduce-scatters with this (``implementations._unit_comm``, ``price.step_time``).
     """
     n = len(fwd)
     back = gather if backward_gather is None else backward_gather
