@@ -188,23 +188,25 @@ register(
         f"(forward, backward) exposed seconds on {len(UNEVEN_MS)} uneven and {len(UNIFORM)} equal-unit cases (1 to 8 "
         "units, gathers from half to three times the compute) against plan.exposed_comm, the function the "
         "throughput planner prices FSDP's and DeepSpeed stage 3's step with",
-        task="Section 4 weighed one block's compute against its all-gather. A step is a chain of units, and what "
-        "shows is decided unit by unit. Write `exposed_comm(fwd, bwd, gather, reduce_scatter)`: four lists with "
-        "one entry per unit, in forward order, in seconds (the unit's forward compute, its backward compute, the "
-        "all-gather of its parameters, the reduce-scatter of its gradients). Return `(forward, backward)`: how "
-        "much longer each pass takes than its compute alone, on FSDP's schedule (FULL_SHARD):\n\n"
-        "- two streams: compute runs one unit at a time; communication runs one collective at a time, in the "
-        "order they were issued;\n"
-        "- forward: unit 0's all-gather starts at 0; unit i+1's is issued when unit i starts computing (one unit "
-        "prefetched); a unit computes once its own gather and the unit before it are done;\n"
-        "- backward: the units in reverse order, each gathered again and prefetched the same way; a unit's "
-        "reduce-scatter is issued when its backward compute ends; the pass ends when its compute and its last "
-        "reduce-scatter are both done.\n\n"
-        "*Predict first:* 8 equal units, each with 1 ms of forward compute and 2 ms of backward, a 1.5 ms "
+        task="Write `exposed_comm(fwd, bwd, gather, reduce_scatter)`: seconds per unit in forward order in, "
+        "`(forward, backward)` out: how much longer each pass takes than its compute alone, on FSDP's schedule "
+        "(the stub's docstring gives its rules).\n\n"
+        "*Predict first:* 8 equal units, each with 1 ms of forward and 2 ms of backward compute, a 1.5 ms "
         "all-gather and a 1.5 ms reduce-scatter. The backward has twice the compute to hide behind: does it "
-        "expose less than the forward, or more? Roughly how many milliseconds each?",
+        "expose less than the forward, or more?",
         stub="def exposed_comm(fwd, bwd, gather, reduce_scatter):\n"
-        '    """(forward, backward): seconds each pass takes beyond its compute, one list entry per unit."""\n'
+        '    """(forward, backward): seconds each pass takes beyond its compute, one list entry per unit.\n'
+        "\n"
+        "    fwd, bwd, gather, reduce_scatter: each unit's forward compute, backward compute, all-gather of its\n"
+        "    parameters and reduce-scatter of its gradients, in seconds, units in forward order. FULL_SHARD:\n"
+        "    - two streams: compute runs one unit at a time; communication runs one collective at a time,\n"
+        "      in the order they were issued;\n"
+        "    - forward: unit 0's all-gather starts at 0; unit i+1's is issued when unit i starts computing\n"
+        "      (one unit prefetched); a unit computes once its own gather and the unit before it are done;\n"
+        "    - backward: the units in reverse order, each gathered again and prefetched the same way; a\n"
+        "      unit's reduce-scatter is issued when its backward compute ends; the pass ends when its\n"
+        "      compute and its last reduce-scatter are both done.\n"
+        '    """\n'
         '    raise NotImplementedError("exercise 05.exposed_comm: your code here")\n',
         hints=(
             "Keep two clocks: when the compute stream is free and when the communication stream is free. A "
