@@ -342,9 +342,44 @@ def hsdp_sharded_over_every_gpu(params, gpus_per_node, nodes, mp, strategy):
     return {"gpu": gpu, "host": host}
 
 
-def decide_first_that_fits(numbers):
-    fitting = [s for s, n in numbers.items() if n["fits"]]  # the seed's rule: never looks at the step time
-    return fitting[0] if fitting else "none"
+def _student_schedule(compute, gathers, scatters, *, first_gather_shows=True):
+    comm = ready = gathers[0] if first_gather_shows else 0.0
+    done = 0.0
+    for i, seconds in enumerate(compute):
+        start = max(ready, done)
+        if i + 1 < len(compute):
+            comm = ready = max(comm, start) + gathers[i + 1]
+        done = start + seconds
+        comm = max(comm, done) + scatters[i]
+    return max(done, comm) - sum(compute)
+
+
+def exposed_without_prefetch(fwd, bwd, gather, reduce_scatter):
+    # each unit waits for its own gather, and for its reduce-scatter before the next: nothing overlaps
+    return sum(gather), sum(gather) + sum(reduce_scatter)
+
+
+def exposed_from_totals(fwd, bwd, gather, reduce_scatter):
+    # perfect overlap: all communication against all compute
+    return max(0.0, sum(gather) - sum(fwd)), max(0.0, sum(gather) + sum(reduce_scatter) - sum(bwd))
+
+
+def exposed_first_gather_hidden(fwd, bwd, gather, reduce_scatter):
+    # every gather "prefetched", the first one too, as if something computed before unit 0
+    forward = _student_schedule(fwd, gather, [0.0] * len(fwd), first_gather_shows=False)
+    backward = _student_schedule(bwd[::-1], gather[::-1], reduce_scatter[::-1], first_gather_shows=False)
+    return forward, backward
+
+
+def exposed_without_reduce_scatter(fwd, bwd, gather, reduce_scatter):
+    # the backward "is the forward again, with twice the compute": the gradients' reduce-scatters forgotten
+    zero = [0.0] * len(fwd)
+    return _student_schedule(fwd, gather, zero), _student_schedule(bwd[::-1], gather[::-1], zero)
+
+
+def exposed_backward_in_forward_order(fwd, bwd, gather, reduce_scatter):
+    # the backward walked from unit 0, as the forward is
+    return _student_schedule(fwd, gather, [0.0] * len(fwd)), _student_schedule(bwd, gather, reduce_scatter)
 
 
 # 06 -------------------------------------------------------------------------------------------
@@ -399,7 +434,13 @@ MISTAKES = {
     ("04", "clip_sharded"): [(clip_with_local_norm, "all-reduce the sum of squares")],
     ("04", "choose_layout"): [(layout_always_reshard, "reshard_after_forward=False")],
     ("05", "model_states_per_gpu"): [(hsdp_sharded_over_every_gpu, "HSDP shards within one node")],
-    ("05", "decide"): [(decide_first_that_fits, "lowest estimated step time")],
+    ("05", "exposed_comm"): [
+        (exposed_without_prefetch, "added up every collective"),
+        (exposed_from_totals, "the totals against each other"),
+        (exposed_first_gather_hidden, "first unit's all-gather cannot hide"),
+        (exposed_without_reduce_scatter, "leaves out the reduce-scatters"),
+        (exposed_backward_in_forward_order, "runs the units in reverse order"),
+    ],
     ("06", "newest_complete"): [(newest_by_name, "no commit.json")],
     ("06", "resume"): [(resume_without_optimizer, "optimizer state")],
 }

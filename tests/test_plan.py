@@ -606,3 +606,73 @@ def test_case_4_llama3_70b_full_shard_with_full_recomputation_and_ties_go_to_hea
 def test_nothing_fits_says_data_parallelism_cannot_cut_activations():
     r = _search("70B", batch=8, policies=("none",), micro_batches=(1,))
     assert r["best"] is None and "tensor, pipeline or context parallelism" in r["why"]
+
+
+def test_exposed_comm_plays_fsdp_schedule_unit_by_unit():
+    """Worked by hand (ms), units in forward order: fwd [1, 4, 1, 1], bwd [2, 8, 2, 2], gathers [3, 1, 3, 0.5],
+    reduce-scatters [3, 1, 3, 0.5].
+    Forward: gather 0 on [0, 3]; unit 0 computes [3, 4]; gather 1, issued at 3, [3, 4]; unit 1 [4, 8];
+    gather 2, issued at 4, [4, 7]; unit 2 [8, 9]; gather 3 [8, 8.5]; unit 3 [9, 10]: 10 - 7 = 3 exposed.
+    Backward, unit 3 first: gather 3 [0, 0.5]; unit 3 [0.5, 2.5]; gather 2 (issued 0.5) [0.5, 3.5];
+    reduce-scatter 3 (issued 2.5, queued) [3.5, 4]; unit 2 [3.5, 5.5]; gather 1 [4, 5]; reduce-scatter 2
+    [5.5, 8.5]; unit 1 [5.5, 13.5]; gather 0 (issued 5.5, queued) [8.5, 11.5]; reduce-scatter 1
+    [13.5, 14.5]; unit 0 [13.5, 15.5]; reduce-scatter 0 [15.5, 18.5]: 18.5 - 14 = 4.5 exposed."""
+    fwd, bwd, g, rs = [1, 4, 1, 1], [2, 8, 2, 2], [3, 1, 3, 0.5], [3, 1, 3, 0.5]
+    assert plan.exposed_comm(fwd, bwd, g, rs) == pytest.approx((3.0, 4.5))
+    # equal units, gathers shorter than compute: only the first gather and the last reduce-scatter show
+    assert plan.exposed_comm([2] * 6, [4] * 6, [1] * 6, [1.5] * 6) == pytest.approx((1.0, 2.5))
+    # gathers longer than the forward's compute: the first whole, then g - f per unit, (L - 1) times
+    assert plan.exposed_comm([1] * 8, [2] * 8, [1.5] * 8, [1.5] * 8)[0] == pytest.approx(1.5 + 7 * 0.5)
+    # comm-bound backward, one stream: 3 gathers and 3 reduce-scatters back to back, then nothing: 6 - 3
+    assert plan.exposed_comm([1] * 3, [1] * 3, [1] * 3, [1] * 3) == pytest.approx((1.0, 3.0))
+    # one unit: nothing to hide behind in either pass
+    assert plan.exposed_comm([3], [6], [1], [2]) == pytest.approx((1.0, 3.0))
+    # kept gathered for the backward (SHARD_GRAD_OP): only the last reduce-scatter shows
+    assert plan.exposed_comm([2] * 4, [4] * 4, [1] * 4, [1.5] * 4, backward_gather=[0] * 4)[1] == pytest.approx(1.5)
+    assert plan.exposed_comm([], [], [], []) == (0.0, 0.0)
+    with pytest.raises(CourseInputError, match="one entry per unit"):
+        plan.exposed_comm([1, 1], [2], [1, 1], [1, 1])
+
+
+def test_the_throughput_planner_prices_gathers_with_exposed_comm(monkeypatch):
+    """One fact, one place: exercise 05.2's reference is what the planner calls for a row that gathers per unit
+    (its exposed communication is accum x (forward + backward) of ``exposed_comm``, nothing added); a row that
+    all-reduces (DDP) does not call it."""
+    from course_utils.plan import implementations
+    from course_utils.presets import preset
+
+    calls = []
+
+    def spy(fwd, bwd, gather, reduce_scatter, *, backward_gather=None):
+        calls.append((len(fwd), gather[0], backward_gather[0]))
+        return 0.25, 0.5
+
+    monkeypatch.setattr(implementations, "exposed_comm", spy)
+    implementations._unit_schedule.cache_clear()
+    s, cluster = plan.shape_of_preset(preset("6.7B")), plan.GPUCluster(H100)
+    row = plan.evaluate(s, cluster, plan.BY_KEY["pt-fsdp2"], plan.Config("pt-fsdp2", "none", 1, 4, 1, 8), 0.4)
+    assert row["time"]["terms"]["exposed comm"] == pytest.approx(4 * 0.75)
+    # the root, the blocks, the head; the root gathered in forward, kept for the backward
+    (units, root_gather, root_regather), *more = calls
+    assert not more and units == s.layers + 2 and root_gather > 0 and root_regather == 0
+    plan.evaluate(s, cluster, plan.BY_KEY["pt-ddp"], plan.Config("pt-ddp", "none", 1, 4, 1, 1), 0.4)
+    assert len(calls) == 1
+    implementations._unit_schedule.cache_clear()
+
+
+def test_the_first_planner_prices_block_gathers_with_exposed_comm(monkeypatch):
+    """plan.plan's rows that gather block by block expose what ``exposed_comm`` says of their blocks, nothing
+    else (one node: no cross-replica all-reduce, no offload)."""
+    from course_utils.plan import price
+
+    calls = []
+
+    def spy(fwd, bwd, gather, reduce_scatter, *, backward_gather=None):
+        calls.append((len(fwd), gather[0], reduce_scatter[0]))
+        return 0.125, 0.25
+
+    monkeypatch.setattr(price, "exposed_comm", spy)
+    p = plan.plan(plan.model_spec(13e9), plan.Cluster(nodes=1))
+    z3 = p.strategies["zero3"]
+    assert z3.exposed_comm_s == pytest.approx(0.375)
+    assert (p.model.layers, z3.block["gather_s"], z3.block["reduce_scatter_s"]) in calls

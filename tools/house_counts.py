@@ -81,7 +81,8 @@ def _modules() -> list[Path]:
 
 
 #: The reference answers to the exercises: what a student writes, who is handed a strategy's name as a string
-#: (``decide(numbers)`` returns one), so its names are the exercise's vocabulary, not a fact re-encoded.
+#: (``model_states_per_gpu(..., strategy)`` is handed one), so its names are the exercise's vocabulary, not a
+#: fact re-encoded.
 STUDENT_CODE = PACKAGE / "exercises" / "solutions"
 
 

@@ -1,7 +1,8 @@
-"""Notebook 05's exercises: the model-state bytes each strategy leaves on a GPU, and the decision rule.
+"""Notebook 05's exercises: the model-state bytes each strategy leaves on a GPU, and the communication a
+sharded step exposes, unit by unit.
 
-References: ``plan.memory_breakdown`` and ``plan.plan(...).recommendation`` (the planner the
-notebook uses), over a grid of models and clusters.
+References: ``plan.memory_breakdown`` (over a grid of models and clusters) and ``plan.exposed_comm`` (FSDP's
+schedule, the function the throughput planner prices a sharded step with, over a grid of units).
 """
 
 from __future__ import annotations
@@ -80,56 +81,196 @@ register(
 )
 
 
-def judge_decide(fn) -> None:
-    for model, cluster in _cases():
-        p = plan.plan(model, cluster)
-        numbers = {s: {"fits": sp.fits, "total": sp.total, "step_s": sp.step_s} for s, sp in p.strategies.items()}
-        want = p.recommendation["strategy"]
-        got = fn(numbers)
-        if got != want:
-            fitting = [s for s, n in numbers.items() if n["fits"]]
-            raise Wrong(
-                f"for {model.params:.3g} parameters on {_cluster_text(cluster)} (fitting: "
-                f"{', '.join(fitting) or 'none'}) you chose {got!r}, the planner {want!r}: the rule takes, "
-                "among the strategies that fit, the one with the lowest estimated step time; a strategy "
-                f"within {plan.TIE_MARGIN:.0%} of the fastest counts as a tie, and a tie goes to the one "
-                "earlier in the order (less sharding); 'none' when nothing fits"
-            )
+#: (forward compute, backward compute, all-gather, reduce-scatter) per unit in forward order, in ms. Uneven units
+#: first: on them every mistake of ``tests/mistakes.py`` gives its own answer.
+UNEVEN_MS = (
+    ((1, 4, 1, 1), (2, 8, 2, 2), (3, 1, 3, 0.5), (3, 1, 3, 0.5)),  # gathers longer than the compute before them
+    ((0, 2, 2, 2, 3), (0, 4, 4, 4, 6), (2, 1, 1, 1, 0), (2, 1.5, 1.5, 1.5, 0)),  # a root unit, a head unit
+    ((5, 4, 3, 2, 1), (10, 8, 6, 4, 2), (1, 2, 3, 4, 5), (1, 1, 1, 1, 1)),  # compute shrinks as gathers grow
+    ((1, 3), (2, 6), (2, 2), (1, 4)),
+)
+#: Equal units: 1 ms forward, 2 ms backward; all-gathers from half the forward to three times it, the
+#: reduce-scatter as long as the gather (bf16) or twice (fp32).
+UNIFORM = [(n, g, r) for n in (1, 2, 8) for g in (0.5, 1.0, 1.5, 3.0) for r in (g, 2 * g)]
+
+
+def _schedule_cases():
+    ms = 1e-3
+    for case in UNEVEN_MS:
+        yield tuple([x * ms for x in v] for v in case)
+    for n, g, r in UNIFORM:
+        yield [1 * ms] * n, [2 * ms] * n, [g * ms] * n, [r * ms] * n
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-12 + 1e-9 * abs(b)
+
+
+def _mistake(case, got: tuple, want: tuple) -> str:
+    """The mistake whose answer ``got`` is, on this case: each is the schedule with one rule broken."""
+    fwd, bwd, g, rs = case
+    n = len(fwd)
+    zero = [0.0] * n
+    first_f = plan.exposed_comm(fwd, bwd, [0.0] + g[1:], rs)[0]
+    first_b = plan.exposed_comm(fwd, bwd, g, rs, backward_gather=g[:-1] + [0.0])[1]
+    forward = [
+        (
+            sum(g),
+            "you added up every collective: FSDP issues unit i+1's all-gather while unit i computes (prefetch), "
+            "so only what that compute cannot cover shows",
+        ),
+        (
+            max(0.0, sum(g) - sum(fwd)),
+            "you set the totals against each other, max(0, communication - compute), as if any compute could "
+            "hide any gather: a gather hides only behind the unit computing before it",
+        ),
+        (first_f, "the first unit's all-gather cannot hide: nothing computes before unit 0, so the pass waits for it"),
+    ]
+    backward = [
+        (sum(g) + sum(rs), forward[0][1] + ", and a reduce-scatter while the units before it compute"),
+        (max(0.0, sum(g) + sum(rs) - sum(bwd)), forward[1][1] + " in the forward, or after it in the backward"),
+        (
+            first_b,
+            "the first unit's all-gather cannot hide: the backward starts at the last unit, and nothing computes "
+            "before it",
+        ),
+        (
+            plan.exposed_comm(fwd, bwd, g, zero)[1],
+            "your backward leaves out the reduce-scatters: each unit's gradients are reduce-scattered when its "
+            "backward compute ends, on the same stream as the gathers, and the last one has nothing left to "
+            "hide behind",
+        ),
+        (
+            plan.exposed_comm(fwd[::-1], bwd[::-1], g[::-1], rs[::-1])[1],
+            "your backward runs the units in forward order: the backward runs the units in reverse order, from "
+            "the last unit (whose output the loss needs first) to unit 0",
+        ),
+        (
+            plan.exposed_comm(fwd, bwd, g, rs, backward_gather=zero)[1],
+            "FULL_SHARD frees each unit after its forward, so the backward all-gathers every unit again",
+        ),
+    ]
+    which, options = (0, forward) if not _close(got[0], want[0]) else (1, backward)
+    return next((why for value, why in options if _close(got[which], value)), "")
+
+
+def _ms(values) -> str:
+    return "[" + ", ".join(f"{v * 1e3:g}" for v in values) + "] ms"
+
+
+def judge_exposed_comm(fn) -> None:
+    for case in _schedule_cases():
+        fwd, bwd, g, rs = case
+        want = plan.exposed_comm(fwd, bwd, g, rs)
+        got = fn(list(fwd), list(bwd), list(g), list(rs))
+        if not (
+            isinstance(got, (tuple, list))
+            and len(got) == 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in got)
+        ):
+            raise Wrong("return a pair of seconds, (forward, backward)")
+        if _close(got[0], want[0]) and _close(got[1], want[1]):
+            continue
+        why = _mistake(case, tuple(got), want)
+        raise Wrong(
+            f"{len(fwd)} unit(s), forward compute {_ms(fwd)}, backward {_ms(bwd)}, all-gather {_ms(g)}, "
+            f"reduce-scatter {_ms(rs)}: you returned forward {got[0] * 1e3:.4g} ms, backward {got[1] * 1e3:.4g} "
+            f"ms exposed; the schedule gives {want[0] * 1e3:.4g} and {want[1] * 1e3:.4g} ms"
+            + (f". {why[0].upper()}{why[1:]}" if why else ": play the two streams out unit by unit, as the task says")
+        )
 
 
 register(
     Exercise(
         "05",
-        "decide",
-        "The decision rule",
-        f"the chosen strategy for {len(PARAMS)} model sizes on {len(CLUSTERS)} clusters against plan.plan(...).recommendation, "
-        "ties "
-        "within plan.TIE_MARGIN included",
-        task="Write `decide(numbers)`: `numbers` maps each applicable strategy (in `plan.STRATEGIES` order: ddp, "
-        'zero1, zero2, hybrid_shard, zero3, zero2_offload, zero3_offload) to `{"fits", "total", "step_s"}` from '
-        'the planner. Return the strategy the notebook\'s rule picks, or `"none"`. Predict first: 13B on 2 '
-        "nodes over 10 GbE fits stage 1 at 39 s a step and HSDP at 21 s; which does the rule pick?",
-        stub="def decide(numbers):\n"
-        '    """The strategy to use given {strategy: {"fits", "total", "step_s"}}, or "none"."""\n'
-        '    raise NotImplementedError("exercise 05.decide: your code here")\n',
+        "exposed_comm",
+        "What a sharded step exposes, unit by unit",
+        f"(forward, backward) exposed seconds on {len(UNEVEN_MS)} uneven and {len(UNIFORM)} equal-unit cases (1 to 8 "
+        "units, gathers from half to three times the compute) against plan.exposed_comm, the function the "
+        "throughput planner prices FSDP's and DeepSpeed stage 3's step with",
+        task="Write `exposed_comm(fwd, bwd, gather, reduce_scatter)`: seconds per unit in forward order in, "
+        "`(forward, backward)` out: how much longer each pass takes than its compute alone, on FSDP's schedule "
+        "(the stub's docstring gives its rules).\n\n"
+        "*Predict first:* 8 equal units, each with 1 ms of forward and 2 ms of backward compute, a 1.5 ms "
+        "all-gather and a 1.5 ms reduce-scatter. The backward has twice the compute to hide behind: does it "
+        "expose less than the forward, or more?",
+        stub="def exposed_comm(fwd, bwd, gather, reduce_scatter):\n"
+        '    """(forward, backward): seconds each pass takes beyond its compute, one list entry per unit.\n'
+        "\n"
+        "    fwd, bwd, gather, reduce_scatter: each unit's forward compute, backward compute, all-gather of its\n"
+        "    parameters and reduce-scatter of its gradients, in seconds, units in forward order. FULL_SHARD:\n"
+        "    - two streams: compute runs one unit at a time; communication runs one collective at a time,\n"
+        "      in the order they were issued;\n"
+        "    - forward: unit 0's all-gather starts at 0; unit i+1's is issued when unit i starts computing\n"
+        "      (one unit prefetched); a unit computes once its own gather and the unit before it are done;\n"
+        "    - backward: the units in reverse order, each gathered again and prefetched the same way; a\n"
+        "      unit's reduce-scatter is issued when its backward compute ends; the pass ends when its\n"
+        "      compute and its last reduce-scatter are both done.\n"
+        '    """\n'
+        '    raise NotImplementedError("exercise 05.exposed_comm: your code here")\n',
         hints=(
-            "Keep the strategies that fit; if there are none, the answer is 'none'.",
-            "Find the fastest step time among them; every strategy within plan.TIE_MARGIN (5%) of it is a tie.",
-            "Walk the strategies in the order given (less sharding first) and return the first one in the tie.",
+            "Keep two clocks: when the compute stream is free and when the communication stream is free. A "
+            "collective starts at the later of its issue time and the communication clock; a unit's compute at "
+            "the later of its gather's end and the compute clock.",
+            "One loop serves both passes: for each unit, start its compute, issue the next unit's gather at that "
+            "start, end the compute, then issue its reduce-scatter (0 in the forward). The backward is the same "
+            "loop over the reversed lists. Exposed = the later clock at the end minus the sum of the compute.",
+            "The course's version, the one the throughput planner calls, is `plan.exposed_comm` (it also takes "
+            "a `backward_gather`, for units kept gathered from forward to backward).",
         ),
-        judge=judge_decide,
+        judge=judge_exposed_comm,
     )
 )
+
+#: What the student reads once the check has run: the prediction's answer, computed by the reference.
+AFTER_CHECK = {
+    "exposed_comm": [
+        (
+            "markdown",
+            "#### Once your check has run: the 8-unit prediction\n\n"
+            "The reference played out on the task's case, beside the two shortcuts: adding every collective "
+            "up, and setting the totals against each other.",
+            "skip",
+        ),
+        (
+            "code",
+            "from course_utils import plan\n\n"
+            "ms = 1e-3\n"
+            "units = 8\n"
+            "fwd, bwd, gather, scatter = [1 * ms] * units, [2 * ms] * units, [1.5 * ms] * units, [1.5 * ms] * units\n"
+            "forward, backward = plan.exposed_comm(fwd, bwd, gather, scatter)\n"
+            "added = sum(gather), sum(gather) + sum(scatter)\n"
+            "totals = max(0, sum(gather) - sum(fwd)), max(0, sum(gather) + sum(scatter) - sum(bwd))\n"
+            "for label, (f, b) in [\n"
+            '    ("the schedule", (forward, backward)),\n'
+            '    ("every collective added", added),\n'
+            '    ("totals against totals", totals),\n'
+            "]:\n"
+            '    print(f"{label:<24} forward {f / ms:5.2f} ms   backward {b / ms:5.2f} ms exposed")\n'
+            "assert totals[0] < forward < added[0] and totals[1] < backward < added[1]\n"
+            "assert backward > forward  # twice the compute, and still more exposed",
+            "skip",
+        ),
+        (
+            "markdown",
+            "The backward exposes more than the forward although it has twice the compute: it also has twice the "
+            "collectives (a gather and a reduce-scatter per unit, on one stream), and its last reduce-scatter "
+            "has no compute after it. Both shortcuts miss: adding up ignores prefetch, and totals against totals "
+            "let a gather hide behind compute that ran before it was issued.",
+            "skip",
+        ),
+    ]
+}
 
 
 #: The Exercises slide's speaker notes (notebook 05's deck).
 EXTRA_CELLS = (
     (
         "markdown",
-        "The first exercise rebuilds the memory table of section 1 strategy by strategy (stage 1, "
-        "2, 3, HSDP and the two optimizer offloads); the second the decision rule that picks among the rows "
-        "that fit. Ask the class to predict 70B with HSDP on 4 nodes of 8 before anyone writes code, and "
-        "which strategy the rule picks for 13B over 10 GbE.",
+        "The first exercise rebuilds section 1's memory table strategy by strategy; the second plays FSDP's "
+        "schedule unit by unit, the function the throughput planner prices a sharded step with. Ask for 70B "
+        "with HSDP on 4 nodes of 8, and whether the 8-unit backward exposes more than its forward (more: twice "
+        "the collectives, and a last reduce-scatter with nothing after it).",
         "notes",
     ),
 )

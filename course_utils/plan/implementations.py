@@ -22,12 +22,14 @@ A row carries its behaviour (``states``, ``buffers``, ``comm``) as callables, an
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import strategies as rec
 from ..strategy_spec import Strategy
+from .network import exposed_comm
 from .shapes import Shape
 
 DS_REDUCE_BUCKET = 5e8  # elements: reduce_bucket_size's default (deepspeed/runtime/zero/config.py)
@@ -180,9 +182,14 @@ def _allreduce_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:
 
 def _unit_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:
     """Parameters gathered per unit (bf16) and gradients reduce-scattered per unit (FSDP2 in fp32, DeepSpeed
-    in bf16); the next unit's gather hides behind this unit's forward, gather and reduce-scatter behind the
-    block's backward. On a 2-D mesh the cross-replica all-reduce runs once per step, per unit, on the other
-    link, overlapping the rest of the backward."""
+    in bf16), played out unit by unit on FSDP's schedule (``network.exposed_comm``): the next unit's gather
+    hides behind this unit's compute, a unit's reduce-scatter behind the next units' backward. The units, in
+    forward order: the root (the embeddings' compute, nothing to hide its gather; kept gathered for the
+    backward, its reduce-scatter last), the blocks, the head (the root's parameters, so nothing to gather:
+    its backward hides the last block's gather, which the root's pre-backward prefetches: FSDP2's
+    ``FSDPParamGroup._backward_prefetch`` unshards the group whose forward ended just before). On a 2-D
+    mesh the cross-replica all-reduce runs once per step, per unit, on the other link, overlapping the rest
+    of the backward."""
     S = c.shard
     spans = S > t.gpus_per_node
     link = t.link(S, spans)
@@ -193,9 +200,10 @@ def _unit_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:
         gathers = 2 if (impl.stage == 3 and impl.reshard_after_forward) else 1
         ag = 2 * Pb * (S - 1) / S / bw + lat
         rs = impl.reduce_bytes * Pb * (S - 1) / S / bw + lat
-        forward = 2 * Pr * (S - 1) / S / bw + lat + ag + (L - 1) * max(0.0, ag - t.f_blk)
+        root_ag = 2 * Pr * (S - 1) / S / bw + lat
         root_rs = impl.reduce_bytes * Pr * (S - 1) / S / bw + lat
-        backward = L * max(0.0, (gathers - 1) * ag + rs - t.block_backward) + root_rs
+        regather = ag if gathers == 2 else 0.0
+        forward, backward = _unit_schedule(L, t.f_blk, t.block_backward, t.head, root_ag, ag, rs, root_rs, regather)
         exposed = c.accum * (forward + backward)
         sent[t.wire(spans)] = c.accum * (gathers * 2 + impl.reduce_bytes) * P * (S - 1) / S
     if impl.layout == "hybrid" and t.n > S:
@@ -209,6 +217,19 @@ def _unit_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:
         key = t.wire(crosses)
         sent[key] = sent.get(key, 0.0) + 2 * (R - 1) / R * 4 * P / S
     return exposed, sent
+
+
+@functools.lru_cache(maxsize=4096)
+def _unit_schedule(L, f_blk, block_backward, head, root_ag, ag, rs, root_rs, regather) -> tuple[float, float]:
+    """``exposed_comm`` over the units ``_unit_comm`` describes (cached: the search prices the same micro-batch
+    under many accumulation counts and node choices)."""
+    return exposed_comm(
+        [0.0] + [f_blk] * L + [head],
+        [0.0] + [block_backward] * L + [2 * head],
+        [root_ag] + [ag] * L + [0.0],
+        [root_rs] + [rs] * L + [0.0],
+        backward_gather=[0.0] + [regather] * L + [0.0],
+    )
 
 
 def _bucket_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:

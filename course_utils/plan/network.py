@@ -197,3 +197,50 @@ def overlap_ratio(
     _need(latency >= 0, "latency must be >= 0 seconds")
     gather = latency + bytes_per_param * 12.0 * width * width * (n - 1) / n / bandwidth
     return compute / gather
+
+
+def exposed_comm(fwd, bwd, gather, reduce_scatter, *, backward_gather=None) -> tuple[float, float]:
+    """Seconds of communication a sharded step leaves exposed, ``(forward, backward)``, played out unit by
+    unit on FSDP's schedule (notebook 05, section 4; exercise 05.2 asks the student to write it).
+
+    One entry per unit, in forward order: ``fwd[i]`` and ``bwd[i]`` its forward and backward compute,
+    ``gather[i]`` its all-gather, ``reduce_scatter[i]`` its gradients' reduce-scatter (seconds). Two
+    streams: compute runs one unit at a time; communication runs one collective at a time, in the order
+    they were issued (on NCCL "any collectives, even if issued from different streams, contend for the same
+    per-device NCCL stream": ``BackwardPrefetch``'s docstring, ``torch/distributed/fsdp/api.py``, torch 2.13).
+
+    - Forward: unit 0's all-gather starts at 0; unit i+1's is issued when unit i starts computing (one
+      unit prefetched: at most two gathered at once); a unit computes once its gather and the unit
+      before it are done.
+    - Backward: the units in reverse order, each gathered again (``backward_gather``, ``gather`` by
+      default: FULL_SHARD freed it after its forward; 0 for a unit kept gathered, as SHARD_GRAD_OP keeps
+      every unit and FSDP2 its root), prefetched the same way; a unit's reduce-scatter is issued when its
+      backward compute ends, queued behind what was issued before. The pass ends when its compute and its
+      last reduce-scatter are both done.
+
+    Exposed = the pass's end minus its compute. The first unit's gather always shows (nothing runs before
+    it), and so does the last unit's reduce-scatter less what follows it. Both planners price a step's
+    gathers and reduce-scatters with this (``implementations._unit_comm``, ``price.step_time``).
+    """
+    n = len(fwd)
+    back = gather if backward_gather is None else backward_gather
+    lists = {"bwd": bwd, "gather": gather, "reduce_scatter": reduce_scatter, "backward_gather": back}
+    _need(all(len(v) == n for v in lists.values()), "give fwd, bwd, gather, reduce_scatter one entry per unit each")
+    forward = _one_pass(list(fwd), list(gather), [0.0] * n)
+    backward = _one_pass(list(bwd)[::-1], list(back)[::-1], list(reduce_scatter)[::-1])
+    return forward, backward
+
+
+def _one_pass(compute: list, gathers: list, scatters: list) -> float:
+    """One pass of ``exposed_comm`` over units in the order they run: seconds beyond its compute."""
+    if not compute:
+        return 0.0
+    comm = ready = gathers[0]  # the communication stream is free at ``comm``; the next unit's gather ends at ``ready``
+    done = 0.0  # the compute stream is free at ``done``
+    for i, seconds in enumerate(compute):
+        start = max(ready, done)
+        if i + 1 < len(compute):  # prefetch: the next unit's gather is issued as this unit starts
+            comm = ready = max(comm, start) + gathers[i + 1]
+        done = start + seconds
+        comm = max(comm, done) + scatters[i]  # this unit's gradients, issued when its compute ends
+    return float(max(done, comm) - sum(compute))

@@ -15,7 +15,7 @@ from ..comm import ring_bytes_sent
 from ..memory import bill
 from ..strategies import GRADS, OPTIM, PARAMS, ZERO3, Strategy, get
 from .inputs import Cluster, ModelSpec
-from .network import _groups, _hsdp_shard, block_flops, ring_time
+from .network import _groups, _hsdp_shard, block_flops, exposed_comm, ring_time
 
 #: PyTorch DDP's default gradient bucket (bucket_cap_mb = 25); two are alive while one is reduced.
 BUCKET_BYTES = 25 * 10**6
@@ -134,7 +134,8 @@ def step_time(
 
     Each of the row's collectives moves 16-bit weights or gradients (Ψ/Nm, or a gradient shard) over its
     mesh dimension's group, at the speed of the slowest link that group crosses. A row that gathers block
-    by block exposes what ``block_overlap`` cannot hide; the others reduce gradients behind the backward
+    by block exposes what its blocks' compute cannot hide on FSDP's schedule (``block_overlap``'s times played
+    out by ``network.exposed_comm``, exercise 05.2's reference); the others reduce gradients behind the backward
     pass and gather weights behind the next forward pass. An all-reduce of gradient shards across replicas
     (HSDP) overlaps the backward. Offload adds its PCIe traffic and the CPU's optimizer step, unhidden.
     """
@@ -159,13 +160,15 @@ def step_time(
             hidden[c.of] += ring_time(payload, n, cluster, spans_nodes=spans, kind=c.kind)
     if block is None:  # gradients reduce behind the backward, weights gather behind the next forward
         exposed += max(0.0, hidden[GRADS] - bwd_all) + max(0.0, hidden[PARAMS] - fwd_all)
-    else:
+    else:  # block by block, on FSDP's schedule (exercise 05.2)
         layers = model.layers
-        exposed += (
-            block["gather_s"]
-            + layers * max(0.0, block["gather_s"] - block["fwd_compute_s"])
-            + layers * max(0.0, block["gather_s"] + block["reduce_scatter_s"] - block["bwd_compute_s"])
+        forward, backward = exposed_comm(
+            [block["fwd_compute_s"]] * layers,
+            [block["bwd_compute_s"]] * layers,
+            [block["gather_s"]] * layers,
+            [block["reduce_scatter_s"]] * layers,
         )
+        exposed += forward + backward
         link = link if strategy.shard_over == "node" else block["link"]
     pcie = 0.0
     if strategy.offload:

@@ -23,12 +23,22 @@ def model_states_per_gpu(params, gpus_per_node, nodes, mp, strategy):
     return {"gpu": sum(held.values()), "host": host}
 
 
-def decide(numbers):
-    """The strategy to use given {strategy: {"fits", "total", "step_s"}}, or "none"."""
-    from course_utils import plan
+def exposed_comm(fwd, bwd, gather, reduce_scatter):
+    """(forward, backward): seconds each pass takes beyond its compute, one list entry per unit."""
 
-    fitting = [s for s, n in numbers.items() if n["fits"]]
-    if not fitting:
-        return "none"
-    fastest = min(numbers[s]["step_s"] for s in fitting)
-    return next(s for s in fitting if numbers[s]["step_s"] <= fastest * (1 + plan.TIE_MARGIN))
+    def one_pass(compute, gathers, scatters):
+        if not compute:
+            return 0.0
+        comm = ready = gathers[0]  # unit 0's gather: nothing runs before it
+        done = 0.0  # the compute stream is free from here
+        for i, seconds in enumerate(compute):
+            start = max(ready, done)  # its gather is done and so is the unit before it
+            if i + 1 < len(compute):  # prefetch: the next unit's gather is issued as this one starts
+                comm = ready = max(comm, start) + gathers[i + 1]
+            done = start + seconds
+            comm = max(comm, done) + scatters[i]  # its reduce-scatter, issued when its compute ends
+        return max(done, comm) - sum(compute)
+
+    forward = one_pass(fwd, gather, [0.0] * len(fwd))
+    backward = one_pass(bwd[::-1], gather[::-1], reduce_scatter[::-1])  # last unit first
+    return forward, backward
