@@ -10,7 +10,7 @@ it. ``expected_held`` says what that count should be, in Ψ and N, from DeepSpee
 DeepSpeed is an optional extra (``make setup`` installs it; elsewhere ``pip install deepspeed==0.19.8``):
 ``available()`` asks without importing it, and nothing here imports it outside the launched ranks.
 
-Four of DeepSpeed's defaults would spoil the comparison on a CPU (each was hit while building this):
+Five of DeepSpeed's defaults would spoil the comparison on a CPU (each was hit while building this):
   - every ``TorchBackend`` JIT-compiles a shared-memory all-reduce op with g++ (about 50 s per rank;
     ``deepspeed/comm/torch.py:207``), which serves only inference, and a killed build leaves a lock file
     every later build waits on forever: ``_no_shm_build`` skips it, and ``TORCH_EXTENSIONS_DIR`` is a
@@ -19,7 +19,14 @@ Four of DeepSpeed's defaults would spoil the comparison on a CPU (each was hit w
     ``runtime/zero/config.py:113,132``): ``BUCKET_ELEMENTS`` here;
   - stage 3's ``stage3_param_persistence_threshold`` (1e5, ``config.py:228``) keeps every parameter of a
     model this small whole on every rank: 0 shards them all;
-  - ``gradient_clipping`` defaults to 1.0 (``runtime/constants.py:203``) and the course does not clip: 0.0.
+  - ``gradient_clipping`` defaults to 1.0 (``runtime/constants.py:203``) and the course does not clip: 0.0;
+  - stage 3's ``memory_efficient_linear`` replaces ``torch.nn.functional.linear`` for the whole process
+    (``OWN_LINEAR``): off, except in the run that shows what it does, and undone after each run.
+
+What it costs (CPU seconds per rank, measured on this 2-core machine): ``import deepspeed`` 0.4-0.7 s; the
+first ZeRO ``initialize`` about 2 s, most of it DeepSpeed importing its Muon optimizer, whose kernels are
+``@torch.compile``-decorated (``runtime/zero/utils.py:72``, and again without a guard in ``stage_1_and_2.py:1592``,
+so it cannot be skipped); each later stage 0.1-0.7 s. The whole launch: about 9 s wall at a load of 4.
 """
 
 from __future__ import annotations
