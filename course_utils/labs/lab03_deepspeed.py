@@ -31,6 +31,7 @@ so it cannot be skipped); each later stage 0.1-0.7 s. The whole launch: about 9 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -157,8 +158,8 @@ WHY = {
     (PARAMS, True): "the same: 1/N of every weight",
     (GRADS, False): "DeepSpeed drops them inside `engine.step` (engine.py:3529-3530, s12:2613-2623, s12:3131); "
     "the course's count comes before its loop clears them",
-    (GRADS, True): "DeepSpeed keeps a gradient partition between steps (s3:791) and one reduce bucket of "
-    "`reduce_bucket_size` elements, ZeRO-R's constant buffer $C_B$ (s3:782)",
+    (GRADS, True): "the course holds its 1/N too, until its loop clears it; DeepSpeed keeps its partition between "
+    "steps (s3:791), and one reduce bucket of `reduce_bucket_size` elements, ZeRO-R's constant buffer $C_B$ (s3:782)",
     (OPTIM, False): "an fp32 master copy of the partition, even in fp32 training (s12:558-560 clones it): "
     "the paper's mixed-precision K = 12, not fp32's 8",
     (OPTIM, True): "an fp32 master copy, even in fp32: s3:1163 would share the partition, but compares a "
@@ -200,7 +201,7 @@ def census_table(result: dict, row: Strategy, psi: int, nd: int) -> tuple[list, 
                 WHY[(part, stage3)],
             ]
         )
-    total = sum(v for k, v in measured.items())
+    total = sum(measured.values())
     rows.append(
         [
             "total",
@@ -300,21 +301,13 @@ def _train_deepspeed(deepspeed, row: Strategy, cfg: TrainConfig, info, own_linea
         losses.append(float(loss.detach()))
     held = census(engine)
     params = list(engine.module.parameters())
-    gathered = deepspeed.zero.GatheredParameters(params) if row.gathers_units else _Nothing()
+    gathered = deepspeed.zero.GatheredParameters(params) if row.gathers_units else contextlib.nullcontext()
     with gathered:  # stage 3: the whole weights for a moment, to compare them
         weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     engine.destroy()
     replaced = torch.nn.functional.linear is not _TORCH_LINEAR
     torch.nn.functional.linear = _TORCH_LINEAR  # DeepSpeed's replacement outlives its engine otherwise
     return {"losses": losses, "weights": weights, "census": held, "replaced_linear": replaced}
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _estimators(deepspeed, psi: int, nd: int, largest_layer: int) -> dict:
