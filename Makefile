@@ -25,7 +25,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 # image sets it) Python never writes them either, so every kernel, agent and worker would compile torch
 # from source on import: 7.4 s instead of 3.7 s, hundreds of times in `make test`.
 INSTALL_ARGS = -c constraints.txt $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) \
-	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch -e ".[notebooks,test,ft]"
+	$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch -e ".[notebooks,test,ft,deepspeed]"
 QUIET_PIP = 2>&1 | { grep -v "^WARNING: Location" || true; }
 
 .PHONY: setup browser-setup course notebooks slides publish-slides test test-configs lint unit-tests notebook-tests lab lab-authors bench stress gpu-check clean

@@ -1,0 +1,123 @@
+"""DeepSpeed's ZeRO stages 1-3 beside the hand-built ones (course_utils.labs.lab03_deepspeed, notebook 03).
+
+One launch (2 gloo ranks, 3 steps) trains DeepSpeed 0.19.8 and the course's stage from the same seed,
+data and Adam for each stage; the tests hold its weights to the course's bit for bit and what DeepSpeed
+keeps per rank to the formula read in DeepSpeed's source. ``make setup`` installs DeepSpeed (the
+``deepspeed`` extra); without it only the arithmetic below runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from course_utils import predict
+from course_utils.labs import lab03_deepspeed as lab
+from course_utils.models import build_model, param_count
+from course_utils.strategies import FULL_SHARD, GRADS, PARAMS, ZERO1, ZERO2, ZERO3
+
+PSI = param_count(build_model("tiny"))  # Ψ = 118,528: divides by 2, so every partition is exact
+ND = 2
+needs_deepspeed = pytest.mark.skipif(not lab.available(), reason=f"DeepSpeed is not installed: {lab.INSTALL_LINE}")
+
+
+@pytest.fixture(scope="module")
+def beside():
+    return lab.beside(nproc=ND, steps=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arithmetic and configuration (no DeepSpeed needed)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_stage_comes_from_the_record():
+    assert [lab.deepspeed_stage(r) for r in lab.STAGES] == [1, 2, 3]
+    assert lab.deepspeed_stage(FULL_SHARD) == 3  # FSDP's FULL_SHARD is DeepSpeed's stage 3 in the record too
+
+
+def test_config_turns_off_what_would_spoil_the_comparison():
+    for row in lab.STAGES:
+        cfg = lab.ds_config(row, world=ND, batch=8)
+        zero = cfg["zero_optimization"]
+        assert cfg["gradient_clipping"] == 0.0 and cfg["train_micro_batch_size_per_gpu"] == 4
+        assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == lab.BUCKET_ELEMENTS < 5e8
+        assert (zero.get("stage3_param_persistence_threshold") == 0) == (row is ZERO3)
+    assert lab.ds_config(ZERO3, ND, 8)["zero_optimization"]["memory_efficient_linear"] is False
+    assert lab.ds_config(ZERO3, ND, 8, own_linear=True)["zero_optimization"]["memory_efficient_linear"] is True
+
+
+def test_expected_held_follows_what_each_stage_shards():
+    one, two, three = (lab.expected_held(r, PSI, ND) for r in lab.STAGES)
+    assert one == two  # stage 2's gradient shard exists only during the step in DeepSpeed too
+    assert one["parameters"] == 4 * PSI and three["parameters"] == 4 * PSI // ND
+    assert three["gradient partition"] == 4 * PSI // ND and three["reduce bucket"] == 4 * lab.BUCKET_ELEMENTS
+    for held in (one, two, three):  # an fp32 master copy beside Adam's m and v, also in fp32 training
+        assert held["fp32 master partition"] == 4 * PSI // ND and held["Adam m, v, step"] == 8 * PSI // ND + 4
+
+
+def test_where_deepspeed_keeps_it_names_the_category():
+    assert lab.category("optimizer.ipg_buckets[dtype].buffer") == ("reduce bucket", GRADS)
+    assert lab.category("optimizer.single_partition_of_fp32_groups[0]")[0] == "fp32 master partition"
+    assert lab.category("optimizer.optimizer.state[Tensor][exp_avg]")[0] == "Adam m, v, step"
+    assert lab.category("module.tok_emb.weight.ds_tensor") == ("parameters", PARAMS)
+    assert lab.category("optimizer._global_grad_norm")[0] == lab.SCALARS
+
+
+def test_available_asks_without_importing(monkeypatch):
+    monkeypatch.setattr(lab.importlib.util, "find_spec", lambda name: None)
+    assert lab.available() is False and "pip install deepspeed==" in lab.INSTALL_LINE
+
+
+# ---------------------------------------------------------------------------------------------
+# One launch: DeepSpeed and the course, stage by stage, on 2 ranks
+# ---------------------------------------------------------------------------------------------
+
+
+@needs_deepspeed
+def test_every_stage_ends_with_the_course_weights_bit_for_bit(beside):
+    for row in lab.STAGES:
+        r = beside[row.name]
+        assert r["bit_identical"] and r["max_abs_diff"] == 0.0 and r["sha256"], (row.name, r["max_abs_diff"])
+        assert r["losses_equal"] and len(r["losses"]) == 3, row.name
+
+
+@needs_deepspeed
+def test_deepspeeds_own_linear_is_replaced_process_wide_and_undone(beside):
+    """Stage 3 with DeepSpeed's default ``memory_efficient_linear`` replaces ``torch.nn.functional.linear`` in the
+    rank (the course's stages ran first, and the worker restores it); its weights stay within notebook 03's
+    tolerance of the course's (lr/10), whatever the last bits do."""
+    own = beside[lab.OWN_LINEAR]
+    assert own["replaced_linear"] and own["sha256_course"] == beside[ZERO3.name]["sha256"]
+    assert own["max_abs_diff"] < 3e-3 / 10
+    assert not any(beside[r.name]["replaced_linear"] for r in lab.STAGES)
+
+
+@needs_deepspeed
+def test_what_deepspeed_holds_is_the_formula_read_in_its_source(beside):
+    for name, row, _ in lab.RUNS:
+        expected = lab.expected_held(row, PSI, ND)
+        for rank, held in enumerate(beside[name]["per_rank"]):
+            measured = held["deepspeed"]
+            assert {k: measured[k] for k in expected} == expected, (name, rank, measured)
+            assert 0 < measured[lab.SCALARS] <= 16, (name, rank)  # the global norm (and stage 3's overflow flag)
+
+
+@needs_deepspeed
+def test_the_course_side_holds_the_papers_fp32_bill(beside):
+    """The course's stage, counted in the same launch, is the paper's fp32 row to the byte: the reference
+    DeepSpeed's census is set against in notebook 03."""
+    for row in lab.STAGES:
+        bill = predict.bill_bytes(row, PSI, ND, precision="fp32")
+        for held in beside[row.name]["per_rank"]:
+            assert {k: held["course"][k] for k in ("params", "grads", "optim")} == {
+                k: bill[k] for k in ("params", "grads", "optim")
+            }, row.name
+
+
+@needs_deepspeed
+def test_deepspeeds_estimators_count_mixed_precision(beside):
+    model = build_model("tiny")
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    assert beside[ZERO1.name]["deepspeed_estimate"] is None  # DeepSpeed has no estimator for stage 1
+    assert beside[ZERO2.name]["deepspeed_estimate"] == 2 * PSI + 18 * PSI // ND
+    assert beside[ZERO3.name]["deepspeed_estimate"] == 4 * largest + 18 * PSI // ND
