@@ -164,6 +164,15 @@ def test_figures_render():
     assert plots.png(plots.bill_bars_figure(bars, unit="GB", gpu_mem=32 * GB)).startswith(PNG_MAGIC)
 
 
+def test_a_pipe_in_a_table_cell_stays_in_its_cell():
+    """Notebook 03's run table headed a column "max |Δw|": unescaped, the header split into two more cells
+    and every row of the table shifted."""
+    text = plots.table_markdown(["run", "max |Δw|"], [["zero3", "4e-06"], ["a|b", "0"]])
+    for line in text.splitlines():
+        assert len(re.split(r"(?<!\\)\|", line)) == 4, line  # two cells between three unescaped pipes
+    assert "max \\|Δw\\|" in text
+
+
 def test_headless_planner(headless):
     out = widgets.planner(7e9)
     assert out.png.startswith(PNG_MAGIC)

@@ -118,10 +118,13 @@ def _scale(unit: str) -> float:
 
 
 def table_markdown(header: list, rows: list) -> str:
-    """A Markdown table from a header and rows of already formatted cells (notebook 02)."""
-    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    return "\n".join(lines)
+    """A Markdown table from a header and rows of already formatted cells (notebook 02). A "|" inside a cell
+    ("max |Δw|") is escaped: unescaped, it would end the cell and shift the row."""
+
+    def line(cells) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(header), "|" + "---|" * len(header), *map(line, rows)])
 
 
 def show_table(header: list, rows: list) -> None:
