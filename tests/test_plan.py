@@ -660,6 +660,25 @@ def test_the_throughput_planner_prices_gathers_with_exposed_comm(monkeypatch):
     implementations._unit_schedule.cache_clear()
 
 
+def test_every_k_rebuilds_only_every_k_th_block_and_only_those_lengthen_the_backward():
+    """torchtitan's layer policy wraps the K-th, 2K-th, ... block: under "every:4" a 32-block model rebuilds 8, so
+    the backward a collective can hide behind grows by 8 forwards, not 32 (it once grew by one per block)."""
+    from course_utils.plan.activations import policy_parts, rebuilt_blocks
+    from course_utils.plan.throughput import Timing
+    from course_utils.presets import preset
+
+    s, cluster = plan.shape_of_preset(preset("6.7B")), plan.GPUCluster(H100)
+    assert rebuilt_blocks("every:4", 8) == (False, False, False, True, False, False, False, True)
+    assert policy_parts("every:4", s.layers) == (24, 8, 0) and policy_parts("full", 3) == (0, 3, 0)
+    t = {p: Timing(s, plan.Config("pt-fsdp2", p, 1, 1, 1, 8), cluster, 0.4) for p in ("none", "every:4", "full")}
+    f = t["none"].f_blk
+    assert t["every:4"].backward_window(True) == pytest.approx((2 * s.layers + 8) * f)
+    assert t["full"].backward_window(True) == pytest.approx(3 * s.layers * f)
+    assert t["every:4"].backward_window(False) == pytest.approx(t["none"].backward_window(True))
+    assert t["none"].backward_window(True) == pytest.approx(2 * s.layers * f)
+    assert [b > 2.5 * f for b in t["every:4"].block_backwards] == list(rebuilt_blocks("every:4", s.layers))
+
+
 def test_the_first_planner_prices_block_gathers_with_exposed_comm(monkeypatch):
     """plan.plan's rows that gather block by block expose what ``exposed_comm`` says of their blocks, nothing
     else (one node: no cross-replica all-reduce, no offload)."""

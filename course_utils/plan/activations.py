@@ -83,15 +83,23 @@ def backward_working_bytes(s: Shape) -> float:
     return 2 * (2 * s.width) + (8 if s.arch == "llama" else 4) * s.hidden
 
 
+def rebuilt_blocks(policy: str, layers: int) -> tuple[bool, ...]:
+    """Which blocks, in forward order, the policy rebuilds whole in backward: all under "full", none under "none"
+    and "selective", and under "every:K" the K-th, 2K-th, ... (torchtitan counts its blocks from 1 and wraps the
+    one whose ``count % ac_freq == 0``)."""
+    if policy == "full":
+        return (True,) * layers
+    if not policy.startswith("every:"):
+        return (False,) * layers
+    k = int(policy.split(":")[1])
+    return tuple((i + 1) % k == 0 for i in range(layers))
+
+
 def policy_parts(policy: str, layers: int) -> tuple[int, int, int]:
     """(blocks keeping everything, blocks fully recomputed, blocks selectively recomputed)."""
-    if policy == "none":
-        return layers, 0, 0
-    if policy == "full":
-        return 0, layers, 0
     if policy == "selective":
         return 0, 0, layers
-    rebuilt = layers // int(policy.split(":")[1])
+    rebuilt = sum(rebuilt_blocks(policy, layers))
     return layers - rebuilt, rebuilt, 0
 
 

@@ -203,7 +203,7 @@ def _unit_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:
         root_ag = 2 * Pr * (S - 1) / S / bw + lat
         root_rs = impl.reduce_bytes * Pr * (S - 1) / S / bw + lat
         regather = ag if gathers == 2 else 0.0
-        forward, backward = _unit_schedule(L, t.f_blk, t.block_backward, t.head, root_ag, ag, rs, root_rs, regather)
+        forward, backward = _unit_schedule(L, t.f_blk, t.block_backwards, t.head, root_ag, ag, rs, root_rs, regather)
         exposed = c.accum * (forward + backward)
         sent[t.wire(spans)] = c.accum * (gathers * 2 + impl.reduce_bytes) * P * (S - 1) / S
     if impl.layout == "hybrid" and t.n > S:
@@ -220,12 +220,13 @@ def _unit_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _unit_schedule(L, f_blk, block_backward, head, root_ag, ag, rs, root_rs, regather) -> tuple[float, float]:
+def _unit_schedule(L, f_blk, block_backwards, head, root_ag, ag, rs, root_rs, regather) -> tuple[float, float]:
     """``exposed_comm`` over the units ``_unit_comm`` describes (cached: the search prices the same micro-batch
-    under many accumulation counts and node choices)."""
+    under many accumulation counts and node choices). ``block_backwards``: each block's backward, in forward
+    order (a block the policy rebuilds runs its forward again first)."""
     return exposed_comm(
         [0.0] + [f_blk] * L + [head],
-        [0.0] + [block_backward] * L + [2 * head],
+        [0.0] + list(block_backwards) + [2 * head],
         [root_ag] + [ag] * L + [0.0],
         [root_rs] + [rs] * L + [0.0],
         backward_gather=[0.0] + [regather] * L + [0.0],

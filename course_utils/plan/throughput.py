@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .activations import activation_terms, block_saved_bytes, block_selective_bytes, policy_parts
+from .activations import activation_terms, block_saved_bytes, block_selective_bytes, policy_parts, rebuilt_blocks
 from .implementations import Impl
 from .shapes import GPUCluster, Shape
 
@@ -95,13 +95,16 @@ class Timing:
         # 2 FLOPs per matmul parameter per token, plus causal attention (QK^T and AV, half skipped): 2·s·h
         self.f_blk = (2.0 * s.block_matmul_params + 2.0 * s.seq * s.width) * tokens / rate
         self.head = 2.0 * s.head_params * tokens / rate
-        self.rebuilt = policy_parts(c.policy, s.layers)[1] > 0
         self.layers = s.layers
-        self.block_backward = 2 * self.f_blk + (self.f_blk if self.rebuilt else 0.0)
+        # each block's backward, in forward order: twice its forward, and once more where the policy rebuilds it
+        self.block_backwards = tuple(
+            2 * self.f_blk + (self.f_blk if r else 0.0) for r in rebuilt_blocks(c.policy, s.layers)
+        )
 
     def backward_window(self, with_recompute: bool) -> float:
-        """The backward's compute, which a collective on another stream can hide behind."""
-        return self.layers * (2 * self.f_blk + (self.f_blk if with_recompute and self.rebuilt else 0.0))
+        """The backward's compute, which a collective on another stream can hide behind (the rebuilt blocks'
+        forwards again only ``with_recompute``)."""
+        return sum(self.block_backwards) if with_recompute else self.layers * 2 * self.f_blk
 
     def link(self, group: int, spans_nodes: bool):
         """(bandwidth, latency) of a ring of ``group`` GPUs: the node's network when it spans nodes, else
