@@ -93,7 +93,7 @@ def _all_reduce_readings(info, reps: int, calls: int = ALL_REDUCE_CALLS) -> list
     ]
 
 
-def cap_costs(cfg: TrainConfig, info, caps_mb: list, rounds: int = 3, steps: int = 2, reps: int = 9) -> dict:
+def cap_costs(cfg: TrainConfig, info, caps_mb: list, rounds: int = 4, steps: int = 2, reps: int = 9) -> dict:
     """Uninstrumented step times per cap, the compute alone, the all-reduce micro-benchmark and one undisturbed
     backward's gradient-ready times (collective; notebook 02). Every rank returns the same keys, its own readings:
 
