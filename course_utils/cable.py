@@ -32,10 +32,10 @@ def transmitted(iface: str = IFACE) -> int | None:
 class CableBytes(Observer):
     """Bytes this node's card sent from the first step's start to the last step's end (notebook 05).
 
-    The ranks meet at a barrier before the first reading and after the last step (a rank's first collective
-    cannot then start before another rank of its node read the counter); the two barriers' few hundred bytes are
-    in the count. Every rank of a node reads the same card: ``result()`` is the node's count on its first local
-    rank and None on the others (and None where there is no card)."""
+    The ranks meet at a barrier on each side of the first reading (so no rank's first collective starts before
+    its node's card was read) and after the last step; the barriers' few hundred bytes are in the count. Every
+    rank of a node reads the same card: ``result()`` is the node's count on its first local rank and None on the
+    others (and None where there is no card)."""
 
     def __init__(self, first_step: int, last_step: int, local_rank: int, iface: str = IFACE):
         self.first, self.last, self.local_rank, self.iface = first_step, last_step, local_rank, iface
@@ -43,8 +43,9 @@ class CableBytes(Observer):
 
     def before_forward(self, step: int) -> None:
         if step == self.first:
-            dist.barrier()
+            dist.barrier()  # every rank's setup traffic is over...
             self.before = transmitted(self.iface)
+            dist.barrier()  # ...and no rank sends a byte of the steps before its node's card was read
 
     def after_step(self, step: int, losses: list) -> None:
         if step == self.last:

@@ -195,7 +195,8 @@ register(
         "all-gather and a 1.5 ms reduce-scatter. The backward has twice the compute to hide behind: does it "
         "expose less than the forward, or more?",
         stub="def exposed_comm(fwd, bwd, gather, reduce_scatter):\n"
-        '    """(forward, backward): seconds each pass takes beyond its compute, one list entry per unit.\n'
+        '    """(forward, backward): two floats, the seconds each pass takes beyond its compute.\n'
+        "    Each input list has one entry per unit.\n"
         "\n"
         "    fwd, bwd, gather, reduce_scatter: each unit's forward compute, backward compute, all-gather of its\n"
         "    parameters and reduce-scatter of its gradients, in seconds, units in forward order. FULL_SHARD:\n"

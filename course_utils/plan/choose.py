@@ -29,11 +29,21 @@ STRATEGY_NAMES = {s.name: s.title for s in RECORD.values()}
 #: Tokens per micro-batch (b·s) the overlap chart spans, 64 to a million.
 OVERLAP_TOKENS = np.geomspace(64, 1 << 20, 60)
 #: The recommendation when nothing fits.
-NOTHING_FITS = (
-    "no data-parallel strategy fits: activations / a single FSDP unit are the limit; use activation "
-    "checkpointing, a smaller micro-batch, context (sequence) parallelism for long sequences, smaller "
-    "FSDP units, tensor or pipeline parallelism"
-)
+NOTHING_FITS = "no data-parallel strategy fits"
+
+
+def _num(x: float) -> str:
+    """Three significant figures, never in scientific notation (6,070, not 6.07e+03)."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+#: What to do, by what is the limit: a GPU's own activations or one gathered unit, or the model states themselves.
+REMEDIES = {
+    "activations": "activations / a single FSDP unit are the limit; use activation checkpointing, a smaller "
+    "micro-batch, context (sequence) parallelism for long sequences, smaller FSDP units, tensor or pipeline parallelism",
+    "states": "the model states are the limit; use more GPUs, offload to NVMe (ZeRO-Infinity), or tensor or pipeline "
+    "parallelism",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,22 +231,22 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
             t2 = times[runner_up]
             if t2 <= times[s] * (1 + TIE_MARGIN):
                 beat = (
-                    f"{name(runner_up)} is as fast ({t2:.3g} s, within {TIE_MARGIN:.0%}), and a tie goes to the "
+                    f"{name(runner_up)} is as fast ({_num(t2)} s, within {TIE_MARGIN:.0%}), and a tie goes to the "
                     f"lower stage"
                 )
             else:
                 beat = (
-                    f"it beats the runner-up, {name(runner_up)} ({t2:.3g} s), by {t2 - times[s]:.3g} s a step "
+                    f"it beats the runner-up, {name(runner_up)} ({_num(t2)} s), by {_num(t2 - times[s])} s a step "
                     f"({t2 / times[s] - 1:.0%})"
                 )
-        reason = f"{name(s)} fits ({head}) at an estimated {times[s]:.3g} s a step; {beat}."
+        reason = f"{name(s)} fits ({head}) at an estimated {_num(times[s])} s a step; {beat}."
         if p.block:
             b = p.block
             hidden = b["hides_fwd"] and b["hides_bwd"]
-            reason += f" Each block's all-gather ({b['gather_s'] * 1e3:.3g} ms over {b['link']}) " + (
+            reason += f" Each block's all-gather ({_num(b['gather_s'] * 1e3)} ms over {b['link']}) " + (
                 "hides behind its compute."
                 if hidden
-                else f"does not hide behind its compute ({b['fwd_compute_s'] * 1e3:.3g} ms forward)."
+                else f"does not hide behind its compute ({_num(b['fwd_compute_s'] * 1e3)} ms forward)."
             )
         row = get(s)
         if row.offload:
@@ -294,6 +304,7 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
         )
     if limits["activations_limit"] and model.seq >= 32768:
         causes.append(f"at sequence length {model.seq:,} context (sequence) parallelism is the standard remedy")
+    remedy = REMEDIES["activations" if causes else "states"]
     if not causes:
         more = limits["zero3_min_nodes"]
         causes.append(
@@ -305,7 +316,7 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
         hint = f"; with checkpointing activations would be {gb(limits['activations_if_checkpointed'])}"
     return {
         "strategy": "none",
-        "reason": f"{NOTHING_FITS} ({'; '.join(causes)}{hint}).",
+        "reason": f"{NOTHING_FITS}: {remedy} ({'; '.join(causes)}{hint}).",
         "pytorch": "none of the data-parallel wrappers: add tensor, pipeline or context (sequence) parallelism",
         "runner_up": None,
         "step_s": {},

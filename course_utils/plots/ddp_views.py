@@ -142,7 +142,7 @@ def bucket_cost_figure(model: dict, *, title: str = "", width: float = 10.0, hei
     left.set_xlabel("all-reduce size (bytes)")
     left.set_ylabel("time (ms)")
     left.legend(frameon=False, fontsize=8)
-    left.set_title(f"One all-reduce: {fit['latency_s'] * 1e3:.2f} ms + bytes / {fit['bandwidth'] / 1e9:.2g} GB/s")
+    left.set_title(f"One all-reduce: {fit['latency_s'] * 1e3:.2f} ms + sent bytes / {fit['bandwidth'] / 1e9:.2g} GB/s")
     rows = model["rows"]
     caps = [r["cap_mb"] for r in rows]
     m = [r["measured"]["median"] * 1e3 for r in rows]
@@ -166,7 +166,7 @@ def bucket_cost_figure(model: dict, *, title: str = "", width: float = 10.0, hei
         [r["engine_s"] * 1e3 for r in rows],
         "^:",
         color=PART_COLORS["activations"],
-        label="model: own engine (GPU)",
+        label="model: own engine (this machine's α, β)",
     )
     right.set_xscale("log")
     right.set_ylim(bottom=0)
