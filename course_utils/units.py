@@ -89,6 +89,11 @@ def fmt_count(n: float) -> str:
     return f"{n:g}"
 
 
+def fmt_sig3(x: float) -> str:
+    """Three significant figures, never scientific notation: 4,798 and 0.616, not 4.8e+03 (notebook 05's planner)."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
 def fmt_size(n: float, digits: int = 3) -> str:
     """A byte count in the largest decimal unit that keeps it at 1 or more, ``digits`` significant digits:
     ``fmt_size(8.48e12) == '8.48 TB'``, ``fmt_size(31.4e9) == '31.4 GB'`` (the readouts of notebook 01's widgets).

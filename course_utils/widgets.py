@@ -31,7 +31,7 @@ import numpy as np
 from . import memory, plots
 from .instant import InstantView
 from .strategies import planned
-from .units import GB, fmt_count, fmt_size
+from .units import GB, fmt_count, fmt_sig3, fmt_size
 from .widget_parts import (  # noqa: F401
     K_CHOICES,
     MODEL_SIZES,
@@ -281,16 +281,11 @@ def planner_states(models: list, nodes: list, networks: list, compute) -> list:
                 out[-1][-1].append({
                     "bars": [None if r is None else [round(getattr(r, part) / GB, 3) for part in PLAN_PARTS] for r in rows],
                     "fits": [bool(r and r.fits) for r in rows],
-                    "step": ["" if r is None else _seconds(r.step_s) for r in rows],
+                    "step": ["" if r is None else f"{fmt_sig3(r.step_s)} s" for r in rows],
                     "choice": names.index(choice) if choice in names else -1,
                     "text": plan_summary(p),
                 })  # fmt: skip
     return out
-
-
-def _seconds(s: float) -> str:
-    """A step's seconds in three figures, never in scientific notation (3,020 s, not 3.02e+03 s)."""
-    return f"{s:,.0f} s" if s >= 100 else f"{s:.3g} s"
 
 
 #: The parts of a GPU's bytes the planner's bars stack (``plan.StrategyPlan`` fields).

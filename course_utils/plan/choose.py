@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import CourseInputError
 from ..memory import bill
 from ..strategies import PARAMS, RECORD, ZERO3, get, planned
-from ..units import GB
+from ..units import GB, fmt_sig3
 from .inputs import Cluster, ModelSpec, _need, model_spec
 from .network import network_class, overlap_curve
 from .offload import offload_modes
@@ -30,13 +30,6 @@ STRATEGY_NAMES = {s.name: s.title for s in RECORD.values()}
 OVERLAP_TOKENS = np.geomspace(64, 1 << 20, 60)
 #: The recommendation when nothing fits.
 NOTHING_FITS = "no data-parallel strategy fits"
-
-
-def _num(x: float) -> str:
-    """Three significant figures, never in scientific notation (6,070, not 6.07e+03)."""
-    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
-
-
 #: What to do, by what is the limit: a GPU's own activations or one gathered unit, or the model states themselves.
 REMEDIES = {
     "activations": "activations / a single FSDP unit are the limit; use activation checkpointing, a smaller "
@@ -231,22 +224,22 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
             t2 = times[runner_up]
             if t2 <= times[s] * (1 + TIE_MARGIN):
                 beat = (
-                    f"{name(runner_up)} is as fast ({_num(t2)} s, within {TIE_MARGIN:.0%}), and a tie goes to the "
+                    f"{name(runner_up)} is as fast ({fmt_sig3(t2)} s, within {TIE_MARGIN:.0%}), and a tie goes to the "
                     f"lower stage"
                 )
             else:
                 beat = (
-                    f"it beats the runner-up, {name(runner_up)} ({_num(t2)} s), by {_num(t2 - times[s])} s a step "
+                    f"it beats the runner-up, {name(runner_up)} ({fmt_sig3(t2)} s), by {fmt_sig3(t2 - times[s])} s a step "
                     f"({t2 / times[s] - 1:.0%})"
                 )
-        reason = f"{name(s)} fits ({head}) at an estimated {_num(times[s])} s a step; {beat}."
+        reason = f"{name(s)} fits ({head}) at an estimated {fmt_sig3(times[s])} s a step; {beat}."
         if p.block:
             b = p.block
             hidden = b["hides_fwd"] and b["hides_bwd"]
-            reason += f" Each block's all-gather ({_num(b['gather_s'] * 1e3)} ms over {b['link']}) " + (
+            reason += f" Each block's all-gather ({fmt_sig3(b['gather_s'] * 1e3)} ms over {b['link']}) " + (
                 "hides behind its compute."
                 if hidden
-                else f"does not hide behind its compute ({_num(b['fwd_compute_s'] * 1e3)} ms forward)."
+                else f"does not hide behind its compute ({fmt_sig3(b['fwd_compute_s'] * 1e3)} ms forward)."
             )
         row = get(s)
         if row.offload:
