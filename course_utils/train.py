@@ -182,8 +182,14 @@ def run_training(cfg: TrainConfig, info, observe: bool = True, extra=()) -> dict
     return report
 
 
-def train(cfg: TrainConfig | None = None, *, echo: bool = False, observers=(), **overrides) -> dict:
+def train(
+    cfg: TrainConfig | None = None, *, echo: bool = False, observers=(), observe: bool = True, **overrides
+) -> dict:
     """Launch a training run on ``cfg.nproc`` local processes and return its report (notebook 02).
+
+    ``observe=False``: no counting observer (``train_worker``'s timing run), so ``per_rank`` and
+    ``comm_per_step`` are left out; notebook 06's runs, which compare weights and time their restarts,
+    run so (the counter routes every operator through Python: 1-2 CPU s per 2-rank attempt).
 
     ``observers``: ``instrument.Observer`` objects of the caller's, copied to every rank and added to its
     loop (a run of a strategy registered by the caller, ``strategies.register``, works the same way);
@@ -204,7 +210,7 @@ def train(cfg: TrainConfig | None = None, *, echo: bool = False, observers=(), *
     results = launch(
         train_worker,
         nproc=cfg.nproc,
-        args=(asdict(cfg), True, list(observers), STRATEGIES[cfg.strategy]),
+        args=(asdict(cfg), observe, list(observers), STRATEGIES[cfg.strategy]),
         backend=cfg.backend,
         timeout_s=cfg.timeout_s,
         max_restarts=cfg.max_restarts,

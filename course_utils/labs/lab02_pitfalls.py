@@ -123,9 +123,20 @@ def mismatched_order(
         "different_kind": rank 0 all-reduces a then broadcasts b; the others broadcast first.
 
     Args:
-        collective_timeout_s: how long a collective waits before raising (default: the launch's).
+        collective_timeout_s: how long a mismatched collective waits before raising (default: the
+            launch's). The group starts with the launch's timeout and takes this one only after a
+            barrier, every rank present (what ``init_process_group(timeout=...)`` sets; as
+            ``hangs.Stall`` does): a slow start of one rank on a loaded machine is never taken for
+            the mismatch, so the timeout can be short.
     """
-    with cdist.session(timeout_s=collective_timeout_s) as info:
+    with cdist.session() as info:
+        if collective_timeout_s is not None:
+            from datetime import timedelta
+
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+
+            dist.barrier()  # every rank is here: from now on, a wait can only be the mismatch
+            _set_pg_timeout(timedelta(seconds=collective_timeout_s))
 
         def buckets():
             a = torch.full((numel,), float(info.rank + 1), device=info.device)  # sum over ranks: N(N+1)/2

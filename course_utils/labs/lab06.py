@@ -47,6 +47,7 @@ def lost_work_sweep(intervals, *, strategy: str = DDP.name, nproc: int = 2, **ov
             checkpoint_every=k,
             max_restarts=k,
             fail_at=spec,
+            observe=False,  # a timing run: nothing counted, so the restarts' seconds are the run's own
             **overrides,
         )
         rows.append(recovery.lost_work_row(report, k, fail_steps))
@@ -397,12 +398,13 @@ def runs_in_one_group(configs: list, pitfall: tuple | None = None) -> dict:
     Starting a group (processes, imports, rendezvous) costs seconds; a run of the course model well
     under one. Each config is a ``TrainConfig`` dict; a run with a ``checkpoint_dir`` resumes from
     its newest complete checkpoint and saves, exactly as under ``train`` (no failures: a failure
-    needs a restart of its own). ``pitfall``: ``(config, folder, phase)``. Every rank returns
+    needs a restart of its own). No run counts bytes (``train(observe=False)``): notebook 06 compares
+    weights and losses. ``pitfall``: ``(config, folder, phase)``. Every rank returns
     ``{"reports": [...] (rank 0's are the reports, in order), "pitfall": its row or None}``.
     """
     from ..train import run_training
 
     with cdist.session() as info:
-        reports = [run_training(TrainConfig(**c).validate(), info) for c in configs]
+        reports = [run_training(TrainConfig(**c).validate(), info, observe=False) for c in configs]
         row = _pitfall_phase(*pitfall, info) if pitfall else None
     return {"reports": reports, "pitfall": row}
