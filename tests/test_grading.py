@@ -295,8 +295,8 @@ def attacked(tmp_path_factory):
                 ['model_state_bill = load_solution("01", "model_state_bill")'],
                 section_only=True,
             ),
-            "partial": sw.notebook("01", solved01, keep={"model_state_bill"}, section_only=True),
-            "looper": sw.notebook("01", dict(light01, block_activation_bytes=endless), section_only=True),
+            # an endless function, in a notebook whose 01.zero_state_bytes cells were deleted (one seal, two tests)
+            "looper": sw.notebook("01", dict(light01, block_activation_bytes=endless), keep=light01, section_only=True),
             "memory_bomb": sw.notebook("01", light01, ['hog = b"x" * (3 << 30)'], section_only=True),
             "fork_bomb": sw.notebook("01", light01, [FORK_BOMB], section_only=True),
             "disk_filler": sw.notebook("01", light01, [DISK_FILL], section_only=True),
@@ -404,12 +404,10 @@ def test_load_solution_or_a_copy_of_the_reference_is_seen(attacked):
 
 @needs_seal
 def test_every_exercise_is_accounted_for_from_the_course_list(attacked):
-    got = _outcomes(attacked[0]["partial"])
+    got = _outcomes(attacked[0]["looper"])  # its 01.zero_state_bytes cells are deleted
     assert list(got) == [ex.name for ex in core.exercises("01")]
     assert got["model_state_bill"][0] == core.PASSED
-    assert (
-        got["block_activation_bytes"][0] == core.NOT_DONE and "not in the notebook" in got["block_activation_bytes"][1]
-    )
+    assert got["zero_state_bytes"][0] == core.NOT_DONE and "not in the notebook" in got["zero_state_bytes"][1], got
 
 
 @needs_seal
