@@ -1,5 +1,7 @@
 """The Colab path: badges and set-up cells agree with the package metadata (pyproject.toml), the install
-is pinned, and a failed install stops the notebook with one sentence (tools/colab.py)."""
+is pinned, and a failed install stops the notebook with one sentence (tools/colab.py). The built wheel, installed
+by the set-up cell in a fresh virtual environment, runs the notebooks' first cells, two ranks, and the exercises'
+solutions, checks and hints (a Colab runtime or a laptop has the installed package, not a clone)."""
 
 from __future__ import annotations
 
@@ -204,6 +206,23 @@ print("chart", "CourseInstant.mount(" in bundle[0]["text/html"])
 from course_utils.examples import three_collectives
 from course_utils.launch import launch
 print("ranks", json.dumps(launch(three_collectives, nproc=2, progress=False)[1]["reduce_scatter"]))
+
+# Hints and solutions from the wheel alone (issue 28): what every "Stuck?" cell suggests, where there is no clone.
+import contextlib, io
+from course_utils.exercises import check, core, load_solution, show_hint
+
+for ex in core.exercises():
+    assert callable(core.solution(ex.notebook, ex.name)), ex.key
+with contextlib.redirect_stdout(out := io.StringIO()):
+    fn = load_solution("01", "model_state_bill")
+assert "def model_state_bill" in out.getvalue()
+assert check("01", "model_state_bill", fn).passed
+with contextlib.redirect_stdout(out := io.StringIO()):
+    show_hint("02", "averaging_hook", 1)
+    show_hint("02", "averaging_hook", 9)
+lines = out.getvalue().strip().splitlines()
+assert lines[0].startswith("Hint 1 of 3") and len(lines) == 2 and "there is no hint 9" in lines[1], lines
+print("solutions and hints from", core.__file__)
 """
 
 
@@ -245,7 +264,8 @@ def _colab_stack(dest, site):
 def test_setup_cell_installs_the_wheel_in_a_fresh_venv(tmp_path, wheel):
     """The set-up cell run as on Colab, in a fresh virtual environment that has Colab's stack but no
     course_utils: pip installs the built wheel (in place of the published release, which this machine cannot
-    reach), and the first cells of every notebook, a live chart and a launch on two ranks run from it."""
+    reach), and the first cells of every notebook, a live chart, a launch on two ranks, and every exercise's
+    reference solution, a check and the hints (issue 28: what a "Stuck?" cell suggests) run from it."""
     import sysconfig
 
     venv = tmp_path / "venv"
@@ -291,6 +311,7 @@ def test_setup_cell_installs_the_wheel_in_a_fresh_venv(tmp_path, wheel):
     assert f"installed {fresh_site}/course_utils/__init__.py" in out, out[-2000:]
     assert "chart True" in out
     assert "ranks [15.0, 18.0, 21.0, 24.0]" in out, out[-2000:]  # rank 1: 3·(i + 1) at its own places i = 4 … 7
+    assert f"solutions and hints from {fresh_site}/course_utils/exercises/core.py" in out, out[-2000:]
 
 
 def test_setup_cell_stops_in_one_sentence_when_pip_fails(tmp_path):

@@ -257,6 +257,9 @@ def attacked(tmp_path_factory):
         while far.connections() < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         solved01 = {k: sw.STUDENT[k] for k in ("zero_state_bytes", "model_state_bill", "block_activation_bytes")}
+        # The notebooks whose attack is not about ranks leave 01.zero_state_bytes (a 4-rank check) as its stub:
+        # honest01 and ranks02 prove the ranks in the seal; a stub starts no launch and no agent server.
+        light01 = {k: sw.STUDENT[k] for k in ("model_state_bill", "block_activation_bytes")}
         wrong_bill = _renamed(mistakes.bill_forgets_to_shard, "model_state_bill")
         reference = inspect.getsource(core.solution("01", "block_activation_bytes"))
         copied = reference.replace('"""Bytes autograd', '"""My own: bytes autograd').replace(
@@ -292,12 +295,12 @@ def attacked(tmp_path_factory):
                 ['model_state_bill = load_solution("01", "model_state_bill")'],
                 section_only=True,
             ),
-            "partial": sw.notebook("01", solved01, keep={"model_state_bill"}, section_only=True),
-            "looper": sw.notebook("01", dict(solved01, block_activation_bytes=endless), section_only=True),
-            "memory_bomb": sw.notebook("01", solved01, ['hog = b"x" * (3 << 30)'], section_only=True),
-            "fork_bomb": sw.notebook("01", solved01, [FORK_BOMB], section_only=True),
-            "disk_filler": sw.notebook("01", solved01, [DISK_FILL], section_only=True),
-            "crasher": sw.notebook("01", solved01, ["import ctypes\nctypes.string_at(0)"], section_only=True),
+            # an endless function, in a notebook whose 01.zero_state_bytes cells were deleted (one seal, two tests)
+            "looper": sw.notebook("01", dict(light01, block_activation_bytes=endless), keep=light01, section_only=True),
+            "memory_bomb": sw.notebook("01", light01, ['hog = b"x" * (3 << 30)'], section_only=True),
+            "fork_bomb": sw.notebook("01", light01, [FORK_BOMB], section_only=True),
+            "disk_filler": sw.notebook("01", light01, [DISK_FILL], section_only=True),
+            "crasher": sw.notebook("01", light01, ["import ctypes\nctypes.string_at(0)"], section_only=True),
         }
         for name, data in notebooks.items():
             sw.write(klass / f"{name}.ipynb", data)
@@ -401,12 +404,10 @@ def test_load_solution_or_a_copy_of_the_reference_is_seen(attacked):
 
 @needs_seal
 def test_every_exercise_is_accounted_for_from_the_course_list(attacked):
-    got = _outcomes(attacked[0]["partial"])
+    got = _outcomes(attacked[0]["looper"])  # its 01.zero_state_bytes cells are deleted
     assert list(got) == [ex.name for ex in core.exercises("01")]
     assert got["model_state_bill"][0] == core.PASSED
-    assert (
-        got["block_activation_bytes"][0] == core.NOT_DONE and "not in the notebook" in got["block_activation_bytes"][1]
-    )
+    assert got["zero_state_bytes"][0] == core.NOT_DONE and "not in the notebook" in got["zero_state_bytes"][1], got
 
 
 @needs_seal
@@ -454,8 +455,9 @@ def test_a_notebook_past_its_time_limit_is_stopped(tmp_path):
 @needs_seal
 def test_an_honest_class_is_graded_side_by_side(tmp_path, capsys):
     """Three notebooks on two jobs: two graded at once, and two that name the same student kept apart (a class of
-    30 is measured by tools/grade_bench, not here)."""
-    solved = {k: sw.STUDENT[k] for k in ("zero_state_bytes", "model_state_bill", "block_activation_bytes")}
+    30 is measured by tools/grade_bench, not here). Their 01.zero_state_bytes is left as its stub: what is about
+    grading side by side needs no ranks, and honest01 of the attack class passes it on 4 ranks in the seal."""
+    solved = {k: sw.STUDENT[k] for k in ("model_state_bill", "block_activation_bytes")}
     for i in range(3):
         data = sw.notebook("01", solved, section_only=True)
         data["metadata"]["course"] = {"student": f"Student {i % 2}"}  # copy0 and copy2 name the same student
@@ -477,7 +479,9 @@ def test_an_honest_class_is_graded_side_by_side(tmp_path, capsys):
     assert "Student 0 (copy0.ipynb)" in table and "Student 0 (copy2.ipynb)" in table and "Student 1" in table
     document = json.loads((out / "grades.json").read_text())
     rows = [r for g in document["notebooks"] for r in g["rows"]]
-    assert len(rows) == 3 * len(core.exercises("01")) and {r["outcome"] for r in rows} == {core.PASSED}
+    assert len(rows) == 3 * len(core.exercises("01"))
+    outcomes = {(r["exercise"], r["outcome"]) for r in rows}
+    assert outcomes == {("01.zero_state_bytes", core.NOT_DONE)} | {(f"01.{k}", core.PASSED) for k in solved}, outcomes
     spans = sorted((g["started_at"], g["ended_at"]) for g in document["notebooks"])
     assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), "no two notebooks were graded at the same time"
 

@@ -28,14 +28,29 @@ def _get(url: str):
         return r.status, r.read().decode()
 
 
-def test_lab_prints_one_url_that_opens_and_stops_cleanly(tmp_path):
-    state, work = tmp_path / "lab", tmp_path / "mine"
+@pytest.fixture(scope="module")
+def lab_session(tmp_path_factory):
+    """One `make lab` (tools/lab.py) in a copy of what git tracks, as a student and a teacher use it: opened by
+    its printed URL, refused without its token, then a whole session (below), then Ctrl-C. Returns what was
+    seen; the two tests below assert it (one server start serves both)."""
+    tmp = tmp_path_factory.mktemp("lab")
+    repo = _tracked_copy(tmp / "course")
+    private = tmp / "jupyter"  # the server's runtime and config files: outside the repository
+    state, work = private / "lab", repo / "my-notebooks"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "COURSE_"))}
+    env.update(
+        PYTHONPATH=str(repo),  # the kernel and its ranks import the copy's course_utils, not this checkout's
+        JUPYTER_CONFIG_DIR=str(private / "config"),
+        JUPYTER_RUNTIME_DIR=str(private / "runtime"),
+        JUPYTER_DATA_DIR=str(private / "data"),
+    )
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tools" / "lab.py"), "--state", str(state), "--work", str(work)],
+        [sys.executable, "tools/lab.py", "--state", str(state), "--work", str(work)],
+        cwd=repo,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=ROOT,
         start_new_session=True,
         preexec_fn=sigint_as_in_a_terminal,
     )
@@ -49,58 +64,72 @@ def test_lab_prints_one_url_that_opens_and_stops_cleanly(tmp_path):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    seen = {"repo": repo, "work": work, "state": state, "course": sorted((repo / "notebooks").glob("*.ipynb"))}
     try:
         assert found.wait(120), f"no URL printed within 120 s: {''.join(lines)[-2000:]}"
-        before = "".join(lines)
-        match = URL.search(before)
-        port, token = int(match.group(1)), match.group(2)
-        status, page = _get(match.group(0))  # the printed URL opens the lab (localhost only)
-        assert status == 200 and "JupyterLab" in page
-        # the token is required: without it the API refuses
+        seen["before"] = "".join(lines)
+        match = URL.search(seen["before"])
+        seen["port"], seen["token"] = int(match.group(1)), match.group(2)
+        seen["page"] = _get(match.group(0))  # the printed URL opens the lab (localhost only)
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents", timeout=10)
-            raise AssertionError("the lab answered without its token")
+            urllib.request.urlopen(f"http://127.0.0.1:{seen['port']}/api/contents", timeout=10)
+            seen["without_token"] = 200
         except urllib.error.HTTPError as err:
-            assert err.code == 403
-        # the news prompt is off in the settings the lab serves, and those live in the course's folder
-        status, body = _get(
-            f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification?token={token}"
+            seen["without_token"] = err.code
+        seen["news"] = _get(
+            f"http://127.0.0.1:{seen['port']}/lab/api/settings/@jupyterlab/apputils-extension:notification"
+            f"?token={seen['token']}"
         )
-        assert json.loads(body)["settings"]["fetchNews"] == "false"
-        assert (
-            state / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
-        ).is_file()
-        # served from the student's copies, made on first use
-        status, body = _get(f"http://127.0.0.1:{port}/api/contents?token={token}")
-        served = {item["name"] for item in json.loads(body)["content"]}
-        assert "01_memory_bill.ipynb" in served and served == {p.name for p in work.glob("*.ipynb")}
-        assert "new copies in mine/" in before
+        seen["served"] = _get(f"http://127.0.0.1:{seen['port']}/api/contents?token={seen['token']}")
+        seen["copies"] = {p.name for p in work.glob("*.ipynb")}
+        _a_session(f"http://127.0.0.1:{seen['port']}", seen["token"], seen["course"])
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, as a teacher stops it
         try:
-            code = proc.wait(timeout=40)
+            seen["code"] = proc.wait(timeout=40)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise
         reader.join(10)
-    output = "".join(lines)
-    assert code == 0, output[-2000:]
-    assert len(re.findall(r"https?://", output)) == 1, f"the URL is printed once, nothing else is: {output}"
-    assert "Skipped non-installed server" not in output and "To access the server" not in output
-    with socket.socket() as s:  # nothing listens on the port any more
-        assert s.connect_ex(("127.0.0.1", port)) != 0
-    # no process of that lab is left: none carries its token in its environment (the server and its kernels did)
-    left = []
+    seen["output"] = "".join(lines)
+    with socket.socket() as sock:
+        seen["port_open"] = sock.connect_ex(("127.0.0.1", seen["port"])) == 0
+    # the processes of that lab still running: those that carry its token in their environment (the server and
+    # its kernels did)
+    seen["left"] = []
     for proc_dir in os.listdir("/proc"):
         try:
             if (
                 proc_dir.isdigit()
-                and f"JUPYTER_TOKEN={token}".encode() in open(f"/proc/{proc_dir}/environ", "rb").read()
+                and f"JUPYTER_TOKEN={seen['token']}".encode() in open(f"/proc/{proc_dir}/environ", "rb").read()
             ):
-                left.append(int(proc_dir))
+                seen["left"].append(int(proc_dir))
         except OSError:
             continue
-    assert not left, f"processes of the lab still running: {left}"
+    return seen
+
+
+def test_lab_prints_one_url_that_opens_and_stops_cleanly(lab_session):
+    seen = lab_session
+    status, page = seen["page"]
+    assert status == 200 and "JupyterLab" in page
+    assert seen["without_token"] == 403, "the lab answered without its token"
+    # the news prompt is off in the settings the lab serves, and those live in the course's folder
+    assert json.loads(seen["news"][1])["settings"]["fetchNews"] == "false"
+    assert (
+        seen["state"] / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    ).is_file()
+    # served from the student's copies, made on first use
+    served = {item["name"] for item in json.loads(seen["served"][1])["content"]}
+    assert "01_memory_bill.ipynb" in served and served == seen["copies"]
+    assert {p.name for p in seen["course"]} <= served  # one copy per course notebook
+    assert "new copies in my-notebooks/" in seen["before"]
+    output = seen["output"]
+    assert seen["code"] == 0, output[-2000:]
+    assert len(re.findall(r"https?://", output)) == 1, f"the URL is printed once, nothing else is: {output}"
+    assert "Skipped non-installed server" not in output and "To access the server" not in output
+    assert not seen["port_open"], "something still listens on the lab's port"
+    assert not seen["left"], f"processes of the lab still running: {seen['left']}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +263,55 @@ class _Kernel:
         self.ws.close()
 
 
-def test_a_lab_session_leaves_the_course_untouched(tmp_path):
+def _a_session(base: str, token: str, course: list) -> None:
+    """What a student does in the lab (see the test below), through its REST API and a kernel."""
+
+    def api(method, path, body=None):
+        request = urllib.request.Request(
+            f"{base}/api/{path}",
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return json.loads(r.read() or b"null")
+
+    listed = {item["name"] for item in api("GET", "contents")["content"]}
+    assert {p.name for p in course} <= listed  # the student's copies, one per course notebook
+    session = api(
+        "POST", "sessions", {"path": course[1].name, "type": "notebook", "name": "", "kernel": {"name": "python3"}}
+    )
+    kernel = _Kernel(base, token, session["kernel"]["id"])
+    try:
+        kernel.run("import os\nopen('my_scratch.txt', 'w').write(os.getcwd())")
+        for path in course:
+            nb = api("GET", f"contents/{path.name}")["content"]  # opened, as the lab opens it
+            for cell in [c for c in nb["cells"] if c["cell_type"] == "code"][:3]:
+                cell["outputs"] = kernel.run(cell["source"])
+                cell["execution_count"] = 1
+            if path.name.startswith("03"):
+                exercise = {
+                    "cell_type": "code",
+                    "id": "my-exercise",
+                    "metadata": {},
+                    "execution_count": 2,
+                    "source": "from course_utils.exercises import check, load_solution\n"
+                    "zero2_step = load_solution('03', 'zero2_step', quiet=True)\n"
+                    "check('03', 'zero2_step', zero2_step)",
+                }
+                exercise["outputs"] = kernel.run(exercise["source"])
+                shown = "".join(json.dumps(o) for o in exercise["outputs"])
+                assert "PASSED" in shown, shown[:500]
+                nb["cells"].append(exercise)
+            api("PUT", f"contents/{path.name}", {"type": "notebook", "format": "json", "content": nb})
+            api("POST", f"contents/{path.name}/checkpoints")
+        api("POST", "contents", {"type": "notebook"})  # File > New > Notebook: an Untitled.ipynb
+    finally:
+        kernel.close()
+        api("DELETE", f"sessions/{session['id']}")
+
+
+def test_a_lab_session_leaves_the_course_untouched(lab_session):
     """A student opens every notebook of their lab, runs it, does an exercise, saves and checkpoints:
     afterwards `git status` is empty and notebooks/ holds exactly what git tracks.
 
@@ -245,91 +322,7 @@ def test_a_lab_session_leaves_the_course_untouched(tmp_path):
     notebook (parameters, set-up, imports) in the kernel and a cell that writes a file by a relative path,
     and checks exercise 03.zero2_step on two real ranks, a launch included.
     """
-    repo = _tracked_copy(tmp_path / "course")
-    private = tmp_path / "jupyter"  # the server's runtime and config files: outside the repository
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "COURSE_"))}
-    env.update(
-        PYTHONPATH=str(repo),  # the kernel and its ranks import the copy's course_utils, not this checkout's
-        JUPYTER_CONFIG_DIR=str(private / "config"),
-        JUPYTER_RUNTIME_DIR=str(private / "runtime"),
-        JUPYTER_DATA_DIR=str(private / "data"),
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "tools/lab.py", "--state", str(private / "lab")],
-        cwd=repo,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        preexec_fn=sigint_as_in_a_terminal,
-    )
-    lines, found = [], threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if URL.search(line):
-                found.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    course = sorted((repo / "notebooks").glob("*.ipynb"))
-    try:
-        assert found.wait(120), f"no URL printed within 120 s: {''.join(lines)[-2000:]}"
-        match = URL.search("".join(lines))
-        base, token = f"http://127.0.0.1:{match.group(1)}", match.group(2)
-
-        def api(method, path, body=None):
-            request = urllib.request.Request(
-                f"{base}/api/{path}",
-                method=method,
-                data=None if body is None else json.dumps(body).encode(),
-                headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(request, timeout=60) as r:
-                return json.loads(r.read() or b"null")
-
-        listed = {item["name"] for item in api("GET", "contents")["content"]}
-        assert {p.name for p in course} <= listed  # the student's copies, one per course notebook
-        session = api(
-            "POST", "sessions", {"path": course[1].name, "type": "notebook", "name": "", "kernel": {"name": "python3"}}
-        )
-        kernel = _Kernel(base, token, session["kernel"]["id"])
-        try:
-            kernel.run("import os\nopen('my_scratch.txt', 'w').write(os.getcwd())")
-            for path in course:
-                nb = api("GET", f"contents/{path.name}")["content"]  # opened, as the lab opens it
-                for cell in [c for c in nb["cells"] if c["cell_type"] == "code"][:3]:
-                    cell["outputs"] = kernel.run(cell["source"])
-                    cell["execution_count"] = 1
-                if path.name.startswith("03"):
-                    exercise = {
-                        "cell_type": "code",
-                        "id": "my-exercise",
-                        "metadata": {},
-                        "execution_count": 2,
-                        "source": "from course_utils.exercises import check, load_solution\n"
-                        "zero2_step = load_solution('03', 'zero2_step', quiet=True)\n"
-                        "check('03', 'zero2_step', zero2_step)",
-                    }
-                    exercise["outputs"] = kernel.run(exercise["source"])
-                    shown = "".join(json.dumps(o) for o in exercise["outputs"])
-                    assert "PASSED" in shown, shown[:500]
-                    nb["cells"].append(exercise)
-                api("PUT", f"contents/{path.name}", {"type": "notebook", "format": "json", "content": nb})
-                api("POST", f"contents/{path.name}/checkpoints")
-            api("POST", "contents", {"type": "notebook"})  # File > New > Notebook: an Untitled.ipynb
-        finally:
-            kernel.close()
-            api("DELETE", f"sessions/{session['id']}")
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    work = repo / "my-notebooks"
+    repo, work = lab_session["repo"], lab_session["work"]
     status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, check=True)
     assert status.stdout == "", f"the session changed what git tracks:\n{status.stdout}"
     # notebooks/ (what `git pull` updates and make test executes) holds exactly what git tracks: no outputs,
