@@ -86,19 +86,65 @@ def require_tracker() -> None:
         raise CourseInputError(f"cannot rehearse: {problem}")
 
 
+def _tensors(res, tensor_type, tree_leaves) -> list:
+    """The tensors of an operation's result, in pytree order (what ``tree_map_only(torch.Tensor, ...)`` visits)."""
+    if isinstance(res, tensor_type):
+        return [res]
+    if type(res) in (list, tuple) and all(x is None or isinstance(x, tensor_type) for x in res):
+        return [x for x in res if x is not None]  # a flat result (most are): no pytree node inside
+    return [x for x in tree_leaves(res) if isinstance(x, tensor_type)]
+
+
 def tracker_class():
-    """``FSDPMemTracker`` with its per-operation peak bookkeeping made cheaper (notebook 05b).
+    """``FSDPMemTracker`` with its per-operation bookkeeping made cheaper (notebook 05b).
 
     After every operation the tracker updates the running peak of each module that is active
     (``MemTracker._update_peak_stats``). torch does it by scanning every tracked module and
     deep-copying the snapshot; on a 48-block model that loop is a quarter of the rehearsal's
     time. This subclass does the same updates visiting only the active modules and copying
-    the flat ``{category: bytes}`` dicts shallowly; what it records is identical
-    (``tests/test_rehearse.py`` checks it against the stock tracker).
+    the flat ``{category: bytes}`` dicts shallowly. Its ``__torch_dispatch__`` is torch's (2.13)
+    with one change: the result's tensors are found by ``_tensors`` instead of pytree's
+    ``tree_map_only``, which rebuilt every result's structure (about a tenth of a 6.7B
+    rehearsal's CPU time in cProfile). What it records is identical (``tests/test_rehearse.py``
+    checks it against the stock tracker).
     """
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    import torch
+    from torch._guards import active_fake_mode
+    from torch.distributed._tools.fsdp2_mem_tracker import (
+        FSDPMemTracker,
+        _FSDPModState,
+        _FSDPRefType,
+        _FSDPState,
+    )
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    c10d, wait_tensor = torch.ops.c10d, torch.ops._c10d_functional.wait_tensor.default
 
     class Tracker(FSDPMemTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t == DTensor for t in types):
+                return NotImplemented  # let DTensor desugar into local ops first, as torch's does
+            if func is wait_tensor and active_fake_mode():
+                res = args[0]  # torch's override of wait_tensor's meta kernel (no new tensor in eager)
+            else:
+                res = func(*args, **kwargs or {})
+            if active_fake_mode() is self._fake_mode_on_entry:  # not DTensor's sharding propagation
+                if self._in_opt:
+                    reftype = _FSDPRefType.OPT
+                elif self._mod_tracker.is_bw and not self._in_ac:
+                    reftype = _FSDPRefType.TEMP
+                else:
+                    reftype = _FSDPRefType.ACT
+                if func is c10d._allgather_base_.default and self._fsdp_state in (_FSDPState.PRE_FW, _FSDPState.PRE_BW):
+                    self._update_and_maybe_create_winfos(args[0], _FSDPRefType.ALL_GATHER, update_existing=True)
+                if func is c10d._reduce_scatter_base_.default and self._fsdp_state == _FSDPState.POST_BW:
+                    self._update_and_maybe_create_winfos(args[1], _FSDPRefType.REDUCE_SCATTER, update_existing=True)
+                for t in _tensors(res, torch.Tensor, tree_leaves):
+                    self._track(reftype, t)
+                self._update_peak_stats(_FSDPModState.PEAK_BW if self._mod_tracker.is_bw else _FSDPModState.PEAK_FW)
+            return res
+
         _index_size = -1
         _index: dict = {}
 
