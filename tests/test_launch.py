@@ -1,4 +1,5 @@
-"""course_utils.launch: results per rank, failures, hangs, interrupts, orphans, bad input."""
+"""course_utils.launch: results per rank, failures, hangs, interrupts, orphans, bad input, and (one launch
+watched as it runs, ``listening.watch``) nothing listening beyond loopback."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 
 import pytest
 from conftest import ROOT, pid_alive, sigint_as_in_a_terminal
+from listening import watch
 
 from course_utils import examples
 from course_utils.errors import CourseInputError
@@ -501,11 +503,13 @@ def test_an_interrupt_during_the_first_launch_leaves_nothing_and_the_next_launch
             out = launch(examples.all_reduce_demo, nproc=n, kwargs={{"n": 1}}, echo=False)
             print("RESULT", n, sorted(out), [v["result"] for v in out.values()], flush=True)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "INTERRUPTED" in proc.stdout
-    assert "RESULT 2 [0, 1] [[3.0], [3.0]]" in proc.stdout
-    assert "RESULT 3 [0, 1, 2] [[6.0], [6.0], [6.0]]" in proc.stdout
+    # watched as it runs (``listening.watch``, issue 34): no process of these launches listens beyond loopback
+    seen, proc = watch([sys.executable, "-c", script], cwd=ROOT, timeout_s=120)
+    assert proc.returncode == 0, proc.output[-2000:]
+    assert "INTERRUPTED" in proc.output.splitlines() and "NOT INTERRUPTED" not in proc.output
+    assert "RESULT 2 [0, 1] [[3.0], [3.0]]" in proc.output
+    assert "RESULT 3 [0, 1, 2] [[6.0], [6.0], [6.0]]" in proc.output
+    assert seen == set(), f"listening beyond loopback: {sorted(seen)}"
     time.sleep(1.0)  # the cancelled agent, if it had been forked, ends itself within 0.25 s
     assert not _processes_mentioning(str(tmp_path)), "a process of the interrupted launch outlived it"
 
