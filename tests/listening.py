@@ -6,13 +6,16 @@ process carrying the marker, the TCP sockets it listens on and the UDP sockets i
 from the socket tables of that process's own network namespace. A socket counts when it is in this
 machine's own network namespace and its address is not loopback: a socket inside one of
 ``course_utils.cluster``'s namespaces is reachable only from the cluster's own private subnet.
+``watching_this_process()`` samples the same way, for the processes a run made inside the test starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -32,9 +35,16 @@ def _readable(hex_address: str, v6: bool) -> str:
     return ".".join(str(int(host[i : i + 2], 16)) for i in (6, 4, 2, 0)) + f":{int(port, 16)}"
 
 
-def _marked(marker: str) -> list[int]:
+def _marked(marker: str, older: set | None = None) -> list[int]:
+    """Pids whose environment holds ``marker``. ``older``: pids that ran before the command started and have
+    been listed at every sample since (updated here), so cannot be its processes: their environment is not
+    read again (a sample read every process's, ~5 ms of CPU per 50 ms on a busy machine). A pid is reused
+    only after the kernel's counter wraps (pid_max), never within the 50 ms between two samples."""
+    listed = set(filter(str.isdigit, os.listdir("/proc")))
+    if older is not None:
+        older &= listed  # one that vanished may come back as another process: read it then
     pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in listed - (older or set()):
         try:
             if marker.encode() in Path(f"/proc/{pid}/environ").read_bytes():
                 pids.append(int(pid))
@@ -43,11 +53,24 @@ def _marked(marker: str) -> list[int]:
     return pids
 
 
-def sockets_beyond_loopback(marker: str) -> set[tuple[str, str, str]]:
-    """``(command, protocol, address)`` of every socket a marked process holds open beyond loopback, now."""
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def sockets_beyond_loopback(pids) -> set[tuple[str, str, str]]:
+    """``(command, protocol, address)`` of every socket one of ``pids`` holds open beyond loopback, now."""
     host_ns = os.readlink("/proc/self/ns/net")
     found = set()
-    for pid in _marked(marker):
+    for pid in pids:
         try:
             if os.readlink(f"/proc/{pid}/ns/net") != host_ns:
                 continue  # a cluster node's namespace: its own private network
@@ -80,6 +103,7 @@ def watch(argv, *, timeout_s: float = 300, env=None, cwd=None, until=None, shell
     marker = f"COURSE_SOCKET_PROBE={uuid.uuid4().hex}"
     key, value = marker.split("=")
     out = tempfile.NamedTemporaryFile(prefix="course-listening-", suffix=".log", delete=False)
+    older = set(filter(str.isdigit, os.listdir("/proc")))
     proc = subprocess.Popen(
         argv,
         env={**(env or os.environ), key: value},
@@ -95,9 +119,9 @@ def watch(argv, *, timeout_s: float = 300, env=None, cwd=None, until=None, shell
     seen, deadline = set(), time.monotonic() + timeout_s
     try:
         while proc.poll() is None and time.monotonic() < deadline:
-            seen |= sockets_beyond_loopback(marker)
+            seen |= sockets_beyond_loopback(_marked(marker, older))
             if until is not None and until(proc):
-                seen |= sockets_beyond_loopback(marker)
+                seen |= sockets_beyond_loopback(_marked(marker, older))
                 break
             time.sleep(0.05)
     finally:
@@ -111,3 +135,23 @@ def watch(argv, *, timeout_s: float = 300, env=None, cwd=None, until=None, shell
         proc.output = proc.output_path.read_text(errors="replace")
         proc.output_path.unlink()
     return seen, proc
+
+
+@contextlib.contextmanager
+def watching_this_process():
+    """Sample, every 50 ms while the block runs, the sockets of every process this one has started (its
+    descendants, read from /proc): for a run made in this process (``ft_run``, which forks from ``launch``'s
+    agent server, so a marker in ``os.environ`` would not reach every process). Yields the set it fills."""
+    seen, done = set(), threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.05):
+            seen.update(sockets_beyond_loopback(_descendants(os.getpid())))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        sampler.join()

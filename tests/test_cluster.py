@@ -1,8 +1,9 @@
 """course_utils.cluster: torchrun across network namespaces joined by a rate-limited link.
 
 Measured against references: cross-node bytes against the planner's formula (and HSDP's against
-FULL_SHARD's), the node-loss resume against a run without the loss (bit for bit), refusals
-against simulated missing pieces, and teardown against what the host had before.
+FULL_SHARD's), the sockets the command's processes listen on against the host's loopback, the node-loss
+resume against a run without the loss (bit for bit), refusals against simulated missing pieces, and
+teardown against what the host had before.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, pid_alive
+from listening import watch
 
 from course_utils import cable, cluster, comm, namespaces, plan
 from course_utils.cli import main as cli_main
@@ -385,23 +387,25 @@ def test_a_cluster_killed_or_terminated_leaves_nothing(as_root):
 # ------------------------------------------------------------------ real runs (root)
 
 
-def _cli(*args) -> dict:
+def _cli(*args) -> tuple[dict, set]:
+    """``cluster ... --json``'s report, and every socket its processes listened on beyond its namespaces
+    (``listening.watch`` samples /proc as it runs: issue 34, nothing listens beyond the machine)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "course_utils", "cluster", *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    argv = [sys.executable, "-m", "course_utils", "cluster", *args, "--json"]
+    seen, proc = watch(argv, cwd=ROOT, env=env, timeout_s=240)
+    assert proc.returncode == 0, proc.output[-3000:]
+    return json.loads(next(ln for ln in reversed(proc.output.splitlines()) if ln.startswith("{"))), seen
 
 
 def test_short_form_hsdp_sends_less_across_nodes(as_root, one_host):
+    """The CLI's short form across a real link: the bytes and the training of the one-host run; and, watched as
+    it runs, none of its processes listens in the host's namespace beyond loopback (issue 34)."""
     before = _host_state()
-    r = _cli("--nodes", "2", "--nproc-per-node", "2", "--link", "100mbit", "--strategy", "hybrid_shard", "--steps", "2")
+    r, seen = _cli(
+        "--nodes", "2", "--nproc-per-node", "2", "--link", "100mbit", "--strategy", "hybrid_shard", "--steps", "2"
+    )
+    # the cluster's stores and gloo listen on the nodes' own private subnet, nothing in the host's namespace
+    assert seen == set(), f"listening beyond loopback: {sorted(seen)}"
     _assert_nothing_left(before, r["commands"][0].split("--rdzv-id ")[1].split()[0])
     assert r["world_size"] == 4 and r["link"] == {"rate": "100mbit", "delay": None, "netem": False}
     assert r["step_time_s"] > 0 and len(r["losses"]) == 2 and r["nodes"] == 2 and r["nproc_per_node"] == 2

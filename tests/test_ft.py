@@ -15,6 +15,7 @@ import socket
 
 import pytest
 from conftest import pid_alive
+from listening import watching_this_process
 
 from course_utils import cli, cluster, namespaces
 from course_utils.ft import INSTALL_HINT, ft_run
@@ -29,8 +30,16 @@ ON_CLUSTER = cluster.missing() is None
 
 
 @pytest.fixture(scope="module")
-def in_allreduce():
-    return ft_run(replicas=2, steps=STEPS, kill=f"1:{KILL_STEP}", during_allreduce=True, after_heal=AFTER_HEAL)
+def in_allreduce_watched():
+    """The run, and every socket its processes listened on beyond loopback, sampled from /proc as it ran."""
+    with watching_this_process() as seen:
+        run = ft_run(replicas=2, steps=STEPS, kill=f"1:{KILL_STEP}", during_allreduce=True, after_heal=AFTER_HEAL)
+    return run, set(seen)
+
+
+@pytest.fixture(scope="module")
+def in_allreduce(in_allreduce_watched):
+    return in_allreduce_watched[0]
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +144,12 @@ def test_diloco_sends_across_the_link_only_when_it_synchronises(diloco):
     assert all(b < 0.01 * allreduce for b in local)  # heartbeats only
 
 
-def test_nothing_listens_beyond_its_place(in_allreduce, diloco):
-    """Every socket a run listened on (stores, torchft's manager servers, gloo, the lighthouse)."""
+def test_nothing_listens_beyond_its_place(in_allreduce_watched, diloco):
+    """Every socket a run listened on (stores, torchft's manager servers, gloo, the lighthouse), as the run saw
+    them; and, sampled from outside (issue 34), no process of the run, its job manager and ``launch``'s agent
+    included, held a TCP socket listening or a UDP socket bound beyond loopback."""
+    in_allreduce, seen = in_allreduce_watched
+    assert seen == set(), f"listening beyond loopback: {sorted(seen)}"
     assert len(in_allreduce["listening"]) >= 1 + 3 * 3  # the lighthouse, and three servers per group process
     for address, _ in in_allreduce["listening"]:
         assert is_loopback(address), f"an ft run listened on {address}"

@@ -1,4 +1,5 @@
-"""course_utils.launch: results per rank, failures, hangs, interrupts, orphans, bad input."""
+"""course_utils.launch: results per rank, failures, hangs, interrupts, orphans, bad input, and (one launch
+watched as it runs, ``listening.watch``) nothing listening beyond loopback."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import textwrap
 import time
 
 import pytest
-from conftest import ROOT, pid_alive, sigint_as_in_a_terminal
+from conftest import ROOT, pid_alive
+from listening import watch
 
 from course_utils import examples
 from course_utils.errors import CourseInputError
@@ -99,36 +101,6 @@ def test_failure_leaves_no_orphans(tmp_path):
 def _files_holding(folder, text: str) -> list:
     """Files under ``folder`` whose bytes contain ``text`` (the caller's environment must be in none)."""
     return [p for p in folder.rglob("*") if p.is_file() and text.encode() in p.read_bytes()]
-
-
-def test_interrupt_stops_every_worker(tmp_path, monkeypatch):
-    secret = f"caller-secret-{os.getpid()}-{time.time_ns()}"
-    monkeypatch.setenv("COURSE_TEST_CALLER_SECRET", secret)
-    script = textwrap.dedent(f"""
-        import sys
-        from course_utils import examples
-        from course_utils.launch import launch
-        try:
-            launch(examples.count_with_progress, nproc=2, kwargs={{"steps": 1000, "delay_s": 0.2}},
-                   timeout_s=120, run_dir={str(tmp_path)!r}, echo=False)
-        except KeyboardInterrupt as exc:
-            print("INTERRUPTED:", exc, flush=True)
-            sys.exit(3)
-    """)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=sigint_as_in_a_terminal
-    )
-    deadline = time.monotonic() + 60
-    while len(_progress_pids(tmp_path)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    pids = _progress_pids(tmp_path)
-    assert len(pids) == 2, "workers never started"
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 3 and "every process of the run (2 workers and their agent) was stopped" in out
-    time.sleep(0.5)
-    assert not any(pid_alive(p) for p in pids)
-    assert _files_holding(tmp_path, secret) == [], "a file of the run holds the caller's environment"
 
 
 @pytest.mark.parametrize(
@@ -484,30 +456,69 @@ def test_the_final_progress_line_says_how_each_rank_ended(tmp_path):
     assert final == "[  2.0s] rank 0: failed (at 3/8) | rank 1: done | rank 2: killed"
 
 
-def test_an_interrupt_during_the_first_launch_leaves_nothing_and_the_next_launch_right(tmp_path):
-    """Ctrl-C while the very first launch still waits for its agent (the agent server is cold)."""
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """One Python, as a kernel: Ctrl-C while its very first launch waits for the cold agent server, two
+    launches after it, then Ctrl-C from outside while a third launch's workers run (sent once both report
+    progress). Watched as it runs (``listening.watch``, issue 34) for sockets beyond loopback."""
+    folder = tmp_path_factory.mktemp("interrupted")
+    first, running = folder / "first", folder / "running"
+    secret = f"caller-secret-{os.getpid()}-{time.time_ns()}"
     script = textwrap.dedent(f"""
         import os, signal, sys, threading, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even under `make test &`
         from course_utils import examples
         from course_utils.launch import launch
         # The interrupt lands while launch() waits for the cold agent server's answer.
         threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         try:
-            launch(examples.pid_of_rank, nproc=2, run_dir={str(tmp_path / "first")!r}, echo=False)
+            launch(examples.pid_of_rank, nproc=2, run_dir={str(first)!r}, echo=False)
             print("NOT INTERRUPTED", flush=True)
         except KeyboardInterrupt:
             print("INTERRUPTED", flush=True)
         for n in (2, 3):
             out = launch(examples.all_reduce_demo, nproc=n, kwargs={{"n": 1}}, echo=False)
             print("RESULT", n, sorted(out), [v["result"] for v in out.values()], flush=True)
+        try:
+            launch(examples.count_with_progress, nproc=2, kwargs={{"steps": 1000, "delay_s": 0.2}},
+                   timeout_s=120, run_dir={str(running)!r}, echo=False)
+        except KeyboardInterrupt as exc:
+            print("INTERRUPTED:", exc, flush=True)
+            sys.exit(3)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "INTERRUPTED" in proc.stdout
-    assert "RESULT 2 [0, 1] [[3.0], [3.0]]" in proc.stdout
-    assert "RESULT 3 [0, 1, 2] [[6.0], [6.0], [6.0]]" in proc.stdout
+    workers = []
+
+    def ctrl_c_once_both_run(proc) -> bool:
+        if not workers and len(_progress_pids(running)) == 2:
+            workers.extend(_progress_pids(running))
+            proc.send_signal(signal.SIGINT)
+        return False  # the script ends by itself
+
+    env = {**os.environ, "COURSE_TEST_CALLER_SECRET": secret}
+    seen, proc = watch([sys.executable, "-c", script], cwd=ROOT, env=env, until=ctrl_c_once_both_run, timeout_s=180)
     time.sleep(1.0)  # the cancelled agent, if it had been forked, ends itself within 0.25 s
-    assert not _processes_mentioning(str(tmp_path)), "a process of the interrupted launch outlived it"
+    return dict(proc=proc, seen=seen, workers=workers, first=first, running=running, secret=secret)
+
+
+def test_an_interrupt_during_the_first_launch_leaves_nothing_and_the_next_launch_right(interrupted):
+    out = interrupted["proc"].output
+    assert "INTERRUPTED" in out.splitlines() and "NOT INTERRUPTED" not in out, out[-2000:]
+    assert "RESULT 2 [0, 1] [[3.0], [3.0]]" in out
+    assert "RESULT 3 [0, 1, 2] [[6.0], [6.0], [6.0]]" in out
+    assert not _processes_mentioning(str(interrupted["first"])), "a process of the interrupted launch outlived it"
+    assert interrupted["seen"] == set(), f"listening beyond loopback: {sorted(interrupted['seen'])}"
+
+
+def test_interrupt_stops_every_worker(interrupted):
+    proc, pids = interrupted["proc"], interrupted["workers"]
+    assert len(pids) == 2, "workers never started"
+    out = proc.output
+    assert proc.returncode == 3 and "every process of the run (2 workers and their agent) was stopped" in out, out[
+        -2000:
+    ]
+    assert not any(pid_alive(p) for p in pids)
+    running = interrupted["running"]
+    assert _files_holding(running, interrupted["secret"]) == [], "a file of the run holds the caller's environment"
 
 
 def _processes_mentioning(text):
