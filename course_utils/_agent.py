@@ -386,6 +386,10 @@ def _child(spec_bytes: bytes, result_path: str, log_path: str) -> None:
     run_agent(spec, result_path)
 
 
+#: What a caller that exits normally writes last: its own ``atexit`` removes its scratch folders.
+BYE = b"bye\n"
+
+
 def request(spec_bytes: bytes, result_path: str, log_path: str) -> bytes:
     """What the caller writes to the server for one launch: a header line, then the spec's bytes."""
     return f"{result_path}\t{log_path}\t{len(spec_bytes)}\n".encode() + spec_bytes
@@ -406,6 +410,19 @@ def _fork_agent(spec_bytes: bytes, result_path: str, log_path: str) -> int:
             sys.stderr.flush()
             os._exit(code)
     return pid
+
+
+def _kernel_gone(groups: list[int], killed: int | None) -> None:
+    """Stop every run; if the kernel was killed (pid ``killed``), have its scratch folders removed."""
+    for pid in groups:
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    if killed is not None:  # a killed kernel runs no atexit
+        from .scratch import bury_later  # the course's code, imported only now: nothing is forked after this
+
+        bury_later(killed, groups)
 
 
 def serve() -> None:
@@ -431,6 +448,8 @@ def serve() -> None:
     # at once: a launch ends when its agent's process group is gone, and an unreaped agent (a zombie)
     # still counts as in it. Polling every 0.2 s added 0.1 s to every launch on average (strace).
     children: dict[int, int | None] = {}  # agent pid -> its pidfd (None where Linux lacks pidfd_open)
+    kernel = os.getppid()  # whose scratch folders to remove if it was killed (``_bury``)
+    said_bye = False  # the kernel is exiting normally (``BYE``), not killed
     buffer = b""
     while True:
         watched = [fd for fd in children.values() if fd is not None]
@@ -448,15 +467,14 @@ def serve() -> None:
             continue
         chunk = os.read(0, 1 << 16)
         if not chunk:  # the kernel went away: take every run of ours with us
-            for pid in children:
-                try:
-                    os.killpg(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            _kernel_gone(list(children), None if said_bye else kernel)
             return
         buffer += chunk
         while b"\n" in buffer:
             header, rest = buffer.split(b"\n", 1)
+            if header + b"\n" == BYE:
+                said_bye, buffer = True, rest
+                continue
             result_path, log_path, size = header.decode().split("\t")
             if len(rest) < int(size):
                 break  # the spec's bytes are still coming

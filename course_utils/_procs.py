@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from ._agent import request
+from ._agent import BYE, request
 from ._report import LaunchError
 
 
@@ -108,6 +108,11 @@ class AgentServer:
     @classmethod
     def stop(cls) -> None:
         if cls.proc is not None and cls.proc.poll() is None:
+            try:
+                cls.proc.stdin.write(BYE)  # a normal exit: this process's atexit removes its own scratch
+                cls.proc.stdin.flush()
+            except OSError:
+                pass
             cls.proc.stdin.close()
             try:
                 cls.proc.wait(timeout=5)

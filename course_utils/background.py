@@ -12,9 +12,8 @@ import pickle
 import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
+from . import scratch
 from ._procs import kill_group, server_env
 from ._report import LaunchError, LaunchTimeout
 from .errors import CourseInputError
@@ -57,7 +56,7 @@ class Background:
                 "Background runs a module-level function of an importable module (it is "
                 "imported by name in the new process); move the function into a module"
             )
-        self._folder = Path(tempfile.mkdtemp(prefix="course-background-"))
+        self._folder = scratch.folder("course-background-")
         self._result = self._folder / "result.pkl"
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _BACKGROUND_MAIN, target, str(self._result)],

@@ -49,12 +49,11 @@ import json
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from . import ft_nodes
+from . import ft_nodes, scratch
 from .errors import CourseInputError
 from .ft_groups import FTConfig
 from .ft_jobs import job_manager
@@ -280,7 +279,7 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
     if importlib.util.find_spec("torchft") is None:
         raise CourseInputError(INSTALL_HINT)
     own_dir = run_dir is None
-    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="course-ft-"))
+    run_dir = Path(run_dir) if run_dir else scratch.folder("course-ft-")
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     env = {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}  # torchft's Rust side logs every quorum at INFO

@@ -35,11 +35,11 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from . import scratch
 from .errors import CourseInputError
 from .instrument import Observer
 from .strategies import DDP
@@ -152,7 +152,7 @@ def pg_timeout_hang(timeout_s: float = 2.0, *, nproc: int = 2, stall_step: int =
     from .launch import LaunchError, launch
     from .loop import TrainConfig
 
-    folder = Path(tempfile.mkdtemp(prefix="course-hang-"))
+    folder = scratch.folder("course-hang-")
     config = asdict(TrainConfig(strategy=DDP.name, nproc=nproc, steps=stall_step + 2, model=model))
     t0 = time.monotonic()
     try:
@@ -188,7 +188,7 @@ def file_timer_hang(step_deadline_s: float = 2.0, *, nproc: int = 2, stall_step:
     from .launch import LaunchError, launch
     from .loop import TrainConfig
 
-    folder = Path(tempfile.mkdtemp(prefix="course-hang-"))
+    folder = scratch.folder("course-hang-")
     config = asdict(TrainConfig(strategy=DDP.name, nproc=nproc, steps=stall_step + 2, model=model))
     env = {"TORCHELASTIC_ENABLE_FILE_TIMER": "1", "TORCHELASTIC_TIMER_FILE": str(folder / "timer.pipe")}
     t0 = time.monotonic()

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import validate
+from . import scratch, validate
 from ._procs import AgentServer, cancel_unknown_agent, group_alive, kill_group, reap, server_env, start_agent, warm_up
 from ._report import (
     LaunchError,
@@ -183,7 +183,12 @@ def _make_run(run_dir, nproc: int, timeout_s: float, max_restarts: int) -> _Run:
     """The run's folders: ``run_dir`` (a temporary one by default) and a fresh ``launch-*`` inside it."""
     own_dir = run_dir is None
     try:
-        run_dir = Path(tempfile.mkdtemp(prefix="course-run-")) if own_dir else Path(run_dir)
+        if not own_dir:
+            run_dir = Path(run_dir)
+        elif "ipykernel" in sys.modules:  # a failed run's logs go with the kernel, not before (scratch)
+            run_dir = scratch.folder("course-run-")
+        else:  # from a shell or a script, a failed run's logs stay for its user to read
+            run_dir = Path(tempfile.mkdtemp(prefix="course-run-"))
         run_dir.mkdir(parents=True, exist_ok=True)
         folder = Path(tempfile.mkdtemp(prefix="launch-", dir=run_dir))
         (folder / "agent.log").touch()

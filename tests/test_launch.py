@@ -566,7 +566,8 @@ def test_a_killed_kernel_takes_its_runs_with_it_even_when_a_worker_ignores_sigte
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(pid_alive(p) for p in pids), "workers outlived their killed kernel"
-    assert not _processes_mentioning(str(tmp_path / "run"))
+    left = _processes_mentioning(str(tmp_path / "run"))
+    assert not left, [(p, open(f"/proc/{p}/cmdline").read(), open(f"/proc/{p}/stat").read()[:80]) for p in left]
     assert _files_holding(tmp_path / "run", secret) == [], "a file of the killed run holds the caller's environment"
 
 

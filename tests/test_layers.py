@@ -25,8 +25,9 @@ LAYERS = [
     {"presets", "comm", "stepper", "validate", "strategy_spec"},  # shapes; ring arithmetic; the stage-3
     # schedule; input checks; what a row of the strategy record says
     {"models", "data", "dist", "instrument", "timeline", "_agent", "worker", "checksums", "_report", "recovery"}
-    | {"namespaces", "cable"},
-    # model, data, observers, workers; what a launch says; what a restart cost; a cluster's nodes and their cards
+    | {"namespaces", "cable", "scratch"},
+    # model, data, observers, workers; what a launch says; what a restart cost; a cluster's nodes and their cards;
+    # temporary folders that go with their process
     {"_procs", "failures"},  # a launch's processes and their clean-up; failure injection
     {"ddp", "zero.flat", "zero.stages", "zero.stage3", "zero", "fsdp", "per_param", "examples"},  # mechanism
     {"apply"},  # apply_*(model, mesh, options): the mechanism as the record holds it

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import replace
@@ -20,7 +19,7 @@ import torch
 
 from .. import checkpoint as ck
 from .. import dist as cdist
-from .. import recovery
+from .. import recovery, scratch
 from ..loop import TrainConfig, prepare, run_steps
 from ..memory import ADAM_MIXED_K, WEIGHT_BYTES
 from ..strategies import DDP
@@ -38,7 +37,7 @@ def lost_work_sweep(intervals, *, strategy: str = DDP.name, nproc: int = 2, **ov
     for k in intervals:
         fail_steps = [k + i for i in range(k)]
         spec = ",".join(f"{i % nproc}:{s}" for i, s in enumerate(fail_steps))
-        d = tempfile.mkdtemp(prefix=f"sweep-k{k}-")
+        d = str(scratch.folder(f"sweep-k{k}-"))
         report = train(
             strategy=strategy,
             nproc=nproc,
