@@ -165,10 +165,12 @@ class StepTimeline:
             found = self.roles()
         finally:
             self._busy = False
+        # Only live storages are looked up below, and a meta one is never live (``_dispatch`` skips them), so
+        # no device check here: this loop runs at every operation of the watched step, over every role tensor.
         for cat, tensors in found.items() if isinstance(found, dict) else found:
             for t in tensors:
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                    st = _local(t).untyped_storage()
+                if isinstance(t, torch.Tensor):
+                    st = getattr(t, "_local_tensor", t).untyped_storage()
                     if st.nbytes():
                         role.setdefault(st._cdata, cat)
         out = dict.fromkeys(CATEGORIES, 0)
