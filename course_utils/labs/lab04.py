@@ -39,7 +39,7 @@ def bit_identical_groups(rows: list) -> list[list[str]]:
 
 
 #: Keys of a run description that are not ``TrainConfig`` fields.
-RUN_KEYS = ("label", "sync_every_step", "cross_check", "kind", "run_dir")
+RUN_KEYS = ("label", "sync_every_step", "cross_check", "kind", "run_dir", "reuse")
 
 
 def _comm_debug_summary(counts: dict, steps: int) -> dict:
@@ -62,7 +62,9 @@ def _comm_debug_summary(counts: dict, steps: int) -> dict:
     return dict(sorted(out.items()))
 
 
-def run_one(cfg: TrainConfig, info, *, sync_every_step: bool = True, cross_check: bool = False) -> dict:
+def run_one(
+    cfg: TrainConfig, info, *, sync_every_step: bool = True, cross_check: bool = False, keep: list | None = None
+) -> dict:
     """Train one configuration on the ranks of an open session and measure it (notebook 04).
 
     The one loop (``loop.run_steps``: same model, data, optimizer, strategy function), with
@@ -76,13 +78,14 @@ def run_one(cfg: TrainConfig, info, *, sync_every_step: bool = True, cross_check
     one-process reference, whole global batch) with this rank's CPU threads; the other ranks
     wait. (A one-process ``train`` gets all the cores, and more threads add up a matmul in a
     different order: the two agree within ``TOLERANCE``, not bit for bit.) Returns rank 0's
-    row (other ranks: None).
+    row (other ranks: None). ``keep``: a list the trained ``Prepared`` is appended to, for a later
+    run of the same launch that goes on from it (``state_dict_round_trip``).
     """
     single = get(cfg.strategy).single_process
     if single and info.rank != 0:
         return None
     rank, world = (0, 1) if single else (info.rank, info.world_size)
-    return _run_one(cfg, info, rank, world, single, sync_every_step, cross_check)
+    return _run_one(cfg, info, rank, world, single, sync_every_step, cross_check, keep)
 
 
 class _SyncEveryStep(Observer):
@@ -120,8 +123,10 @@ def _timed_only(cfg, info, rank, world, sync_every_step) -> float:
     return timer.seconds_per_step()
 
 
-def _run_one(cfg, info, rank, world, single, sync_every_step, cross_check):
+def _run_one(cfg, info, rank, world, single, sync_every_step, cross_check, keep=None):
     prepared = prepare(cfg, info)
+    if keep is not None:
+        keep.append(prepared)
     count = CountCollectives(node_size=cfg.node_size)  # counted like train_worker
     held = HeldAtRest(prepared.held, at=cfg.steps - 1, also={"where": held_by_device})
     timer = StepTimer(info.device, skip=min(1, cfg.steps - 1))
@@ -208,11 +213,15 @@ def experiments_worker(runs: list[dict]) -> list[dict] | None:
 
     Each run is a dict of ``TrainConfig`` fields plus ``label``, ``sync_every_step`` and
     ``cross_check`` (see ``run_one``); a run with ``kind="state_dict"`` and a ``run_dir`` runs
-    ``state_dict_round_trip`` instead and its row is that report. If a "single" run comes first, every later row gets
+    ``state_dict_round_trip`` instead and its row is that report; with ``reuse=(label, fsdp1_label)`` it goes on from
+    the models those two earlier runs trained (the same ``TrainConfig``, the second with ``{"api": "fsdp1"}``)
+    instead of building and training two of its own. If a "single" run comes first, every later row gets
     ``max_weight_diff``, ``rel_weight_diff`` (``weight_diff`` of the full fp32 weights, on rank 0)
     and ``max_loss_rel_diff`` (largest relative difference of a step's loss) against it.
     """
     rows, reference = [], None
+    wanted = {label for run in runs for label in run.get("reuse", ())}
+    trained: dict = {}  # label -> (TrainConfig, Prepared) of the runs a later run goes on from
     with cdist.session() as info:
         for i, run in enumerate(runs):
             extra = {k: run[k] for k in RUN_KEYS if k in run}
@@ -220,20 +229,25 @@ def experiments_worker(runs: list[dict]) -> list[dict] | None:
             single = get(cfg.strategy).single_process
             cfg.nproc = 1 if single else info.world_size
             cfg.validate()
+            label = extra.get("label", cfg.strategy)
             if extra.get("kind") == "state_dict":
                 Path(extra["run_dir"]).mkdir(parents=True, exist_ok=True)
-                row = state_dict_round_trip(cfg, info, extra["run_dir"])
+                row = state_dict_round_trip(cfg, info, extra["run_dir"], *_reused(cfg, extra.get("reuse"), trained))
             else:
+                keep = [] if label in wanted else None
                 row = run_one(
                     cfg,
                     info,
                     sync_every_step=extra.get("sync_every_step", True),
                     cross_check=extra.get("cross_check", False),
+                    keep=keep,
                 )
-            cdist.report_progress(i + 1, len(runs), run=extra.get("label", cfg.strategy))
+                if keep:
+                    trained[label] = (cfg, keep[0])
+            cdist.report_progress(i + 1, len(runs), run=label)
             if info.rank != 0:
                 continue
-            row["label"] = extra.get("label", cfg.strategy)
+            row["label"] = label
             if single and reference is None:
                 reference = row
             if reference is not None and "full_state_dict" in row:
@@ -247,6 +261,23 @@ def experiments_worker(runs: list[dict]) -> list[dict] | None:
     for row in rows:
         row.pop("full_state_dict", None)
     return rows
+
+
+def _reused(cfg: TrainConfig, labels, trained: dict) -> tuple:
+    """The two trained ``Prepared`` a state-dict run goes on from, checked to be the runs it would train itself."""
+    if not labels:
+        return ()
+    fsdp1_cfg = replace(cfg, options={**cfg.options, "api": "fsdp1"})
+    out = []
+    for label, expected in zip(labels, (cfg, fsdp1_cfg)):
+        if label not in trained:
+            raise ValueError(f"the state-dict run reuses {label!r}: list that run before it, in the same launch")
+        if trained[label][0] != expected:
+            raise ValueError(
+                f"run {label!r} is not the state-dict run's configuration: {trained[label][0]} != {expected}"
+            )
+        out.append(trained.pop(label)[1])
+    return tuple(out)
 
 
 def run_experiments(runs: list[dict], *, nproc: int, backend: str = "auto", timeout_s: float = 300.0) -> list[dict]:
@@ -288,7 +319,9 @@ def _files(folder: Path) -> list[dict]:
     return [{"name": f.name, "bytes": f.stat().st_size} for f in sorted(folder.iterdir()) if f.is_file()]
 
 
-def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
+def state_dict_round_trip(
+    cfg: TrainConfig, info, run_dir: str, trained: Prepared | None = None, trained_fsdp1: Prepared | None = None
+) -> dict:
     """Save and load FSDP state three ways, on every rank of an open session; rank 0 reports (notebook 04).
 
     1. Full state dict: ``get_model_state_dict(full_state_dict=True)`` against ``full_tensor()``
@@ -302,7 +335,9 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
        the same.
 
     ``cfg.strategy`` is the FSDP2 strategy trained for ``cfg.steps`` steps. Files go under
-    ``run_dir`` only (a fresh folder per call: DCP must never reuse one).
+    ``run_dir`` only (a fresh folder per call: DCP must never reuse one). ``trained`` and
+    ``trained_fsdp1``: that run, and the same with FSDP1, already trained in this launch (notebook 04's
+    runs of section 2 and 3); otherwise both are built and trained here.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -315,8 +350,10 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
 
     root = Path(run_dir)
     out: dict = {"world_size": info.world_size, "run_dir": str(root)}
-    prepared = prepare(cfg, info)
-    _train_steps(prepared, cfg, info, range(cfg.steps))
+    prepared = trained
+    if prepared is None:
+        prepared = prepare(cfg, info)
+        _train_steps(prepared, cfg, info, range(cfg.steps))
     model, optimizer = prepared.model, prepared.optimizer
 
     # 1. the full state dict, two ways, and loading it back
@@ -359,8 +396,10 @@ def state_dict_round_trip(cfg: TrainConfig, info, run_dir: str) -> dict:
     out["next_step_equal"] = weights_sha256(full_state_dict(model)) == weights_sha256(full_state_dict(resumed.model))
 
     # 3. FSDP1: full_optim_state_dict(rank0_only=True), written by every rank
-    old = _fresh(TrainConfig(**{**asdict(cfg), "options": {"api": "fsdp1"}}), info, FULL_SHARD.name, seed_offset=0)
-    _train_steps(old, cfg, info, range(cfg.steps))
+    old = trained_fsdp1
+    if old is None:
+        old = _fresh(TrainConfig(**{**asdict(cfg), "options": {"api": "fsdp1"}}), info, FULL_SHARD.name, seed_offset=0)
+        _train_steps(old, cfg, info, range(cfg.steps))
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     with warnings.catch_warnings():
