@@ -185,3 +185,10 @@ def cancel_unknown_agent(folder: Path) -> None:
             continue
         kill_group(pid, grace_s=0.5)
         return
+
+
+# A notebook's first launch should not wait for the server to import torch: in a kernel it starts as soon
+# as the launcher is imported, before ``launch`` imports torch itself (``.dist``), so the two imports run
+# on two cores at once.
+if "ipykernel" in sys.modules and os.environ.get("COURSE_WARM_UP", "1") != "0":
+    warm_up()

@@ -427,7 +427,3 @@ def _result(values, run: _Run, backend, device_type, start, label, args, kwargs,
         shutil.rmtree(run.run_dir, ignore_errors=True)
         result.log_dir = None
     return result
-
-
-if "ipykernel" in sys.modules and os.environ.get("COURSE_WARM_UP", "1") != "0":
-    warm_up()  # a notebook's first launch should not wait for torch to import a second time
