@@ -433,7 +433,9 @@ class Cluster:
     def start(self, node: Node, argv: list[str], env: dict | None = None, name: str | None = None) -> subprocess.Popen:
         """Run ``argv`` inside ``node`` in a session of its own; output goes to ``self.log_dir/<name>.log``."""
         log = open(self.log_dir / f"{name or node.ns}.log", "ab")
-        full_env = {**os.environ, **(env or {})}
+        tmp = self.log_dir / "tmp"  # torchrun's own log folders (torchelastic_*) and any temporary file: removed
+        tmp.mkdir(exist_ok=True)  # with the cluster, not left in /tmp (633 torchelastic_ folders were)
+        full_env = {**os.environ, **(env or {}), "TMPDIR": str(tmp)}
         cores = ",".join(map(str, sorted(self.cores(node))))
         proc = subprocess.Popen(
             ["ip", "netns", "exec", node.ns, "taskset", "-c", cores, *argv],
