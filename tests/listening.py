@@ -83,7 +83,12 @@ def sockets_beyond_loopback(pids) -> set[tuple[str, str, str]]:
             for table in ("tcp", "tcp6", "udp", "udp6"):
                 for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
                     fields = line.split()
-                    listening = table.startswith("udp") or fields[3] == "0A"  # 0A: LISTEN
+                    # TCP: LISTEN (0A). UDP: bound and unconnected (no remote address). A connected UDP socket
+                    # takes datagrams from its one peer only; glibc's resolver opens one, on the host's own
+                    # address, for each DNS query (torch elastic's socket.getfqdn() makes one): test_ft saw
+                    # one once, port 52269 of eth0, and failed a run whose servers all listened on loopback
+                    connected = fields[2].split(":")[1] != "0000"
+                    listening = (table.startswith("udp") and not connected) or fields[3] == "0A"
                     v6 = table.endswith("6")
                     if fields[9] in inodes and listening and not _is_loopback(fields[1], v6):
                         found.add((command, table, _readable(fields[1], v6)))
