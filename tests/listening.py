@@ -85,8 +85,8 @@ def sockets_beyond_loopback(pids) -> set[tuple[str, str, str]]:
                     fields = line.split()
                     # TCP: LISTEN (0A). UDP: bound and unconnected (no remote address). A connected UDP socket
                     # takes datagrams from its one peer only; glibc's resolver opens one, on the host's own
-                    # address, for each DNS query (torch elastic's socket.getfqdn() makes one): test_ft saw
-                    # one once, port 52269 of eth0, and failed a run whose servers all listened on loopback
+                    # address, for each DNS query (torch elastic's socket.getfqdn() makes one): most likely what
+                    # test_ft saw once, port 52269 of eth0, in a run whose servers all listened on loopback
                     connected = fields[2].split(":")[1] != "0000"
                     listening = (table.startswith("udp") and not connected) or fields[3] == "0A"
                     v6 = table.endswith("6")
