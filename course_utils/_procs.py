@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ._agent import BYE, request
 from ._report import LaunchError
+from .scratch import group_alive
 
 
 def server_env() -> dict:
@@ -30,16 +31,6 @@ def server_env() -> dict:
     pkg_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     return env
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - a recycled id owned by someone else
-        return False
 
 
 def kill_group(pgid: int, grace_s: float = 3.0) -> None:

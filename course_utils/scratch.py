@@ -36,21 +36,13 @@ def _stat(pid: int) -> tuple[str, str]:
         return "", "0"
 
 
-def _start_time(pid: int) -> str:
-    return _stat(pid)[1]
-
-
 def _owner_alive(name: str) -> bool:
     try:
         pid_text, start = name[len(PREFIX) :].split("-")[:2]
         pid = int(pid_text)
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (ValueError, PermissionError):  # not a name of ours, or someone else's live process
+    except ValueError:  # not a name of ours
         return True
-    state, started = _stat(pid)
-    return state not in ("Z", "X") and start in ("0", started)  # a zombie has exited: only its exit code is left
+    return _alive(pid) and start in ("0", _stat(pid)[1])  # the start time tells a reused pid from the owner
 
 
 def sweep(where: str | None = None) -> list[str]:
@@ -74,7 +66,7 @@ def root() -> Path:
     pid = os.getpid()
     if _root is None or _root[0] != pid or not _root[1].is_dir():
         sweep()
-        path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{pid}-{_start_time(pid)}-"))
+        path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{pid}-{_stat(pid)[1]}-"))
         atexit.register(shutil.rmtree, path, True)
         _root = (pid, path)
     return _root[1]
@@ -117,7 +109,7 @@ def bury(parent: int, groups: list[int]) -> None:
     import time
 
     deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline and any(_group_alive(g) for g in groups):
+    while time.monotonic() < deadline and any(group_alive(g) for g in groups):
         time.sleep(0.02)
     deadline = time.monotonic() + 1.0
     while _alive(parent) and time.monotonic() < deadline:
@@ -136,9 +128,10 @@ def _alive(pid: int) -> bool:
     return _stat(pid)[0] not in ("Z", "X")  # a zombie has exited: only its exit code is left
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """True while any process of group ``pgid`` lives (the launcher's ``_procs`` uses it too)."""
     try:
         os.killpg(pgid, 0)
         return True
-    except (ProcessLookupError, PermissionError):
+    except (ProcessLookupError, PermissionError):  # PermissionError: a recycled id owned by someone else
         return False
