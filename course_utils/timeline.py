@@ -55,7 +55,7 @@ _COMM_NAMESPACES = ("c10d", "_c10d_functional")
 
 
 def _local(t):
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+    return getattr(t, "_local_tensor", t)
 
 
 class _Storage:
@@ -170,7 +170,7 @@ class StepTimeline:
         for cat, tensors in found.items() if isinstance(found, dict) else found:
             for t in tensors:
                 if isinstance(t, torch.Tensor):
-                    st = getattr(t, "_local_tensor", t).untyped_storage()
+                    st = _local(t).untyped_storage()
                     if st.nbytes():
                         role.setdefault(st._cdata, cat)
         out = dict.fromkeys(CATEGORIES, 0)
