@@ -150,6 +150,26 @@ def markdown_bridge(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown_bridge_peaks(rows: list[dict]) -> str:
+    """``labs.lab05b.bridge`` rows' tracked steps as a Markdown table: each category's own peak and the step's peak,
+    the rehearsal against every real rank (notebook 05b)."""
+    lines = [
+        "Bytes at the peak of one step of the tiny course model: the same tracked step (FSDPMemTracker) on fake "
+        "tensors and on real gloo ranks; each category's own largest value, then the step's peak",
+        "",
+        "| ranks | strategy | category | rehearsal | real, rank 0 | real - rehearsal | equal on every rank? |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        name = get_fsdp(row["strategy"]).fsdp1_name
+        shown = [(c, v) for c, v in row["category_peaks"].items() if v[0] or any(v[1])]
+        for i, (cat, (fake, real)) in enumerate([*shown, ("peak of the step", row["peak_bytes"])]):
+            first = f"| {row['nproc']} | {name} " if i == 0 else "| | "
+            same = "yes" if set(real) == {fake} else "no"
+            lines.append(f"{first}| {cat} | {fake:,} | {real[0]:,} | {real[0] - fake:+,} | {same} |")
+    return "\n".join(lines)
+
+
 def markdown_summary(rows: list[dict], unit: str = "GB") -> str:
     """``rows`` (``predictions.summary_rows``) as a Markdown table (notebook 05b)."""
     lines = [
