@@ -39,7 +39,7 @@ the tiny course model, bytes counted on the real shards with ``instrument.tensor
 from __future__ import annotations
 
 from ..presets import ALIASES, NOT_THEIR_SIZE, PRESETS, GPTConfig, Preset, preset
-from .calibration import TERMS, calibration_rows, measured_terms, planner_terms
+from .calibration import TERMS, calibration_rows, measured_terms, planner_terms, preset_calibration
 from .cli import rehearse_arguments, rehearse_command
 from .predictions import (
     BLOCK_SAVED_PER_TOKEN_WIDTH,
@@ -101,6 +101,7 @@ from .views import (
 __all__ = [
     "TERMS",
     "calibration_rows",
+    "preset_calibration",
     "measured_terms",
     "planner_terms",
     "check_policy",
