@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..plan.implementations import IMPLS
 from ..plan.shapes import GPUS, GPUCluster, Shape
 from ..plan.throughput import Config, memory
-from ..strategies import get_fsdp
+from ..strategies import FULL_SHARD, get_fsdp
 from .predictions import predict
 from .run import Rehearsal
 
@@ -105,7 +105,7 @@ def _rehearsed_moment(r: Rehearsal) -> str:
     return "forward" if r.peak.get("Sharded Grad", 0) == 0 else "backward"
 
 
-def preset_calibration(name: str, recompute: str, nproc: int = 8, strategy: str = "full_shard", first: int = 3):
+def preset_calibration(name: str, recompute: str, nproc: int = 8, strategy: str = FULL_SHARD.name, first: int = 3):
     """The planner's terms against the rehearsal for a published preset at its full depth, rehearsed cheaply: at
     three consecutive depths of a few blocks, the same width, heads, feed-forward, vocabulary and sequence
     (notebook 05b).
