@@ -151,22 +151,25 @@ def markdown_bridge(rows: list[dict]) -> str:
 
 
 def markdown_bridge_peaks(rows: list[dict]) -> str:
-    """``labs.lab05b.bridge`` rows' tracked steps as a Markdown table: each category's own peak and the step's peak,
-    the rehearsal against every real rank (notebook 05b)."""
+    """``labs.lab05b.bridge`` rows' tracked steps as a Markdown table: categories' own peaks and the step's peak,
+    the rehearsal against real rank 0, and whether every other category is equal on every rank (notebook 05b)."""
+    shown = ("Activation", "Unsharded Param", "Temp")
     lines = [
-        "Bytes at the peak of one step of the tiny course model: the same tracked step (FSDPMemTracker) on fake "
-        "tensors and on real gloo ranks; each category's own largest value, then the step's peak",
+        "Bytes at the peak of one step of the tiny course model, the same tracked step (FSDPMemTracker) on fake "
+        "tensors and on real gloo ranks: rehearsal / real rank 0",
         "",
-        "| ranks | strategy | category | rehearsal | real, rank 0 | real - rehearsal | equal on every rank? |",
+        "| ranks | strategy | activations | gathered weights | Temp | peak of the step | other categories equal? |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        cats = row["category_peaks"]
+        cells = [f"{cats[c][0]:,} / {cats[c][1][0]:,}" for c in shown]
+        others = all(set(real) == {fake} for c, (fake, real) in cats.items() if c not in shown)
         name = get_fsdp(row["strategy"]).fsdp1_name
-        shown = [(c, v) for c, v in row["category_peaks"].items() if v[0] or any(v[1])]
-        for i, (cat, (fake, real)) in enumerate([*shown, ("peak of the step", row["peak_bytes"])]):
-            first = f"| {row['nproc']} | {name} " if i == 0 else "| | "
-            same = "yes" if set(real) == {fake} else "no"
-            lines.append(f"{first}| {cat} | {fake:,} | {real[0]:,} | {real[0] - fake:+,} | {same} |")
+        lines.append(
+            f"| {row['nproc']} | {name} | {' | '.join(cells)} | {row['peak_bytes'][0]:,} / {row['peak_bytes'][1][0]:,} "
+            f"| {'yes' if others else 'no'} |"
+        )
     return "\n".join(lines)
 
 
