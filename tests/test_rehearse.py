@@ -344,10 +344,11 @@ def test_the_throughput_planner_is_calibrated_per_term_on_llama_2_7b():
     assert rows["none", "activations"]["cpu_artefact"] == pytest.approx((12 * h * L + 6 * h) * T)
 
 
-#: Terms of the five presets outside 10%, and why: at a peak in backward under full recomputation the planner books
-#: less of the peak as activations (the tracker's Activation, Temp, Inputs) and more as states and buffers than the
-#: tracker does; the peak itself is within 2.5% in every such setting. Which tensors the two split differently is
-#: not traced yet. The bound each is held to, so that a change that moves it shows.
+#: Terms of the five presets outside 10%, and why: at a peak late in backward under full recomputation the tracker
+#: files the head's gradient under temporaries (an activation category here) where the planner books it as a
+#: gradient (notebook 05b, section 10), so the planner's activations come out short and its states and buffers
+#: long; the peak itself is within 2.5% in every such setting. The bound each is held to, so that a change that
+#: moves it shows.
 RESIDUALS = {
     ("1.56B", "full", "activations"): 0.85,  # 0.09 GB planned against 0.49 GB: the term is small at this moment
     ("6.7B", "full", "activations"): 0.15,
@@ -356,16 +357,16 @@ RESIDUALS = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # about 125 CPU s in all, most of it 6.7B and 13B without recomputation (rehearsed at 30-40 blocks)
+@pytest.mark.parametrize("policy", ["none", "full"])
 @pytest.mark.parametrize("name", ["1.56B", "6.7B", "8B", "13B", "70B"])
-def test_every_preset_is_calibrated_at_both_recomputation_extremes(name):
+def test_every_preset_is_calibrated_at_both_recomputation_extremes(name, policy):
     """Every preset, FULL_SHARD on 8 fake ranks, no recomputation and full: each term the rehearsal measures at
     three consecutive depths grows by the same bytes per block (to the byte), so the preset's whole depth is
     extrapolated; the planner priced at that depth is within 10% on every term, or the residual is named above."""
-    for policy in ("none", "full"):
-        for row in R.preset_calibration(name, policy):
-            assert row["linear"], row
-            bound = RESIDUALS.get((name, policy, row["term"]), 0.10)
-            assert abs(row["after_error"]) < bound, (name, policy, row["term"], row["after_error"])
-            if (name, policy, row["term"]) in RESIDUALS:
-                assert row["moment"] == "backward" and abs(row["after_error"]) >= 0.10  # still a residual
+    for row in R.preset_calibration(name, policy):
+        assert row["linear"], row
+        bound = RESIDUALS.get((name, policy, row["term"]), 0.10)
+        assert abs(row["after_error"]) < bound, (name, policy, row["term"], row["after_error"])
+        if (name, policy, row["term"]) in RESIDUALS:
+            assert row["moment"] == "backward" and abs(row["after_error"]) >= 0.10  # still a residual
