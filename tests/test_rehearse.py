@@ -357,7 +357,7 @@ RESIDUALS = {
 }
 
 
-@pytest.mark.slow  # about 125 CPU s in all, most of it 6.7B and 13B without recomputation (rehearsed at 30-40 blocks)
+@pytest.mark.slow  # about 30 CPU s for the ten settings
 @pytest.mark.parametrize("policy", ["none", "full"])
 @pytest.mark.parametrize("name", ["1.56B", "6.7B", "8B", "13B", "70B"])
 def test_every_preset_is_calibrated_at_both_recomputation_extremes(name, policy):

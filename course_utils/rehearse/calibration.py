@@ -112,11 +112,13 @@ def preset_calibration(name: str, recompute: str, nproc: int = 8, strategy: str 
 
     A term at d blocks is T(d) = T(d0) + (d - d0) x per-block as long as the step peaks at the same moment (in
     forward, or in backward once gradient shards exist); the moment can change with depth (the backward's peak
-    gains a gradient shard per block), so d0 is the first depth from ``first`` at which the rehearsal peaks where
-    the planner says the full model peaks. ``linear``: the per-block step came out the same to the byte between
-    the three depths. The measured term at the preset's L blocks is T(d0) + (L - d0) x per-block; the planner's is
-    priced at L blocks directly, at the moment the rehearsal peaked. Returns one row per term: ``{"preset",
-    "policy", "term", "measured", "after", "after_error", "linear", "per_block", "depths", "moment"}``.
+    gains a gradient shard per block), so d0 is the first depth from ``first`` at which the planner puts the peak
+    where it puts the whole model's, and the three rehearsals must peak there too. ``linear``: the per-block step
+    came out the same to the byte between the three depths. The measured term at the preset's L blocks is T(d0) + (L - d0) x per-block; the planner's is
+    priced at L blocks directly, at the moment the rehearsal peaked. Where the three first depths peak elsewhere
+    than the whole model (Llama 2 without recomputation peaks in forward only from about 30 blocks on), the whole
+    model is rehearsed once instead. Returns one row per term: ``{"preset", "policy", "term", "measured",
+    "after", "after_error", "linear", "per_block", "depths", "moment"}``.
     """
     from dataclasses import replace
 
@@ -126,16 +128,15 @@ def preset_calibration(name: str, recompute: str, nproc: int = 8, strategy: str 
     full = preset(name).cfg
     probe = rehearse(model_config(name, layers=first), nproc, strategy, recompute=recompute)
     want = _moment(_planned(probe, cfg=full))
-    # the first depth the planner puts the peak where it puts the full model's: rehearsed there, walked on if the
-    # rehearsal peaks elsewhere
+    # the first depth the planner puts the peak where it puts the full model's
     start = next(d for d in range(first, full.layers) if _moment(_planned(probe, cfg=replace(full, layers=d))) == want)
     runs = [probe] if start == first else []
-    for depth in range(start + len(runs), full.layers + 1):
-        runs = [*runs[-2:], rehearse(model_config(name, layers=depth), nproc, strategy, recompute=recompute)]
-        if len(runs) == 3 and {_rehearsed_moment(r) for r in runs} == {want}:
-            break
+    for depth in range(start + len(runs), min(start + 3, full.layers + 1)):
+        runs.append(rehearse(model_config(name, layers=depth), nproc, strategy, recompute=recompute))
+    if len(runs) < 3 or {_rehearsed_moment(r) for r in runs} != {want}:  # not where the whole model peaks
+        runs = [rehearse(full, nproc, strategy, recompute=recompute)]
     seen = [measured_terms(r) for r in runs]
-    steps = [{t: b[t] - a[t] for t in TERMS} for a, b in zip(seen, seen[1:])]
+    steps = [{t: b[t] - a[t] for t in TERMS} for a, b in zip(seen, seen[1:])] or [dict.fromkeys(TERMS, 0)]
     d0 = runs[0].cfg.layers
     planned = planner_terms(replace(runs[0], cfg=full))
     rows = []
@@ -145,6 +146,6 @@ def preset_calibration(name: str, recompute: str, nproc: int = 8, strategy: str 
             "preset": name, "policy": recompute, "term": term, "measured": measured,
             "after": planned[term], "after_error": planned[term] / measured - 1,
             "linear": all(s[term] == steps[0][term] for s in steps), "per_block": steps[0][term],
-            "depths": (d0, d0 + 1, d0 + 2), "moment": _rehearsed_moment(runs[0]),
+            "depths": tuple(r.cfg.layers for r in runs), "moment": _rehearsed_moment(runs[0]),
         })  # fmt: skip
     return rows
