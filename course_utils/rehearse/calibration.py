@@ -114,11 +114,11 @@ def preset_calibration(name: str, recompute: str, nproc: int = 8, strategy: str 
     forward, or in backward once gradient shards exist); the moment can change with depth (the backward's peak
     gains a gradient shard per block), so d0 is the first depth from ``first`` at which the planner puts the peak
     where it puts the whole model's, and the three rehearsals must peak there too. ``linear``: the per-block step
-    came out the same to the byte between the three depths. The measured term at the preset's L blocks is T(d0) + (L - d0) x per-block; the planner's is
-    priced at L blocks directly, at the moment the rehearsal peaked. Where the three first depths peak elsewhere
-    than the whole model (Llama 2 without recomputation peaks in forward only from about 30 blocks on), the whole
-    model is rehearsed once instead. Returns one row per term: ``{"preset", "policy", "term", "measured",
-    "after", "after_error", "linear", "per_block", "depths", "moment"}``.
+    came out the same to the byte between the three depths. The measured term at the preset's L blocks is
+    T(d0) + (L - d0) x per-block; the planner's is priced at L blocks directly, at the moment the rehearsal
+    peaked. Where the three depths peak elsewhere than the whole model (Llama 2 without recomputation peaks in
+    forward only from about 30 blocks on), the whole model is rehearsed once instead. Returns one row per term:
+    ``{"preset", "policy", "term", "measured", "after", "after_error", "linear", "per_block", "depths", "moment"}``.
     """
     from dataclasses import replace
 
