@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import ROOT, pid_alive
+from conftest import ROOT, pid_alive, subprocess_tmpdir
 from listening import watch
 
 from course_utils import examples
@@ -190,6 +190,7 @@ def test_same_worker_runs_under_plain_torchrun():
         text=True,
         timeout=120,
         cwd=ROOT,
+        env={**os.environ, "TMPDIR": subprocess_tmpdir()},
     )
     assert out.returncode == 0, out.stderr[-2000:]
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
