@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import ROOT, pid_alive
+from conftest import ROOT, pid_alive, subprocess_tmpdir
 from listening import watch
 
 from course_utils import examples
@@ -190,6 +190,7 @@ def test_same_worker_runs_under_plain_torchrun():
         text=True,
         timeout=120,
         cwd=ROOT,
+        env={**os.environ, "TMPDIR": subprocess_tmpdir()},
     )
     assert out.returncode == 0, out.stderr[-2000:]
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -612,6 +613,22 @@ def test_background_returns_raises_and_stops_on_timeout():
     with pytest.raises(LaunchTimeout):
         job.result(timeout_s=1)
     assert job._proc.poll() is not None  # the process is gone
+
+
+def test_background_times_its_cold_start(tmp_path, monkeypatch):
+    """``cold_start_s`` (notebook 06's cold restart) spans the new process's imports: a module that takes
+    0.5 s to import shows at least that, and a module already imported elsewhere does not make it warm."""
+    (tmp_path / "slow_to_import.py").write_text("import math, time\n\ntime.sleep(0.5)\n\n\ndef factorial(n):\n    return math.factorial(n)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    import slow_to_import
+
+    from course_utils.launch import Background
+
+    job = Background(slow_to_import.factorial, 4)
+    cold = job.cold_start_s(timeout_s=60)
+    assert job.result(timeout_s=60) == 24
+    assert 0.5 <= cold < 30, cold
 
 
 # ---------------------------------------------------------------- issue 34: a worker that vanishes says why, at once

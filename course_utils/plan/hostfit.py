@@ -20,7 +20,7 @@ def _spread(readings) -> dict:
     reading widens the range but not the quartiles, so the fit is judged against the quartiles."""
     import statistics
 
-    from ..instrument import spread
+    from ..units import spread
 
     out = spread(readings)
     q1, _, q3 = statistics.quantiles(sorted(readings), n=4, method="inclusive")
