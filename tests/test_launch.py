@@ -618,7 +618,8 @@ def test_background_returns_raises_and_stops_on_timeout():
 def test_background_times_its_cold_start(tmp_path, monkeypatch):
     """``cold_start_s`` (notebook 06's cold restart) spans the new process's imports: a module that takes
     0.5 s to import shows at least that, and a module already imported elsewhere does not make it warm."""
-    (tmp_path / "slow_to_import.py").write_text("import math, time\n\ntime.sleep(0.5)\n\n\ndef factorial(n):\n    return math.factorial(n)\n")
+    module = "import math, time\n\ntime.sleep(0.5)\n\n\ndef factorial(n):\n    return math.factorial(n)\n"
+    (tmp_path / "slow_to_import.py").write_text(module)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     import slow_to_import
