@@ -92,8 +92,10 @@ class Progress:
         from IPython.display import display
 
         if final is not None:  # the run is over: its answer (or error) is what the cell shows
-            if self.handle is not None:
-                self.handle.update({"text/plain": ""}, raw=True)
+            if (
+                self.handle is not None
+            ):  # an empty bundle: an empty "text/plain" would be stored and drawn as a blank box
+                self.handle.update({}, raw=True)
             return
         text = self.line(elapsed)
         if text == self.last:

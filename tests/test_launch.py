@@ -701,7 +701,8 @@ def test_sigint_to_one_worker_is_reported_at_once_with_where_it_was(tmp_path):
 
 
 def test_the_status_line_is_cleared_when_a_notebook_run_ends(tmp_path, monkeypatch):
-    """A progress line is not an answer: in a notebook its output is emptied when the run ends (issue 28)."""
+    """A progress line is not an answer: in a notebook its output is emptied when the run ends (issue 28), to an
+    empty bundle: an empty "text/plain" would stay in the saved notebook and be drawn as a blank box (issue 30)."""
     from course_utils.launch import _Progress
 
     class Handle:
@@ -709,7 +710,7 @@ def test_the_status_line_is_cleared_when_a_notebook_run_ends(tmp_path, monkeypat
             self.shown = []
 
         def update(self, data, raw=True):
-            self.shown.append(data["text/plain"])
+            self.shown.append(data)
 
     monkeypatch.setitem(sys.modules, "ipykernel", object())
     (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "step": 3, "total": 8, "pid": 1}))
@@ -717,7 +718,7 @@ def test_the_status_line_is_cleared_when_a_notebook_run_ends(tmp_path, monkeypat
     status.handle = Handle()
     status.update(5.0)
     status.update(6.0, final={0: "done"})
-    assert status.handle.shown[0].startswith("[  5.0s] rank 0: 3/8") and status.handle.shown[-1] == ""
+    assert status.handle.shown[0]["text/plain"].startswith("[  5.0s] rank 0: 3/8") and status.handle.shown[-1] == {}
 
 
 def _temp_dir() -> str:
