@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CourseInputError
-from ..strategies import DDP, GRADS, OPTIM, PARAMS, ZERO1, ZERO2, ZERO_TABLE, Strategy, get
+from ..strategies import DDP, GRADS, OPTIM, PARAMS, ZERO2, ZERO_TABLE, Strategy, get
 from ..units import GB
 
 #: The four rows of the paper's memory table, in order of how much they shard.
