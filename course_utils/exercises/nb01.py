@@ -16,6 +16,7 @@ import torch.nn as nn
 from .. import memory
 from ..data import batch_for_rank
 from ..models import build_model, get_config, param_count
+from ..strategies import DDP, ZERO1, ZERO2, ZERO3
 from ..units import GB, GiB
 from .core import REFERENCE_LAUNCH, Exercise, Wrong, register
 
@@ -157,17 +158,17 @@ register(
 # then no reserve, a reserve that moves the answer far, floors no Nd gets under, and K = 8.
 V100, H100 = 32 * GiB, 80 * GiB  # the cards sold as "32 GB" and "80 GB" hold 32 GiB and 80 GiB
 FIT_CASES = [
-    (7.5e9, "zero1", V100, V100 - 32 * GB, 12),  # 45: 30 + 90/45 = 32.0 GB, the chart's "stage 1 from 45"
-    (1e12, "zero3", V100, V100 - 32 * GB, 12),  # 500: 16,000/500 = 32.0 GB
-    (70e9, "zero3", H100, H100 - 80 * GB, 12),  # 14: 1,120/14 = 80.0 GB
-    (7.5e9, "zero1", V100, 0, 12),
-    (7.5e9, "zero1", V100, 4 * GB, 12),
-    (7.5e9, "zero3", V100, 4 * GB, 12),
-    (70e9, "zero1", H100, 0, 12),  # the 280 GB floor: never
-    (7.5e9, "ddp", V100, 0, 12),
-    (1e9, "ddp", V100, 2 * GB, 12),
-    (7.5e9, "zero2", V100, 4 * GB, 8),
-    (7.5e9, "zero3", V100, 40 * GB, 12),  # a reserve larger than the card: never
+    (7.5e9, ZERO1.name, V100, V100 - 32 * GB, 12),  # 45: 30 + 90/45 = 32.0 GB, the chart's "stage 1 from 45"
+    (1e12, ZERO3.name, V100, V100 - 32 * GB, 12),  # 500: 16,000/500 = 32.0 GB
+    (70e9, ZERO3.name, H100, H100 - 80 * GB, 12),  # 14: 1,120/14 = 80.0 GB
+    (7.5e9, ZERO1.name, V100, 0, 12),
+    (7.5e9, ZERO1.name, V100, 4 * GB, 12),
+    (7.5e9, ZERO3.name, V100, 4 * GB, 12),
+    (70e9, ZERO1.name, H100, 0, 12),  # the 280 GB floor: never
+    (7.5e9, DDP.name, V100, 0, 12),
+    (1e9, DDP.name, V100, 2 * GB, 12),
+    (7.5e9, ZERO2.name, V100, 4 * GB, 8),
+    (7.5e9, ZERO3.name, V100, 40 * GB, 12),  # a reserve larger than the card: never
 ]
 
 
