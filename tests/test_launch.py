@@ -60,6 +60,7 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path):
         assert plumbing not in message, plumbing
     # the logs' folder (a temporary path by default) is said once, at the end
     assert message.count(str(tmp_path)) == 1 and message.rstrip().endswith(f"{tmp_path / 'logs'})")
+    assert info.value.log_dir == str(tmp_path / "logs")  # the same folder, for a notebook to point at by name
     assert "To enable traceback see" not in message  # torch's own report stays in the agent's log
 
 
@@ -67,8 +68,9 @@ def test_hang_in_a_collective_becomes_an_error_within_the_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises((WorkerFailed, LaunchTimeout)) as info:
         launch(examples.hang_on_rank, nproc=2, kwargs={"stuck_rank": 1}, timeout_s=3, run_dir=tmp_path, echo=False)
-    assert time.monotonic() - start < 3 + 3 + 15  # timeout, grace, start-up and clean-up
+    assert 3 <= time.monotonic() - start < 3 + 3 + 15  # the timeout itself, then grace, start-up and clean-up
     assert "Timed out" in str(info.value) or "did not finish" in str(info.value)
+    assert info.value.log_dir == str(tmp_path / "logs")
 
 
 def test_stuck_workers_are_stopped_and_none_left_behind(tmp_path):
@@ -170,6 +172,14 @@ def test_torchrun_command_for_several_nodes():
     )
     assert cmd.startswith("torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 --nproc-per-node 8")
     assert """--kwargs '{"n": 2}'""" in cmd
+    # a job's own rendezvous id, left to the shell to expand (torchrun's default, "none", is shared by every job)
+    assert "--rdzv-id $JOB_ID " in cmd and "--max-restarts" not in cmd
+    restarting = torchrun_command(
+        "m:f", 8, nnodes=2, rdzv_endpoint="node0:29400", max_restarts=3, rdzv_id="${SLURM_JOB_ID}"
+    )
+    assert "--nproc-per-node 8 --max-restarts 3 --rdzv-id ${SLURM_JOB_ID} -m course_utils.worker m:f" in restarting
+    assert "--rdzv-id" not in torchrun_command("m:f", 2)
+    assert """--args '["$JOB_ID"]'""" in torchrun_command("m:f", 2, args=["$JOB_ID"])  # only a whole word is left bare
 
 
 def test_same_worker_runs_under_plain_torchrun():
