@@ -32,7 +32,6 @@ across.
 from __future__ import annotations
 
 import hashlib
-import statistics
 import time
 from collections import defaultdict
 
@@ -446,11 +445,3 @@ def weight_diff(a: dict, b: dict) -> dict:
         "max_abs": max(float((a[k].float() - b[k].float()).abs().max()) for k in a),
         "relative": (num / den) ** 0.5 if den else 0.0,
     }
-
-
-def spread(values) -> dict:
-    """``{"min", "median", "max", "n"}`` of a list of numbers (README, Benchmarks; notebook 05's all-gather timings)."""
-    values = [float(v) for v in values]
-    if not values:
-        raise CourseInputError("no values to summarise: the runs it needs did not happen")
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}

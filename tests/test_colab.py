@@ -214,9 +214,9 @@ from course_utils.exercises import check, core, load_solution, show_hint
 for ex in core.exercises():
     assert callable(core.solution(ex.notebook, ex.name)), ex.key
 with contextlib.redirect_stdout(out := io.StringIO()):
-    fn = load_solution("01", "model_state_bill")
-assert "def model_state_bill" in out.getvalue()
-assert check("01", "model_state_bill", fn).passed
+    fn = load_solution("01", "smallest_nd")
+assert "def smallest_nd" in out.getvalue()
+assert check("01", "smallest_nd", fn).passed
 with contextlib.redirect_stdout(out := io.StringIO()):
     show_hint("02", "averaging_hook", 1)
     show_hint("02", "averaging_hook", 9)

@@ -487,17 +487,34 @@ def _cap_readings(per_call_in_step, seed=0):
 
 def test_the_cap_model_finds_the_cap_the_readings_favour_and_prices_a_call_in_the_step():
     model = plan.bucket_cap_model(_cap_readings(per_call_in_step=1.5e-3), 2)
-    assert model["best_measured"] == model["best_shared"] == 25.0 and model["agrees"]
+    assert model["best_measured"] == model["best_shared"] == 25.0
+    assert model["order"] == {"apart": 3, "in_order": 3} and model["order_holds"]  # every pair: more calls, slower
     assert [r["calls"] for r in model["rows"]] == [8, 2, 1]
     assert model["per_call_in_step_s"] == pytest.approx(1.5e-3, rel=0.1)  # the slope the readings were made with
+    assert model["in_step_intercept_s"] == pytest.approx(10e-3, rel=0.05)  # the step the readings were made with
+    assert model["compute_plus_bytes_s"] == pytest.approx(10e-3 + 8000 / 1e9, rel=0.05)  # compute + bytes / 1 GB/s
+    assert model["in_step_explains"] and all(r["in_step_within"] for r in model["rows"])
     assert model["fit"]["latency_s"] == pytest.approx(5e-4, rel=0.1)  # ... three times the isolated latency
+    # so the isolated-call price undercuts the steps of many calls: 8 x 1 ms below, far outside the 2% spread
+    assert [r["shared_within_quartiles"] for r in model["rows"]] == [False, False, False]
+    assert model["price_is_a_floor"]  # ... but never above a step: nothing hid
 
 
 def test_the_cap_model_says_when_its_pick_is_not_the_fastest():
     """Readings where more calls make the step *faster* (as if each bucket saved time): the model still picks
-    the fewest calls, the fastest measured cap is the smallest, and ``agrees`` says the model was wrong."""
+    the fewest calls (its pick does not depend on the fit), the fastest measured cap is the smallest, and
+    ``order_holds`` says the model's ranking was wrong."""
     model = plan.bucket_cap_model(_cap_readings(per_call_in_step=-1e-3), 2)
-    assert model["best_measured"] == 0.01 and model["best_shared"] == 25.0 and not model["agrees"]
+    assert model["best_measured"] == 0.01 and model["best_shared"] == 25.0
+    assert model["order"] == {"apart": 3, "in_order": 0} and not model["order_holds"]
+    assert not model["price_is_a_floor"]  # the many-call steps ran below their shared-cores price: something hid
+
+
+def test_the_cap_model_ranks_nothing_when_every_spread_overlaps():
+    """Steps that do not depend on the calls (every cap 10 ms): no pair of caps is apart, so the run cannot say
+    whether fewer calls were faster, and ``order_holds`` is False rather than vacuously True."""
+    model = plan.bucket_cap_model(_cap_readings(per_call_in_step=0.0), 2)
+    assert model["order"] == {"apart": 0, "in_order": 0} and not model["order_holds"]
 
 
 def test_the_drawn_line_includes_the_latency():

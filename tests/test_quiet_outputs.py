@@ -75,6 +75,11 @@ def test_what_counts_as_noise():
         {"output_type": "display_data", "data": widgets.memory_chart()._repr_mimebundle_()[0]},  # headless
     ]
     assert quiet.noise(clean) == []
+    # an empty text output is drawn as a blank box above the answer (the launcher's progress line, cleared);
+    # an empty bundle, what the launcher leaves now, draws nothing
+    blank = {"output_type": "display_data", "data": {"text/plain": ""}, "metadata": {}}
+    assert quiet.noise([blank]) == ["empty display: ['text/plain'] with nothing to read (a cleared progress line?)"]
+    assert quiet.noise([{"output_type": "display_data", "data": {}, "metadata": {}}]) == []
 
 
 def _notebook(path, cells):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, subprocess_tmpdir
 from listening import watch
 
 from course_utils import comm, predict
@@ -43,7 +43,7 @@ def _env() -> dict:
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     venv_bin = str(Path(sys.executable).parent)  # `torchrun` as the README says it: the venv's
-    return {**env, "PATH": venv_bin + os.pathsep + env.get("PATH", "")}
+    return {**env, "PATH": venv_bin + os.pathsep + env.get("PATH", ""), "TMPDIR": subprocess_tmpdir()}
 
 
 def _run(cmd, timeout=300):

@@ -45,9 +45,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from course_utils.errors import CourseInputError
-from course_utils.instrument import spread
-from course_utils.predict import expected_bytes
 from course_utils.strategies import STRATEGIES
+from course_utils.units import spread
 from course_utils.validate import check_values, writable_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,6 +243,8 @@ def ratio(measured: float, formula: float) -> float | None:
 
 def theory_row(strategy: str, report: dict, psi: int) -> dict:
     """One line of the theory table: measured bytes against ``expected_bytes`` (README, Benchmarks)."""
+    from course_utils.predict import expected_bytes  # here: `predict` imports torch, a bad argument need not
+
     cfg = report.get("config", {})
     exp = expected_bytes(
         strategy,
@@ -1292,9 +1293,10 @@ def bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_command(args) -> int:
+    check_arguments(args)
+    parse_sections(args.sections, cuda_available=True)  # the names first: a typo costs no torch import (3 CPU s)
     import torch
 
-    check_arguments(args)
     sections = parse_sections(args.sections, torch.cuda.is_available())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

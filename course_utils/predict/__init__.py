@@ -66,6 +66,8 @@ from .timeline import (
     reduce_at_step_states_peak,
     rest_bytes,
     rest_check,
+    unit_reduce_states,
+    unit_reduce_states_peak,
 )
 
 __all__ = [
@@ -76,6 +78,8 @@ __all__ = [
     "reduce_at_step_states_peak",
     "rest_bytes",
     "rest_check",
+    "unit_reduce_states",
+    "unit_reduce_states_peak",
     "ADAM_SCRATCH_FP32_COPIES",
     "PRECISION_BYTES",
     "bill_bytes",
