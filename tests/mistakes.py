@@ -419,7 +419,7 @@ MISTAKES = {
         (buckets_all_at_the_end, "from the hook that fills it"),
         (buckets_summed_not_averaged, "divide the sum by the world size"),
     ],
-    ("03", "zero2_step"): [(zero2_wrong_shard_offset, "[r·S, (r+1)·S)")],
+    ("03", "sharded_step"): [(zero2_wrong_shard_offset, "[r·S, (r+1)·S)")],
     ("03", "sharded_optimizer"): [(unsharded_inner_optimizer, "K·Ψ/Nd")],
     ("03", "zero2_hooks"): [
         (zero2_keeps_full_grads, "set each of its parameters' .grad to None"),

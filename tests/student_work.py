@@ -95,7 +95,7 @@ STUDENT = {
 
     return finish
 """,
-    "zero2_step": """def zero2_step(params, grads, lr):
+    "sharded_step": """def sharded_step(params, grads, lr):
     n, r = dist.get_world_size(), dist.get_rank()
     size = params.numel() // n
     mine = torch.zeros(size, dtype=grads.dtype)

@@ -158,7 +158,7 @@ def names_on_this_rank():
     return hasattr(dist, "all_gather_single"), hasattr(dist, "all_gather_into_tensor")
 
 print("names", sorted(launch(names_on_this_rank, nproc=2, progress=False).values()))
-pairs = [(core.get("03", "zero2_step"), nb03.zero2_step), (core.get("03", "sharded_optimizer"), nb03.sharded_optimizer),
+pairs = [(core.get("03", "sharded_step"), nb03.sharded_step), (core.get("03", "sharded_optimizer"), nb03.sharded_optimizer),
          (core.get("04", "unshard"), nb04.unshard), (core.get("04", "clip_sharded"), nb04.clip_sharded)]
 for outcome in core.check_many(pairs):
     print(outcome)

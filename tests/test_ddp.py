@@ -161,8 +161,9 @@ def test_bucketed_ddp_matches_one_process_within_fp32_tolerance(runs, nproc):
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(single["losses"]), **LOSS_TOL)
     agreement = lab02.weights_agreement(w_single, w_ours, build_model("tiny").state_dict())
     assert agreement["rel"] <= WEIGHTS_REL_TOL
-    for row in ours["per_rank"]:  # every replica holds the whole fp32 Adam bill, 16Ψ
-        assert row["total"] == 16 * param_count(build_model("tiny"))
+    tensors = len(list(build_model("tiny").parameters()))
+    for row in ours["per_rank"]:  # every replica holds the whole fp32 Adam bill, 16Ψ, and a step counter per tensor
+        assert (row["total"], row["steps"]) == (16 * param_count(build_model("tiny")) + 4 * tensors, 4 * tensors)
 
 
 def test_same_sized_buckets_in_swapped_order_silently_give_wrong_sums():

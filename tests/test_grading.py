@@ -489,7 +489,7 @@ def test_an_honest_class_is_graded_side_by_side(tmp_path, capsys):
 
 def test_a_notebook_is_read_as_data(tmp_path):
     """Which notebook, whose, which cells run: decided from the file, before anything runs."""
-    data = sw.notebook("03", {"zero2_step": sw.STUDENT["zero2_step"]}, ["x = 1"])
+    data = sw.notebook("03", {"sharded_step": sw.STUDENT["sharded_step"]}, ["x = 1"])
     path = sw.write(tmp_path / "anything.ipynb", data)
     sub = submission.read_submission(path)
     assert sub.notebook == "03" and sub.student == "anything"
@@ -500,8 +500,8 @@ def test_a_notebook_is_read_as_data(tmp_path):
     assert all(cid.startswith("03-ex-") for cid in ran[:-1]) and len(ran) > 4  # the lecture does not
     assert "from course_utils.labs import lab03" in imports  # its imports do
     bound = submission.bindings(cells, core.exercises("03"))
-    assert bound["zero2_step"].kind == "def"
-    assert not submission.same_as_reference(core.get("03", "zero2_step"), bound["zero2_step"])
+    assert bound["sharded_step"].kind == "def"
+    assert not submission.same_as_reference(core.get("03", "sharded_step"), bound["sharded_step"])
     (tmp_path / "junk.ipynb").write_text("not json")
     with pytest.raises(submission.NotGradable, match="not a readable notebook"):
         submission.read_submission(tmp_path / "junk.ipynb")

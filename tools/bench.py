@@ -221,8 +221,9 @@ def startup_split(
 
 
 def measured_bytes(report: dict) -> dict:
-    """Bytes held (mean, min and max over ranks) and sent per step (mean over ranks) of a train report (README)."""
-    totals = [row["total"] for row in report["per_rank"]]
+    """Bytes held (mean, min and max over ranks) and sent per step (mean over ranks) of a train report (README).
+    Held is the bill the formulas count: a rank's bytes less Adam's 0-dim step counters (``steps``)."""
+    totals = [row["total"] - row.get("steps", 0) for row in report["per_rank"]]
     by_rank = report.get("comm_per_step_by_rank") or [report.get("comm_per_step", {})]
     sent = [sum(row["sent_bytes"] for row in comm.values()) for comm in by_rank]
     return {

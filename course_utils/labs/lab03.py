@@ -166,6 +166,7 @@ def agreement_worker(config: dict, strategies=COMPARED) -> dict:
                 "per_rank": [dict(rank=r, **row) for r, row in enumerate(per_rank)],
                 "strategy_info": prepared.info,
                 "comm_per_step": count.summary(cfg.steps),
+                "config": {"model": cfg.model},  # what predict.memory_check reads the tensors from
             }
         return {"rank": info.rank, **out} if info.rank == 0 else {"rank": info.rank}
 

@@ -13,6 +13,7 @@ Exact, to the byte, where no allocator is involved (``timeline``'s docstring say
 from __future__ import annotations
 
 from ..strategies import OPTIM, PARAMS, Strategy, get
+from .held import step_counter_bytes
 
 FP32 = 4
 TOKEN_BYTES = 8  # int64 token ids
@@ -51,7 +52,7 @@ def rest_bytes(
     row = get(strategy)
     owned = _owned(row, units, shard)
     stepped = sum(u["padded"] for u in units) // shard if OPTIM in row.shards_at_rest else owned
-    counters = len(units) if row.layout == "flat" else tensors
+    counters = step_counter_bytes(row, units, tensors) // FP32
     buckets = any(c.kind == "all_reduce" and c.per == "bucket" and c.of == "grads" for c in row.collectives)
     return {
         "params": FP32 * owned,
@@ -68,7 +69,7 @@ def forward_end_states(strategy: str | Strategy, units: list[dict], tensors: int
     row = get(strategy)
     owned = _owned(row, units, shard)
     stepped = sum(u["padded"] for u in units) // shard if OPTIM in row.shards_at_rest else owned
-    counters = len(units) if row.layout == "flat" else tensors
+    counters = step_counter_bytes(row, units, tensors) // FP32
     return FP32 * owned + 2 * FP32 * stepped + FP32 * counters + FP32 * sum(u["padded"] for u in units)
 
 
@@ -153,7 +154,7 @@ def unit_reduce_states(
     root = next((u for u in units if u["name"] == "(root)"), {"numel": 0, "padded": 0})
     order = blocks[::-1] + [root]
     owned = _owned(row, units, shard)
-    counters = len(units) if row.layout == "flat" else tensors
+    counters = step_counter_bytes(row, units, tensors) // FP32
     base = FP32 * owned + 2 * FP32 * owned + FP32 * counters
     flat = row.layout == "flat"
     out, slices = [], 0
