@@ -50,7 +50,7 @@ from .choose import NOTHING_FITS, OVERLAP_TOKENS, STRATEGIES, STRATEGY_NAMES, TI
 from .cli import format_plan, parse_bandwidth, plan_arguments, plan_command, search_from_args
 from .hostfit import bucket_cap_model, bucket_step_time, fit_latency_bandwidth, host_fit
 from .implementations import BY_KEY, IMPLS, Impl
-from .inputs import HEAD_DIM, WIDTH_STEP, Cluster, ModelSpec, model_spec, shape_block_params, shape_params
+from .inputs import DEFAULT_GPU, HEAD_DIM, WIDTH_STEP, Cluster, ModelSpec, model_spec, shape_block_params, shape_params
 from .network import (
     NETWORK_CLASSES,
     block_flops,
@@ -105,6 +105,7 @@ __all__ = [
     "shape_of_preset",
     "Config",
     "evaluate",
+    "DEFAULT_GPU",
     "HEAD_DIM",
     "WIDTH_STEP",
     "Cluster",
