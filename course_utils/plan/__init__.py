@@ -48,7 +48,7 @@ from __future__ import annotations
 from .activations import POLICIES, activation_terms, block_saved_bytes, block_selective_bytes, head_bytes
 from .choose import NOTHING_FITS, OVERLAP_TOKENS, STRATEGIES, STRATEGY_NAMES, TIE_MARGIN, Plan, StrategyPlan, plan
 from .cli import format_plan, parse_bandwidth, plan_arguments, plan_command, search_from_args
-from .hostfit import bucket_cap_model, bucket_step_time, fit_latency_bandwidth, host_fit
+from .hostfit import bucket_cap_model, bucket_step_time, fit_latency_bandwidth, host_fit, line_s
 from .implementations import BY_KEY, IMPLS, Impl
 from .inputs import DEFAULT_GPU, HEAD_DIM, WIDTH_STEP, Cluster, ModelSpec, model_spec, shape_block_params, shape_params
 from .network import (
@@ -149,6 +149,7 @@ __all__ = [
     "plan_command",
     "fit_latency_bandwidth",
     "host_fit",
+    "line_s",
     "bucket_step_time",
     "bucket_cap_model",
 ]

@@ -58,6 +58,9 @@ DEFAULT_GPU = GPUS["H100-80GB"]
 CONTEXT_BYTES = 1.5 * GiB
 #: What the caching allocator reserves beyond the tensors' peak, a fraction of it (fragmentation).
 ALLOCATOR_RESERVE = 0.10
+#: A GPU node's host: CPU memory and its bandwidth (the CPU optimizer step of offload), both planners' default.
+HOST_MEM = 2000 * GB
+HOST_BW = 200e9
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,8 +233,8 @@ class Cluster:
     flops: float = DEFAULT_GPU.peak_flops * DEFAULT_GPU.mfu
     pcie_bw: float = DEFAULT_GPU.pcie_bw
     hbm_bw: float = DEFAULT_GPU.hbm_bw
-    host_mem: float = 1000 * GB
-    host_bw: float = 100e9
+    host_mem: float = HOST_MEM
+    host_bw: float = HOST_BW
     mp: int = 1
     reserve: float = ALLOCATOR_RESERVE
     nvme_bw: float = 25e9

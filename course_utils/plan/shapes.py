@@ -20,6 +20,8 @@ from .inputs import (  # noqa: F401 (the GPU record lives in inputs, read by bot
     GB,
     GPU,
     GPUS,
+    HOST_BW,
+    HOST_MEM,
     MFU_SOURCE,
     GiB,
     ModelSpec,
@@ -122,7 +124,7 @@ class GPUCluster:
     inter_bw: float = 400e9
     intra_latency: float = 15e-6
     inter_latency: float = 50e-6
-    host_mem: float = 2000 * GB
-    host_bw: float = 200e9
+    host_mem: float = HOST_MEM
+    host_bw: float = HOST_BW
     context_bytes: float = CONTEXT_BYTES
     allocator_reserve: float = ALLOCATOR_RESERVE

@@ -84,6 +84,9 @@ def _predict(cfg, psi, nproc, strategy, node_size, micro_batch, act_ckpt, mixed_
         seq=cfg.seq,
         micro_batch=micro_batch,
         checkpointing=act_ckpt,
+        arch=cfg.arch,
+        kv_heads=cfg.n_kv_heads,
+        hidden=cfg.hidden,
     )
     if row.shard_over == "node":  # the shard group is a node of node_size GPUs
         cluster = Cluster(gpus_per_node=node_size, nodes=nproc // node_size)
