@@ -77,7 +77,7 @@ from .price import (
 )
 from .report import format_search
 from .search import MICRO_BATCHES, TIE, hsdp_shards, search, typed
-from .shapes import GPU, GPUS, MFU_SOURCE, GPUCluster, Shape, shape_for, shape_of_preset
+from .shapes import GPU, GPUS, MFU_SOURCE, GPUCluster, Shape, shape_for, shape_of_config, shape_of_preset
 from .throughput import Config, evaluate
 
 __all__ = [
@@ -102,6 +102,7 @@ __all__ = [
     "GPUCluster",
     "Shape",
     "shape_for",
+    "shape_of_config",
     "shape_of_preset",
     "Config",
     "evaluate",

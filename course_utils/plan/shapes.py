@@ -77,10 +77,14 @@ class Shape:
         return h * (h + 2 * kv) + h * h + (2 if self.arch == "gpt2" else 3) * h * f
 
 
+def shape_of_config(c, name: str = "") -> Shape:
+    """The planner's ``Shape`` of a course model's ``GPTConfig`` (what notebook 05b rehearses)."""
+    return Shape(name, c.arch, c.layers, c.width, c.heads, c.n_kv_heads, c.hidden, c.vocab, c.seq, c.tie_weights)
+
+
 def shape_of_preset(p: Preset, seq: int | None = None) -> Shape:
     """The planner's ``Shape`` of a published preset (notebook 05b's, ``presets.preset``)."""
-    c = p.cfg
-    s = Shape(p.name, c.arch, c.layers, c.width, c.heads, c.n_kv_heads, c.hidden, c.vocab, c.seq, c.tie_weights)
+    s = shape_of_config(p.cfg, p.name)
     return replace(s, seq=seq) if seq else s
 
 

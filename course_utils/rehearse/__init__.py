@@ -43,6 +43,7 @@ from .calibration import TERMS, calibration_rows, measured_terms, planner_terms
 from .cli import rehearse_arguments, rehearse_command
 from .predictions import (
     BLOCK_SAVED_PER_TOKEN_WIDTH,
+    CALIBRATED_TOL,
     MODEL_STATE_TOL,
     PEAK_ITEMS,
     PEAK_MAX_ACT_SHARE,
@@ -133,6 +134,7 @@ __all__ = [
     "PEAK_ITEMS",
     "PEAK_MAX_ACT_SHARE",
     "PEAK_MIN_LAYERS",
+    "CALIBRATED_TOL",
     "PEAK_TOL",
     "agreement",
     "compare",

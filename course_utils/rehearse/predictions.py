@@ -122,6 +122,8 @@ MODEL_STATE_TOL = 1e-3
 #: a third or more of the total and the planner's peak is far low; the notebook shows by how much
 #: (``peak_errors``) instead of claiming a tolerance.
 PEAK_TOL = 0.15
+#: The calibrated (throughput) planner's peak against the tracker's: notebook 05b's claim for every setting it prices.
+CALIBRATED_TOL = 0.05
 PEAK_MAX_ACT_SHARE = 0.10
 PEAK_MIN_LAYERS = 16
 
@@ -234,8 +236,9 @@ def compare(r: Rehearsal) -> list[dict]:
         if PARAMS in spec.shards_at_peak:
             why = (
                 "the paper keeps a sharded 16-bit copy (2Ψ/Nd). FSDP2 keeps none at rest: it casts a block's "
-                "fp32 shards to bf16 as it gathers them, computes, and frees the block; the largest it holds is "
-                "about two blocks (computing and prefetched) and the root's embeddings"
+                "fp32 shards to bf16 as it gathers them, computes, and frees the block; the most it holds is the "
+                "root unit (embeddings, final norm, head: gathered for the whole step) and the one block computing. "
+                "The block prefetched behind it is still the all-gather's output, a buffer"
             )
         elif spec.shards_at_rest != spec.shards_at_peak:  # gathered for the step: SHARD_GRAD_OP
             why = (
@@ -324,14 +327,24 @@ def compare(r: Rehearsal) -> list[dict]:
 
 
 def summary_rows(rehearsals: list[Rehearsal]) -> list[dict]:
-    """Planner against rehearsal, one row per rehearsal: what notebook 05b's summary shows (notebook 05b)."""
+    """Both planners against the rehearsal, one row per rehearsal: what notebook 05b's summary shows (notebook 05b).
+
+    ``calibrated``: the throughput planner's peak with this CPU's kernels (``calibration.planner_terms``; None
+    for a setting it prices as another implementation), ``calibrated_ratio`` rehearsal / it; ``planner`` and
+    ``ratio``: the first planner's (the paper's rule, ``predict``)."""
+    from .calibration import planner_terms  # calibration reads this module's first planner
+
     rows = []
     for r in rehearsals:
-        a, p = agreement(r), predict(r)
+        a, p, cal = agreement(r), predict(r), planner_terms(r, "cpu")
+        ratio = r.peak_bytes / cal["peak"] if cal else None
         rows.append(
             {
                 "setting": f"{short_size(r.psi)} on {r.nproc}: {r.label}",
                 "short": short_label(r),
+                "calibrated": cal and cal["peak"],
+                "calibrated_ratio": ratio,
+                "calibrated_within": ratio is not None and abs(ratio - 1) <= CALIBRATED_TOL,
                 "planner": p["total"],
                 "rehearsal": r.peak_bytes,
                 "ratio": a["peak"],
