@@ -19,6 +19,7 @@ from ..units import GB, fmt_count, parse_bytes
 from .activations import POLICIES
 from .choose import Plan, StrategyPlan
 from .network import network_class
+from .offload import OFFLOAD_SHORT
 from .report import format_search
 from .search import MICRO_BATCHES, search
 from .shapes import GPU, GPUS, GPUCluster, shape_for
@@ -124,13 +125,6 @@ def _label(sp: StrategyPlan) -> str:
     return row.title.split(" (")[0]
 
 
-#: Offload rows by a name short enough for the table (``OFFLOAD_NAMES`` spells each in full).
-_OFFLOAD_SHORT = {
-    "zero_offload": "ZeRO-Offload (DS stage 2)",
-    "zero3_offload": "ZeRO-3 + offload_optimizer",
-    "fsdp2_cpu_offload": "FSDP2 CPUOffloadPolicy",
-    "zero_infinity": "ZeRO-Infinity (NVMe)",
-}
 WIDTH = 100
 
 
@@ -187,7 +181,7 @@ def format_plan(p: Plan) -> str:
     ]
     for name, o in p.offload.items():
         lines.append(
-            f"{_OFFLOAD_SHORT.get(name, name):<27} {o['gpu_bytes'] / GB:>6.1f} {o['host_bytes'] / GB:>7.1f} "
+            f"{OFFLOAD_SHORT.get(name, name):<27} {o['gpu_bytes'] / GB:>6.1f} {o['host_bytes'] / GB:>7.1f} "
             f"{o['nvme_bytes'] / GB:>7.1f} {o['pcie_bytes'] / GB:>7.2f} {o['pcie_s']:>6.3g} "
             f"{o['cpu_step_s']:>10.3g} {o['nvme_s']:>6.3g} {o['step_s']:>6.3g}  {'yes' if o['fits'] else 'no'}"
         )

@@ -39,7 +39,7 @@ the tiny course model, bytes counted on the real shards with ``instrument.tensor
 from __future__ import annotations
 
 from ..presets import ALIASES, NOT_THEIR_SIZE, PRESETS, GPTConfig, Preset, preset
-from .calibration import TERMS, calibration_rows, measured_terms, planner_terms
+from .calibration import TERMS, calibration_rows, measured_terms, planner_terms, summary_rows
 from .cli import rehearse_arguments, rehearse_command
 from .predictions import (
     BLOCK_SAVED_PER_TOKEN_WIDTH,
@@ -55,7 +55,6 @@ from .predictions import (
     peak_errors,
     predict,
     predict_setting,
-    summary_rows,
 )
 from .recompute import check_policy, wrap_blocks
 from .run import (

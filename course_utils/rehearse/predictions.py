@@ -15,7 +15,7 @@ from ..plan.inputs import Cluster, ModelSpec
 from ..plan.price import memory_breakdown
 from ..presets import GPTConfig
 from ..strategies import FULL_SHARD, PARAMS, get_fsdp
-from .run import Rehearsal, check_setting, model_config, padded_shard_numel, param_count, short_label, short_size
+from .run import Rehearsal, check_setting, model_config, padded_shard_numel, param_count
 
 # ---------------------------------------------------------------------------------------------
 # The formulas' side: what memory.bill and the planner predict for the same setting, item by item
@@ -323,35 +323,4 @@ def compare(r: Rehearsal) -> list[dict]:
         "at the peak",
         "the planner's total (model states + activations + buffers) against the tracker's peak",
     )
-    return rows
-
-
-def summary_rows(rehearsals: list[Rehearsal]) -> list[dict]:
-    """Both planners against the rehearsal, one row per rehearsal: what notebook 05b's summary shows (notebook 05b).
-
-    ``calibrated``: the throughput planner's peak with this CPU's kernels (``calibration.planner_terms``; None
-    for a setting it prices as another implementation), ``calibrated_ratio`` rehearsal / it; ``planner`` and
-    ``ratio``: the first planner's (the paper's rule, ``predict``)."""
-    from .calibration import planner_terms  # calibration reads this module's first planner
-
-    rows = []
-    for r in rehearsals:
-        a, p, cal = agreement(r), predict(r), planner_terms(r, "cpu")
-        ratio = r.peak_bytes / cal["peak"] if cal else None
-        rows.append(
-            {
-                "setting": f"{short_size(r.psi)} on {r.nproc}: {r.label}",
-                "short": short_label(r),
-                "calibrated": cal and cal["peak"],
-                "calibrated_ratio": ratio,
-                "calibrated_within": ratio is not None and abs(ratio - 1) <= CALIBRATED_TOL,
-                "planner": p["total"],
-                "rehearsal": r.peak_bytes,
-                "ratio": a["peak"],
-                "model_states": a["model_states"],
-                "activation_share": a["activation_share"],
-                "claimed": a["peak_claim_applies"],
-                "within": a["peak_within_tol"],
-            }
-        )
     return rows
