@@ -81,6 +81,12 @@ def fit_latency_bandwidth(sweep: list) -> dict:
     }
 
 
+def line_s(fit: dict, nbytes: float, world_size: int, kind: str = "all_gather") -> float:
+    """Seconds the fitted line gives a collective of ``nbytes`` over ``world_size`` ranks (notebook 05: held
+    against gathers timed apart from the sweep it was fitted to)."""
+    return fit["latency_s"] + ring_bytes_sent(kind, nbytes, world_size) / fit["bandwidth"]
+
+
 def host_fit(rows, gathers: list | None = None) -> dict:
     """Achievable FLOP/s and all-gather bandwidth of this host, fitted from ``labs.lab05.block_overlap_worker``
     rows, so the planner's formulas can be drawn for this machine (notebook 05).
