@@ -24,7 +24,13 @@ from pathlib import Path
 
 
 class LaunchError(RuntimeError):
-    """A launch did not return results (notebook 00)."""
+    """A launch did not return results (notebook 00).
+
+    ``.log_dir``: the folder of every rank's output, or None. In a notebook it is a scratch folder
+    removed when the kernel stops, so a saved notebook should print the attribute's name, not its value.
+    """
+
+    log_dir: str | None = None
 
 
 class WorkerFailed(LaunchError):
@@ -92,8 +98,10 @@ class Progress:
         from IPython.display import display
 
         if final is not None:  # the run is over: its answer (or error) is what the cell shows
-            if self.handle is not None:
-                self.handle.update({"text/plain": ""}, raw=True)
+            if (
+                self.handle is not None
+            ):  # an empty bundle: an empty "text/plain" would be stored and drawn as a blank box
+                self.handle.update({}, raw=True)
             return
         text = self.line(elapsed)
         if text == self.last:
@@ -284,7 +292,7 @@ def failure_error(outcome: dict, folder: Path, nproc: int, max_restarts: int, lo
         note = f"\nrank {rank} was {seen[rank]} when the signal came."
     cause = input_error(folder, rank)
     message = outcome.get("message") or "no result from any rank"
-    return WorkerFailed(
+    error = WorkerFailed(
         f"{head}: {cause}\n{message}{note}\n(every rank's output and full traceback: {log_dir})"
         if cause
         else f"{head}\n{message}{note}\n(every rank's output and full traceback: {log_dir})",
@@ -292,6 +300,8 @@ def failure_error(outcome: dict, folder: Path, nproc: int, max_restarts: int, lo
         exitcode=outcome.get("exitcode"),
         input_error=cause,
     )
+    error.log_dir = str(log_dir)
+    return error
 
 
 def timeout_error(ranks: dict, agent: str, quiet: float | None, timeout_s: float, grace_s: float, last: str, log_dir):
@@ -320,8 +330,10 @@ def timeout_error(ranks: dict, agent: str, quiet: float | None, timeout_s: float
             f"Rank(s) {', '.join(map(str, waiting))} did not finish: look above for the rank that never reached "
             "the collective the others wait in"
         )
-    return LaunchTimeout(
+    error = LaunchTimeout(
         f"the run did not finish within {timeout_s:g} s (+{grace_s:g} s grace) and every process was "
         f"stopped. {why}.\nWhere each process was:\n{lines}\nLast progress: {last}\n"
         f"(every rank's output: {log_dir})"
     )
+    error.log_dir = str(log_dir)
+    return error

@@ -12,6 +12,8 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from . import scratch
 from ._procs import kill_group, server_env
@@ -21,9 +23,12 @@ from .worker import target_of
 
 #: What the background process runs: import the function by name, call it, pickle what came of it.
 _BACKGROUND_MAIN = """
-import importlib, pickle, sys
+import importlib, os, pickle, sys, time
 module, _, qualname = sys.argv[1].partition(":")
 fn = importlib.import_module(module)
+with open(sys.argv[2] + ".imported.tmp", "w") as f:
+    f.write(repr(time.monotonic()))  # CLOCK_MONOTONIC: one clock for every process of this machine
+os.replace(sys.argv[2] + ".imported.tmp", sys.argv[2] + ".imported")
 for part in qualname.split("."):
     fn = getattr(fn, part)
 args, kwargs = pickle.load(sys.stdin.buffer)
@@ -58,6 +63,7 @@ class Background:
             )
         self._folder = scratch.folder("course-background-")
         self._result = self._folder / "result.pkl"
+        self._started = time.monotonic()
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _BACKGROUND_MAIN, target, str(self._result)],
             stdin=subprocess.PIPE,
@@ -67,6 +73,17 @@ class Background:
         atexit.register(self.cancel)
         self._proc.stdin.write(pickle.dumps((args, kwargs)))
         self._proc.stdin.close()
+
+    def cold_start_s(self, timeout_s: float = 120.0) -> float:
+        """Seconds from the start of this process to the end of its imports (the function's module, torch
+        with it): what a *cold* worker pays before its first line of work, as torchrun's spawned workers do
+        at every restart. Waits for the imports to end (notebook 06 sets it beside a warm restart)."""
+        stamp, deadline = Path(f"{self._result}.imported"), time.monotonic() + timeout_s
+        while not stamp.exists():
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                raise LaunchError("the background process ended or stalled before its imports finished")
+            time.sleep(0.05)
+        return float(stamp.read_text()) - self._started
 
     def result(self, timeout_s: float = 600.0):
         """The function's return value; waits at most ``timeout_s`` seconds, then ends the process and raises."""

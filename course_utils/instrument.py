@@ -1,8 +1,8 @@
 """Counting what a run holds and what it sends, the same way for every strategy (notebook 02).
 
 - ``rank_bytes``: bytes of the real local tensors a rank holds (parameters, gradients,
-  optimizer state), a tensor shared by two names (a tied weight) counted once, a DTensor
-  counted by its local shard.
+  optimizer state and the optimizer's 0-dim step counters), a tensor shared by two names (a tied
+  weight) counted once, a DTensor counted by its local shard.
 - ``CommCounter``: a ``TorchDispatchMode`` that sees every c10d collective this process
   issues, from hand-built code, ``DistributedDataParallel``'s reducer or FSDP alike, and
   records calls and bytes by kind. It is the course's own small cousin of
@@ -32,7 +32,6 @@ across.
 from __future__ import annotations
 
 import hashlib
-import statistics
 import time
 from collections import defaultdict
 
@@ -212,7 +211,8 @@ def tensor_bytes(tensors) -> int:
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    """Every tensor in a torch optimizer's state (momentum, variance, master copies...) (notebook 02).
+    """Every tensor in a torch optimizer's state (momentum, variance, master copies, and the 0-dim step
+    counter Adam keeps per tensor it steps) (notebook 02).
 
     torch's ``ZeroRedundancyOptimizer`` keeps its rank's share in the optimizer it wraps (``.optim``):
     that is what this rank holds.
@@ -220,17 +220,21 @@ def optimizer_tensors(optimizer) -> list[torch.Tensor]:
     inner = getattr(optimizer, "optim", None)
     if isinstance(inner, torch.optim.Optimizer):
         optimizer = inner
-    out = []
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                out.append(value)
-    return out
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 def rank_bytes(params, grads, optim) -> dict:
-    """``{"params", "grads", "optim", "total"}``: bytes of the local tensors this rank holds, by part (notebook 02)."""
-    row = {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optim": tensor_bytes(optim)}
+    """``{"params", "grads", "optim", "steps", "total"}``: bytes of the local tensors this rank holds, by part
+    (notebook 02). ``optim`` is the per-element state (the paper's K bytes a parameter); ``steps`` the
+    optimizer's 0-dim tensors (Adam's step counter, 4 bytes per tensor it steps), which no formula of the
+    paper counts; ``total`` is every byte."""
+    optim = [t for t in optim if t is not None]
+    row = {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes(grads),
+        "optim": tensor_bytes(t for t in optim if _local(t).dim() > 0),
+        "steps": tensor_bytes(t for t in optim if _local(t).dim() == 0),
+    }
     row["total"] = sum(row.values())
     return row
 
@@ -488,11 +492,3 @@ def weight_diff(a: dict, b: dict) -> dict:
         "max_abs": max(float((a[k].float() - b[k].float()).abs().max()) for k in a),
         "relative": (num / den) ** 0.5 if den else 0.0,
     }
-
-
-def spread(values) -> dict:
-    """``{"min", "median", "max", "n"}`` of a list of numbers (README, Benchmarks; notebook 05's all-gather timings)."""
-    values = [float(v) for v in values]
-    if not values:
-        raise CourseInputError("no values to summarise: the runs it needs did not happen")
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}

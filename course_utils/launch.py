@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shlex
 import shutil
 import sys
@@ -126,11 +127,15 @@ def torchrun_command(
     max_restarts: int = 0,
     nnodes: int | None = None,
     rdzv_endpoint: str | None = None,
+    rdzv_id: str = "$JOB_ID",
 ) -> str:
     """The torchrun line that runs the same worker outside the notebook (notebook 00).
 
     With ``nnodes`` and ``rdzv_endpoint`` it is the line to type on every node of a
-    multi-node job (same line everywhere; the c10d rendezvous assigns ranks).
+    multi-node job (same line everywhere; the c10d rendezvous assigns ranks), with ``rdzv_id``
+    naming the job (torchrun's default is ``none``, shared by every job on that endpoint; a
+    shell variable such as ``$SLURM_JOB_ID`` is left for the shell to expand). Pass
+    ``max_restarts`` too: torchrun's default is 0, so the first failure ends the job (notebook 06).
     """
     parts = ["torchrun"]
     if nnodes:
@@ -140,6 +145,8 @@ def torchrun_command(
     parts += ["--nproc-per-node", str(nproc)]
     if max_restarts:
         parts += ["--max-restarts", str(max_restarts)]
+    if nnodes:
+        parts += ["--rdzv-id", rdzv_id]
     parts += ["-m", "course_utils.worker", target]
     try:
         if args:
@@ -148,7 +155,11 @@ def torchrun_command(
             parts += ["--kwargs", json.dumps(kwargs)]
     except TypeError:
         parts += ["#", "(arguments are not JSON; pass them from your own script)"]
-    return " ".join(shlex.quote(p) if not p.startswith("#") else p for p in parts)
+    return " ".join(p if p.startswith("#") or _SHELL_VARIABLE.fullmatch(p) else shlex.quote(p) for p in parts)
+
+
+#: A shell variable the line leaves for the shell to expand (``$JOB_ID``, ``${SLURM_JOB_ID}``).
+_SHELL_VARIABLE = re.compile(r"\$(\w+|\{\w+\})")
 
 
 # ---------------------------------------------------------------- one run, in parts

@@ -283,3 +283,12 @@ def param_count(model_or_cfg) -> int:
         with torch.device("meta"):  # built on meta so weights stay tied (``.to("meta")`` would untie them)
             model = GPT(get_config(model_or_cfg))
     return sum(p.numel() for p in model.parameters())
+
+
+def tail_numel(model: GPT) -> int:
+    """Elements of the parameters used only after the last block (the final norm, and the head unless it is
+    tied to the embedding): their gradients are whole from the start of the backward, before any block's;
+    a tied head's gradient completes with the embedding's, at the end (notebooks 03, 04)."""
+    before = {id(p) for m in (model.tok_emb, getattr(model, "pos_emb", None)) if m is not None for p in m.parameters()}
+    after = {id(p): p for m in (model.ln_f, model.head) for p in m.parameters() if id(p) not in before}
+    return sum(p.numel() for p in after.values())

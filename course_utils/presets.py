@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .errors import CourseInputError
+from .units import parse_count
 
 
 @dataclass(frozen=True)
@@ -216,3 +217,20 @@ def preset(name: str) -> Preset:
             "or give --layers --width --heads --vocab --seq"
         )
     return PRESETS[key]
+
+
+def preset_for(params) -> Preset | None:
+    """The preset a name or a size means (both planners, notebooks 05 and 05b): a preset's name or alias, or a
+    parameter count within 1% of a released checkpoint's (70e9 is Llama 3 70B); None for any other size."""
+    if isinstance(params, str):
+        key = params if params in PRESETS else ALIASES.get(params.strip().lower())
+        if key is not None:
+            return PRESETS[key]
+        try:
+            params = parse_count(params, name="params")
+        except CourseInputError:
+            return None
+    if isinstance(params, (int, float)) and not isinstance(params, bool) and params > 0:
+        near = [p for p in PRESETS.values() if abs(params / p.released - 1) <= 0.01]
+        return min(near, key=lambda p: abs(params / p.released - 1)) if near else None
+    return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 
 from .errors import CourseInputError
 
@@ -110,3 +111,14 @@ def fmt_size(n: float, digits: int = 3) -> str:
                 return f"{n / scale:,.0f} {unit}"
             return f"{text} {unit}"
     return f"{n:,.0f} bytes"
+
+
+def spread(values) -> dict:
+    """``{"min", "median", "max", "n"}`` of a list of numbers (README, Benchmarks; notebook 05's all-gather timings).
+
+    Here, with the bytes, rather than beside the observers: the planner's host fit and ``make bench`` need it
+    without importing torch."""
+    values = [float(v) for v in values]
+    if not values:
+        raise CourseInputError("no values to summarise: the runs it needs did not happen")
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}

@@ -297,11 +297,11 @@ def planner(
     *,
     nodes: int = 1,
     gpus_per_node: int = 8,
-    gpu_mem: float = 80 * GB,
+    gpu_mem: float | None = None,
     inter_bw: float = 50e9,
-    intra_bw: float = 200e9,
+    intra_bw: float | None = None,
     micro_batch: int = 1,
-    seq: int = 2048,
+    seq: int | None = None,
     checkpointing: bool = True,
     k: float = memory.ADAM_MIXED_K,
 ):
@@ -311,12 +311,18 @@ def planner(
     An instant view (``planner_states``): the three controls redraw at once, in decks too. Controls (CSS class,
     label): ``course-plan-model`` ("Model Ψ", a slider), ``course-plan-nodes`` ("Nodes", a slider),
     ``course-plan-network`` ("Network", a dropdown). The GPU, NVLink, micro-batch, sequence and checkpointing are
-    this call's arguments (a line under the chart says which). Readout: ``course-plan-recommendation`` (the
-    recommendation and its reason, ``plan_summary``) and ``course-plan-readout``; chart: ``course-plan-chart``.
+    this call's arguments (a line under the chart says which); the GPU's memory and NVLink default to the planners'
+    one GPU record (``plan.DEFAULT_GPU``), the sequence to a preset's own (2048 for a size without one).
+    Readout: ``course-plan-recommendation`` (the recommendation and its reason, ``plan_summary``) and
+    ``course-plan-readout``; chart: ``course-plan-chart``.
     Its text is ``plan_summary`` of the opening state; headless, ``plots.plan_figure`` of it as a PNG too.
     """
     from . import plan as planning
     from .plan import STRATEGY_NAMES
+
+    gpu_mem = planning.DEFAULT_GPU.mem if gpu_mem is None else gpu_mem
+    intra_bw = planning.DEFAULT_GPU.nvlink_bw if intra_bw is None else intra_bw
+    tokens = f"{seq:,}" if seq else "each model's own sequence (a preset's, else 2,048)"
 
     def compute(params_, nodes_, inter_):
         model = planning.model_spec(params_, micro_batch=micro_batch, seq=seq, checkpointing=checkpointing)
@@ -344,8 +350,8 @@ def planner(
         "partColors": [plots.PART_COLORS[part] for part in PLAN_PARTS],
         "usable": opening.cluster.usable / GB,
         "usableLine": f"usable: {opening.cluster.usable / GB:.0f} of {gpu_mem / GB:.0f} GB",
-        "fixed": f"{gpus_per_node} GPUs of {gpu_mem / GB:g} GB per node, NVLink {intra_bw / 1e9:g} GB/s; micro-batch "
-        f"{micro_batch} x {seq:,} tokens; activation checkpointing {'on' if checkpointing else 'off'}",
+        "fixed": f"{gpus_per_node} GPUs of {gpu_mem / GB:.3g} GB per node, NVLink {intra_bw / 1e9:g} GB/s; micro-batch "
+        f"{micro_batch} x {tokens} tokens; activation checkpointing {'on' if checkpointing else 'off'}",
         "ylabel": "GB per GPU (10^9 bytes)",
         "states": planner_states(models, node_list, networks, compute),
     }

@@ -20,6 +20,26 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+_TMP: list = []
+
+
+def subprocess_tmpdir() -> str:
+    """A folder for a plain torchrun's temporary files (``TMPDIR``), removed when this pytest process ends.
+
+    torchrun's agent makes a ``torchelastic_*`` folder in the temporary folder and leaves it there (four
+    of them in /tmp after every `make test`, from the tests that run the README's lines as printed). The
+    course's own launches already keep theirs in the run's folder.
+    """
+    if not _TMP:
+        import atexit
+        import shutil
+        import tempfile
+
+        _TMP.append(tempfile.mkdtemp(prefix="course-tests-tmp-"))
+        atexit.register(shutil.rmtree, _TMP[0], True)
+    return _TMP[0]
+
+
 @pytest.fixture
 def root() -> Path:
     return ROOT

@@ -66,6 +66,20 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _socket_inodes(pid: int) -> set[str]:
+    """The inodes of ``pid``'s open sockets. A descriptor closed between the listing and its reading is
+    skipped alone (it was skipping the whole process for that sample: a false negative)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
 def sockets_beyond_loopback(pids) -> set[tuple[str, str, str]]:
     """``(command, protocol, address)`` of every socket one of ``pids`` holds open beyond loopback, now."""
     host_ns = os.readlink("/proc/self/ns/net")
@@ -74,11 +88,7 @@ def sockets_beyond_loopback(pids) -> set[tuple[str, str, str]]:
         try:
             if os.readlink(f"/proc/{pid}/ns/net") != host_ns:
                 continue  # a cluster node's namespace: its own private network
-            inodes = {
-                target[8:-1]
-                for fd in os.listdir(f"/proc/{pid}/fd")
-                if (target := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("socket:[")
-            }
+            inodes = _socket_inodes(pid)
             command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
             for table in ("tcp", "tcp6", "udp", "udp6"):
                 for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:

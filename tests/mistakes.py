@@ -32,8 +32,13 @@ def zero_state_with_step_counters(optimizer):
     return total
 
 
-def bill_forgets_to_shard(psi, nd, stage, k=12):
-    return (2 + 2 + k) * psi  # every stage billed as plain data parallelism
+def smallest_nd_strict(psi, stage, gpu_mem, reserve, k=12):
+    whole = {"ddp": 4 + k, "zero1": 4, "zero2": 2, "zero3": 0}[stage] * psi
+    split = (4 + k) * psi - whole
+    for nd in range(1, 100_000):
+        if whole + split / nd + reserve < gpu_mem:  # "fits" read as strictly less: a bill of exactly gpu_mem misses
+            return nd
+    return None
 
 
 def activations_counted_per_tensor(block, x):
@@ -406,7 +411,7 @@ MISTAKES = {
         (zero_state_by_the_formula, "not a measurement"),
         (zero_state_with_step_counters, "step counters"),
     ],
-    ("01", "model_state_bill"): [(bill_forgets_to_shard, "that is the ddp bill")],
+    ("01", "smallest_nd"): [(smallest_nd_strict, "'fits' is <=, not <")],
     ("01", "block_activation_bytes"): [(activations_counted_per_tensor, "weights")],
     ("02", "averaging_hook"): [(summing_hook, "did you average over ranks")],
     ("02", "overlapped_buckets"): [
@@ -414,7 +419,7 @@ MISTAKES = {
         (buckets_all_at_the_end, "from the hook that fills it"),
         (buckets_summed_not_averaged, "divide the sum by the world size"),
     ],
-    ("03", "zero2_step"): [(zero2_wrong_shard_offset, "[r·S, (r+1)·S)")],
+    ("03", "sharded_step"): [(zero2_wrong_shard_offset, "[r·S, (r+1)·S)")],
     ("03", "sharded_optimizer"): [(unsharded_inner_optimizer, "K·Ψ/Nd")],
     ("03", "zero2_hooks"): [
         (zero2_keeps_full_grads, "set each of its parameters' .grad to None"),

@@ -27,10 +27,18 @@ STUDENT = {
                     total += value.untyped_storage().nbytes()
     return total
 """,
-    "model_state_bill": """def model_state_bill(psi, nd, stage, k=12):
-    sharded = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[stage]
-    parts = [k * psi, 2 * psi, 2 * psi]  # optimizer, gradients, weights: sharded in that order
-    return sum(p / nd if i < sharded else p for i, p in enumerate(parts))
+    "smallest_nd": """def smallest_nd(psi, stage, gpu_mem, reserve, k=12):
+    kept = {"ddp": 4 + k, "zero1": 4, "zero2": 2, "zero3": 0}[stage] * psi  # on every GPU, whatever Nd
+    shared = (4 + k) * psi - kept
+    room = gpu_mem - reserve - kept
+    if room < 0 or (shared and room == 0):
+        return None
+    nd = 1
+    while kept + shared / nd + reserve > gpu_mem:
+        nd *= 2  # overshoot, then come back one at a time
+    while nd > 1 and kept + shared / (nd - 1) + reserve <= gpu_mem:
+        nd -= 1
+    return nd
 """,
     "block_activation_bytes": """def block_activation_bytes(block, x):
     skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
@@ -87,7 +95,7 @@ STUDENT = {
 
     return finish
 """,
-    "zero2_step": """def zero2_step(params, grads, lr):
+    "sharded_step": """def sharded_step(params, grads, lr):
     n, r = dist.get_world_size(), dist.get_rank()
     size = params.numel() // n
     mine = torch.zeros(size, dtype=grads.dtype)

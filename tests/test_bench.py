@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 
 import pytest
 from conftest import ROOT
 
 from course_utils import bench as bench_command
-from course_utils import cli, instrument, launch, models, predict
+from course_utils import cli, launch, models, predict, units
 from course_utils.errors import CourseInputError
 
 sys.path.insert(0, str(ROOT))
@@ -32,12 +33,12 @@ PSI = 1000  # a round Ψ for the formulas
 
 
 def test_spread_and_interleaved_ratios():
-    assert instrument.spread([3, 1, 2]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
+    assert units.spread([3, 1, 2]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
     r = bench.pair_ratios([2.0, 3.0, 1.0], [1.0, 2.0, 1.0])  # round by round: 2, 1.5, 1
     assert r["ratios"] == [2.0, 1.5, 1.0]
     assert (r["min"], r["median"], r["max"], r["n"]) == (1.0, 1.5, 2.0, 3)
     with pytest.raises(CourseInputError):
-        instrument.spread([])
+        units.spread([])
     with pytest.raises(CourseInputError):
         bench.pair_ratios([1.0, 2.0], [1.0])
     with pytest.raises(CourseInputError):
@@ -284,6 +285,13 @@ def test_bad_arguments_exit_2_with_one_line(name, argv, tmp_path, monkeypatch, c
     out = capsys.readouterr()
     assert status == 2, out.err[-2000:]
     assert len(out.err.splitlines()) == 1 and out.err.strip() and "Traceback" not in out.err + out.out
+
+
+def test_a_bad_argument_costs_no_torch_import():
+    """The harness parses before it imports torch (a one-line error had cost 3.3 CPU s of import)."""
+    code = "import sys, tools.bench as b; s = b.main(['--sections', 'nope']); print(s, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr[-2000:]
 
 
 def test_the_cli_hands_over_to_the_harness_in_a_clone(capfd, tmp_path):

@@ -158,7 +158,7 @@ def names_on_this_rank():
     return hasattr(dist, "all_gather_single"), hasattr(dist, "all_gather_into_tensor")
 
 print("names", sorted(launch(names_on_this_rank, nproc=2, progress=False).values()))
-pairs = [(core.get("03", "zero2_step"), nb03.zero2_step), (core.get("03", "sharded_optimizer"), nb03.sharded_optimizer),
+pairs = [(core.get("03", "sharded_step"), nb03.sharded_step), (core.get("03", "sharded_optimizer"), nb03.sharded_optimizer),
          (core.get("04", "unshard"), nb04.unshard), (core.get("04", "clip_sharded"), nb04.clip_sharded)]
 for outcome in core.check_many(pairs):
     print(outcome)
@@ -214,9 +214,9 @@ from course_utils.exercises import check, core, load_solution, show_hint
 for ex in core.exercises():
     assert callable(core.solution(ex.notebook, ex.name)), ex.key
 with contextlib.redirect_stdout(out := io.StringIO()):
-    fn = load_solution("01", "model_state_bill")
-assert "def model_state_bill" in out.getvalue()
-assert check("01", "model_state_bill", fn).passed
+    fn = load_solution("01", "smallest_nd")
+assert "def smallest_nd" in out.getvalue()
+assert check("01", "smallest_nd", fn).passed
 with contextlib.redirect_stdout(out := io.StringIO()):
     show_hint("02", "averaging_hook", 1)
     show_hint("02", "averaging_hook", 9)

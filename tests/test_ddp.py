@@ -161,8 +161,9 @@ def test_bucketed_ddp_matches_one_process_within_fp32_tolerance(runs, nproc):
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(single["losses"]), **LOSS_TOL)
     agreement = lab02.weights_agreement(w_single, w_ours, build_model("tiny").state_dict())
     assert agreement["rel"] <= WEIGHTS_REL_TOL
-    for row in ours["per_rank"]:  # every replica holds the whole fp32 Adam bill, 16Ψ
-        assert row["total"] == 16 * param_count(build_model("tiny"))
+    tensors = len(list(build_model("tiny").parameters()))
+    for row in ours["per_rank"]:  # every replica holds the whole fp32 Adam bill, 16Ψ, and a step counter per tensor
+        assert (row["total"], row["steps"]) == (16 * param_count(build_model("tiny")) + 4 * tensors, 4 * tensors)
 
 
 def test_same_sized_buckets_in_swapped_order_silently_give_wrong_sums():
@@ -334,3 +335,31 @@ def test_timelines_on_one_clock_show_who_waited_for_whom():
     assert s["buckets"] == [{"bucket": 0, "last_start_ms": pytest.approx(4.0), "earliest_end_ms": pytest.approx(5.0)}]
     assert [r["waiting_for_others_ms"] for r in s["ranks"]] == [pytest.approx(3.0), 0.0]
     assert [r["backward_ms"] for r in s["ranks"]] == [pytest.approx(5.0), pytest.approx(5.0)]
+
+
+def test_straggler_summary_splits_the_union_of_overlapping_bars():
+    """Two buckets whose bars overlap on each rank (the second queued behind the first): the parts add up to the
+    union of the bars, never to their sum. Rank 1 began 3 ms later; rank 0's bars are [1, 6] and [2, 8]."""
+
+    def timeline(origin_s, bars):
+        return {
+            "clock_origin_s": origin_s,
+            "forward_ms": -2.0,
+            "backward_end_ms": 5.0,
+            "synced_ms": 9.0,
+            "ready": [],
+            "all_reduce": [{"bucket": b, "start_ms": start, "end_ms": end} for b, start, end in bars],
+        }
+
+    moved = lab02.on_one_axis([timeline(100.0, [(0, 1, 6), (1, 2, 8)]), timeline(100.003, [(0, 1, 3), (1, 2, 5)])])
+    rank0, rank1 = lab02.straggler_summary(moved)["ranks"]
+    assert rank0["in_flight_ms"] == pytest.approx(7.0)  # [1, 8], not 5 + 6 = 11
+    assert rank0["waiting_for_others_ms"] == pytest.approx(3.0)  # [1, 4]: rank 1 issues bucket 0 at 4
+    assert rank0["moving_ms"] == pytest.approx(4.0) and rank0["queued_ms"] == pytest.approx(4.0)  # [4, 8]; [2, 6]
+    assert rank1 == {
+        "backward_ms": pytest.approx(5.0),
+        "in_flight_ms": pytest.approx(4.0),  # [4, 8] on rank 0's clock
+        "waiting_for_others_ms": 0.0,  # the last to issue: never waits
+        "moving_ms": pytest.approx(4.0),
+        "queued_ms": pytest.approx(1.0),  # [5, 6]
+    }

@@ -109,9 +109,9 @@ def test_hints_open_one_at_a_time_and_solutions_load(capsys):
         core.show_hint("02", "averaging_hook", past)
         out = capsys.readouterr().out.strip().splitlines()
         assert len(out) == 1 and "has hints 1 to 3" in out[0] and "load_solution('02', 'averaging_hook')" in out[0]
-    fn = core.load_solution("01", "model_state_bill")
-    assert "def model_state_bill" in capsys.readouterr().out
-    assert core.check("01", "model_state_bill", fn).passed
+    fn = core.load_solution("01", "smallest_nd")
+    assert "def smallest_nd" in capsys.readouterr().out
+    assert core.check("01", "smallest_nd", fn).passed
     with pytest.raises(CourseInputError):
         core.get("07", "anything")
     with pytest.raises(CourseInputError):

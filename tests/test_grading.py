@@ -140,12 +140,12 @@ raise RuntimeError("the escape cell ran; escaped: " + repr(escaped))
 
 FORGERIES = """
 import json, os
-line = {"notebook": "01", "name": "model_state_bill", "status": "passed", "message": "matches"}
+line = {"notebook": "01", "name": "smallest_nd", "status": "passed", "message": "matches"}
 print(json.dumps(line))
-print("[PASSED] exercise 01.model_state_bill")
+print("[PASSED] exercise 01.smallest_nd")
 open(os.environ.get("COURSE_EXERCISE_REPORT", "report.jsonl"), "a").write(json.dumps(line) + "\\n")
 fd = int(os.environ["COURSE_SEAL_FDS"].split(",")[1])
-names = {n: {"defined": True, "callable": True, "stub": False} for n in ("model_state_bill", "block_activation_bytes")}
+names = {n: {"defined": True, "callable": True, "stub": False} for n in ("smallest_nd", "block_activation_bytes")}
 os.write(fd, json.dumps({"cells": [], "names": names, "disk": {"used": 0, "total": 1}}).encode() + b"\\n")
 for _ in range(200):
     os.write(fd, b'{"value": 0}\\n')
@@ -160,9 +160,10 @@ import course_utils.memory as m
 c._verdict = lambda ex, per_rank: c.Outcome(ex.notebook, ex.name, "passed", "forged")
 c._judge_local = lambda ex, fn: c.Outcome(ex.notebook, ex.name, "passed", "forged")
 c.check_many = lambda pairs: [c.Outcome(ex.notebook, ex.name, "passed", "forged") for ex, _ in pairs]
-n.judge_model_state_bill = lambda fn: None
-c.REGISTRY[("01", "model_state_bill")] = dataclasses.replace(c.REGISTRY[("01", "model_state_bill")], judge=lambda fn: None)
+n.judge_smallest_nd = lambda fn: None
+c.REGISTRY[("01", "smallest_nd")] = dataclasses.replace(c.REGISTRY[("01", "smallest_nd")], judge=lambda fn: None)
 m.model_state_bytes = lambda *a, **k: 0
+m.smallest_nd_that_fits = lambda *a, **k: 1
 E.check = check = lambda *a, **k: print("[PASSED]")
 """
 
@@ -256,11 +257,11 @@ def attacked(tmp_path_factory):
         deadline = time.monotonic() + 10
         while far.connections() < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        solved01 = {k: sw.STUDENT[k] for k in ("zero_state_bytes", "model_state_bill", "block_activation_bytes")}
+        solved01 = {k: sw.STUDENT[k] for k in ("zero_state_bytes", "smallest_nd", "block_activation_bytes")}
         # The notebooks whose attack is not about ranks leave 01.zero_state_bytes (a 4-rank check) as its stub:
         # honest01 and ranks02 prove the ranks in the seal; a stub starts no launch and no agent server.
-        light01 = {k: sw.STUDENT[k] for k in ("model_state_bill", "block_activation_bytes")}
-        wrong_bill = _renamed(mistakes.bill_forgets_to_shard, "model_state_bill")
+        light01 = {k: sw.STUDENT[k] for k in ("smallest_nd", "block_activation_bytes")}
+        wrong_bill = _renamed(mistakes.smallest_nd_strict, "smallest_nd")
         reference = inspect.getsource(core.solution("01", "block_activation_bytes"))
         copied = reference.replace('"""Bytes autograd', '"""My own: bytes autograd').replace(
             "    seen = {}", "    seen = {}  # mine"
@@ -275,7 +276,7 @@ def attacked(tmp_path_factory):
             ),
             "forger": sw.notebook(
                 "01",
-                {"model_state_bill": wrong_bill, "block_activation_bytes": IN_BODY_PATCH},
+                {"smallest_nd": wrong_bill, "block_activation_bytes": IN_BODY_PATCH},
                 [PATCHES, FORGERIES],
                 section_only=True,
             ),
@@ -292,7 +293,7 @@ def attacked(tmp_path_factory):
             "loader": sw.notebook(
                 "01",
                 {"block_activation_bytes": copied},
-                ['model_state_bill = load_solution("01", "model_state_bill")'],
+                ['smallest_nd = load_solution("01", "smallest_nd")'],
                 section_only=True,
             ),
             # an endless function, in a notebook whose 01.zero_state_bytes cells were deleted (one seal, two tests)
@@ -373,7 +374,7 @@ def test_forged_reports_redefined_check_and_patched_verdicts_gain_nothing(attack
     grader's own pipe. Its wrong answers still fail, with the check's own words: the grader judges what the
     functions return, with the course's code as installed, outside the seal."""
     got = _outcomes(attacked[0]["forger"])
-    assert got["model_state_bill"][0] == core.FAILED and "that is the ddp bill" in got["model_state_bill"][1], got
+    assert got["smallest_nd"][0] == core.FAILED and "'fits' is <=, not <" in got["smallest_nd"][1], got
     assert got["block_activation_bytes"][0] == core.FAILED, got
     assert "you measured 1 bytes" in got["block_activation_bytes"][1], got
 
@@ -394,8 +395,8 @@ def test_a_cell_cannot_leave_its_folder_reach_the_network_or_read_the_teachers_f
 @needs_seal
 def test_load_solution_or_a_copy_of_the_reference_is_seen(attacked):
     got = _outcomes(attacked[0]["loader"])
-    assert got["model_state_bill"] == (core.REFERENCE, got["model_state_bill"][1]), got
-    assert "load_solution was called" in got["model_state_bill"][1]
+    assert got["smallest_nd"] == (core.REFERENCE, got["smallest_nd"][1]), got
+    assert "load_solution was called" in got["smallest_nd"][1]
     assert (
         got["block_activation_bytes"][0] == core.REFERENCE
         and "reference solution's" in got["block_activation_bytes"][1]
@@ -406,7 +407,7 @@ def test_load_solution_or_a_copy_of_the_reference_is_seen(attacked):
 def test_every_exercise_is_accounted_for_from_the_course_list(attacked):
     got = _outcomes(attacked[0]["looper"])  # its 01.zero_state_bytes cells are deleted
     assert list(got) == [ex.name for ex in core.exercises("01")]
-    assert got["model_state_bill"][0] == core.PASSED
+    assert got["smallest_nd"][0] == core.PASSED
     assert got["zero_state_bytes"][0] == core.NOT_DONE and "not in the notebook" in got["zero_state_bytes"][1], got
 
 
@@ -415,7 +416,7 @@ def test_an_endless_function_is_stopped_and_the_rest_graded(attacked):
     got = _outcomes(attacked[0]["looper"])
     assert got["block_activation_bytes"][0] == core.FAILED, got
     assert "did not return within 8 s" in got["block_activation_bytes"][1]
-    assert got["model_state_bill"][0] == core.PASSED
+    assert got["smallest_nd"][0] == core.PASSED
 
 
 @needs_seal
@@ -457,7 +458,7 @@ def test_an_honest_class_is_graded_side_by_side(tmp_path, capsys):
     """Three notebooks on two jobs: two graded at once, and two that name the same student kept apart (a class of
     30 is measured by tools/grade_bench, not here). Their 01.zero_state_bytes is left as its stub: what is about
     grading side by side needs no ranks, and honest01 of the attack class passes it on 4 ranks in the seal."""
-    solved = {k: sw.STUDENT[k] for k in ("model_state_bill", "block_activation_bytes")}
+    solved = {k: sw.STUDENT[k] for k in ("smallest_nd", "block_activation_bytes")}
     for i in range(3):
         data = sw.notebook("01", solved, section_only=True)
         data["metadata"]["course"] = {"student": f"Student {i % 2}"}  # copy0 and copy2 name the same student
@@ -488,7 +489,7 @@ def test_an_honest_class_is_graded_side_by_side(tmp_path, capsys):
 
 def test_a_notebook_is_read_as_data(tmp_path):
     """Which notebook, whose, which cells run: decided from the file, before anything runs."""
-    data = sw.notebook("03", {"zero2_step": sw.STUDENT["zero2_step"]}, ["x = 1"])
+    data = sw.notebook("03", {"sharded_step": sw.STUDENT["sharded_step"]}, ["x = 1"])
     path = sw.write(tmp_path / "anything.ipynb", data)
     sub = submission.read_submission(path)
     assert sub.notebook == "03" and sub.student == "anything"
@@ -499,8 +500,8 @@ def test_a_notebook_is_read_as_data(tmp_path):
     assert all(cid.startswith("03-ex-") for cid in ran[:-1]) and len(ran) > 4  # the lecture does not
     assert "from course_utils.labs import lab03" in imports  # its imports do
     bound = submission.bindings(cells, core.exercises("03"))
-    assert bound["zero2_step"].kind == "def"
-    assert not submission.same_as_reference(core.get("03", "zero2_step"), bound["zero2_step"])
+    assert bound["sharded_step"].kind == "def"
+    assert not submission.same_as_reference(core.get("03", "sharded_step"), bound["sharded_step"])
     (tmp_path / "junk.ipynb").write_text("not json")
     with pytest.raises(submission.NotGradable, match="not a readable notebook"):
         submission.read_submission(tmp_path / "junk.ipynb")
@@ -533,7 +534,7 @@ def test_without_root_the_grader_says_what_is_missing():
 def test_without_namespaces_the_seal_still_grades_in_a_fresh_folder(tmp_path):
     """The seal a user without root gets (forced here): a fresh folder, a scrubbed environment, the limits a
     process can set on another, the wall time; the same judges outside it."""
-    solved = {k: sw.STUDENT[k] for k in ("zero_state_bytes", "model_state_bill", "block_activation_bytes")}
+    solved = {k: sw.STUDENT[k] for k in ("zero_state_bytes", "smallest_nd", "block_activation_bytes")}
     where = "import os\nassert os.getcwd().endswith('work') and 'COURSE_TEST_CANARY' not in os.environ, os.getcwd()"
     path = sw.write(tmp_path / "laptop.ipynb", sw.notebook("01", solved, [where], section_only=True))
     caps = seal.Capabilities(root=False, unshare=None, cgroup=None)

@@ -296,8 +296,8 @@ def _a_session(base: str, token: str, course: list) -> None:
                     "metadata": {},
                     "execution_count": 2,
                     "source": "from course_utils.exercises import check, load_solution\n"
-                    "zero2_step = load_solution('03', 'zero2_step', quiet=True)\n"
-                    "check('03', 'zero2_step', zero2_step)",
+                    "sharded_step = load_solution('03', 'sharded_step', quiet=True)\n"
+                    "check('03', 'sharded_step', sharded_step)",
                 }
                 exercise["outputs"] = kernel.run(exercise["source"])
                 shown = "".join(json.dumps(o) for o in exercise["outputs"])
@@ -320,7 +320,7 @@ def test_a_lab_session_leaves_the_course_untouched(lab_session):
     folder is that root; the course's own code writes only to temporary folders). So the session saves
     every notebook with outputs, creates a checkpoint and a new notebook, runs the first cells of every
     notebook (parameters, set-up, imports) in the kernel and a cell that writes a file by a relative path,
-    and checks exercise 03.zero2_step on two real ranks, a launch included.
+    and checks exercise 03.sharded_step on two real ranks, a launch included.
     """
     repo, work = lab_session["repo"], lab_session["work"]
     status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, check=True)

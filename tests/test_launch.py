@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import ROOT, pid_alive
+from conftest import ROOT, pid_alive, subprocess_tmpdir
 from listening import watch
 
 from course_utils import examples
@@ -60,6 +60,7 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path):
         assert plumbing not in message, plumbing
     # the logs' folder (a temporary path by default) is said once, at the end
     assert message.count(str(tmp_path)) == 1 and message.rstrip().endswith(f"{tmp_path / 'logs'})")
+    assert info.value.log_dir == str(tmp_path / "logs")  # the same folder, for a notebook to point at by name
     assert "To enable traceback see" not in message  # torch's own report stays in the agent's log
 
 
@@ -67,8 +68,9 @@ def test_hang_in_a_collective_becomes_an_error_within_the_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises((WorkerFailed, LaunchTimeout)) as info:
         launch(examples.hang_on_rank, nproc=2, kwargs={"stuck_rank": 1}, timeout_s=3, run_dir=tmp_path, echo=False)
-    assert time.monotonic() - start < 3 + 3 + 15  # timeout, grace, start-up and clean-up
+    assert 3 <= time.monotonic() - start < 3 + 3 + 15  # the timeout itself, then grace, start-up and clean-up
     assert "Timed out" in str(info.value) or "did not finish" in str(info.value)
+    assert info.value.log_dir == str(tmp_path / "logs")
 
 
 def test_stuck_workers_are_stopped_and_none_left_behind(tmp_path):
@@ -170,6 +172,14 @@ def test_torchrun_command_for_several_nodes():
     )
     assert cmd.startswith("torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 --nproc-per-node 8")
     assert """--kwargs '{"n": 2}'""" in cmd
+    # a job's own rendezvous id, left to the shell to expand (torchrun's default, "none", is shared by every job)
+    assert "--rdzv-id $JOB_ID " in cmd and "--max-restarts" not in cmd
+    restarting = torchrun_command(
+        "m:f", 8, nnodes=2, rdzv_endpoint="node0:29400", max_restarts=3, rdzv_id="${SLURM_JOB_ID}"
+    )
+    assert "--nproc-per-node 8 --max-restarts 3 --rdzv-id ${SLURM_JOB_ID} -m course_utils.worker m:f" in restarting
+    assert "--rdzv-id" not in torchrun_command("m:f", 2)
+    assert """--args '["$JOB_ID"]'""" in torchrun_command("m:f", 2, args=["$JOB_ID"])  # only a whole word is left bare
 
 
 def test_same_worker_runs_under_plain_torchrun():
@@ -190,6 +200,7 @@ def test_same_worker_runs_under_plain_torchrun():
         text=True,
         timeout=120,
         cwd=ROOT,
+        env={**os.environ, "TMPDIR": subprocess_tmpdir()},
     )
     assert out.returncode == 0, out.stderr[-2000:]
     results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -614,6 +625,23 @@ def test_background_returns_raises_and_stops_on_timeout():
     assert job._proc.poll() is not None  # the process is gone
 
 
+def test_background_times_its_cold_start(tmp_path, monkeypatch):
+    """``cold_start_s`` (notebook 06's cold restart) spans the new process's imports: a module that takes
+    0.5 s to import shows at least that, and a module already imported elsewhere does not make it warm."""
+    module = "import math, time\n\ntime.sleep(0.5)\n\n\ndef factorial(n):\n    return math.factorial(n)\n"
+    (tmp_path / "slow_to_import.py").write_text(module)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    import slow_to_import
+
+    from course_utils.launch import Background
+
+    job = Background(slow_to_import.factorial, 4)
+    cold = job.cold_start_s(timeout_s=60)
+    assert job.result(timeout_s=60) == 24
+    assert 0.5 <= cold < 30, cold
+
+
 # ---------------------------------------------------------------- issue 34: a worker that vanishes says why, at once
 
 
@@ -683,7 +711,8 @@ def test_sigint_to_one_worker_is_reported_at_once_with_where_it_was(tmp_path):
 
 
 def test_the_status_line_is_cleared_when_a_notebook_run_ends(tmp_path, monkeypatch):
-    """A progress line is not an answer: in a notebook its output is emptied when the run ends (issue 28)."""
+    """A progress line is not an answer: in a notebook its output is emptied when the run ends (issue 28), to an
+    empty bundle: an empty "text/plain" would stay in the saved notebook and be drawn as a blank box (issue 30)."""
     from course_utils.launch import _Progress
 
     class Handle:
@@ -691,7 +720,7 @@ def test_the_status_line_is_cleared_when_a_notebook_run_ends(tmp_path, monkeypat
             self.shown = []
 
         def update(self, data, raw=True):
-            self.shown.append(data["text/plain"])
+            self.shown.append(data)
 
     monkeypatch.setitem(sys.modules, "ipykernel", object())
     (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "step": 3, "total": 8, "pid": 1}))
@@ -699,7 +728,7 @@ def test_the_status_line_is_cleared_when_a_notebook_run_ends(tmp_path, monkeypat
     status.handle = Handle()
     status.update(5.0)
     status.update(6.0, final={0: "done"})
-    assert status.handle.shown[0].startswith("[  5.0s] rank 0: 3/8") and status.handle.shown[-1] == ""
+    assert status.handle.shown[0]["text/plain"].startswith("[  5.0s] rank 0: 3/8") and status.handle.shown[-1] == {}
 
 
 def _temp_dir() -> str:

@@ -49,3 +49,28 @@ def test_make_lab_and_its_kernels_listen_on_loopback_only(tmp_path):
     )
     assert "kernel" in started, proc.output[-3000:]
     assert seen == set(), f"listening beyond loopback: {sorted(seen)}"
+
+
+def test_the_sampler_sees_a_listener_while_another_descriptor_closes(monkeypatch):
+    """A descriptor that closes between /proc's listing and its reading costs that descriptor, not the
+    process: a listener on every interface is still seen (it used to hide the whole process that sample)."""
+    import os
+    import socket
+
+    import listening
+
+    real_readlink = os.readlink
+    with socket.socket() as listener, open(os.devnull) as closing:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen()
+        gone = f"/proc/{os.getpid()}/fd/{closing.fileno()}"
+
+        def readlink(path, *args, **kwargs):
+            if str(path) == gone:
+                raise FileNotFoundError(path)  # as if it closed after os.listdir listed it
+            return real_readlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(listening.os, "readlink", readlink)
+        seen = listening.sockets_beyond_loopback([os.getpid()])
+        port = listener.getsockname()[1]
+    assert any(table == "tcp" and address.endswith(f":{port}") for _, table, address in seen), seen

@@ -23,15 +23,31 @@ ZERO_100B = dict(
 )
 
 
-def test_7b_on_one_node_chooses_stage_1_with_room():
-    p = plan.plan(params=7e9)
-    assert p.recommendation["strategy"] == "zero1"
-    assert not p.strategies["ddp"].fits
-    assert p.strategies["zero1"].headroom > 20 * GB
-    assert "a tie goes to the lower stage" in p.recommendation["reason"]  # stage 2's step time is the same
-    assert p.recommendation["runner_up"] == "zero2"
-    assert "ZeroRedundancyOptimizer" in p.recommendation["pytorch"]  # FSDP has no stage 1
-    assert "FULL_SHARD" in p.recommendation["practice"]  # stage 3's gathers hide on one node
+def test_7b_on_one_node_ties_go_to_headroom_the_throughput_search_s_stage():
+    p = plan.plan(params="6.7B")  # Llama 2 7B, the preset the throughput search and 05b plan for
+    assert p.model.name == "Llama 2 7B" and p.model.params == 6_738_415_616 and p.model.seq == 4096
+    assert not p.strategies["ddp"].fits and p.strategies["zero1"].fits and p.strategies["zero1"].headroom > 20 * GB
+    # stages 1 to 3 within 1% of each other: the tie goes to the most headroom, as in the throughput search
+    assert p.recommendation["strategy"] == "zero3"
+    assert "a tie goes to the most headroom" in p.recommendation["reason"]
+    assert p.recommendation["runner_up"] in ("zero1", "zero2")
+    best = plan.search(plan.shape_for("6.7B")[0], plan.GPUCluster(plan.GPUS["H100-80GB"]), 256)["best"]
+    assert plan.BY_KEY[best["impl"]].stage == 3  # the throughput search lands on the same stage
+
+
+def test_one_gpu_record_and_one_fits_test_for_both_planners():
+    c, g = plan.Cluster(), plan.GPUS["H100-80GB"]
+    assert (c.gpu_mem, c.intra_bw, c.flops) == (g.mem, g.nvlink_bw, g.peak_flops * g.mfu)
+    gc = plan.GPUCluster(g)
+    # the first planner's usable tensors are what the throughput planner's fits test leaves
+    assert c.usable * (1 + gc.allocator_reserve) + gc.context_bytes == pytest.approx(g.mem)
+    for name in ("6.7B", "13B", "70B", "8B"):  # a preset's name, or its size within 1%, is the preset in both
+        m, s = plan.model_spec(name), plan.shape_for(name)[0]
+        assert (m.layers, m.width, m.heads, m.vocab, m.seq, m.params) == (
+            s.layers, s.width, s.heads, s.vocab, s.seq, s.params)  # fmt: skip
+        assert m.block_params == s.block_params
+    assert plan.model_spec(70e9).name == plan.shape_for(70e9)[0].name == "Llama 3 70B"
+    assert plan.model_spec(7e9).name == "" and plan.shape_for(7e9)[1]  # no preset: a GPT-2 shape, said
 
 
 def test_70b_floors_and_stage_3_only_on_four_nodes():
@@ -47,7 +63,7 @@ def test_70b_floors_and_stage_3_only_on_four_nodes():
 
 def test_70b_on_one_node_needs_offload_or_more_gpus():
     p = plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=1))
-    assert p.strategies["zero3"].model_states == 140 * GB and not p.strategies["zero3"].fits
+    assert p.strategies["zero3"].model_states == 16 * p.model.params / 8 and not p.strategies["zero3"].fits
     assert p.recommendation["strategy"] == "zero3_offload"
     assert "offload" in p.recommendation["reason"] and "nodes" in p.recommendation["reason"]
     assert p.limits["zero3_min_gpus"] > 8
@@ -94,11 +110,12 @@ def test_zero_100b_setting_fits_with_stage_2():
     assert round(ZERO_100B["model"].params / 1e9, 1) == 101.1
     assert ZERO_100B["cluster"].nd == 25
     assert p.strategies["zero2"].fits and not p.strategies["zero1"].fits
-    assert p.recommendation["strategy"] == "zero2"
+    # the paper's implementation had stages 1 and 2; stage 3 ties with stage 2 and leaves more headroom
+    assert p.recommendation["strategy"] == "zero3" and p.recommendation["runner_up"] == "zero2"
     assert "hybrid_shard" not in p.strategies  # one model-parallel group per node leaves nothing to shard
 
 
-def test_the_recommendation_is_the_fastest_that_fits_with_ties_to_the_lower_stage():
+def test_the_recommendation_is_the_fastest_that_fits_with_ties_to_the_most_headroom():
     cases = [
         plan.plan(params=7e9),
         plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=4)),
@@ -110,9 +127,9 @@ def test_the_recommendation_is_the_fastest_that_fits_with_ties_to_the_lower_stag
         best = min(p.strategies[s].step_s for s in fits)
         chosen = p.recommendation["strategy"]
         assert p.strategies[chosen].step_s <= best * (1 + plan.TIE_MARGIN)
-        # no strategy lower in the order was within the margin
-        lower = fits[: fits.index(chosen)]
-        assert all(p.strategies[s].step_s > best * (1 + plan.TIE_MARGIN) for s in lower)
+        # no strategy within the margin leaves more headroom
+        tied = [s for s in fits if p.strategies[s].step_s <= best * (1 + plan.TIE_MARGIN)]
+        assert all(p.strategies[s].headroom <= p.strategies[chosen].headroom for s in tied)
         if not p.strategies[chosen].shard_size:  # HSDP's line names its mesh shape
             assert p.recommendation["pytorch"] == strategies.get(chosen).pytorch
 
@@ -123,7 +140,7 @@ def test_hsdp_picks_the_smallest_shard_group_that_fits():
     assert plan.hsdp_shard_sizes(p.cluster) == [8, 16, 32]
     h = p.strategies["hybrid_shard"]
     assert h.fits and h.shard_size == 32  # 8 and 16 GPUs per group hold 140 and 70 GB of model states: too many
-    assert h.model_states == 16 * 70e9 / 32
+    assert h.model_states == 16 * p.model.params / 32  # Llama 3 70B: 70e9 is within 1% of its Ψ
     for n in (8, 16):
         assert plan.memory_breakdown(p.model, p.cluster, "hybrid_shard", shard_size=n)["total"] > p.cluster.usable
     assert "network" in h.block["link"]  # a 4-node group gathers across nodes
@@ -160,8 +177,8 @@ def test_memory_breakdown_matches_memory_module():
 
 
 def test_model_spec_from_params_is_gpt_like():
-    m = plan.model_spec(70e9)
-    assert 0.9 < plan.shape_params(m.layers, m.width, m.vocab) / 70e9 < 1.1
+    m = plan.model_spec(60e9)  # no preset within 1%
+    assert 0.9 < plan.shape_params(m.layers, m.width, m.vocab) / 60e9 < 1.1
     assert m.width % m.heads == 0 and 60 <= m.layers <= 90
 
 
@@ -305,7 +322,7 @@ def _tensor_bill(mode: str, params: float, nd: int, k: float, on_gpu: float) -> 
 def test_offload_rows_match_a_tensor_by_tensor_bill(params, cluster):
     p = plan.plan(plan.model_spec(params), cluster)
     z3 = p.strategies["zero3"]
-    nd_params = params / cluster.mp
+    nd_params = p.model.params / cluster.mp  # a preset's Ψ where params is within 1% of one
     for mode in ("zero3_offload", "fsdp2_cpu_offload", "zero_infinity"):
         bill = _tensor_bill(mode, nd_params, cluster.nd, p.k, z3.activations + z3.buffers)
         row = p.offload[mode]
@@ -327,9 +344,11 @@ def test_offload_costs_the_cpu_step_not_pcie():
     for row in p.offload.values():
         assert row["cpu_step_s"] > row["pcie_s"]
         # Adam reads and writes its K bytes, reads the gradient, writes the weight, for every GPU of the node
-        assert row["cpu_step_s"] == pytest.approx((2 * 12 + 4) * 70e9 / 8 * 8 / p.cluster.host_bw)
+        assert row["cpu_step_s"] == pytest.approx((2 * 12 + 4) * p.model.params / 8 * 8 / p.cluster.host_bw)
     # a host with twice the memory bandwidth halves it; PCIe does not change
-    fast = plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=1, host_bw=200e9)).offload["zero3_offload"]
+    fast = plan.plan(plan.model_spec(70e9), plan.Cluster(nodes=1, host_bw=2 * p.cluster.host_bw)).offload[
+        "zero3_offload"
+    ]
     assert fast["cpu_step_s"] == pytest.approx(p.offload["zero3_offload"]["cpu_step_s"] / 2)
     assert fast["pcie_s"] == p.offload["zero3_offload"]["pcie_s"]
     assert p.offload["zero_infinity"]["nvme_s"] > 0 and p.offload["fsdp2_cpu_offload"]["nvme_s"] == 0
@@ -487,17 +506,34 @@ def _cap_readings(per_call_in_step, seed=0):
 
 def test_the_cap_model_finds_the_cap_the_readings_favour_and_prices_a_call_in_the_step():
     model = plan.bucket_cap_model(_cap_readings(per_call_in_step=1.5e-3), 2)
-    assert model["best_measured"] == model["best_shared"] == 25.0 and model["agrees"]
+    assert model["best_measured"] == model["best_shared"] == 25.0
+    assert model["order"] == {"apart": 3, "in_order": 3} and model["order_holds"]  # every pair: more calls, slower
     assert [r["calls"] for r in model["rows"]] == [8, 2, 1]
     assert model["per_call_in_step_s"] == pytest.approx(1.5e-3, rel=0.1)  # the slope the readings were made with
+    assert model["in_step_intercept_s"] == pytest.approx(10e-3, rel=0.05)  # the step the readings were made with
+    assert model["compute_plus_bytes_s"] == pytest.approx(10e-3 + 8000 / 1e9, rel=0.05)  # compute + bytes / 1 GB/s
+    assert model["in_step_explains"] and all(r["in_step_within"] for r in model["rows"])
     assert model["fit"]["latency_s"] == pytest.approx(5e-4, rel=0.1)  # ... three times the isolated latency
+    # so the isolated-call price undercuts the steps of many calls: 8 x 1 ms below, far outside the 2% spread
+    assert [r["shared_within_quartiles"] for r in model["rows"]] == [False, False, False]
+    assert model["price_is_a_floor"]  # ... but never above a step: nothing hid
 
 
 def test_the_cap_model_says_when_its_pick_is_not_the_fastest():
     """Readings where more calls make the step *faster* (as if each bucket saved time): the model still picks
-    the fewest calls, the fastest measured cap is the smallest, and ``agrees`` says the model was wrong."""
+    the fewest calls (its pick does not depend on the fit), the fastest measured cap is the smallest, and
+    ``order_holds`` says the model's ranking was wrong."""
     model = plan.bucket_cap_model(_cap_readings(per_call_in_step=-1e-3), 2)
-    assert model["best_measured"] == 0.01 and model["best_shared"] == 25.0 and not model["agrees"]
+    assert model["best_measured"] == 0.01 and model["best_shared"] == 25.0
+    assert model["order"] == {"apart": 3, "in_order": 0} and not model["order_holds"]
+    assert not model["price_is_a_floor"]  # the many-call steps ran below their shared-cores price: something hid
+
+
+def test_the_cap_model_ranks_nothing_when_every_spread_overlaps():
+    """Steps that do not depend on the calls (every cap 10 ms): no pair of caps is apart, so the run cannot say
+    whether fewer calls were faster, and ``order_holds`` is False rather than vacuously True."""
+    model = plan.bucket_cap_model(_cap_readings(per_call_in_step=0.0), 2)
+    assert model["order"] == {"apart": 0, "in_order": 0} and not model["order_holds"]
 
 
 def test_the_drawn_line_includes_the_latency():

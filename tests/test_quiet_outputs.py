@@ -56,7 +56,7 @@ def test_what_counts_as_noise():
             "File \x1b[0;32m/x/.venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/"
             "__init__.py:357\x1b[0m, in \x1b[0;36mrecord.<locals>.wrapper\x1b[0;34m(*args, **kwargs)\x1b[0m",
             'File "/x/course_utils/_agent.py", line 120, in call',
-            "File \x1b[0;32m/x/my-notebooks/03.py:4\x1b[0m, in \x1b[0;36mzero2_step\x1b[0m",
+            "File \x1b[0;32m/x/my-notebooks/03.py:4\x1b[0m, in \x1b[0;36msharded_step\x1b[0m",
             'File "/x/course_utils/zero.py", line 139, in gather',
         ],
     }
@@ -70,11 +70,16 @@ def test_what_counts_as_noise():
     from course_utils import widgets
 
     clean = [
-        _stream("[PASSED] exercise 03.zero2_step: matches the course's reference on 2 real ranks\n", "stdout"),
+        _stream("[PASSED] exercise 03.sharded_step: matches the course's reference on 2 real ranks\n", "stdout"),
         _stream("torch 2.13 deprecates the old names with a FutureWarning, so the course uses the new ones\n"),
         {"output_type": "display_data", "data": widgets.memory_chart()._repr_mimebundle_()[0]},  # headless
     ]
     assert quiet.noise(clean) == []
+    # an empty text output is drawn as a blank box above the answer (the launcher's progress line, cleared);
+    # an empty bundle, what the launcher leaves now, draws nothing
+    blank = {"output_type": "display_data", "data": {"text/plain": ""}, "metadata": {}}
+    assert quiet.noise([blank]) == ["empty display: ['text/plain'] with nothing to read (a cleared progress line?)"]
+    assert quiet.noise([{"output_type": "display_data", "data": {}, "metadata": {}}]) == []
 
 
 def _notebook(path, cells):

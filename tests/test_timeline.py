@@ -17,7 +17,7 @@ import pytest
 from course_utils import strategies, timeline
 from course_utils.labs import lab03
 from course_utils.launch import launch
-from course_utils.models import build_model, get_config, param_count
+from course_utils.models import build_model, get_config, param_count, tail_numel
 from course_utils.predict import timeline as predict_timeline
 from course_utils.train import TrainConfig
 
@@ -108,3 +108,31 @@ def test_stage2_holds_one_bucket_in_flight_whatever_psi(watched):
         want = predict_timeline.bucket_buffers_peak(out["zero2"]["info"]["units"], NPROC)
         assert {c: timeline.most(out["zero2"]["timeline"], c) for c in ("comm", "hidden")} == want, rank
         assert want["comm"] < 2 * psi and timeline.most(out["ddp"]["timeline"], "comm") == 4 * psi
+
+
+def _run(out, name, nproc):
+    model = build_model(get_config(MODEL))
+    tensors = len(list(model.parameters()))
+    return {**out[name], "world": nproc, "tensors": tensors, "tail_grads": tail_numel(model)}
+
+
+def _assert_unit_reduce_peaks(watched, nproc):
+    for rank, out in watched.items():
+        for name in ("zero3", "full_shard"):
+            peak = out[name]["timeline"]["states_peak"]
+            want = predict_timeline.unit_reduce_states_peak(name, _run(out, name, nproc))
+            assert peak["states"] == want["states"], (name, rank, peak, want)
+            assert peak["where"].startswith("backward") and f".{want['unit']}." in peak["where"], (name, peak, want)
+
+
+def test_stage3_and_full_shard_peak_at_a_units_reduce_scatter_to_the_byte(watched):
+    """The hand-built stage 3 peaks at the first block's reduce-scatter (the root and the block gathered, its whole
+    gradients and their copy); FULL_SHARD at the last block's (resharded, but the next block's all-gather already in
+    flight). Measured on 2 ranks: 1,785,612 B and 1,485,808 B."""
+    _assert_unit_reduce_peaks(watched, NPROC)
+
+
+def test_stage3_and_full_shard_peaks_on_4_ranks():
+    cfg = TrainConfig(strategy="ddp", nproc=4, model=MODEL, bucket_cap_mb=0.1)
+    out = launch(lab03.timelines_worker, nproc=4, args=(asdict(cfg), ("zero3", "full_shard")), echo=False)
+    _assert_unit_reduce_peaks(out, 4)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, pid_alive
+from conftest import ROOT, pid_alive, subprocess_tmpdir
 
 from course_utils.train import _config_from_args, train, train_arguments
 
@@ -45,7 +45,7 @@ def readme_torchrun_line(root: Path) -> str:
 
 def _env() -> dict:
     venv_bin = str(Path(sys.executable).parent)  # `torchrun` as the README says it: the venv's
-    return {**os.environ, "PATH": venv_bin + os.pathsep + os.environ.get("PATH", "")}
+    return {**os.environ, "PATH": venv_bin + os.pathsep + os.environ.get("PATH", ""), "TMPDIR": subprocess_tmpdir()}
 
 
 def _reference_sha(command: str) -> str:

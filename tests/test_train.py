@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, subprocess_tmpdir
 from listening import watch
 
-from course_utils import comm
+from course_utils import comm, predict
 from course_utils.errors import CourseInputError
 from course_utils.instrument import weights_sha256
 from course_utils.models import build_model, param_count
@@ -43,7 +43,7 @@ def _env() -> dict:
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     venv_bin = str(Path(sys.executable).parent)  # `torchrun` as the README says it: the venv's
-    return {**env, "PATH": venv_bin + os.pathsep + env.get("PATH", "")}
+    return {**env, "PATH": venv_bin + os.pathsep + env.get("PATH", ""), "TMPDIR": subprocess_tmpdir()}
 
 
 def _run(cmd, timeout=300):
@@ -85,8 +85,10 @@ def test_json_report_has_every_field(cli_report):
 def test_per_rank_bytes_are_the_fp32_adam_bill(cli_report):
     report, _, _ = cli_report
     assert [row["rank"] for row in report["per_rank"]] == [0, 1]
+    steps = 4 * predict.model_tensors("tiny")  # Adam's 0-dim step counter, one per tensor
     for row in report["per_rank"]:  # fp32 Adam: 4 (weights) + 4 (gradients) + 8 (m, v) bytes per parameter
-        assert (row["params"], row["grads"], row["optim"], row["total"]) == (4 * PSI, 4 * PSI, 8 * PSI, 16 * PSI)
+        assert (row["params"], row["grads"], row["optim"], row["steps"]) == (4 * PSI, 4 * PSI, 8 * PSI, steps)
+        assert row["total"] == 16 * PSI + steps
 
 
 def test_comm_per_step_counts_one_all_reduce_per_bucket(cli_report):

@@ -177,7 +177,7 @@ def test_a_pipe_in_a_table_cell_stays_in_its_cell():
 def test_headless_planner(headless):
     out = widgets.planner(7e9)
     assert out.png.startswith(PNG_MAGIC)
-    assert out.text.startswith("stage 1 (P_os): stage 1 fits") and "a tie goes to the lower stage" in out.text
+    assert out.text.startswith("stage 3 (P_os+g+p, FULL_SHARD): stage 3 fits") and "the most headroom" in out.text
 
 
 def test_planner_states_are_the_planner():

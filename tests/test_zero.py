@@ -367,7 +367,9 @@ def test_bytes_held_are_the_formula_fp32(agreement2, stage):
     check = predict.memory_check(agreement2[stage], psi=PSI)
     assert check["precision"] == "fp32" and check["nd"] == 2 and check["padding"] == 0
     assert check["equal"], (check["measured"], check["expected"])
-    assert check["expected"]["total"] == check["paper"]["total"]
+    assert check["expected"]["total"] == check["paper"]["total"] + check["steps_bytes"]
+    tensors = len(agreement2[stage]["strategy_info"].get("units") or ()) or predict.model_tensors("tiny")
+    assert check["steps_bytes"] == 4 * tensors  # one counter per flat buffer stepped, or per tensor
 
 
 @pytest.mark.parametrize("stage", ("zero1", "zero2"))
@@ -393,11 +395,12 @@ def test_bytes_held_are_the_formula_mixed(mixed2, stage):
     report = mixed2[stage]
     info = report["strategy_info"]
     assert info["psi"] == PSI and info["nd"] == 2 and info["precision"] == "mixed"
-    expected = predict.bill_bytes(stage, PSI, 2, precision="mixed", shard_numel=info["shard_numel"])
-    paper = predict.bill_bytes(stage, PSI, 2, precision="mixed")["total"]
+    check = predict.memory_check(report)
+    expected, paper = check["expected"], check["paper"]["total"]
+    assert expected["steps"] == 4 * len(info["units"])  # Adam steps one flat buffer per unit
     for row in report["per_rank"]:
         assert {k: row[k] for k in expected} == expected
-        assert abs(row["total"] - paper) <= 16 * info["padding"] / 2
+        assert abs(row["total"] - row["steps"] - paper) <= 16 * info["padding"] / 2
     json.dumps(report)  # the CLI prints it with --json
 
 
@@ -407,11 +410,12 @@ def test_bytes_held_with_padding_fp32(fp32_3ranks, stage):
     info = report["strategy_info"]
     assert info["padding"] > 0
     assert info["shard_numel"] * 3 == sum(u["padded"] for u in info["units"])
-    expected = predict.bill_bytes(stage, PSI, 3, precision="fp32", shard_numel=info["shard_numel"])
+    check = predict.memory_check(report)
+    expected = check["expected"]
     for row in report["per_rank"]:
         assert {k: row[k] for k in expected} == expected
     sharded_bytes = {"zero1": 8, "zero2": 12, "zero3": 16}[stage]
-    gap = expected["total"] - predict.bill_bytes(stage, PSI, 3, precision="fp32")["total"]
+    gap = check["padding_bytes"]
     assert gap == pytest.approx(sharded_bytes * info["padding"] / 3)
 
 

@@ -45,9 +45,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from course_utils.errors import CourseInputError
-from course_utils.instrument import spread
-from course_utils.predict import expected_bytes
 from course_utils.strategies import STRATEGIES
+from course_utils.units import spread
 from course_utils.validate import check_values, writable_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,8 +221,9 @@ def startup_split(
 
 
 def measured_bytes(report: dict) -> dict:
-    """Bytes held (mean, min and max over ranks) and sent per step (mean over ranks) of a train report (README)."""
-    totals = [row["total"] for row in report["per_rank"]]
+    """Bytes held (mean, min and max over ranks) and sent per step (mean over ranks) of a train report (README).
+    Held is the bill the formulas count: a rank's bytes less Adam's 0-dim step counters (``steps``)."""
+    totals = [row["total"] - row.get("steps", 0) for row in report["per_rank"]]
     by_rank = report.get("comm_per_step_by_rank") or [report.get("comm_per_step", {})]
     sent = [sum(row["sent_bytes"] for row in comm.values()) for comm in by_rank]
     return {
@@ -243,6 +243,8 @@ def ratio(measured: float, formula: float) -> float | None:
 
 def theory_row(strategy: str, report: dict, psi: int) -> dict:
     """One line of the theory table: measured bytes against ``expected_bytes`` (README, Benchmarks)."""
+    from course_utils.predict import expected_bytes  # here: `predict` imports torch, a bad argument need not
+
     cfg = report.get("config", {})
     exp = expected_bytes(
         strategy,
@@ -1291,9 +1293,10 @@ def bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_command(args) -> int:
+    check_arguments(args)
+    parse_sections(args.sections, cuda_available=True)  # the names first: a typo costs no torch import (3 CPU s)
     import torch
 
-    check_arguments(args)
     sections = parse_sections(args.sections, torch.cuda.is_available())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

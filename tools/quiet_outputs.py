@@ -118,7 +118,14 @@ def noise(outputs: list) -> list[str]:
             found.append(line)
 
     for output in outputs:
-        for text in _texts(output):
+        texts = _texts(output)
+        if (
+            output.get("output_type") in ("display_data", "execute_result")
+            and texts
+            and not any(t.strip() for t in texts)
+        ):
+            add(f"empty display: {sorted(output.get('data') or {})} with nothing to read (a cleared progress line?)")
+        for text in texts:
             text = _ANSI.sub("", text)
             for m in WARNING.finditer(text):
                 line = text[text.rfind("\n", 0, m.start()) + 1 :].split("\n", 1)[0].strip()

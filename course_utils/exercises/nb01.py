@@ -1,8 +1,8 @@
-"""Notebook 01's exercises: ZeroRedundancyOptimizer's state per rank measured, the model-state bill as a
-function, and one block's activations measured.
+"""Notebook 01's exercises: ZeroRedundancyOptimizer's state per rank measured, the smallest Nd that fits
+with a reserve, and one block's activations measured.
 
 References: the course's own measurement of a ZeroRedundancyOptimizer in a separate launch
-(``zero_reference_state``), ``memory.model_state_bytes`` (the ZeRO paper's table) and
+(``zero_reference_state``), ``memory.smallest_nd_that_fits`` (the ZeRO paper's table, solved for Nd) and
 ``memory.measure_activation_bytes`` (saved-tensor hooks on the real forward).
 """
 
@@ -16,7 +16,8 @@ import torch.nn as nn
 from .. import memory
 from ..data import batch_for_rank
 from ..models import build_model, get_config, param_count
-from ..units import GB
+from ..strategies import DDP, ZERO1, ZERO2, ZERO3
+from ..units import GB, GiB
 from .core import REFERENCE_LAUNCH, Exercise, Wrong, register
 
 # ---------------------------------------------------------------------------------------------
@@ -153,52 +154,76 @@ register(
 )
 
 
-FORMULA = {stage: memory.formula_text(stage) for stage in memory.STAGES}  # "2·Ψ + (2 + K)·Ψ/Nd" for stage 2
-CASES = [
-    (psi, nd, stage, k) for psi in (7.5e9, 1_000_003) for nd in (1, 4, 64) for stage in memory.STAGES for k in (12, 8)
+# The cases: section 4's boundaries first, where the bill plus the reserve is exactly the card ("fits" is <=),
+# then no reserve, a reserve that moves the answer far, floors no Nd gets under, and K = 8.
+V100, H100 = 32 * GiB, 80 * GiB  # the cards sold as "32 GB" and "80 GB" hold 32 GiB and 80 GiB
+FIT_CASES = [
+    (7.5e9, ZERO1.name, V100, V100 - 32 * GB, 12),  # 45: 30 + 90/45 = 32.0 GB, the chart's "stage 1 from 45"
+    (1e12, ZERO3.name, V100, V100 - 32 * GB, 12),  # 500: 16,000/500 = 32.0 GB
+    (70e9, ZERO3.name, H100, H100 - 80 * GB, 12),  # 14: 1,120/14 = 80.0 GB
+    (7.5e9, ZERO1.name, V100, 0, 12),
+    (7.5e9, ZERO1.name, V100, 4 * GB, 12),
+    (7.5e9, ZERO3.name, V100, 4 * GB, 12),
+    (70e9, ZERO1.name, H100, 0, 12),  # the 280 GB floor: never
+    (7.5e9, DDP.name, V100, 0, 12),
+    (1e9, DDP.name, V100, 2 * GB, 12),
+    (7.5e9, ZERO2.name, V100, 4 * GB, 8),
+    (7.5e9, ZERO3.name, V100, 40 * GB, 12),  # a reserve larger than the card: never
 ]
 
 
-def judge_model_state_bill(fn) -> None:
-    for psi, nd, stage, k in CASES:
-        want = memory.model_state_bytes(psi, nd, stage, k=k)
-        got = fn(psi, nd, stage, k=k)
-        if not isinstance(got, (int, float)) or abs(got - want) > 1e-9 * want:
-            same_as = [
-                s
-                for s in memory.STAGES
-                if s != stage
-                and isinstance(got, (int, float))
-                and abs(got - memory.model_state_bytes(psi, nd, s, k=k)) <= 1e-9 * want
-            ]
-            also = f"; that is the {same_as[0]} bill" if same_as else ""
+def _gb(n) -> str:
+    return f"{n / GB:.4g} GB"
+
+
+def judge_smallest_nd(fn) -> None:
+    for psi, stage, gpu_mem, reserve, k in FIT_CASES:
+        want = memory.smallest_nd_that_fits(psi, stage, gpu_mem, k=k, other_bytes=reserve)
+        got = fn(psi, stage, gpu_mem, reserve, k=k)
+        if got == want and (got is None) == (want is None):
+            continue
+        case = f"for Ψ = {psi:g}, stage {stage!r}, gpu_mem = {_gb(gpu_mem)}, reserve = {_gb(reserve)}, K = {k}"
+        if want is None:
+            floor = memory.floor_bytes(psi, stage, k=k)
             raise Wrong(
-                f"for stage {stage!r}, Ψ = {psi:g}, Nd = {nd}, K = {k} you returned {got!r} bytes"
-                f"{also}; the bill is {FORMULA[stage]} = {want / GB:.4g} GB ({want:.6g} bytes)"
+                f"{case} you returned {got!r}, but no Nd is enough: the part no Nd divides, "
+                f"{_gb(floor)}, plus the reserve already fills {_gb(gpu_mem)}; return None"
             )
+        bill = memory.model_state_bytes(psi, want, stage, k=k) + reserve
+        exact = " exactly: 'fits' is <=, not <, so that Nd fits" if bill == gpu_mem else ""
+        raise Wrong(
+            f"{case} you returned {got!r}; at Nd = {want} the bill plus the reserve is {_gb(bill)}{exact}, "
+            f"and at Nd = {want - 1} it is more than {_gb(gpu_mem)}"
+            if want > 1
+            else f"{case} you returned {got!r}; at Nd = 1 the bill plus the reserve is {_gb(bill)}, which fits"
+        )
 
 
 register(
     Exercise(
         "01",
-        "model_state_bill",
-        "The model-state bill as a function",
-        "bytes per GPU for every stage, Nd in (1, 4, 64), K in (12, 8), two model sizes, against memory.model_state_bytes",
-        task="Write `model_state_bill(psi, nd, stage, k=12)`: the model-state bytes one GPU holds for a model of "
-        "`psi` parameters trained in mixed precision (2-byte weights, 2-byte gradients, K optimizer bytes "
-        'per parameter) on `nd` data-parallel GPUs, for `stage` in `"ddp"`, `"zero1"`, `"zero2"`, '
-        '`"zero3"`. Predict first: 7.5B parameters, stage 2, Nd = 64, how many GB?',
-        stub="def model_state_bill(psi, nd, stage, k=12):\n"
-        '    """Model-state bytes per GPU: 2-byte weights, 2-byte gradients, k optimizer bytes per parameter."""\n'
-        '    raise NotImplementedError("exercise 01.model_state_bill: your code here")\n',
+        "smallest_nd",
+        "The smallest Nd that fits, with a reserve",
+        "the smallest Nd for eleven cases (section 4's three boundaries first, no reserve, floors, K = 8) "
+        "against memory.smallest_nd_that_fits",
+        task="Write `smallest_nd(psi, stage, gpu_mem, reserve, k=12)`: the smallest whole number of data-parallel "
+        "GPUs $N_d$ at which one GPU's model states (2-byte weights, 2-byte gradients, K optimizer bytes per "
+        'parameter, sharded as `stage`: `"ddp"`, `"zero1"`, `"zero2"` or `"zero3"`) plus `reserve` bytes kept back '
+        "(CUDA context, communication buffers, fragmentation) fit in `gpu_mem` bytes; `None` when no $N_d$ is "
+        "enough. Predict first: the paper's 7.5B with stage 1 on a V100 (32 GiB), with no reserve at all, and "
+        "with 4 GB kept back. From which $N_d$ each?",
+        stub="def smallest_nd(psi, stage, gpu_mem, reserve, k=12):\n"
+        '    """The smallest whole Nd at which model states plus reserve fit in gpu_mem bytes, or None."""\n'
+        '    raise NotImplementedError("exercise 01.smallest_nd: your code here")\n',
         hints=(
-            "Start from plain data parallelism: every GPU holds all (2 + 2 + K)·Ψ bytes.",
-            "Each stage divides one more term by Nd: stage 1 the optimizer's K·Ψ, stage 2 also the "
-            "gradients' 2Ψ, stage 3 also the weights' 2Ψ.",
-            "Check yourself against the table of section 4 before you run the check: it prints all four rows for the "
-            "paper's 7.5B on 64 GPUs.",
+            "Split one GPU's bill in two: the part no Nd divides (stage 1: the 4Ψ of 16-bit weights and gradients) "
+            "and the part divided by Nd. The budget for the second is gpu_mem minus the reserve minus the first.",
+            "If the undivided part alone fills the budget, no Nd is enough: return None. If nothing divides by Nd "
+            "(plain DP), the answer is 1 or None.",
+            "'Fits' means at most gpu_mem: at the smallest Nd the bill plus the reserve can be exactly gpu_mem. "
+            "Round up with math.ceil, and mind that a bill of exactly the budget must not round up to Nd + 1.",
         ),
-        judge=judge_model_state_bill,
+        judge=judge_smallest_nd,
     )
 )
 

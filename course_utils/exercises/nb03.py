@@ -47,7 +47,7 @@ def flat_grad(step: int, rank: int, like: torch.Tensor) -> torch.Tensor:
     return g
 
 
-def zero2_on_rank(fn, info) -> dict:
+def sharded_step_on_rank(fn, info) -> dict:
     provide_renamed_collectives()  # the hints' torch 2.13 names, also on an older torch
     params = flat_start(info.world_size)
     with CommCounter() as comm:
@@ -60,7 +60,7 @@ def zero2_on_rank(fn, info) -> dict:
     }
 
 
-def zero2_verdict(per_rank: dict) -> None:
+def sharded_step_verdict(per_rank: dict) -> None:
     world = len(per_rank)
     start = flat_start(world)
     want = start - LR * sum(flat_grad(0, r, start) for r in range(world)) / world
@@ -98,18 +98,20 @@ def zero2_verdict(per_rank: dict) -> None:
 register(
     Exercise(
         "03",
-        "zero2_step",
-        "One sharded SGD step: the arithmetic stages 1 and 2 share",
+        "sharded_step",
+        "One sharded SGD step: stage 1's reduce-scatter, update of a slice, all-gather",
         "every rank's weights after one SGD step against one process stepping on the mean gradient, and the bytes "
         "each collective sent (CommCounter against (N-1)/N·Ψ each) on 2 ranks, with the tiny course model's weights "
         "(whatever MODEL says: a check answers in seconds)",
-        task="Write `zero2_step(params, grads, lr)`: `params` is the model's flat weights (padded to Nd·S, the same "
+        task="Write `sharded_step(params, grads, lr)`: `params` is the model's flat weights (padded to Nd·S, the same "
         "on every rank), `grads` this rank's full flat gradient. Reduce-scatter the gradients so rank r gets the "
         "mean of its slice `[r·S, (r+1)·S)`, take an SGD step on that slice only, and all-gather the slices back "
-        "into `params`. Predict first: how many bytes does each rank send, compared with DDP's all-reduce?",
-        stub="def zero2_step(params, grads, lr):\n"
-        '    """One ZeRO-2 SGD step on flat, padded tensors; params ends updated and equal on every rank."""\n'
-        '    raise NotImplementedError("exercise 03.zero2_step: your code here")\n',
+        "into `params`. SGD keeps no state, so this is the step alone; exercise 03.2 then keeps an optimizer's "
+        "state sharded the same way. Predict first: how many bytes does each rank send, compared with DDP's "
+        "all-reduce?",
+        stub="def sharded_step(params, grads, lr):\n"
+        '    """One ZeRO-1 SGD step on flat, padded tensors; params ends updated and equal on every rank."""\n'
+        '    raise NotImplementedError("exercise 03.sharded_step: your code here")\n',
         hints=(
             "S = params.numel() // dist.get_world_size(); rank r owns params[r*S:(r+1)*S].",
             "`dist.reduce_scatter_single(out, grads)` leaves in `out` (S elements) the sum over ranks of this "
@@ -117,8 +119,8 @@ register(
             "Update the slice in place, then `dist.all_gather_single(params, params[r*S:(r+1)*S].clone())` "
             "(the name since torch 2.13; `all_gather_into_tensor` before).",
         ),
-        on_rank=zero2_on_rank,
-        verdict=zero2_verdict,
+        on_rank=sharded_step_on_rank,
+        verdict=sharded_step_verdict,
         nproc=2,
     )
 )

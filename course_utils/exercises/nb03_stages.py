@@ -1,6 +1,6 @@
 """Notebook 03's exercises that build the mechanism: stage 2's gradient hooks, stage 3's gather and free.
 
-Beside 03.zero2_step and 03.sharded_optimizer (one step of the arithmetic, on flat tensors), these two build
+Beside 03.sharded_step and 03.sharded_optimizer (one step of the arithmetic, on flat tensors), these two build
 what makes a stage that stage, inside the course's own mechanism (issue 30):
 
 03.zero2_hooks     gradient hooks fill buckets; each bucket is reduce-scattered the moment its last

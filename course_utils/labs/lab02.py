@@ -1,6 +1,7 @@
 """Notebook 02's experiments: the bucket sweep, what torch's DDP does read from torch itself, the ring's bytes
 on the wire; the pitfalls (unused parameters, mismatched collective order) are ``labs.lab02_pitfalls``, the cap's
-cost model ``labs.lab02_cost``.
+cost model ``labs.lab02_cost``; reading a step's timeline
+(overlap, stragglers) ``labs.lab02_timeline``.
 
 Each training run is the one loop (``loop.run_steps``) with the observers the notebook reads
 (collectives counted, each bucket's timeline, the bytes gloo wrote to its sockets, the replica
@@ -30,6 +31,7 @@ from .lab02_pitfalls import (  # noqa: F401 (notebook 02 reads them here)
     unused_parameters_demo,
     worker_log_errors,
 )
+from .lab02_timeline import on_one_axis, overlap_summary, straggler_summary  # noqa: F401 (notebook 02 reads them here)
 
 # ---------------------------------------------------------------- measurements (notebook 02)
 
@@ -198,98 +200,6 @@ def _sweep_one_cap(cfg: TrainConfig, info, cap_mb: float) -> dict:
 
 
 # ---------------------------------------------------------------- reading the results
-
-
-def overlap_summary(timeline: dict) -> dict:
-    """How much of the all-reduce time ran while backward was still computing (notebook 02).
-
-    From a ``bucket_sweep`` timeline: how many buckets started before backward ended, the time
-    at least one all-reduce was in flight (the union of their intervals: they overlap, so their
-    sum would be longer than the step), the part of it inside the backward pass, and how long the
-    optimizer waited after backward for the last all-reduce.
-    """
-    end = timeline["backward_end_ms"]
-    spans = [
-        (r["start_ms"], r["end_ms"] if r["end_ms"] is not None else timeline["synced_ms"])
-        for r in timeline["all_reduce"]
-    ]
-    return {
-        "buckets": len(spans),
-        "started_during_backward": sum(start < end for start, _ in spans),
-        "in_flight_ms": _union_ms(spans),
-        "in_flight_during_backward_ms": _union_ms([(start, min(stop, end)) for start, stop in spans]),
-        "wait_after_backward_ms": timeline["synced_ms"] - end,
-        "step_ms": timeline["synced_ms"] - timeline["forward_ms"],
-    }
-
-
-def on_one_axis(timelines: list) -> list:
-    """Every rank's timeline moved onto rank 0's: ms after rank 0's backward began (notebook 02).
-
-    The sweep's timelines are each in ms after that rank's own backward began; their ``clock_origin_s``
-    is that moment on ``time.perf_counter``, which on Linux is ``CLOCK_MONOTONIC``, one clock shared by
-    every process of the host, so shifting by the difference puts all ranks on one time axis with no
-    clock alignment. Only for ranks on one host.
-    """
-    zero = timelines[0]["clock_origin_s"]
-    moved = []
-    for t in timelines:
-        d = (t["clock_origin_s"] - zero) * 1e3
-        moved.append(
-            {
-                **t,
-                **{k: t[k] + d for k in ("forward_ms", "backward_end_ms", "synced_ms")},
-                "backward_start_ms": d,
-                "ready": [{**r, "t_ms": r["t_ms"] + d} for r in t["ready"]],
-                "all_reduce": [
-                    {**r, "start_ms": r["start_ms"] + d, "end_ms": None if r["end_ms"] is None else r["end_ms"] + d}
-                    for r in t["all_reduce"]
-                ],
-            }
-        )
-    return moved
-
-
-def straggler_summary(timelines: list) -> dict:
-    """What each rank's all-reduces waited for, from timelines on one axis (``on_one_axis``) (notebook 02).
-
-    An all-reduce completes on a rank only once every rank has issued it. Per bucket: ``last_start_ms``
-    (when the last rank issued it) and ``earliest_end_ms`` (the first rank to see it complete), which
-    can never be before the last start. Per rank: ``backward_ms`` (its backward's duration),
-    ``waiting_for_others_ms`` (the sum over its buckets of the time from its own issue to the last
-    rank's issue: in flight, but waiting for a straggler) and ``in_flight_after_last_issue_ms`` (the
-    transfer and the sums themselves).
-    """
-    starts = [{r["bucket"]: r["start_ms"] for r in t["all_reduce"]} for t in timelines]
-    ends = [
-        {r["bucket"]: r["end_ms"] if r["end_ms"] is not None else t["synced_ms"] for r in t["all_reduce"]}
-        for t in timelines
-    ]
-    buckets = sorted(starts[0])
-    last = {b: max(s[b] for s in starts) for b in buckets}
-    return {
-        "buckets": [
-            {"bucket": b, "last_start_ms": last[b], "earliest_end_ms": min(e[b] for e in ends)} for b in buckets
-        ],
-        "ranks": [
-            {
-                "backward_ms": t["backward_end_ms"] - t["backward_start_ms"],
-                "waiting_for_others_ms": sum(last[b] - s[b] for b in buckets),
-                "in_flight_after_last_issue_ms": sum(e[b] - last[b] for b in buckets),
-            }
-            for t, s, e in zip(timelines, starts, ends)
-        ],
-    }
-
-
-def _union_ms(spans) -> float:
-    """Length of the union of ``(start, stop)`` intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, stop in sorted(spans):
-        if stop > reach:
-            total += stop - max(start, reach)
-            reach = stop
-    return total
 
 
 def weights_agreement(a: dict, b: dict, start: dict) -> dict:

@@ -17,7 +17,7 @@ from ..data import batch_for_rank
 from ..instrument import CountCollectives, HeldAtRest, Observer, weights_sha256
 from ..launch import launch
 from ..loop import Prepared, TrainConfig, device_mesh, make_optimizer, prepare, run_steps
-from ..models import build_model, get_config
+from ..models import build_model, get_config, tail_numel
 from ..per_param import shard_rows
 from ..strategies import (
     DDP,
@@ -166,6 +166,7 @@ def agreement_worker(config: dict, strategies=COMPARED) -> dict:
                 "per_rank": [dict(rank=r, **row) for r, row in enumerate(per_rank)],
                 "strategy_info": prepared.info,
                 "comm_per_step": count.summary(cfg.steps),
+                "config": {"model": cfg.model},  # what predict.memory_check reads the tensors from
             }
         return {"rank": info.rank, **out} if info.rank == 0 else {"rank": info.rank}
 
@@ -380,6 +381,8 @@ def timelines(names=TIMELINE_STRATEGIES, *, bucket_cap_mb: float = 25.0) -> dict
     cfg = TrainConfig(strategy=DDP.name, nproc=TIMELINE_RANKS, model=TIMELINE_MODEL, bucket_cap_mb=bucket_cap_mb)
     out = launch(timelines_worker, nproc=TIMELINE_RANKS, args=(asdict(cfg), tuple(names)), echo=False)[0]
     mcfg = get_config(TIMELINE_MODEL)
-    params = list(build_model(mcfg).parameters())  # the tied head counts once
+    model = build_model(mcfg)
+    params = list(model.parameters())  # the tied head counts once
     facts = {"tensors": len(params), "psi": sum(p.numel() for p in params), "batch": cfg.batch, "seq": mcfg.seq}
+    facts["tail_grads"] = tail_numel(model)
     return {name: {**run, **facts} for name, run in out.items()}

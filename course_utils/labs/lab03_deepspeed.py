@@ -50,6 +50,7 @@ from ..loop import TrainConfig, make_optimizer, prepare, run_steps
 from ..models import build_model, get_config
 from ..predict.held import bill_bytes
 from ..strategies import GRADS, OPTIM, PARAMS, ZERO1, ZERO2, ZERO3, Strategy
+from ..timeline import StepTimeline
 
 #: The version the section's claims were read in (``pyproject.toml``'s ``deepspeed`` extra pins it).
 VERSION = "0.19.8"
@@ -139,6 +140,24 @@ def expected_held(row: Strategy, psi: int, nd: int) -> dict:
         "fp32 master partition": FP32 * psi // nd,
         "Adam m, v, step": 2 * FP32 * psi // nd + FP32,
     }
+
+
+#: The timeline's category (``timeline.CATEGORIES``) of each of ``expected_held``'s parts (``timeline_roles``).
+TIMELINE_CATEGORY = {
+    "parameters": "params",
+    "gradient partition": "grads",
+    "reduce bucket": "comm",
+    "fp32 master partition": "optim",
+    "Adam m, v, step": "optim",
+}
+
+
+def expected_rest(row: Strategy, psi: int, nd: int) -> dict:
+    """``expected_held`` in the timeline's categories: what the watched step must find at rest (notebook 03)."""
+    out: dict = {}
+    for part, nbytes in expected_held(row, psi, nd).items():
+        out[TIMELINE_CATEGORY[part]] = out.get(TIMELINE_CATEGORY[part], 0) + nbytes
+    return out
 
 
 def _place(path: str) -> tuple:
@@ -280,8 +299,37 @@ def census(engine) -> dict:
     return {"by_category": by_category, "storages": sorted(rows, key=lambda r: -r["bytes"])}
 
 
-def _train_deepspeed(deepspeed, row: Strategy, cfg: TrainConfig, info, own_linear: bool = False) -> dict:
-    """DeepSpeed's stage of ``row`` on this rank's share of the course's batches: losses, weights, census.
+def timeline_roles(engine):
+    """``roles()`` for ``timeline.StepTimeline``: DeepSpeed's own tensors by the timeline's categories, read from
+    the engine's attributes (0.19.8; ``PLACES`` cites the lines) each time: the weights (stages 1-2: the flat 16-bit
+    groups the module's parameters view; stage 3: each parameter's ``ds_tensor``) are params, a stage-3 parameter's
+    own data while gathered is gathered, the fp32 master partition and the client Adam's state are optim (the
+    timeline's "optimizer state and fp32 master copies"), the gradient partition and every ``.grad`` are grads,
+    the reduce buckets (``ipg_buckets``) are comm, also where a ``.grad`` is a view into one."""
+    from ..timeline import optimizer_state
+
+    opt, params = engine.optimizer, list(engine.module.parameters())
+
+    def roles() -> dict:
+        stage3 = [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]
+        masters = list(getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_partitioned_groups_flat)
+        buckets = [b.buffer for b in getattr(opt, "ipg_buckets", {}).values()]
+        return {  # a storage takes the first role that claims it: a .grad DeepSpeed copied into a bucket is the bucket
+            "params": stage3 + (list(getattr(opt, "bit16_groups_flat", [])) if not stage3 else []),
+            "gathered": params if stage3 else [],
+            "comm": [t for b in buckets for t in (b if isinstance(b, list) else [b])],
+            "grads": [getattr(opt, "grad_partitions_flat_buffer", None)]
+            + [p.grad for p in params]
+            + [m.grad for m in masters],
+            "optim": masters + optimizer_state(opt.optimizer),
+        }
+
+    return roles
+
+
+def _train_deepspeed(deepspeed, row: Strategy, cfg: TrainConfig, info, own_linear: bool = False, timeline=None):
+    """DeepSpeed's stage of ``row`` on this rank's share of the course's batches: losses, weights, census; with a
+    started ``timeline`` (``timeline.StepTimeline``) its watched step is recorded, phase by phase.
     DeepSpeed owns its step (``engine.backward``, ``engine.step``), so this loop is its own, not ``run_steps``."""
     mcfg = get_config(cfg.model)
     model = build_model(mcfg, seed=cfg.seed)
@@ -290,15 +338,25 @@ def _train_deepspeed(deepspeed, row: Strategy, cfg: TrainConfig, info, own_linea
         optimizer=make_optimizer(model.parameters(), cfg),
         config=ds_config(row, info.world_size, cfg.batch, own_linear),
     )
+    phase = timeline.phase if timeline is not None else (lambda *a: None)
+    if timeline is not None:
+        timeline.roles = timeline_roles(engine)
     losses = []
     for step in range(cfg.steps):
         x, y = batch_for_rank(
             step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed
         )
+        phase("forward", step)
         loss = engine(x, y)
+        phase("backward")
         engine.backward(loss)
+        phase("optimizer")  # DeepSpeed's step: the reduce (stage 1), the update, the all-gather, its zero_grad
         engine.step()
         losses.append(float(loss.detach()))
+        if timeline is not None:
+            timeline.end_step(step)
+    if timeline is not None:
+        timeline.stop()
     held = census(engine)
     params = list(engine.module.parameters())
     gathered = deepspeed.zero.GatheredParameters(params) if row.gathers_units else contextlib.nullcontext()
@@ -341,7 +399,8 @@ def worker(config: dict) -> dict:
         for name, row, own_linear in RUNS:
             if row.name not in course:  # the course's stage first, before DeepSpeed has touched torch
                 course[row.name] = _train_course(row, cfg, info)
-            ds, ours = _train_deepspeed(deepspeed, row, cfg, info, own_linear), course[row.name]
+            watch = None if own_linear else StepTimeline(watch_step=cfg.steps - 1).start()  # before the model
+            ds, ours = _train_deepspeed(deepspeed, row, cfg, info, own_linear, watch), course[row.name]
             full = ours["weights"]
             mine = {
                 "census": ds["census"],
@@ -353,6 +412,7 @@ def worker(config: dict) -> dict:
                 "sha_course": weights_sha256(full),
                 "losses": ds["losses"],
                 "replaced_linear": ds["replaced_linear"],
+                "timeline": watch.result() if watch is not None and info.rank == 0 else None,
             }
             every = [None] * info.world_size
             dist.all_gather_object(every, mine)
@@ -409,5 +469,6 @@ def beside(cfg: TrainConfig | None = None, **overrides) -> dict:
             "per_rank": [{"deepspeed": r["census"]["by_category"], "course": r["course_held"]} for r in ranks],
             "storages": first["census"]["storages"],
             "deepspeed_estimate": result["estimates"][deepspeed_stage(row)],
+            "timeline": first["timeline"],
         }
     return out

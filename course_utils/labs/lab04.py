@@ -165,7 +165,7 @@ def _run_one(cfg, info, rank, world, single, sync_every_step, cross_check, keep=
         "losses": losses.cpu().tolist(),
         "weights_sha256": weights_sha256(full),
         "full_state_dict": {k: v.detach().to("cpu", torch.float32) for k, v in full.items()},
-        "per_rank": [{k: row[k] for k in ("rank", "params", "grads", "optim", "total")} for row in everyone],
+        "per_rank": [{k: row[k] for k in ("rank", "params", "grads", "optim", "steps", "total")} for row in everyone],
         "held_by_device": everyone[0]["where"],
         "comm_per_step": count.summary(cfg.steps),
         "comm_groups": count.groups(),

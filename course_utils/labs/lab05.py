@@ -40,7 +40,7 @@ def time_collectives(fns: dict, sync, barrier=None, *, warmup: int = 2, repeats:
     load on a shared machine land on all of them, not on one size's readings. ``barrier``
     (``dist.barrier``) lines the ranks up before each reading starts its clock, never inside the
     timed region: a barrier inside it would time the barrier's own round trip and the slowest
-    rank's arrival as if they were the gather. The spread of the readings (``instrument.spread``) is what
+    rank's arrival as if they were the gather. The spread of the readings (``units.spread``) is what
     a comparison with a model has to beat.
     """
     for fn in fns.values():

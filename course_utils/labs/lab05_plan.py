@@ -16,6 +16,7 @@ THROUGHPUT_CASES = (
     ("Llama 2 13B, 2 nodes on 10 GbE, 1M tokens", "13B", 2, 10e9 / 8, 256),
     ("Llama 3 70B, 4 nodes, 4M tokens", "70B", 4, 400e9, 512),
     ("Llama 3 70B, 8 nodes, 4M tokens", "70B", 8, 400e9, 512),
+    ("Llama 3 70B, 1 node, 4M tokens", "70B", 1, 400e9, 512),
 )
 
 #: Stage 1 and its neighbours as implemented, Llama 2 7B on 8 H100s at b = 1, no accumulation.

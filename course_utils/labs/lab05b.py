@@ -26,9 +26,9 @@ def real_state_worker(
 
     A worker for ``launch``: the same apply function, options, ``make_optimizer`` and tracked step
     (``rehearse.run.tracked_step``) as the rehearsal, on real ranks: gloo on CPU, or NCCL on a CUDA mesh where
-    there is a GPU per rank. Returns ``{strategy: {"params", "grads", "optim", "total", "tracked"}}``: the bytes of
-    the local shards this rank holds after the step, counted by ``instrument.tensor_bytes`` (the optimizer's 0-dim
-    step counters included), and ``tracked``, ``tracked_step``'s categories of the same step on real tensors.
+    there is a GPU per rank. Returns ``{strategy: {"params", "grads", "optim", "steps", "total", "tracked"}}``: the bytes of
+    the local shards this rank holds after the step, counted by ``instrument.rank_bytes`` (the optimizer's 0-dim
+    step counters in ``steps``), and ``tracked``, ``tracked_step``'s categories of the same step on real tensors.
     """
     info = cdist.init()
     try:
@@ -91,7 +91,15 @@ def bridge(
             "optim": r.after_step["OptState"],
         }
         fake["total"] = sum(fake.values())
-        per_rank = {rank: {k: v[s][k] for k in ("params", "grads", "optim", "total")} for rank, v in real.items()}
+        per_rank = {  # the tracker's OptState holds Adam's step counters: so does optim here, one count of bytes
+            rank: {
+                "params": v[s]["params"],
+                "grads": v[s]["grads"],
+                "optim": v[s]["optim"] + v[s]["steps"],
+                "total": v[s]["total"],
+            }
+            for rank, v in real.items()
+        }
         rows.append(
             {
                 "strategy": s,

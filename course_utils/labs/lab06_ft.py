@@ -92,17 +92,24 @@ def link_comparison(runs: dict) -> list[list]:
         tail = [row["loss"] for row in r["per_step"][-max(r["sync_every"], 4) :]]
         return f"{sum(tail) / len(tail):.4f}"
 
-    def failure(r):
-        parts = [f"{n} of group {g}" for g, n in r["discarded_by_group"].items() if n]
+    def failure(r):  # keys: "0" a group's first process, "1 restarted" its second (ft._discarded_by_group)
+        def who(key):
+            group, _, again = key.partition(" ")
+            role = "restarted" if again else "killed" if any(k.startswith(f"{group} ") for k in keys) else "survivor"
+            return f"group {group} ({role})"
+
+        keys = r["discarded_by_group"]
+        parts = [f"{who(k)}: {n}" for k, n in keys.items() if n]
+        unit = f"local steps (a round of {r['sync_every']} is kept or dropped whole)" if r["diloco"] else "step tries"
         waited = f"; survivors waited {r['stall_s']:.2f} s" if r.get("stall_s") is not None else ""
-        return f"step tries discarded: {', '.join(parts) or 'none'}{waited}"
+        return f"{unit} not committed: {'; '.join(parts) or 'none'}{waited}"
 
     return [
         [
             "bytes across the link per step (both groups in, the heal aside)",
             *(per_step_bytes(r) for r in runs.values()),
         ],
-        ["time per step, every group in (median; DiLoCo: its rounds)", *(step_time(r) for r in runs.values())],
+        ["time per step, every group in (median; DiLoCo: a round's time / H)", *(step_time(r) for r in runs.values())],
         ["wall time of the run", *(f"{r['wall_s']:.1f} s" for r in runs.values())],
         ["loss, mean of the last steps", *(final_loss(r) for r in runs.values())],
         ["a group killed inside the all-reduce of the same step", *(failure(r) for r in runs.values())],

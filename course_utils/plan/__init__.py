@@ -48,9 +48,9 @@ from __future__ import annotations
 from .activations import POLICIES, activation_terms, block_saved_bytes, block_selective_bytes, head_bytes
 from .choose import NOTHING_FITS, OVERLAP_TOKENS, STRATEGIES, STRATEGY_NAMES, TIE_MARGIN, Plan, StrategyPlan, plan
 from .cli import format_plan, parse_bandwidth, plan_arguments, plan_command, search_from_args
-from .hostfit import bucket_cap_model, bucket_step_time, fit_latency_bandwidth, host_fit
+from .hostfit import bucket_cap_model, bucket_step_time, fit_latency_bandwidth, host_fit, line_s
 from .implementations import BY_KEY, IMPLS, Impl
-from .inputs import HEAD_DIM, WIDTH_STEP, Cluster, ModelSpec, model_spec, shape_block_params, shape_params
+from .inputs import DEFAULT_GPU, HEAD_DIM, WIDTH_STEP, Cluster, ModelSpec, model_spec, shape_block_params, shape_params
 from .network import (
     NETWORK_CLASSES,
     block_flops,
@@ -77,7 +77,7 @@ from .price import (
 )
 from .report import format_search
 from .search import MICRO_BATCHES, TIE, hsdp_shards, search, typed
-from .shapes import GPU, GPUS, MFU_SOURCE, GPUCluster, Shape, shape_for, shape_of_preset
+from .shapes import GPU, GPUS, MFU_SOURCE, GPUCluster, Shape, shape_for, shape_of_config, shape_of_preset
 from .throughput import Config, evaluate
 
 __all__ = [
@@ -102,9 +102,11 @@ __all__ = [
     "GPUCluster",
     "Shape",
     "shape_for",
+    "shape_of_config",
     "shape_of_preset",
     "Config",
     "evaluate",
+    "DEFAULT_GPU",
     "HEAD_DIM",
     "WIDTH_STEP",
     "Cluster",
@@ -148,6 +150,7 @@ __all__ = [
     "plan_command",
     "fit_latency_bandwidth",
     "host_fit",
+    "line_s",
     "bucket_step_time",
     "bucket_cap_model",
 ]

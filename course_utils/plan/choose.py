@@ -1,8 +1,10 @@
 """The plan: every strategy weighed for a model on a cluster, and the one to run, with its reason (notebook 05).
 
-The decision rule of the course (the lesson on the stages, and the ZeRO paper's §5 and §7): among the
-strategies that fit, the fastest by estimated step time; a tie (``TIE_MARGIN``) goes to the simpler one,
-in the order the record sorts the planned rows (``Strategy.sort_key``: less sharding, no offload first).
+The memory rule (the lesson on the stages, and the ZeRO paper's §5 and §7) is the filter: what fits, with the
+allocator's reserve and the CUDA context (the throughput planner's own test, ``Cluster.usable``). Among what
+fits, the fastest by estimated step time at this one micro-batch; a tie (``TIE_MARGIN``) goes to the most
+headroom, as in the throughput search (``plan.search``), whose answer (policy, micro-batch, accumulation,
+nodes) is the course's: this plan's pick is the strategy that search lands on when it fixes those.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .inputs import Cluster, ModelSpec, _need, model_spec
 from .network import network_class, overlap_curve
 from .offload import offload_modes
 from .price import applicable, block_overlap, hsdp_shard_sizes, limits, memory_breakdown, step_time
+from .search import TIE
 
 #: The rows the planner weighs by default, in the order it prefers them when they tie (``strategies.planned``).
 STRATEGIES = tuple(s.name for s in planned())
@@ -191,15 +194,14 @@ def plan(
     )
 
 
-#: Step times within this fraction of the fastest count as a tie, and a tie goes to the lower stage
-#: (less sharding: fewer collectives, simpler to run and to debug).
-TIE_MARGIN = 0.05
+#: Step times within this fraction of the fastest count as a tie, and a tie goes to the most headroom (the
+#: memory a larger micro-batch or less recomputation can spend): the throughput search's own margin and tie-break.
+TIE_MARGIN = TIE
 
 
 def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits: dict) -> dict:
     """Among the strategies that fit, the fastest by estimated step time; a tie within TIE_MARGIN
-    goes to the simpler strategy (the planner's order, ``strategies.planned``). The reason says what it beat
-    and by how much."""
+    goes to the most headroom. The reason says what it beat and by how much."""
 
     def gb(x):
         return f"{x / GB:.1f} GB"
@@ -211,7 +213,8 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
     times = {s: plans[s].step_s for s in fit}
     if fit:
         fastest = min(times.values())
-        s = next(s for s in fit if times[s] <= fastest * (1 + TIE_MARGIN))  # the lowest stage within the margin
+        tied = [s for s in fit if times[s] <= fastest * (1 + TIE_MARGIN)]
+        s = max(tied, key=lambda o: plans[o].headroom)  # the most headroom within the margin
         p = plans[s]
         others = sorted((t, o) for o, t in times.items() if o != s)
         runner_up = others[0][1] if others else None
@@ -225,7 +228,7 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
             if t2 <= times[s] * (1 + TIE_MARGIN):
                 beat = (
                     f"{name(runner_up)} is as fast ({fmt_sig3(t2)} s, within {TIE_MARGIN:.0%}), and a tie goes to the "
-                    f"lower stage"
+                    f"most headroom, {gb(p.headroom)} against {gb(plans[runner_up].headroom)}"
                 )
             else:
                 beat = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from dataclasses import replace
 
 from ..errors import CourseInputError
@@ -18,6 +19,7 @@ from ..units import GB, fmt_count, parse_bytes
 from .activations import POLICIES
 from .choose import Plan, StrategyPlan
 from .network import network_class
+from .offload import OFFLOAD_SHORT
 from .report import format_search
 from .search import MICRO_BATCHES, search
 from .shapes import GPU, GPUS, GPUCluster, shape_for
@@ -119,69 +121,76 @@ def search_from_args(args) -> tuple[dict, str]:
 def _label(sp: StrategyPlan) -> str:
     row = get(sp.strategy)
     if sp.shard_size:  # a row sharding inside a group of nodes the planner chose
-        return f"{row.title.split(' (')[0]} ({row.fsdp1}, shard groups of {sp.shard_size})"
-    return row.title
+        return f"HSDP, shard groups of {sp.shard_size}"
+    return row.title.split(" (")[0]
+
+
+WIDTH = 100
 
 
 def format_plan(p: Plan) -> str:
-    """The plan as a text table (notebook 05)."""
+    """The plan as a text table within 100 columns (notebook 05)."""
     m, c = p.model, p.cluster
-    lines = [
-        f"Model: Ψ = {fmt_count(m.params)} ({m.layers} layers, width {m.width}, {m.heads} heads, vocab {m.vocab}); "
-        f"b = {m.micro_batch}, s = {m.seq}, checkpointing {'on' if m.checkpointing else 'off'}; K = {p.k:g}",
-        f"Cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs x {c.gpu_mem / GB:g} GB (usable {c.usable / GB:.1f} GB), "
-        f"Nm = {c.mp}, Nd = {c.nd}; NVLink {c.intra_bw / 1e9:g} GB/s per GPU, network {c.inter_bw / 1e9:g} GB/s "
-        f"per node ({network_class(c.inter_bw)}), {c.flops / 1e12:g} TFLOP/s per GPU",
+    shape = f"{m.name}: " if m.name else ""
+    head = [
+        f"Model: {shape}Ψ = {fmt_count(m.params)} ({m.layers} layers, width {m.width}, {m.heads} heads, vocab "
+        f"{m.vocab}); b = {m.micro_batch}, s = {m.seq}, checkpointing {'on' if m.checkpointing else 'off'}; K = {p.k:g}",
+        f"Cluster: {c.nodes} node(s) x {c.gpus_per_node} GPUs x {c.gpu_mem / GB:.1f} GB (tensors up to "
+        f"{c.usable / GB:.1f} GB), Nm = {c.mp}, Nd = {c.nd}; NVLink {c.intra_bw / 1e9:g} GB/s per GPU, network "
+        f"{c.inter_bw / 1e9:g} GB/s per node ({network_class(c.inter_bw)}), {c.flops / 1e12:.4g} TFLOP/s per GPU",
+    ]
+    lines = [w for text in head for w in textwrap.wrap(text, WIDTH)]
+    lines += [
         "",
-        "Memory per GPU, GB (10^9 bytes)",
-        f"{'strategy':<46} {'states':>8} {'activ.':>8} {'buffers':>8} {'total':>8} {'headroom':>9}  fits",
+        "Memory per GPU, GB (10^9 bytes): the filter",
+        f"{'strategy':<30} {'states':>7} {'activ.':>7} {'buffers':>7} {'total':>7} {'headroom':>8}  fits",
     ]
     for sp in p.strategies.values():
         lines.append(
-            f"{_label(sp):<46} {sp.model_states / GB:>8.1f} {sp.activations / GB:>8.1f} "
-            f"{sp.buffers / GB:>8.2f} {sp.total / GB:>8.1f} {sp.headroom / GB:>9.1f}  "
-            f"{'yes' if sp.fits else 'no: ' + sp.why_not}"
+            f"{_label(sp):<30} {sp.model_states / GB:>7.1f} {sp.activations / GB:>7.1f} {sp.buffers / GB:>7.2f} "
+            f"{sp.total / GB:>7.1f} {sp.headroom / GB:>8.1f}  {'yes' if sp.fits else 'no'}"
         )
     lines += [
         "",
-        "Per transformer block (stage 3 family): compute against the all-gather of its parameters",
-        f"{'strategy':<46} {'fwd ms':>8} {'gather ms':>10} {'bwd ms':>8} {'gath+RS ms':>11}  hides?  link",
+        "Per block (stage 3 family): compute against the all-gather of its parameters",
+        f"{'strategy':<30} {'fwd ms':>7} {'gather ms':>9} {'bwd ms':>7} {'gath+RS ms':>10}  hides?  link",
     ]
     for sp in p.strategies.values():
         b = sp.block
         if b:
             lines.append(
-                f"{_label(sp):<46} {b['fwd_compute_s'] * 1e3:>8.3g} {b['gather_s'] * 1e3:>10.3g} "
-                f"{b['bwd_compute_s'] * 1e3:>8.3g} {(b['gather_s'] + b['reduce_scatter_s']) * 1e3:>11.3g}  "
+                f"{_label(sp):<30} {b['fwd_compute_s'] * 1e3:>7.3g} {b['gather_s'] * 1e3:>9.3g} "
+                f"{b['bwd_compute_s'] * 1e3:>7.3g} {(b['gather_s'] + b['reduce_scatter_s']) * 1e3:>10.3g}  "
                 f"{'yes' if b['hides_fwd'] and b['hides_bwd'] else 'no':<6}  {b['link']}"
             )
     lines += [
         "",
         "Step: communication per GPU and estimated time",
-        f"{'strategy':<46} {'comm GB':>8} {'PCIe GB':>8} {'compute s':>10} {'exposed s':>10} {'step s':>8}",
+        f"{'strategy':<30} {'comm GB':>8} {'PCIe GB':>8} {'compute s':>10} {'exposed s':>10} {'step s':>8}",
     ]
     for sp in p.strategies.values():
         lines.append(
-            f"{_label(sp):<46} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
+            f"{_label(sp):<30} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
             f"{sp.compute_s:>10.3g} {sp.exposed_comm_s:>10.3g} {sp.step_s:>8.3g}"
         )
     lines += [
         "",
-        "Offload, each library's under its own name: per GPU, and per step",
-        f"{'offload':<67} {'GPU GB':>7} {'host GB':>8} {'NVMe GB':>8} {'PCIe GB':>8} {'PCIe s':>7} "
-        f"{'CPU Adam s':>10} {'NVMe s':>7} {'step s':>7}  fits",
+        "Offload, each library's: per GPU, and per step",
+        f"{'offload':<27} {'GPU GB':>6} {'host GB':>7} {'NVMe GB':>7} {'PCIe GB':>7} {'PCIe s':>6} "
+        f"{'CPU Adam s':>10} {'NVMe s':>6} {'step s':>6}  fits",
     ]
-    for o in p.offload.values():
+    for name, o in p.offload.items():
         lines.append(
-            f"{o['name']:<67} {o['gpu_bytes'] / GB:>7.1f} {o['host_bytes'] / GB:>8.1f} "
-            f"{o['nvme_bytes'] / GB:>8.1f} {o['pcie_bytes'] / GB:>8.2f} {o['pcie_s']:>7.3g} "
-            f"{o['cpu_step_s']:>10.3g} {o['nvme_s']:>7.3g} {o['step_s']:>7.3g}  "
-            f"{'yes' if o['fits'] else 'no: ' + o['why_not']}"
+            f"{OFFLOAD_SHORT.get(name, name):<27} {o['gpu_bytes'] / GB:>6.1f} {o['host_bytes'] / GB:>7.1f} "
+            f"{o['nvme_bytes'] / GB:>7.1f} {o['pcie_bytes'] / GB:>7.2f} {o['pcie_s']:>6.3g} "
+            f"{o['cpu_step_s']:>10.3g} {o['nvme_s']:>6.3g} {o['step_s']:>6.3g}  {'yes' if o['fits'] else 'no'}"
         )
     r = p.recommendation
-    lines += ["", f"Recommendation: {r['strategy']}", f"Reason: {r['reason']}", f"In PyTorch: {r['pytorch']}"]
+    said = [f"At this micro-batch: {r['strategy']}. {r['reason']}", f"In PyTorch: {r['pytorch']}"]
     if r.get("practice"):
-        lines.append(f"Practice: {r['practice']}")
+        said.append(f"Practice: {r['practice']}")
+    lines.append("")
+    lines += [w for text in said for w in textwrap.wrap(text, WIDTH)]
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ def _spread(readings) -> dict:
     reading widens the range but not the quartiles, so the fit is judged against the quartiles."""
     import statistics
 
-    from ..instrument import spread
+    from ..units import spread
 
     out = spread(readings)
     q1, _, q3 = statistics.quantiles(sorted(readings), n=4, method="inclusive")
@@ -79,6 +79,12 @@ def fit_latency_bandwidth(sweep: list) -> dict:
         "sizes_within_quartiles": sum(p["within_quartiles"] for p in pts),
         "explains": all(p["within"] for p in pts),
     }
+
+
+def line_s(fit: dict, nbytes: float, world_size: int, kind: str = "all_gather") -> float:
+    """Seconds the fitted line gives a collective of ``nbytes`` over ``world_size`` ranks (notebook 05: held
+    against gathers timed apart from the sweep it was fitted to)."""
+    return fit["latency_s"] + ring_bytes_sent(kind, nbytes, world_size) / fit["bandwidth"]
 
 
 def host_fit(rows, gathers: list | None = None) -> dict:
@@ -141,44 +147,84 @@ def bucket_step_time(
     }
 
 
-def _iqr(row: dict) -> float:
-    return row["measured"]["q3"] - row["measured"]["q1"]
+def _order_pairs(rows: list) -> dict:
+    """The shared-cores model's one claim about the pick, tested on every pair of caps: more calls, a slower step.
+    Only pairs whose interquartile ranges do not overlap are judged (``apart``); ``in_order`` of them ran slower
+    with more calls. Caps whose spreads overlap cannot be ranked by this run."""
+    apart = in_order = 0
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 :]:
+            if a["calls"] == b["calls"]:
+                continue
+            few, many = (a, b) if a["calls"] < b["calls"] else (b, a)
+            if few["measured"]["q3"] < many["measured"]["q1"]:
+                apart, in_order = apart + 1, in_order + 1
+            elif many["measured"]["q3"] < few["measured"]["q1"]:
+                apart += 1
+    return {"apart": apart, "in_order": in_order}
 
 
 def bucket_cap_model(costs: dict, world_size: int) -> dict:
     """The cost model of DDP's bucket cap, fitted and checked on one run's readings (notebook 02).
 
-    ``costs`` is ``labs.lab02_cost.cap_costs``'s. Fits t(B) to its isolated all-reduces, prices every cap with
-    ``bucket_step_time`` (the compute alone: the median of its steps), and holds each price against that cap's
-    measured steps. Also fits the measured medians against the number of calls (a least-squares line): its
-    slope is what one more all-reduce costs *inside a step*, to compare with the isolated latency.
+    ``costs`` is ``labs.lab02_cost.cap_costs``'s. Fits t(B) to its isolated all-reduces and prices every cap with
+    ``bucket_step_time`` (the compute alone: the median of its steps). Every cap sends the same bytes, so the
+    shared-cores price differs between caps only by latency x calls: its pick is the fewest calls whatever the
+    fit (``best_shared``), and what can be checked is its claim about the order and its prices:
 
-    Returns ``{"fit", "compute_s", "rows": [{"cap_mb", "calls", "measured": spread, "shared_s", "engine_s",
-    "exposed_s"}], "best_measured", "best_shared", "best_engine", "agrees", "per_call_in_step_s"}``;
-    ``agrees``: the cap the shared-cores model picks ran, at its median, slower than the fastest cap by no more
-    than the spread between repeats of one cap (the larger interquartile range of the two): the model picked the
-    best cap, as far as this run can tell. Two caps a few percent apart swap places from run to run here."""
+    - ``order``: every pair of caps whose measured interquartile ranges are apart, ranked by calls
+      (``_order_pairs``); ``order_holds``: at least one pair is apart and every such pair ran slower with more
+      calls. Readings where more calls ran faster (an overlap that pays) fail it.
+    - each row's ``shared_within_quartiles``: the isolated-call price inside that cap's measured quartiles;
+      ``price_is_a_floor``: no cap ran faster than its price by more than the two readings' spread (each price,
+      less the compute's interquartile range, at most that cap's upper quartile): the model's one assumption,
+      nothing hides on shared cores. Readings where communication hid behind the compute fail it;
+    - the in-step price: a least-squares line of the measured medians against the calls, whose slope
+      ``per_call_in_step_s`` is what one more all-reduce costs *inside a step* (to compare with the isolated
+      latency) and whose intercept ``in_step_intercept_s`` is a step with no call overhead (to compare with
+      the compute alone plus the bytes at the isolated bandwidth, ``compute_plus_bytes_s``); each row's
+      ``in_step_s`` and ``in_step_within`` (inside that cap's measured quartiles); ``in_step_explains``: every
+      cap's. A residual check of a line fitted to the same medians: whether one cost per call, the same at
+      every cap, explains the steps (on two shared cores many small calls also queue behind each other, so it
+      need not).
+
+    Returns ``{"fit", "compute_s", "compute_plus_bytes_s", "rows": [{"cap_mb", "calls", "measured": spread,
+    "shared_s", "engine_s", "exposed_s", "shared_within_quartiles", "in_step_s", "in_step_within"}],
+    "best_measured", "best_shared", "best_engine", "order", "order_holds", "price_is_a_floor", "per_call_in_step_s",
+    "in_step_intercept_s", "in_step_explains"}``."""
     import statistics
 
     fit = fit_latency_bandwidth(costs["all_reduce"])
-    compute = statistics.median(costs["compute_s"])
+    compute_spread = _spread(costs["compute_s"])
+    compute = compute_spread["median"]
     rows = []
     for cap, readings in costs["step_s"].items():
         buckets = costs["buckets"][cap]
         priced = bucket_step_time(fit, world_size, compute, buckets, costs["ready_s"], costs["backward_s"])
-        rows.append({"cap_mb": cap, "calls": len(buckets), "measured": _spread(readings), **priced})
-    best = min(rows, key=lambda r: r["measured"]["median"])
-    shared = min(rows, key=lambda r: (r["shared_s"], r["calls"]))
-    engine = min(rows, key=lambda r: (r["engine_s"], r["calls"]))
+        m = _spread(readings)
+        rows.append({"cap_mb": cap, "calls": len(buckets), "measured": m, **priced,
+                     "shared_within_quartiles": m["q1"] <= priced["shared_s"] <= m["q3"]})  # fmt: skip
     calls, medians = [r["calls"] for r in rows], [r["measured"]["median"] for r in rows]
-    slope = statistics.linear_regression(calls, medians).slope if len(set(calls)) > 1 else float("nan")
+    line = statistics.linear_regression(calls, medians) if len(set(calls)) > 1 else None
+    for r in rows:
+        r["in_step_s"] = float("nan") if line is None else line.intercept + line.slope * r["calls"]
+        r["in_step_within"] = r["measured"]["q1"] <= r["in_step_s"] <= r["measured"]["q3"]
+    order = _order_pairs(rows)
+    payload = sum(b["bytes"] for b in next(iter(costs["buckets"].values())))
     return {
         "fit": fit,
         "compute_s": compute,
+        "compute_plus_bytes_s": compute + ring_bytes_sent("all_reduce", payload, world_size) / fit["bandwidth"],
         "rows": rows,
-        "best_measured": best["cap_mb"],
-        "best_shared": shared["cap_mb"],
-        "best_engine": engine["cap_mb"],
-        "agrees": shared["measured"]["median"] - best["measured"]["median"] <= max(_iqr(shared), _iqr(best)),
-        "per_call_in_step_s": slope,
+        "best_measured": min(rows, key=lambda r: r["measured"]["median"])["cap_mb"],
+        "best_shared": min(rows, key=lambda r: (r["shared_s"], r["calls"]))["cap_mb"],
+        "best_engine": min(rows, key=lambda r: (r["engine_s"], r["calls"]))["cap_mb"],
+        "order": order,
+        "order_holds": order["apart"] >= 1 and order["in_order"] == order["apart"],
+        "price_is_a_floor": all(
+            r["shared_s"] - (compute_spread["q3"] - compute_spread["q1"]) <= r["measured"]["q3"] for r in rows
+        ),
+        "per_call_in_step_s": float("nan") if line is None else line.slope,
+        "in_step_intercept_s": float("nan") if line is None else line.intercept,
+        "in_step_explains": all(r["in_step_within"] for r in rows),
     }

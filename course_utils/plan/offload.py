@@ -23,6 +23,13 @@ OFFLOAD_NAMES = {
     "fsdp2_cpu_offload": "FSDP2 fully_shard(offload_policy=CPUOffloadPolicy())",
     "zero_infinity": "DeepSpeed ZeRO-Infinity (ZeRO-3, parameters and optimizer on NVMe)",
 }
+#: The same, short enough for a table within 100 columns (``plan.format_plan``).
+OFFLOAD_SHORT = {
+    "zero_offload": "ZeRO-Offload (DS stage 2)",
+    ZERO3_OFFLOAD.name: "ZeRO-3 + offload_optimizer",
+    "fsdp2_cpu_offload": "FSDP2 CPUOffloadPolicy",
+    "zero_infinity": "ZeRO-Infinity (NVMe)",
+}
 
 
 def offload_modes(

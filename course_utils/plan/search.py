@@ -116,10 +116,14 @@ def typed(r: dict) -> str:
     return BY_KEY[r["impl"]].short.format(mesh=f"({n // c['shard']}, {c['shard']})")
 
 
+def _policy(policy: str) -> str:
+    return "no" if policy == "none" else policy
+
+
 def _said(r: dict) -> str:
     c = r["config"]
     return (
-        f"{typed(r)} [{BY_KEY[r['impl']].course.name}], {c['policy']} recomputation, micro-batch "
+        f"{typed(r)} [{BY_KEY[r['impl']].course.name}], {_policy(c['policy'])} recomputation, micro-batch "
         f"{c['micro_batch']} x {c['accum']} accumulation steps, {c['nodes']} node(s)"
     )
 
@@ -184,7 +188,7 @@ def why_nothing(rows: list[dict]) -> str:
     least = min(rows, key=lambda r: r["memory"]["total"])
     m, c = least["memory"], least["config"]
     return (
-        f"nothing fits: the smallest is {typed(least)}, {c['policy']} recomputation, b={c['micro_batch']}: "
+        f"nothing fits: the smallest is {typed(least)}, {_policy(c['policy'])} recomputation, b={c['micro_batch']}: "
         f"{m['total'] / GB:.1f} GB ({m['peak_phase']}). Data parallelism cannot cut a sequence's activations: "
         "tensor, pipeline or context parallelism (not planned here) can."
     )

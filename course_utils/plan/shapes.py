@@ -13,13 +13,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..errors import CourseInputError
-from ..presets import NOT_THEIR_SIZE, PRESETS, Preset, preset
-from .inputs import ModelSpec, model_spec
-
-GB = 1e9
-GiB = 2**30
-MiB = 2**20
+from ..presets import NOT_THEIR_SIZE, PRESETS, Preset, preset_for
+from .inputs import (  # noqa: F401 (the GPU record lives in inputs, read by both planners)
+    ALLOCATOR_RESERVE,
+    CONTEXT_BYTES,
+    GB,
+    GPU,
+    GPUS,
+    HOST_BW,
+    HOST_MEM,
+    MFU_SOURCE,
+    GiB,
+    ModelSpec,
+    block_param_count,
+    model_spec,
+)
 
 
 @dataclass(frozen=True)
@@ -44,10 +52,7 @@ class Shape:
 
     @property
     def block_params(self) -> int:
-        h, kv, f = self.width, self.kv_width, self.hidden
-        if self.arch == "gpt2":  # 2 LayerNorms, qkv and its bias, projection, fc, proj, their biases
-            return 4 * h + h * (h + 2 * kv) + (h + 2 * kv) + h * h + h + h * f + f + f * h + h
-        return 2 * h + h * (h + 2 * kv) + h * h + 3 * h * f  # 2 RMSNorms, qkv, projection, gate/up/down
+        return block_param_count(self.arch, self.width, self.kv_width, self.hidden)
 
     @property
     def root_params(self) -> int:
@@ -72,10 +77,14 @@ class Shape:
         return h * (h + 2 * kv) + h * h + (2 if self.arch == "gpt2" else 3) * h * f
 
 
+def shape_of_config(c, name: str = "") -> Shape:
+    """The planner's ``Shape`` of a course model's ``GPTConfig`` (what notebook 05b rehearses)."""
+    return Shape(name, c.arch, c.layers, c.width, c.heads, c.n_kv_heads, c.hidden, c.vocab, c.seq, c.tie_weights)
+
+
 def shape_of_preset(p: Preset, seq: int | None = None) -> Shape:
     """The planner's ``Shape`` of a published preset (notebook 05b's, ``presets.preset``)."""
-    c = p.cfg
-    s = Shape(p.name, c.arch, c.layers, c.width, c.heads, c.n_kv_heads, c.hidden, c.vocab, c.seq, c.tie_weights)
+    s = shape_of_config(p.cfg, p.name)
     return replace(s, seq=seq) if seq else s
 
 
@@ -90,11 +99,10 @@ def shape_of_spec(m: ModelSpec) -> Shape:
 def shape_for(params=None, *, layers=None, width=None, heads=None, vocab=None, seq=None) -> tuple[Shape, str]:
     """The model a name or a size means (notebook 05): a preset's name is that preset (the rehearsal's model);
     anything else is ``model_spec``'s GPT-2-style shape, and the second value says which shape was assumed."""
-    if params is not None and layers is None and width is None:
-        try:
-            return shape_of_preset(preset(str(params)), seq), ""
-        except CourseInputError:
-            pass
+    if params is not None and layers is None and width is None and heads is None:
+        known = preset_for(params)
+        if known is not None:
+            return shape_of_preset(known, seq), ""
     m = model_spec(params, layers=layers, width=width, heads=heads, vocab=vocab or 32000, seq=seq or 2048)
     s = shape_of_spec(m)
     hint = NOT_THEIR_SIZE.get(str(params).strip().lower(), "") if params is not None else ""
@@ -104,35 +112,6 @@ def shape_for(params=None, *, layers=None, width=None, heads=None, vocab=None, s
         f"vocabulary {s.vocab:,}, sequence {s.seq:,}, tied head (Ψ = {s.params / 1e9:.2f}B). "
         f"Presets: {', '.join(PRESETS)}."
     )
-
-
-@dataclass(frozen=True)
-class GPU:
-    """One accelerator: memory (bytes), dense 16-bit peak (FLOP/s), HBM, achievable NVLink ring bandwidth per
-    GPU inside a node and PCIe to the host (bytes/s), and the achievable fraction of peak (``mfu``)."""
-
-    name: str
-    mem: float
-    peak_flops: float
-    hbm_bw: float
-    nvlink_bw: float
-    pcie_bw: float
-    mfu: float = 0.40
-
-
-#: Where the default achievable fraction comes from.
-MFU_SOURCE = (
-    "0.40: the Llama 3 paper (arXiv:2407.21783, section 3.3.2, Table 4) reports 38-43% BF16 MFU on H100 "
-    "for the 405B pre-training; that is end to end (exposed communication and pipeline bubbles included), "
-    "so as a compute-only fraction it is conservative. An input: --mfu."
-)
-
-#: Memory as nvidia-smi reports it (81,559 MiB for an H100 80GB); peaks from NVIDIA's data sheets (dense BF16).
-GPUS = {
-    "H100-80GB": GPU("H100 SXM 80GB", 81559 * MiB, 989e12, 3.35e12, 360e9, 50e9),
-    "A100-80GB": GPU("A100 SXM 80GB", 81920 * MiB, 312e12, 2.0e12, 240e9, 25e9),
-    "H200": GPU("H200 SXM 141GB", 143771 * MiB, 989e12, 4.8e12, 360e9, 50e9),
-}
 
 
 @dataclass(frozen=True)
@@ -149,7 +128,7 @@ class GPUCluster:
     inter_bw: float = 400e9
     intra_latency: float = 15e-6
     inter_latency: float = 50e-6
-    host_mem: float = 2000 * GB
-    host_bw: float = 200e9
-    context_bytes: float = 1.5 * GiB
-    allocator_reserve: float = 0.10
+    host_mem: float = HOST_MEM
+    host_bw: float = HOST_BW
+    context_bytes: float = CONTEXT_BYTES
+    allocator_reserve: float = ALLOCATOR_RESERVE

@@ -119,7 +119,8 @@ def bucket_cost_figure(model: dict, *, title: str = "", width: float = 10.0, hei
 
     ``model`` is ``plan.bucket_cap_model``'s. Left: each isolated all-reduce size, its median and interquartile
     range, and the fitted line t(B) = latency + sent bytes / bandwidth (log-log). Right: each cap's measured
-    step (median and interquartile range) and what the two models predict.
+    step (median and interquartile range), what the two models predict, and the line of the medians against the
+    calls (``in_step_s``).
     """
     fit = model["fit"]
     fig = new_figure(width, height)
@@ -167,6 +168,9 @@ def bucket_cost_figure(model: dict, *, title: str = "", width: float = 10.0, hei
         "^:",
         color=PART_COLORS["activations"],
         label="model: own engine (this machine's α, β)",
+    )
+    right.plot(
+        caps, [r["in_step_s"] * 1e3 for r in rows], "d-.", color="#777777", label="in-step line: medians against calls"
     )
     right.set_xscale("log")
     right.set_ylim(bottom=0)

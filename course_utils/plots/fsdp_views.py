@@ -53,13 +53,15 @@ def fsdp_side_by_side_figure(rows: list, *, title: str = "", width: float = 12.0
             )
     mem.set_xticks(xs, labels, fontsize=8)
     mem.set_ylabel("MB (10^6 bytes) per rank")
-    mem.set_title("Held at rest (solid) and gathered at the peak of a step (hatched)", fontsize=9)
+    mem.set_title("Held at rest (solid) and the most parameters gathered at once in a step (hatched)", fontsize=9)
     mem.set_ylim(
         0, max(max(r["per_rank"][0]["total"], (r.get("peak_unsharded_bytes") or [0])[0] or 0) for r in rows) / mb * 1.1
     )
     handles = [Patch(color=PART_COLORS[p], label=p) for _, p in parts]
     handles.append(
-        Patch(facecolor="white", edgecolor=PART_COLORS["weights"], hatch="//", label="gathered weights, peak")
+        Patch(
+            facecolor="white", edgecolor=PART_COLORS["weights"], hatch="//", label="gathered parameters, most at once"
+        )
     )
     mem.legend(handles=handles, fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
     kinds = [k for k in COMM_COLORS if any(k in r["comm_per_step"] for r in rows)]
@@ -115,7 +117,7 @@ FSDP_COLUMNS = {
     "units": lambda r: str(len(r["strategy_info"].get("units", [])) or "–"),
     "collectives / step": _calls,
     "largest unit, B": lambda r: _bytes_cell(_largest_unit(r)),
-    "peak gathered, B": lambda r: _bytes_cell(r["peak_unsharded_bytes"][0]),
+    "gathered params at most, B": lambda r: _bytes_cell(r["peak_unsharded_bytes"][0]),
     "held per rank, B": lambda r: _bytes_cell(r["per_rank"][0]["total"]),
     "held where": lambda r: ", ".join(f"{k}: {v:,}" for k, v in r["held_by_device"].items()),
     "all-gather payload, B": lambda r: _bytes_cell(r["comm_per_step"].get("all_gather", {}).get("payload_bytes")),
@@ -140,8 +142,9 @@ def fsdp_side_by_side_table(rows: list, predictions: dict) -> tuple[list, list]:
     """``(header, rows)`` of notebook 04's strategy table: each run measured, the prediction beside it.
 
     ``rows``: ``labs.lab04`` run rows; ``predictions``: ``{strategy: predict.fsdp_run(...)}`` made
-    before the run. Per run: the FSDP1 name, rank 0's bytes at rest (measured / ZeRO row), the
-    peak of gathered bytes (measured / schedule), collectives per step (AG all-gather, RS
+    before the run. Per run: the FSDP1 name, rank 0's bytes at rest (measured / ZeRO row and Adam's
+    step counters), the most gathered parameter bytes at once (measured / schedule; FSDP2's own buffers
+    and the activations come on top: the step's peak is a timeline's), collectives per step (AG all-gather, RS
     reduce-scatter, AR all-reduce), bytes one rank sends per step, the final loss and the
     distance to single. No step time: these are counting runs (``step_time_cell`` says why).
     """
@@ -149,8 +152,8 @@ def fsdp_side_by_side_table(rows: list, predictions: dict) -> tuple[list, list]:
         "run",
         "FSDP1 name",
         "held / rank, B",
-        "ZeRO row, B",
-        "peak gathered, B",
+        "ZeRO row + step counters, B",
+        "gathered params at most, B",
         "predicted, B",
         "collectives / step",
         "sent / step, B",

@@ -5,7 +5,8 @@ follow the ZeRO paper: Ψ parameters, Nd ranks one piece of state is split acros
 ``strategies.shard_group_size``), K optimizer bytes per parameter.
 
 - Bytes held per rank: ``bill_bytes`` (a row's bill, part by part, optionally with the padded shard
-  a run really has) and ``strategy_held_bytes`` (the same at rest with the row's Nd for N ranks).
+  a run really has) and ``strategy_held_bytes`` (the same at rest with the row's Nd for N ranks);
+  ``step_counter_bytes`` (Adam's 0-dim step counters, which a run holds and the paper does not count).
   ``memory.model_state_bytes`` is the vectorised total notebook 01 plots; ``tests/test_predict.py``
   checks the two agree.
 - Bytes sent per step: ``paper_sent_bytes`` (the paper's ring formulas, ``comm.step_sent``, no
@@ -42,10 +43,20 @@ from .held import (
     bill_precision,
     peak_gathered_bytes,
     samples_that_fit,
+    step_counter_bytes,
     strategy_held_bytes,
     update_extra_bytes,
 )
-from .runs import comm_matches, expected_bytes, fsdp_run, memory_check, peak_check, planned_units, traffic_check
+from .runs import (
+    comm_matches,
+    expected_bytes,
+    fsdp_run,
+    memory_check,
+    model_tensors,
+    peak_check,
+    planned_units,
+    traffic_check,
+)
 from .sent import fsdp_collectives, paper_sent_bytes, traffic_in_psi, zero_traffic
 from .timeline import (
     bucket_buffers_peak,
@@ -55,6 +66,8 @@ from .timeline import (
     reduce_at_step_states_peak,
     rest_bytes,
     rest_check,
+    unit_reduce_states,
+    unit_reduce_states_peak,
 )
 
 __all__ = [
@@ -65,18 +78,22 @@ __all__ = [
     "reduce_at_step_states_peak",
     "rest_bytes",
     "rest_check",
+    "unit_reduce_states",
+    "unit_reduce_states_peak",
     "ADAM_SCRATCH_FP32_COPIES",
     "PRECISION_BYTES",
     "bill_bytes",
     "bill_precision",
     "peak_gathered_bytes",
     "samples_that_fit",
+    "step_counter_bytes",
     "strategy_held_bytes",
     "update_extra_bytes",
     "comm_matches",
     "expected_bytes",
     "fsdp_run",
     "memory_check",
+    "model_tensors",
     "peak_check",
     "planned_units",
     "traffic_check",

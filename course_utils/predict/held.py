@@ -69,6 +69,19 @@ def bill_bytes(
     return row
 
 
+def step_counter_bytes(strategy: str | Strategy, units: list[dict] | None = None, tensors: int = 0) -> int:
+    """Bytes of the optimizer's 0-dim step counters one rank holds at rest: Adam keeps one 4-byte counter per
+    tensor it steps, which no formula of the paper counts (notebooks 03, 04, 05b).
+
+    A flat layout (the hand-built stages) steps one flat buffer per trainable unit of ``units``; every other
+    row steps each of the model's ``tensors`` parameter tensors (FSDP2 a DTensor each, DDP the tensor itself).
+    """
+    row = get(strategy)
+    if row.layout == "flat":
+        return 4 * sum(1 for u in units or () if u.get("trainable", True))
+    return 4 * tensors
+
+
 def strategy_held_bytes(
     strategy: str | Strategy, psi: int, nproc: int, node_size: int = 2, *, precision: str = "fp32"
 ) -> dict:

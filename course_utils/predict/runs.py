@@ -10,7 +10,14 @@ import torch.nn as nn
 from .. import comm
 from ..models import get_config, param_count, unit_modules, unit_table
 from ..strategies import Strategy, get
-from .held import bill_bytes, bill_precision, peak_gathered_bytes, strategy_held_bytes, update_extra_bytes
+from .held import (
+    bill_bytes,
+    bill_precision,
+    peak_gathered_bytes,
+    step_counter_bytes,
+    strategy_held_bytes,
+    update_extra_bytes,
+)
 from .sent import fsdp_collectives, paper_sent_bytes, traffic_in_psi, zero_traffic
 
 # ---------------------------------------------------------------------------------------------
@@ -33,6 +40,18 @@ def planned_units(model: str = "tiny", granularity: str = "block", shard_size: i
     return unit_table(gpt, shard_size, unit_modules(gpt, granularity))
 
 
+def model_tensors(model: str = "tiny") -> int:
+    """Distinct parameter tensors of the course model (the tied head counts once): Adam keeps a step counter
+    for each one it steps (``step_counter_bytes``) (notebooks 03, 04)."""
+    return len(list(_meta_model(model).parameters()))
+
+
+def _with_steps(held: dict, steps: int) -> dict:
+    """A bill ``{"params", "grads", "optim", "total"}`` with the step counters' bytes as a part of their own,
+    the way ``instrument.rank_bytes`` counts a rank."""
+    return {**{k: v for k, v in held.items() if k != "total"}, "steps": steps, "total": held["total"] + steps}
+
+
 # ---------------------------------------------------------------------------------------------
 # One run of one strategy
 # ---------------------------------------------------------------------------------------------
@@ -51,12 +70,16 @@ def fsdp_run(
     """Everything the formulas say about one FSDP run before it starts (notebook 04).
 
     Returns ``{"units", "held", "comm", "peak"}``: the units (``planned_units``, padded for this
-    strategy's shard size), bytes held per rank at rest (``strategy_held_bytes``), collectives
+    strategy's shard size), bytes held per rank at rest (``strategy_held_bytes``, and Adam's step counter
+    for each of the model's tensors, ``step_counter_bytes``), collectives
     per step (``fsdp_collectives``; bf16 gathers under mixed precision) and the peak of
     gathered parameter bytes (``peak_gathered_bytes``). For the one-process reference only ``held``.
     """
     row = get(strategy)
-    held = strategy_held_bytes(row, param_count(model), nproc, node_size)
+    held = _with_steps(
+        strategy_held_bytes(row, param_count(model), nproc, node_size),
+        step_counter_bytes(row, tensors=model_tensors(model)),
+    )
     if row.single_process:
         return {"units": [], "held": held, "comm": {}, "peak": None}
     units = planned_units(model, wrap, row.shard_group_size(nproc, node_size))
@@ -122,14 +145,17 @@ def peak_check(report: dict) -> dict:
     """A report's measured peak of the update (``HeldAtRest(peak=True)``) against the prediction (notebook 03).
 
     ``report``: an ``agreement`` row of stage 1 or 2 (``update_peak`` and ``update_extra`` per rank).
-    Returns ``{"at_rest"`` (``bill_bytes``, the S padded elements), ``"predicted"``
+    Returns ``{"at_rest"`` (``bill_bytes``, the S padded elements, and the step counters), ``"predicted"``
     (``update_extra_bytes``), ``"predicted_peak"`` (at rest + predicted extra),
     ``"measured_peak"``, ``"measured_extra"`` (rank 0's), ``"within"`` (on every rank: extra at least
     the prediction and at most the prediction plus what gloo may still hold, the peak at rest + extra)}``.
     """
     stage, nd, info = report["strategy"], report["world_size"], report["strategy_info"]
     precision = info.get("precision", "fp32")
-    at_rest = bill_bytes(stage, info["psi"], nd, precision=precision, shard_numel=info["shard_numel"])
+    at_rest = _with_steps(
+        bill_bytes(stage, info["psi"], nd, precision=precision, shard_numel=info["shard_numel"]),
+        step_counter_bytes(stage, info["units"]),
+    )
     predicted = update_extra_bytes(stage, info["units"], precision=precision)
     within = all(
         predicted["extra"] <= r["update_extra"] <= predicted["extra"] + predicted["gloo_may_hold"]
@@ -153,22 +179,32 @@ def memory_check(report: dict, psi: int | None = None) -> dict:
     """A ZeRO ``train`` report's bytes per rank against ``bill_bytes`` (notebook 03).
 
     Returns ``{"stage", "precision", "nd", "psi", "padding", "measured"`` (each rank's
-    ``{"params", "grads", "optim", "total"}``), ``"expected"`` (the same, counting the S
-    padded elements each rank really holds), ``"paper"`` (the paper's formula with Ψ/Nd),
-    ``"padding_bytes"`` (expected - paper) and ``"equal"`` (every rank holds exactly
-    ``expected``, part by part)}``. A row that shards nothing (plain DP) reports fp32 and needs ``psi``.
+    ``{"params", "grads", "optim", "steps", "total"}``), ``"expected"`` (the same, counting the S
+    padded elements each rank really holds and Adam's step counters, ``step_counter_bytes``),
+    ``"paper"`` (the paper's formula with Ψ/Nd), ``"padding_bytes"`` (expected - paper - steps),
+    ``"steps_bytes"`` and ``"equal"`` (every rank holds exactly ``expected``, part by part)}``. A row
+    that shards nothing (plain DP) reports fp32 and needs ``psi``; its counters are one per tensor of the
+    report's model.
     """
     stage, nd = report["strategy"], report["world_size"]
     info = report.get("strategy_info", {})
     psi = info.get("psi", psi)
     precision = info.get("precision", "fp32")
     shards = bool(get(stage).shards_at_rest)
-    expected = bill_bytes(
+    steps = step_counter_bytes(
         stage,
-        psi,
-        nd,
-        precision=precision,
-        shard_numel=info.get("shard_numel", -(-psi // nd) if shards else None),
+        info.get("units"),
+        0 if get(stage).layout == "flat" else model_tensors(report["config"]["model"]),
+    )
+    expected = _with_steps(
+        bill_bytes(
+            stage,
+            psi,
+            nd,
+            precision=precision,
+            shard_numel=info.get("shard_numel", -(-psi // nd) if shards else None),
+        ),
+        steps,
     )
     paper = bill_bytes(stage, psi, nd, precision=precision)
     measured = [{k: row[k] for k in expected} for row in report["per_rank"]]
@@ -181,7 +217,8 @@ def memory_check(report: dict, psi: int | None = None) -> dict:
         "measured": measured,
         "expected": expected,
         "paper": paper,
-        "padding_bytes": expected["total"] - paper["total"],
+        "padding_bytes": expected["total"] - paper["total"] - steps,
+        "steps_bytes": steps,
         "equal": all(m == expected for m in measured),
     }
 

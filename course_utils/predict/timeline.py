@@ -13,6 +13,7 @@ Exact, to the byte, where no allocator is involved (``timeline``'s docstring say
 from __future__ import annotations
 
 from ..strategies import OPTIM, PARAMS, Strategy, get
+from .held import step_counter_bytes
 
 FP32 = 4
 TOKEN_BYTES = 8  # int64 token ids
@@ -51,7 +52,7 @@ def rest_bytes(
     row = get(strategy)
     owned = _owned(row, units, shard)
     stepped = sum(u["padded"] for u in units) // shard if OPTIM in row.shards_at_rest else owned
-    counters = len(units) if row.layout == "flat" else tensors
+    counters = step_counter_bytes(row, units, tensors) // FP32
     buckets = any(c.kind == "all_reduce" and c.per == "bucket" and c.of == "grads" for c in row.collectives)
     return {
         "params": FP32 * owned,
@@ -68,7 +69,7 @@ def forward_end_states(strategy: str | Strategy, units: list[dict], tensors: int
     row = get(strategy)
     owned = _owned(row, units, shard)
     stepped = sum(u["padded"] for u in units) // shard if OPTIM in row.shards_at_rest else owned
-    counters = len(units) if row.layout == "flat" else tensors
+    counters = step_counter_bytes(row, units, tensors) // FP32
     return FP32 * owned + 2 * FP32 * stepped + FP32 * counters + FP32 * sum(u["padded"] for u in units)
 
 
@@ -119,3 +120,65 @@ def rest_check(strategy: str | Strategy, run: dict) -> dict:
     )
     measured = {k: run["timeline"]["rest"][k] for k in predicted}
     return {"predicted": predicted, "measured": measured, "equal": predicted == measured}
+
+
+def unit_reduce_states(
+    strategy: str | Strategy,
+    units: list[dict],
+    tensors: int,
+    shard: int,
+    *,
+    tail_grads: int,
+    prefetch: int = 0,
+    backend_clones: bool = True,
+) -> list[dict]:
+    """Model states at each unit's gradient reduce-scatter in the backward, in backward order (the blocks last to
+    first, the root last), for a row that gathers units and reduces each after its backward (notebooks 03, 04).
+
+    At unit k's reduce-scatter a rank holds its shards and Adam's state (as at rest, ``rest_bytes``); the root
+    gathered (every row here keeps or re-gathers it for the whole backward); unit k's gradients in the flat
+    contiguous copy sent (``padded``) and the slice received (``padded``/N), and on gloo the clone of the copy
+    (``backend_clones``); the gradient slices of the units reduced before it; the gradients of the parameters used
+    only after the last block (``tail_grads`` elements: the final norm; the tied head's gradient completes with the
+    embedding's, at the end), whole since the backward began. Then the layout decides:
+
+    - "flat" (the course's ``Zero3Module``): the unit is gathered in place and freed only after its reduce, and its
+      parameters' whole ``.grad`` (``numel``) live until the copy is reduced;
+    - "per_parameter" (FSDP2): ``post_backward`` reshards the unit before ``foreach_reduce`` and drops the unsharded
+      gradients once copied (``_fsdp_param_group.py`` in torch 2.13); with ``prefetch`` units ahead, the next
+      block's all-gather output is already in flight.
+
+    Returns ``[{"unit", "states"}]``; the peak is the largest (``unit_reduce_states_peak``)."""
+    row = get(strategy)
+    blocks = [u for u in units if u["name"] != "(root)"]
+    root = next((u for u in units if u["name"] == "(root)"), {"numel": 0, "padded": 0})
+    order = blocks[::-1] + [root]
+    owned = _owned(row, units, shard)
+    counters = step_counter_bytes(row, units, tensors) // FP32
+    base = FP32 * owned + 2 * FP32 * owned + FP32 * counters
+    flat = row.layout == "flat"
+    out, slices = [], 0
+    for i, unit in enumerate(order):
+        is_root = unit is root
+        gathered = root["padded"] + (unit["padded"] if flat and not is_root else 0)
+        whole_grads = unit["numel"] if flat else 0
+        tail = 0 if is_root else tail_grads  # the root's whole gradients include the tail
+        ahead = sum(u["padded"] for u in order[i + 1 : i + 1 + prefetch] if u is not root)
+        sent = unit["padded"] + unit["padded"] // shard + (unit["padded"] if backend_clones else 0)
+        elements = gathered + whole_grads + tail + slices + sent + ahead
+        out.append({"unit": unit["name"], "states": base + FP32 * elements})
+        slices += unit["padded"] // shard
+    return out
+
+
+def unit_reduce_states_peak(strategy: str | Strategy, run: dict) -> dict:
+    """The largest of ``unit_reduce_states`` for a watched run (``labs.lab03.timelines``' row): ``{"unit",
+    "states"}``, read from the units the mechanism reported (``info["units"]``) and its backward prefetch
+    (``info["prefetch"]``: FSDP2's "default" has one unit in flight, the hand-built stage 3 none) (notebooks 03, 04)."""
+    row = get(strategy)
+    prefetch = {"default": 1, "none": 0}[run["info"].get("prefetch", "none")]
+    shard = row.shard_group_size(run["world"], 2)
+    steps = unit_reduce_states(
+        row, run["info"]["units"], run["tensors"], shard, tail_grads=run["tail_grads"], prefetch=prefetch
+    )
+    return max(steps, key=lambda s: s["states"])

@@ -39,10 +39,11 @@ the tiny course model, bytes counted on the real shards with ``instrument.tensor
 from __future__ import annotations
 
 from ..presets import ALIASES, NOT_THEIR_SIZE, PRESETS, GPTConfig, Preset, preset
-from .calibration import TERMS, calibration_rows, measured_terms, planner_terms, preset_calibration
+from .calibration import TERMS, calibration_rows, measured_terms, planner_terms, preset_calibration, summary_rows
 from .cli import rehearse_arguments, rehearse_command
 from .predictions import (
     BLOCK_SAVED_PER_TOKEN_WIDTH,
+    CALIBRATED_TOL,
     MODEL_STATE_TOL,
     PEAK_ITEMS,
     PEAK_MAX_ACT_SHARE,
@@ -54,7 +55,6 @@ from .predictions import (
     peak_errors,
     predict,
     predict_setting,
-    summary_rows,
 )
 from .recompute import check_policy, wrap_blocks
 from .run import (
@@ -135,6 +135,7 @@ __all__ = [
     "PEAK_ITEMS",
     "PEAK_MAX_ACT_SHARE",
     "PEAK_MIN_LAYERS",
+    "CALIBRATED_TOL",
     "PEAK_TOL",
     "agreement",
     "compare",

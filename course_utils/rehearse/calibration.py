@@ -22,8 +22,8 @@ from ..plan.implementations import IMPLS
 from ..plan.shapes import GPUS, GPUCluster, Shape
 from ..plan.throughput import Config, memory
 from ..strategies import FULL_SHARD, get_fsdp
-from .predictions import predict
-from .run import Rehearsal
+from .predictions import CALIBRATED_TOL, agreement, predict
+from .run import Rehearsal, short_label, short_size
 
 ACTIVATION_CATEGORIES = ("Activation", "Temp", "Inputs", "Buffer")
 TERMS = ("activations", "states and buffers", "peak")
@@ -148,4 +148,33 @@ def preset_calibration(name: str, recompute: str, nproc: int = 8, strategy: str 
             "linear": all(s[term] == steps[0][term] for s in steps), "per_block": steps[0][term],
             "depths": tuple(r.cfg.layers for r in runs), "moment": _rehearsed_moment(runs[0]),
         })  # fmt: skip
+    return rows
+
+
+def summary_rows(rehearsals: list[Rehearsal]) -> list[dict]:
+    """Both planners against the rehearsal, one row per rehearsal: what notebook 05b's summary shows (notebook 05b).
+
+    ``calibrated``: the throughput planner's peak with this CPU's kernels (``calibration.planner_terms``; None
+    for a setting it prices as another implementation), ``calibrated_ratio`` rehearsal / it; ``planner`` and
+    ``ratio``: the first planner's (the paper's rule, ``predict``)."""
+    rows = []
+    for r in rehearsals:
+        a, p, cal = agreement(r), predict(r), planner_terms(r, "cpu")
+        ratio = r.peak_bytes / cal["peak"] if cal else None
+        rows.append(
+            {
+                "setting": f"{short_size(r.psi)} on {r.nproc}: {r.label}",
+                "short": short_label(r),
+                "calibrated": cal and cal["peak"],
+                "calibrated_ratio": ratio,
+                "calibrated_within": ratio is not None and abs(ratio - 1) <= CALIBRATED_TOL,
+                "planner": p["total"],
+                "rehearsal": r.peak_bytes,
+                "ratio": a["peak"],
+                "model_states": a["model_states"],
+                "activation_share": a["activation_share"],
+                "claimed": a["peak_claim_applies"],
+                "within": a["peak_within_tol"],
+            }
+        )
     return rows

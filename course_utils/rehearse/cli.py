@@ -8,6 +8,7 @@ import json
 from ..presets import PRESETS
 from ..strategies import FSDP_STRATEGIES
 from ..validate import not_empty
+from .calibration import planner_terms
 from .predictions import compare, predict
 from .run import PRECISIONS, model_config, rehearse
 from .views import UNITS, format_report
@@ -80,7 +81,8 @@ def rehearse_command(args) -> int:
         out = r.to_dict()
         out["prediction"] = {k: v for k, v in predict(r).items()}
         out["comparison"] = compare(r)
+        out["calibrated"] = planner_terms(r, "cpu")
         print(json.dumps(out, default=float))
     else:
-        print(format_report(r, compare(r), args.unit))
+        print(format_report(r, compare(r), args.unit, calibrated=planner_terms(r, "cpu")))
     return 0

@@ -15,7 +15,7 @@ from ..plan.inputs import Cluster, ModelSpec
 from ..plan.price import memory_breakdown
 from ..presets import GPTConfig
 from ..strategies import FULL_SHARD, PARAMS, get_fsdp
-from .run import Rehearsal, check_setting, model_config, padded_shard_numel, param_count, short_label, short_size
+from .run import Rehearsal, check_setting, model_config, padded_shard_numel, param_count
 
 # ---------------------------------------------------------------------------------------------
 # The formulas' side: what memory.bill and the planner predict for the same setting, item by item
@@ -84,6 +84,9 @@ def _predict(cfg, psi, nproc, strategy, node_size, micro_batch, act_ckpt, mixed_
         seq=cfg.seq,
         micro_batch=micro_batch,
         checkpointing=act_ckpt,
+        arch=cfg.arch,
+        kv_heads=cfg.n_kv_heads,
+        hidden=cfg.hidden,
     )
     if row.shard_over == "node":  # the shard group is a node of node_size GPUs
         cluster = Cluster(gpus_per_node=node_size, nodes=nproc // node_size)
@@ -119,6 +122,8 @@ MODEL_STATE_TOL = 1e-3
 #: a third or more of the total and the planner's peak is far low; the notebook shows by how much
 #: (``peak_errors``) instead of claiming a tolerance.
 PEAK_TOL = 0.15
+#: The calibrated (throughput) planner's peak against the tracker's: notebook 05b's claim for every setting it prices.
+CALIBRATED_TOL = 0.05
 PEAK_MAX_ACT_SHARE = 0.10
 PEAK_MIN_LAYERS = 16
 
@@ -231,8 +236,9 @@ def compare(r: Rehearsal) -> list[dict]:
         if PARAMS in spec.shards_at_peak:
             why = (
                 "the paper keeps a sharded 16-bit copy (2Ψ/Nd). FSDP2 keeps none at rest: it casts a block's "
-                "fp32 shards to bf16 as it gathers them, computes, and frees the block; the largest it holds is "
-                "about two blocks (computing and prefetched) and the root's embeddings"
+                "fp32 shards to bf16 as it gathers them, computes, and frees the block; the most it holds is the "
+                "root unit (embeddings, final norm, head: gathered for the whole step) and the one block computing. "
+                "The block prefetched behind it is still the all-gather's output, a buffer"
             )
         elif spec.shards_at_rest != spec.shards_at_peak:  # gathered for the step: SHARD_GRAD_OP
             why = (
@@ -317,25 +323,4 @@ def compare(r: Rehearsal) -> list[dict]:
         "at the peak",
         "the planner's total (model states + activations + buffers) against the tracker's peak",
     )
-    return rows
-
-
-def summary_rows(rehearsals: list[Rehearsal]) -> list[dict]:
-    """Planner against rehearsal, one row per rehearsal: what notebook 05b's summary shows (notebook 05b)."""
-    rows = []
-    for r in rehearsals:
-        a, p = agreement(r), predict(r)
-        rows.append(
-            {
-                "setting": f"{short_size(r.psi)} on {r.nproc}: {r.label}",
-                "short": short_label(r),
-                "planner": p["total"],
-                "rehearsal": r.peak_bytes,
-                "ratio": a["peak"],
-                "model_states": a["model_states"],
-                "activation_share": a["activation_share"],
-                "claimed": a["peak_claim_applies"],
-                "within": a["peak_within_tol"],
-            }
-        )
     return rows

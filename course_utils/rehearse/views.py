@@ -8,7 +8,8 @@ import math
 
 from ..strategies import get_fsdp
 from ..units import GB, MB, GiB
-from .predictions import PEAK_MAX_ACT_SHARE, PEAK_TOL
+from .calibration import measured_terms
+from .predictions import CALIBRATED_TOL
 from .run import Rehearsal, short_size
 from .tracker import CATEGORIES, PART_COLORS, PARTS
 
@@ -24,9 +25,10 @@ def _fmt(n: float, unit: str) -> str:
     return f"{n / UNITS[unit]:,.2f}"
 
 
-def format_report(r: Rehearsal, rows: list[dict], unit: str = "GB") -> str:
-    """The text ``python -m course_utils rehearse`` prints: the rehearsal's categories and ``rows``,
-    the planner against it (``predictions.compare(r)``) (notebook 05b)."""
+def format_report(r: Rehearsal, rows: list[dict], unit: str = "GB", calibrated: dict | None = None) -> str:
+    """The text ``python -m course_utils rehearse`` prints: the rehearsal's categories; ``calibrated``, notebook
+    05's throughput planner term by term (``calibration.planner_terms``, this CPU's kernels) against it; then
+    ``rows``, the first planner's bill item by item (``predictions.compare(r)``) (notebook 05b)."""
     c = r.cfg
     u = _unit_name(unit)
     head = (
@@ -42,10 +44,18 @@ def format_report(r: Rehearsal, rows: list[dict], unit: str = "GB") -> str:
         at, most = r.peak.get(cat, 0), r.category_peaks.get(cat, 0)
         if at or most:
             lines.append(f"  {cat:<16} {_fmt(at, unit):>10}   ({_fmt(most, unit)})")
+    if calibrated:
+        lines += ["", f"notebook 05's planner (calibrated; this CPU's kernels) against the rehearsal, {u}:"]
+        measured = measured_terms(r)
+        for term in ("activations", "states and buffers", "peak"):
+            lines.append(
+                f"  {term:<58} {_fmt(calibrated[term], unit):>10} {_fmt(measured[term], unit):>10}"
+                f"  x{measured[term] / calibrated[term]:.2f}  (at the {calibrated['moment']})"
+            )
     lines += [
         "",
-        f"the planner (course_utils.plan.memory_breakdown: memory.py's {r.stage} row with Nd = {r.nd}, "
-        f"the paper's activation rule, buffers) against the rehearsal, {u}:",
+        f"the first planner (course_utils.plan.memory_breakdown: memory.py's {r.stage} row with Nd = {r.nd}, the "
+        f"paper's activation rule, DDP's two 25 MB buckets for every strategy), item by item, {u}:",
     ]
     for row in rows:
         ratio = "" if math.isnan(row["ratio"]) else f"  x{row['ratio']:.2f}"
@@ -174,24 +184,23 @@ def markdown_bridge_peaks(rows: list[dict]) -> str:
 
 
 def markdown_summary(rows: list[dict], unit: str = "GB") -> str:
-    """``rows`` (``predictions.summary_rows``) as a Markdown table (notebook 05b)."""
+    """``rows`` (``predictions.summary_rows``) as a Markdown table, the calibrated planner first (notebook 05b)."""
     lines = [
-        f"Peak bytes per GPU, {_unit_name(unit)}: the planner (notebook 05) against the rehearsal; model states "
-        "after the step against 16 bytes per parameter of the shard (FSDP2's padding counted)",
+        f"Peak bytes per GPU, {_unit_name(unit)}: notebook 05's throughput planner (calibrated, this CPU's "
+        "kernels) and the first planner (the paper's rule) against the rehearsal; model states after the step "
+        "against 16 bytes per parameter of the shard (FSDP2's padding counted)",
         "",
-        "| setting | planner | rehearsal | rehearsal / planner | model states at rest, rehearsal / formula "
-        f"| peak within {PEAK_TOL:.0%} claimed? |",
-        "|---|---|---|---|---|---|",
+        "| setting | rehearsal | calibrated planner | rehearsal / calibrated | first planner | rehearsal / first "
+        "| model states at rest, rehearsal / formula |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        claim = (
-            ("yes: " + ("holds" if row["within"] else "FAILS"))
-            if row["claimed"]
-            else f"no (activations {row['activation_share']:.0%} of the planner's total)"
-        )
+        cal = "-" if row["calibrated"] is None else _fmt(row["calibrated"], unit)
+        ratio = "-" if row["calibrated_ratio"] is None else f"{row['calibrated_ratio']:.3f}"
+        claim = "" if row["claimed"] else " (not claimed)"
         lines.append(
-            f"| {row['setting']} | {_fmt(row['planner'], unit)} | {_fmt(row['rehearsal'], unit)} "
-            f"| {row['ratio']:.3f} | {row['model_states']:.5f} | {claim} |"
+            f"| {row['setting']} | {_fmt(row['rehearsal'], unit)} | {cal} | **{ratio}** "
+            f"| {_fmt(row['planner'], unit)} | {row['ratio']:.3f}{claim} | {row['model_states']:.5f} |"
         )
     return "\n".join(lines)
 
@@ -255,8 +264,8 @@ def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
 
 
 def agreement_figure(rows: list[dict], *, width: float = 7.0, height: float = 4.6):
-    """The planner's peak against the rehearsal's, one point per setting (``rows``:
-    ``predictions.summary_rows``), with the ±PEAK_TOL band (notebook 05b).
+    """Each planner's peak against the rehearsal's, one point per setting and planner (``rows``:
+    ``predictions.summary_rows``), with the calibrated planner's ±CALIBRATED_TOL band (notebook 05b).
 
     Linear axes in GB from 0 (the settings span a few times, not decades), type large enough to
     read on a 1280 x 720 slide.
@@ -267,32 +276,28 @@ def agreement_figure(rows: list[dict], *, width: float = 7.0, height: float = 4.
 
     fig = new_figure(width, height)
     ax = fig.add_subplot()
-    xs = np.array([r["planner"] for r in rows]) / GB
     ys = np.array([r["rehearsal"] for r in rows]) / GB
-    hi = max(xs.max(), ys.max()) * 1.12
+    first = np.array([r["planner"] for r in rows]) / GB
+    cal = [(r["calibrated"] / GB, y, r) for r, y in zip(rows, ys) if r["calibrated"] is not None]
+    hi = max(first.max(), ys.max(), max((x for x, _, _ in cal), default=0)) * 1.12
     grid = np.array([0, hi])
     ax.plot(grid, grid, color="#555555", lw=1.2, label="rehearsal = planner")
-    ax.fill_between(
-        grid,
-        grid * (1 - PEAK_TOL),
-        grid * (1 + PEAK_TOL),
-        color="#3a7dc9",
-        alpha=0.15,
-        label=f"planner ±{PEAK_TOL:.0%}",
-    )
-    for r, x, y in zip(rows, xs, ys):
-        ax.scatter([x], [y], color="#3a7dc9" if r["claimed"] else "#e8883a", zorder=3, s=60)
+    ax.fill_between(grid, grid * (1 - CALIBRATED_TOL), grid * (1 + CALIBRATED_TOL), color="#3a7dc9", alpha=0.15,
+                    label=f"±{CALIBRATED_TOL:.0%}")  # fmt: skip
+    ax.scatter(first, ys, color="#e8883a", s=45, alpha=0.7, zorder=3, label="first planner (the paper's rule)")
+    for x, y, r in cal:
+        ax.scatter([x], [y], color="#3a7dc9", zorder=4, s=60)
         ax.annotate(r["short"], (x, y), fontsize=11, xytext=(8, -4), textcoords="offset points")
-    ax.scatter([], [], color="#3a7dc9", s=60, label=f"claimed (activations ≤ {PEAK_MAX_ACT_SHARE:.0%} of the total)")
-    ax.scatter([], [], color="#e8883a", s=60, label="not claimed: activations larger")
+    ax.scatter([], [], color="#3a7dc9", s=60, label="calibrated planner (notebook 05)")
     ax.set_xlim(0, hi)
     ax.set_ylim(0, hi)
     ax.tick_params(labelsize=12)
     ax.set_xlabel("planner's peak per GPU, GB", fontsize=13)
     ax.set_ylabel("rehearsal's peak per GPU, GB", fontsize=13)
-    inside = sum(r["within"] for r in rows)
+    inside = sum(r["calibrated_within"] for r in rows)
     ax.set_title(
-        f"The planner is within {PEAK_TOL:.0%} of FSDP2's peak for {inside} of {len(rows)} settings", fontsize=13
+        f"The calibrated planner is within {CALIBRATED_TOL:.0%} of FSDP2's peak for {inside} of {len(rows)}",
+        fontsize=13,
     )
     ax.legend(fontsize=11, loc="upper left")
     return fig

@@ -288,10 +288,7 @@ class Zero3Optimizer(ShardedOptimizer):
 
     def memory_roles(self) -> dict:
         """The optimizer state only: the flat buffers' roles are the module's (``Zero3Module.memory_roles``)."""
-        return {
-            "optim": self.optimizer_tensors()
-            + [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        }
+        return {"optim": self.optimizer_tensors()}
 
     def held(self) -> tuple[list, list, list]:
         """``(params, grads, optimizer state)``: slices only; the gathered copies are freed at rest."""

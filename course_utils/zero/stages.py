@@ -167,18 +167,13 @@ class ShardedOptimizer:
             "grads": [p.grad for flat in self.flats for p in flat.params]
             + [flat.grad_shard for flat in self.flats]
             + [flat.master.grad for flat in self.flats],
-            "optim": self.optimizer_tensors()
-            + [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)],
+            "optim": self.optimizer_tensors(),
         }
 
     def optimizer_tensors(self) -> list[torch.Tensor]:
-        """The inner optimizer's state plus the fp32 master slices (when they are separate copies)."""
-        out = [
-            v
-            for st in self.optimizer.state.values()
-            for v in st.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0
-        ]
+        """The inner optimizer's state (its 0-dim step counters too) plus the fp32 master slices (when they
+        are separate copies)."""
+        out = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         return out + [flat.master for flat in self.flats if flat.master is not flat.shard]
 
     def full_state_dict(self, module: nn.Module) -> dict:

@@ -1,5 +1,7 @@
 """Reference solutions, notebook 01 (``load_solution("01", name)`` prints and defines one)."""
 
+import math
+
 import torch
 
 
@@ -13,18 +15,17 @@ def zero_state_bytes(optimizer):
     return sum(seen.values())
 
 
-def model_state_bill(psi, nd, stage, k=12):
-    """Model-state bytes per GPU: 2-byte weights, 2-byte gradients, k optimizer bytes per parameter."""
-    weights, grads, optim = 2 * psi, 2 * psi, k * psi
-    if stage == "ddp":
-        return weights + grads + optim
-    if stage == "zero1":
-        return weights + grads + optim / nd
-    if stage == "zero2":
-        return weights + (grads + optim) / nd
-    if stage == "zero3":
-        return (weights + grads + optim) / nd
-    raise ValueError(f"unknown stage {stage!r}")
+def smallest_nd(psi, stage, gpu_mem, reserve, k=12):
+    """The smallest whole Nd at which model states plus reserve fit in gpu_mem bytes, or None."""
+    whole = {"ddp": 2 + 2 + k, "zero1": 2 + 2, "zero2": 2, "zero3": 0}[stage] * psi  # no Nd divides it
+    split = (2 + 2 + k) * psi - whole  # divided by Nd
+    budget = gpu_mem - reserve
+    if not split:
+        return 1 if whole <= budget else None
+    if whole >= budget:
+        return None  # the undivided part alone fills the budget: no Nd is enough
+    nd = math.ceil(split / (budget - whole))
+    return nd - 1 if nd > 1 and whole + split / (nd - 1) <= budget else nd  # a bill of exactly the budget fits
 
 
 def block_activation_bytes(block, x):

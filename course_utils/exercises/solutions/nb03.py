@@ -4,8 +4,8 @@ import torch
 import torch.distributed as dist
 
 
-def zero2_step(params, grads, lr):
-    """One ZeRO-2 SGD step on flat, padded tensors; params ends updated and equal on every rank."""
+def sharded_step(params, grads, lr):
+    """One ZeRO-1 SGD step on flat, padded tensors; params ends updated and equal on every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
     s = params.numel() // world
     grad_slice = torch.empty(s, dtype=grads.dtype)

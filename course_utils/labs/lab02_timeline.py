@@ -1,0 +1,120 @@
+"""Reading one DDP step's timeline (notebook 02): how much communication ran inside the backward, every
+rank's step on one clock, and what each rank's all-reduces waited for.
+
+The timelines are ``labs.lab02``'s bucket sweep's (``BucketedDDP(timeline=True)`` events, in ms after the
+rank's backward began); these functions are plain arithmetic on them.
+"""
+
+from __future__ import annotations
+
+
+def overlap_summary(timeline: dict) -> dict:
+    """How much of the all-reduce time ran while backward was still computing (notebook 02).
+
+    From a ``bucket_sweep`` timeline: how many buckets started before backward ended, the time
+    at least one all-reduce was in flight (the union of their intervals: they overlap, so their
+    sum would be longer than the step), the part of it inside the backward pass, and how long the
+    optimizer waited after backward for the last all-reduce.
+    """
+    end = timeline["backward_end_ms"]
+    spans = [
+        (r["start_ms"], r["end_ms"] if r["end_ms"] is not None else timeline["synced_ms"])
+        for r in timeline["all_reduce"]
+    ]
+    return {
+        "buckets": len(spans),
+        "started_during_backward": sum(start < end for start, _ in spans),
+        "in_flight_ms": _union_ms(spans),
+        "in_flight_during_backward_ms": _union_ms([(start, min(stop, end)) for start, stop in spans]),
+        "wait_after_backward_ms": timeline["synced_ms"] - end,
+        "step_ms": timeline["synced_ms"] - timeline["forward_ms"],
+    }
+
+
+def on_one_axis(timelines: list) -> list:
+    """Every rank's timeline moved onto rank 0's: ms after rank 0's backward began (notebook 02).
+
+    The sweep's timelines are each in ms after that rank's own backward began; their ``clock_origin_s``
+    is that moment on ``time.perf_counter``, which on Linux is ``CLOCK_MONOTONIC``, one clock shared by
+    every process of the host, so shifting by the difference puts all ranks on one time axis with no
+    clock alignment. Only for ranks on one host.
+    """
+    zero = timelines[0]["clock_origin_s"]
+    moved = []
+    for t in timelines:
+        d = (t["clock_origin_s"] - zero) * 1e3
+        moved.append(
+            {
+                **t,
+                **{k: t[k] + d for k in ("forward_ms", "backward_end_ms", "synced_ms")},
+                "backward_start_ms": d,
+                "ready": [{**r, "t_ms": r["t_ms"] + d} for r in t["ready"]],
+                "all_reduce": [
+                    {**r, "start_ms": r["start_ms"] + d, "end_ms": None if r["end_ms"] is None else r["end_ms"] + d}
+                    for r in t["all_reduce"]
+                ],
+            }
+        )
+    return moved
+
+
+def straggler_summary(timelines: list) -> dict:
+    """What each rank's all-reduces waited for, from timelines on one axis (``on_one_axis``) (notebook 02).
+
+    An all-reduce completes on a rank only once every rank has issued it. Per bucket: ``last_start_ms``
+    (when the last rank issued it) and ``earliest_end_ms`` (the first rank to see it complete), which can
+    never be before the last start. Per rank, times on its own clock that add up without counting an instant
+    twice (the bars overlap, so their sum would not fit in the step):
+
+    - ``in_flight_ms``: the union of its all-reduces' bars, the time at least one was in flight;
+    - ``waiting_for_others_ms``: the part of it when the oldest all-reduce in flight had not yet been issued by
+      every rank (nothing can move: a straggler is still computing);
+    - ``moving_ms``: the rest, ``in_flight_ms - waiting_for_others_ms``: every rank has issued the oldest, and
+      gloo is moving and adding bytes;
+    - ``queued_ms``: the part of ``in_flight_ms`` when two or more all-reduces were in flight on the rank, a later
+      bucket behind an earlier one (gloo works on at most ``ProcessGroupGloo`` options' ``threads``, 2 by
+      default, at a time; the collectives complete in issue order).
+    """
+    starts = [{r["bucket"]: r["start_ms"] for r in t["all_reduce"]} for t in timelines]
+    ends = [
+        {r["bucket"]: r["end_ms"] if r["end_ms"] is not None else t["synced_ms"] for r in t["all_reduce"]}
+        for t in timelines
+    ]
+    buckets = sorted(starts[0])
+    last = {b: max(s[b] for s in starts) for b in buckets}
+    ranks = []
+    for t, s, e in zip(timelines, starts, ends):
+        parts = _in_flight_parts([(b, s[b], e[b], last[b]) for b in buckets])
+        ranks.append({"backward_ms": t["backward_end_ms"] - t["backward_start_ms"], **parts})
+    return {
+        "buckets": [
+            {"bucket": b, "last_start_ms": last[b], "earliest_end_ms": min(e[b] for e in ends)} for b in buckets
+        ],
+        "ranks": ranks,
+    }
+
+
+def _in_flight_parts(bars: list) -> dict:
+    """One rank's ``(bucket, start, end, last rank's start)`` bars cut at every edge: each slice with an
+    all-reduce in flight is waiting (its oldest not yet issued everywhere) or moving, and queued when two or more
+    are in flight."""
+    edges = sorted({x for _, start, end, last in bars for x in (start, end, last)})
+    out = {"in_flight_ms": 0.0, "waiting_for_others_ms": 0.0, "moving_ms": 0.0, "queued_ms": 0.0}
+    for lo, hi in zip(edges, edges[1:]):
+        live = [(b, last) for b, start, end, last in bars if start <= lo and hi <= end]
+        if not live:
+            continue
+        out["in_flight_ms"] += hi - lo
+        out["waiting_for_others_ms" if lo < min(live)[1] else "moving_ms"] += hi - lo
+        out["queued_ms"] += (hi - lo) if len(live) > 1 else 0.0
+    return out
+
+
+def _union_ms(spans) -> float:
+    """Length of the union of ``(start, stop)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > reach:
+            total += stop - max(start, reach)
+            reach = stop
+    return total
