@@ -233,6 +233,7 @@ SWEEP_FIELDS = (
     "comm_per_step",
     "weights_sha256",
     "losses",
+    "timeline",
 )
 
 
@@ -265,7 +266,7 @@ def sweep_worker(config: dict, strategies: list, links: list, phase_dir: str | N
             for strategy in strategies:
                 cfg = TrainConfig(**{**config, "strategy": strategy})
                 cable = CableBytes(0, cfg.steps - 1, info.local_rank)
-                report = run_training(cfg, info, extra=[cable])
+                report = run_training(cfg, info, extra=[cable], clock=True)
                 if info.rank == 0:
                     nodes = [seen[0] for seen in report["observed"] if seen[0] is not None]  # one per node: its card
                     rows.append({"link": link, **{k: report[k] for k in SWEEP_FIELDS}, "cable_bytes": nodes})

@@ -133,10 +133,11 @@ class CommCounter(TorchDispatchMode):
         self.events: list[tuple[str, int, int]] = []
         self.spans: list[bool] = []
         self.node_size = node_size
-        self.paused = False
+        self.paused, self.clock = False, False  # clock: ``times[i]`` = event i's [issued, done] (notebook 05)
+        self.times: dict[int, list] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        kwargs, before = kwargs or {}, len(self.events)
         if not self.paused:
             ns, name = func.namespace, func._overloadpacket.__name__
             if ns == "c10d" and name in _C10D:
@@ -154,7 +155,22 @@ class CommCounter(TorchDispatchMode):
                     payload *= group_size or 1
                 self.events.append((kind, payload, group_size or _group_size(args)))
                 self.spans.append(_spans_nodes(args, self.node_size))
-        return func(*args, **kwargs)
+        counted = self.clock and len(self.events) > before
+        return self._clocked(func, args, kwargs) if counted else func(*args, **kwargs)
+
+    def _clocked(self, func, args, kwargs):
+        """Run the collective just counted; ``times`` gets when it was issued and when its work (a c10d op's boxed
+        ``Work``) completed: its future calls back from gloo's thread (None if it has no future), or on return."""
+        stamp = self.times[len(self.events) - 1] = [time.perf_counter(), None]
+        out = func(*args, **kwargs)
+        works = [w for w in (out if isinstance(out, tuple) else [out]) if "Work" in str(getattr(w, "_type", str)())]
+        try:
+            done = torch._C._distributed_c10d.Work.unbox(works[0]).get_future() if works else None
+        except RuntimeError:  # "Work::getFuture not implemented" (gloo's reduce_scatter_single)
+            return out
+        finish = lambda *_: stamp.__setitem__(1, time.perf_counter())  # noqa: E731
+        done.add_done_callback(finish) if done is not None else finish()
+        return out
 
     def summary(self, steps: int = 1) -> dict:
         """``{kind: {"calls", "payload_bytes", "sent_bytes", "cross_node_sent_bytes", "node_card_bytes"}}`` per step
@@ -288,16 +304,47 @@ class Observer:
 
 class CountCollectives(Observer):
     """Bytes sent per group: every collective of the loop, counted by ``CommCounter`` (notebook 02);
-    with ``node_size``, also whether each group spans nodes (notebook 05)."""
+    with ``node_size``, also whether each group spans nodes (notebook 05). With ``units``
+    (``models.unit_modules``) and ``clock_step``, ``timeline()`` is that step's backward, clocked (notebook 05)."""
 
-    def __init__(self, node_size: int | None = None):
+    def __init__(self, node_size: int | None = None, units=(), clock_step: int | None = None):
         self.comm = CommCounter(node_size=node_size)
+        self.units, self.clock_step, self._hooks, self._t0, self._end = list(units), clock_step, [], None, None
+        self._unit_times = [[None, None] for _ in self.units]
+
+    def _stamp(self, i: int, edge: int):  # a backward hook's result would replace the gradients: this returns None
+        return lambda *_: None if self._t0 is None else self._unit_times[i].__setitem__(edge, time.perf_counter())
 
     def start(self) -> None:
+        for i, unit in enumerate(self.units if self.clock_step is not None else []):
+            self._hooks += [unit.register_full_backward_pre_hook(self._stamp(i, 0))]
+            self._hooks += [unit.register_full_backward_hook(self._stamp(i, 1))]
         self.comm.__enter__()
 
     def stop(self) -> None:
         self.comm.__exit__(None, None, None)
+        for handle in self._hooks:
+            handle.remove()
+
+    def after_forward(self, step: int, loss) -> None:
+        if step == self.clock_step:
+            self._t0, self.comm.clock = time.perf_counter(), True
+
+    def after_backward(self, step: int) -> None:
+        if step == self.clock_step:
+            self._end, self.comm.clock = time.perf_counter(), False
+
+    def timeline(self) -> dict | None:
+        """Seconds from the clocked backward's start: ``{"units": [[began, ended], ...]`` (each unit's backward
+        compute, forward order: its backward pre-hook and backward hook), ``"collectives": [{"kind", "bytes",
+        "group", "spans_nodes", "issued", "done"}]`` (issue order), ``"backward_end"}``; None if none was clocked."""
+        if self._t0 is None:
+            return None
+
+        rel = lambda *ts: [None if t is None else t - self._t0 for t in ts]  # noqa: E731
+        keys, comm = ("kind", "bytes", "group", "spans_nodes", "issued", "done"), self.comm  # clocked in this step only
+        clocked = [dict(zip(keys, [*comm.events[i], comm.spans[i], *rel(*comm.times[i])])) for i in sorted(comm.times)]
+        return {"units": [rel(*e) for e in self._unit_times], "collectives": clocked, "backward_end": rel(self._end)[0]}
 
     def summary(self, steps: int) -> dict:
         return self.comm.summary(steps)

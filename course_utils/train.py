@@ -54,6 +54,7 @@ from .instrument import (
     weights_sha256,
 )
 from .loop import TrainConfig, prepare, run_steps
+from .models import unit_modules
 from .recovery import FINISHED_LINE
 from .strategies import STRATEGIES, Strategy, register
 
@@ -99,11 +100,13 @@ def train_worker(config: dict, observe: bool = True, observers=(), strategy: Str
         return run_training(cfg, info, observe, observers)
 
 
-def run_training(cfg: TrainConfig, info, observe: bool = True, extra=()) -> dict:
+def run_training(cfg: TrainConfig, info, observe: bool = True, extra=(), clock: bool = False) -> dict:
     """``train_worker``'s run inside a process group that is already up (notebooks 02, 05).
 
     Several runs can share one group this way (``course_utils.cluster.sweep_worker``); the
     report is the same. ``extra``: the caller's observers, in every run (counting or timing).
+    ``clock`` (a counting run): the report's ``timeline`` is rank 0's last backward, unit by unit
+    (``instrument.CountCollectives.timeline``).
     """
     if info.world_size != cfg.nproc:
         cfg.nproc = info.world_size  # torchrun decides the world size; the batch split follows it
@@ -122,7 +125,9 @@ def run_training(cfg: TrainConfig, info, observe: bool = True, extra=()) -> dict
     observers = [timer, FailOnPurpose.planned(cfg, info, ckpt and ckpt.log)]
     count = held = None
     if observe:
-        count, held = CountCollectives(node_size=cfg.node_size), HeldAtRest(prepared.held, at=cfg.steps - 1)
+        units = unit_modules(getattr(prepared.model, "module", prepared.model)) if clock else ()  # DDP wraps it
+        count = CountCollectives(cfg.node_size, units, cfg.steps - 1 if clock else None)
+        held = HeldAtRest(prepared.held, at=cfg.steps - 1)
         observers = [count, held, *prepared.observers, *observers]
     extra = list(extra)
     observers[-1:-1] = extra  # before the failure injection, after what the run itself counts
@@ -152,7 +157,8 @@ def run_training(cfg: TrainConfig, info, observe: bool = True, extra=()) -> dict
     # Free the strategy while the process group is alive. DDP's reducer holds the group; a gloo
     # group destroyed from there (after destroy_process_group) waits for its worker thread while
     # holding the GIL that thread may need: an occasional hang at exit.
-    del prepared, ckpt, observers, held, local_losses
+    timeline = count.timeline() if count else None  # rank 0's; count holds the units: freed below too
+    del prepared, ckpt, observers, held, local_losses, count
     gc.collect()
     if info.rank != 0:
         return {"rank": info.rank}
@@ -165,6 +171,7 @@ def run_training(cfg: TrainConfig, info, observe: bool = True, extra=()) -> dict
         "weights_sha256": weights_sha256(full),
         "per_rank": [dict(rank=r, **row["held_bytes"]) for r, row in enumerate(everyone)] if observe else None,
         "comm_per_step": everyone[0]["comm_per_step"],
+        "timeline": timeline,
         "comm_per_step_by_rank": [row["comm_per_step"] for row in everyone],
         "step_time_s": max(row["step_time_s"] for row in everyone),
         # the busiest rank's bytes to other nodes (ranks on nodes of cfg.node_size; notebook 05)

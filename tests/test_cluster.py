@@ -24,7 +24,7 @@ from listening import watch
 from course_utils import cable, cluster, comm, namespaces, plan
 from course_utils.cli import main as cli_main
 from course_utils.errors import CourseInputError
-from course_utils.models import build_model, param_count, unit_modules, unit_table
+from course_utils.models import build_model, get_config, param_count, unit_modules, unit_table
 from course_utils.train import train
 
 
@@ -180,6 +180,27 @@ def test_cross_node_bytes_on_one_host_match_the_planner(one_host):
     # inside a node HSDP gathers; none of that crosses
     gathers = one_host["hybrid_shard"]["comm_per_step"]["all_gather"]
     assert gathers["cross_node_sent_bytes"] == 0 < gathers["sent_bytes"]
+
+
+def test_the_last_backward_is_clocked_unit_by_unit(one_host):
+    """The sweep's counting observer clocks the last backward (notebook 05): every block's compute, in reverse
+    order, and HSDP's cross-node all-reduce of each unit's shard, issued after that unit's compute ended and
+    completed (gloo's future) before the next unit's began: on CPU FSDP2 waits for each collective."""
+    from course_utils.labs import lab05
+
+    t = one_host["hybrid_shard"]["timeline"]
+    blocks = t["units"]
+    assert len(blocks) == get_config("tiny").layers
+    assert all(0 <= a < b <= t["backward_end"] for a, b in blocks)
+    assert [a for a, _ in blocks] == sorted((a for a, _ in blocks), reverse=True)  # the backward runs them last-first
+    cross = [c for c in t["collectives"] if c["spans_nodes"]]
+    assert [c["kind"] for c in cross] == ["all_reduce"] * (len(blocks) + 1)  # one per unit, the root's last
+    assert all(c["issued"] < c["done"] for c in cross)
+    for (_, ended), c in zip(blocks[::-1], cross):  # block k's all-reduce: after its compute, before block k-1's
+        assert c["issued"] >= ended
+    seen = lab05.backward_overlap(t)
+    assert seen["hidden_s"] == 0 and seen["exposed_s"] == seen["cross_s"] > 0
+    assert seen["planned_exposed_s"] <= seen["exposed_s"]  # a second stream could only hide more
 
 
 def test_crossover_is_where_the_two_step_times_meet():

@@ -225,7 +225,9 @@ def test_tables_show_each_run_beside_its_prediction(rows):
     col = header.index
     assert [r[0] for r in table] == list(STRATEGIES) and all(len(r) == len(header) for r in table)
     for r, s in zip(table, STRATEGIES):
-        assert r[col("held / rank, B")] == r[col("ZeRO row + step counters, B")] == f"{rows[s]['per_rank'][0]['total']:,}"
+        assert (
+            r[col("held / rank, B")] == r[col("ZeRO row + step counters, B")] == f"{rows[s]['per_rank'][0]['total']:,}"
+        )
         assert r[col("gathered params at most, B")] == r[col("predicted, B")] == f"{pred[s]['peak']:,}"
     header, table = plots.fsdp_table(side, list(plots.FSDP_COLUMNS))
     assert header == ["run", *plots.FSDP_COLUMNS]

@@ -337,8 +337,39 @@ def test_the_throughput_planner_is_calibrated_per_term_on_llama_2_7b():
     for (policy, term), row in rows.items():
         assert abs(row["after_error"]) < (0.03 if term == "peak" else 0.12), (policy, term, row["after_error"])
     assert rows["none", "peak"]["before_error"] < -0.30
+    # the cheap measurement of every preset (3 to 5 blocks, extrapolated block by block) is this one, to the byte
+    whole = {row["term"]: row["measured"] for row in R.preset_calibration("6.7B", "full")}
+    assert whole == R.measured_terms(runs[1])
     h, T, L = 4096, 4096, 32
     assert rows["none", "activations"]["cpu_artefact"] == pytest.approx((12 * h * L + 6 * h) * T)
+
+
+#: Terms of the five presets outside 10%, and why: at a peak late in backward under full recomputation the tracker
+#: files the head's gradient under temporaries (an activation category here) where the planner books it as a
+#: gradient (notebook 05b, section 10), so the planner's activations come out short and its states and buffers
+#: long; the peak itself is within 2.5% in every such setting. The bound each is held to, so that a change that
+#: moves it shows.
+RESIDUALS = {
+    ("1.56B", "full", "activations"): 0.85,  # 0.09 GB planned against 0.49 GB: the term is small at this moment
+    ("6.7B", "full", "activations"): 0.15,
+    ("13B", "full", "activations"): 0.15,
+    ("70B", "full", "activations"): 0.25,
+}
+
+
+@pytest.mark.slow  # about 30 CPU s for the ten settings
+@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("name", ["1.56B", "6.7B", "8B", "13B", "70B"])
+def test_every_preset_is_calibrated_at_both_recomputation_extremes(name, policy):
+    """Every preset, FULL_SHARD on 8 fake ranks, no recomputation and full: each term the rehearsal measures at
+    three consecutive depths grows by the same bytes per block (to the byte), so the preset's whole depth is
+    extrapolated; the planner priced at that depth is within 10% on every term, or the residual is named above."""
+    for row in R.preset_calibration(name, policy):
+        assert row["linear"], row
+        bound = RESIDUALS.get((name, policy, row["term"]), 0.10)
+        assert abs(row["after_error"]) < bound, (name, policy, row["term"], row["after_error"])
+        if (name, policy, row["term"]) in RESIDUALS:
+            assert row["moment"] == "backward" and abs(row["after_error"]) >= 0.10  # still a residual
 
 
 def test_the_calibrated_planner_holds_on_models_and_policies_it_was_not_fitted_to():

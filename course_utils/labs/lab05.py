@@ -143,3 +143,43 @@ def block_overlap_worker(
         return box[0]
     finally:
         cdist.shutdown()
+
+
+def _overlap(span, spans) -> float:
+    """Seconds of ``span`` (start, end) that fall inside any of ``spans`` (which do not overlap each other)."""
+    return sum(max(0.0, min(span[1], e) - max(span[0], s)) for s, e in spans)
+
+
+def backward_overlap(timeline: dict) -> dict:
+    """One clocked backward (``instrument.CountCollectives.timeline``, a row of ``cluster.links_vs_planner``) read
+    unit by unit: what of the cross-node collectives ran while a unit computed (notebook 05).
+
+    Returns ``{"compute": [(began, ended)] per block in forward order, "cross": [(issued, done)] in issue order,
+    "cross_s"`` (their durations added), ``"hidden_s"`` (the part of them inside a block's backward),
+    ``"exposed_s" = cross_s - hidden_s``, ``"planned_exposed_s"}``: ``plan.exposed_comm`` on the same durations,
+    each collective issued at the end of the unit before it, as on a GPU's second stream (the root's compute is
+    what the backward spent outside the blocks and the collectives).
+    """
+    from .. import plan
+
+    compute = [tuple(u) for u in timeline["units"] if None not in u]
+    cross = [(c["issued"], c["done"]) for c in timeline["collectives"] if c["spans_nodes"] and c["done"] is not None]
+    durations = [e - s for s, e in cross]
+    cross_s = sum(durations)
+    hidden_s = sum(_overlap(c, compute) for c in cross)
+    blocks = [e - s for s, e in compute]
+    comm = [e - s for c in timeline["collectives"] if (s := c["issued"]) is not None and (e := c["done"]) is not None]
+    root = max(0.0, timeline["backward_end"] - sum(blocks) - sum(comm))
+    bwd = [root, *blocks]  # forward order: the root unit first (its backward ends last)
+    # the last-issued collective belongs to the root (DDP's one bucket, HSDP's root unit), the others to the blocks
+    scatter = (durations[::-1] + [0.0] * len(bwd))[: len(bwd)]
+    zeros = [0.0] * len(bwd)
+    planned = plan.exposed_comm(zeros, bwd, zeros, scatter, backward_gather=zeros)[1]
+    return {
+        "compute": compute,
+        "cross": cross,
+        "cross_s": cross_s,
+        "hidden_s": hidden_s,
+        "exposed_s": cross_s - hidden_s,
+        "planned_exposed_s": planned,
+    }

@@ -12,27 +12,27 @@ import torch
 from .. import dist as cdist
 from ..instrument import HeldAtRest
 from ..launch import launch
-from ..loop import Prepared, TrainConfig, device_mesh, run_steps
+from ..loop import device_mesh
 from ..models import GPTConfig, build_model
-from ..rehearse.run import apply_options, check_setting, make_optimizer, model_config, rehearse
+from ..rehearse.run import apply_options, check_setting, make_optimizer, model_config, rehearse, tracked_step
 from ..strategies import FULL_SHARD, SHARD_GRAD_OP, get_fsdp
 
 
 def real_state_worker(
     cfg: dict, strategies: list, node_size: int = 2, mixed_precision: str = "bf16", micro_batch: int = 1, seed: int = 0
 ) -> dict:
-    """One real optimizer step per strategy of the course model on this rank; bytes held (notebook 05b).
+    """One real optimizer step per strategy of the course model on this rank; bytes held, and the tracker's
+    categories (notebook 05b).
 
-    A worker for ``launch``: the same apply function, options and ``make_optimizer`` as the rehearsal,
-    on real ranks: gloo on CPU, or NCCL on a CUDA mesh where there is a GPU per rank. Returns
-    ``{strategy: {"params", "grads", "optim", "steps", "total", "loss"}}``, the bytes of the local shards
-    this rank holds after the step, counted by ``instrument.rank_bytes`` (the optimizer's 0-dim
-    step counters in ``steps``).
+    A worker for ``launch``: the same apply function, options, ``make_optimizer`` and tracked step
+    (``rehearse.run.tracked_step``) as the rehearsal, on real ranks: gloo on CPU, or NCCL on a CUDA mesh where
+    there is a GPU per rank. Returns ``{strategy: {"params", "grads", "optim", "steps", "total", "tracked"}}``: the bytes of
+    the local shards this rank holds after the step, counted by ``instrument.rank_bytes`` (the optimizer's 0-dim
+    step counters in ``steps``), and ``tracked``, ``tracked_step``'s categories of the same step on real tensors.
     """
     info = cdist.init()
     try:
         gcfg = GPTConfig(**cfg)
-        run = TrainConfig(model=gcfg, batch=micro_batch * info.world_size, seed=seed)  # the rehearsal's step
         out = {}
         for strategy in strategies:
             row = get_fsdp(strategy)
@@ -46,10 +46,9 @@ def real_state_worker(
                 state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
                 return params, [p.grad for p in params], state
 
-            prepared = Prepared(model=net, optimizer=opt, full_state_dict=dict, held=held)
             counted = HeldAtRest(held, at=0)
-            (loss,) = run_steps(prepared, run, info, range(1), [counted])
-            out[strategy] = {**counted.bytes, "loss": float(loss)}
+            tracked = tracked_step(net, opt, gcfg, info, micro_batch, observers=[counted])
+            out[strategy] = {**counted.bytes, "tracked": tracked}
         return out
     finally:
         cdist.shutdown()
@@ -69,7 +68,8 @@ def bridge(
 
     Each row: ``{"strategy", "nproc", "rehearsal": {"params", "grads", "optim"}, "real":
     {rank: {...}}, "equal": bool}``. The rehearsal side is the tracker's Sharded Param,
-    Sharded Grad and OptState after the step; the real side is what each rank holds.
+    Sharded Grad and OptState after the step; the real side is what each rank holds. The peak, beside them
+    (``_peaks``): the same tracked step (``rehearse.run.tracked_step``) on fake and on real tensors.
     """
     cfg = model_config(model)
     strategies = list(strategies)
@@ -107,8 +107,26 @@ def bridge(
                 "rehearsal": fake,
                 "real": per_rank,
                 "equal": all(v == fake for v in per_rank.values()),
+                **_peaks(r, {rank: v[s]["tracked"] for rank, v in real.items()}),
                 "rehearsal_wall_s": r.wall_s,
                 "launch_wall_s": real.wall_s,
             }
         )
     return rows
+
+
+def _peaks(r, tracked: dict) -> dict:
+    """The rehearsal's tracked step against the real ranks' (notebook 05b): ``category_peaks`` ``{category:
+    (rehearsal, [real per rank])}`` (each category's own largest value in the step), ``peak_bytes`` (rehearsal,
+    [real per rank]) (the categories at the step's peak, added up), and ``gloo_copies``: what gloo's reduce-scatter
+    allocates that the fake process group does not, a copy of its input and one shard of it (seen by torch's
+    ``MemTracker`` around one bare gloo ``reduce_scatter_tensor``), for the step's largest reduce-scatter input
+    (the tracker's "Reduce Scatter" peak)."""
+    ranks = sorted(tracked)
+    cats = {c: (v, [tracked[k]["category_peaks"].get(c, 0) for k in ranks]) for c, v in r.category_peaks.items()}
+    largest = r.category_peaks.get("Reduce Scatter", 0)
+    return {
+        "category_peaks": cats,
+        "peak_bytes": (r.peak_bytes, [sum(tracked[k]["peak"].values()) for k in ranks]),
+        "gloo_copies": largest + largest // r.nd,
+    }

@@ -49,7 +49,7 @@ from .memory_views import (
     measured_memory_figure,
     memory_chart_figure,
 )
-from .plan_views import crossover_figure, plan_figure
+from .plan_views import backward_timeline_figure, crossover_figure, plan_figure
 from .recovery_views import checkpoint_interval_figure, lost_work_figure, sync_vs_diloco_figure
 from .timeline_views import TIMELINE_COLORS, timelines_figure
 from .zero_views import TRAFFIC_COLORS, calls_cell, zero3_schedule_figure, zero3_schedule_frames
@@ -89,6 +89,7 @@ __all__ = [
     "fsdp_side_by_side_table",
     "fsdp_table",
     "step_time_cell",
+    "backward_timeline_figure",
     "crossover_figure",
     "plan_figure",
     "checkpoint_interval_figure",

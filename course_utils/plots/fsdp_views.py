@@ -59,7 +59,9 @@ def fsdp_side_by_side_figure(rows: list, *, title: str = "", width: float = 12.0
     )
     handles = [Patch(color=PART_COLORS[p], label=p) for _, p in parts]
     handles.append(
-        Patch(facecolor="white", edgecolor=PART_COLORS["weights"], hatch="//", label="gathered parameters, most at once")
+        Patch(
+            facecolor="white", edgecolor=PART_COLORS["weights"], hatch="//", label="gathered parameters, most at once"
+        )
     )
     mem.legend(handles=handles, fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
     kinds = [k for k in COMM_COLORS if any(k in r["comm_per_step"] for r in rows)]

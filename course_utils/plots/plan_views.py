@@ -128,3 +128,25 @@ def crossover_figure(lines: dict, points: dict | None = None, *, width: float = 
     ax.legend(fontsize=7)
     ax.grid(True, which="major", alpha=0.3)
     return fig
+
+
+def backward_timeline_figure(runs: dict, *, width: float = 10.0, height: float = 3.6):
+    """One clocked backward per run, unit by unit (notebook 05): each block's backward compute on its own row, the
+    collectives that cross the nodes on the row below, milliseconds from the backward's start. ``runs``:
+    ``{title: labs.lab05.backward_overlap(...)}``; the numbers in each title are that dict's."""
+    fig = new_figure(width, height)
+    axes = fig.subplots(1, len(runs), sharey=True, sharex=True)
+    for ax, (title, o) in zip(list(axes) if len(runs) > 1 else [axes], runs.items()):
+        n = len(o["compute"])
+        for i, (s, e) in enumerate(o["compute"]):
+            ax.barh(i, (e - s) * 1e3, left=s * 1e3, color=PART_COLORS["activations"], height=0.6)
+        for s, e in o["cross"]:
+            ax.barh(-1, (e - s) * 1e3, left=s * 1e3, color="#c0392b", height=0.6, edgecolor="white")
+        ax.set_yticks([-1, *range(n)], ["cross-node\ncollectives", *(f"block {i}" for i in range(n))], fontsize=8)
+        ax.set_xlim(left=0)
+        ax.set_title(
+            f"{title}\nacross the nodes {o['cross_s'] * 1e3:.0f} ms, of it during compute {o['hidden_s'] * 1e3:.0f} ms",
+            fontsize=9,
+        )
+    fig.supxlabel("ms from the start of the backward (the gaps: collectives inside a node, the root unit)", fontsize=8)
+    return fig

@@ -39,7 +39,7 @@ the tiny course model, bytes counted on the real shards with ``instrument.tensor
 from __future__ import annotations
 
 from ..presets import ALIASES, NOT_THEIR_SIZE, PRESETS, GPTConfig, Preset, preset
-from .calibration import TERMS, calibration_rows, measured_terms, planner_terms, summary_rows
+from .calibration import TERMS, calibration_rows, measured_terms, planner_terms, preset_calibration, summary_rows
 from .cli import rehearse_arguments, rehearse_command
 from .predictions import (
     BLOCK_SAVED_PER_TOKEN_WIDTH,
@@ -91,6 +91,7 @@ from .views import (
     bars_view,
     format_report,
     markdown_bridge,
+    markdown_bridge_peaks,
     markdown_compare,
     markdown_summary,
     markdown_table,
@@ -100,6 +101,7 @@ from .views import (
 __all__ = [
     "TERMS",
     "calibration_rows",
+    "preset_calibration",
     "measured_terms",
     "planner_terms",
     "check_policy",
@@ -147,6 +149,7 @@ __all__ = [
     "bars_view",
     "format_report",
     "markdown_bridge",
+    "markdown_bridge_peaks",
     "markdown_compare",
     "markdown_summary",
     "markdown_table",

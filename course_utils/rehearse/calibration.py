@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..plan.implementations import IMPLS
 from ..plan.shapes import GPUS, GPUCluster, Shape
 from ..plan.throughput import Config, memory
-from ..strategies import get_fsdp
+from ..strategies import FULL_SHARD, get_fsdp
 from .predictions import CALIBRATED_TOL, agreement, predict
 from .run import Rehearsal, short_label, short_size
 
@@ -42,17 +42,22 @@ def _impl_for(r: Rehearsal):
     return next((i for i in IMPLS if i.course is row and not i.offload), None)
 
 
-def planner_terms(r: Rehearsal, kernels: str = "cpu") -> dict | None:
-    """The throughput planner's terms for the rehearsal's setting (no allocator reserve, no CUDA context),
-    at the moment the rehearsal peaked; None for a strategy the planner prices as another implementation."""
-    impl = _impl_for(r)
-    if impl is None or r.mixed_precision != "bf16":
-        return None
-    c = r.cfg
+def _planned(r: Rehearsal, kernels: str = "cpu", cfg=None) -> dict:
+    """``plan.throughput.memory`` for the rehearsal's setting (at ``cfg``'s shape if given), no allocator reserve,
+    no CUDA context."""
+    impl, c = _impl_for(r), cfg or r.cfg
     s = Shape("", c.arch, c.layers, c.width, c.heads, c.n_kv_heads, c.hidden, c.vocab, c.seq, c.tie_weights)
     cluster = GPUCluster(GPUS["H100-80GB"], gpus_per_node=r.nproc, context_bytes=0.0, allocator_reserve=0.0)
     config = Config(impl.key, r.recompute, r.micro_batch, 1, 1, impl.shard(r.nproc, r.node_size), kernels)
-    m = memory(s, impl, config, cluster)
+    return memory(s, impl, config, cluster)
+
+
+def planner_terms(r: Rehearsal, kernels: str = "cpu") -> dict | None:
+    """The throughput planner's terms for the rehearsal's setting (no allocator reserve, no CUDA context),
+    at the moment the rehearsal peaked; None for a strategy the planner prices as another implementation."""
+    if _impl_for(r) is None or r.mixed_precision != "bf16":
+        return None
+    m = _planned(r, kernels)
     moments = _FORWARD if r.peak.get("Sharded Grad", 0) == 0 else _BACKWARD
     at = max(moments, key=lambda k: m["phases"][k]["total"])
     p = m["phases"][at]
@@ -87,6 +92,62 @@ def calibration_rows(rehearsals) -> list[dict]:
                 "cpu_artefact": (a and cu) and a[term] - cu[term],
                 "moment": a and a["moment"],
             })  # fmt: skip
+    return rows
+
+
+def _moment(m: dict) -> str:
+    """Where a ``plan.throughput.memory`` result peaks: "forward" (no gradient shard yet) or "backward"."""
+    at = max(m["phases"], key=lambda k: m["phases"][k]["total"])
+    return "forward" if at in _FORWARD else "backward"
+
+
+def _rehearsed_moment(r: Rehearsal) -> str:
+    return "forward" if r.peak.get("Sharded Grad", 0) == 0 else "backward"
+
+
+def preset_calibration(name: str, recompute: str, nproc: int = 8, strategy: str = FULL_SHARD.name, first: int = 3):
+    """The planner's terms against the rehearsal for a published preset at its full depth, rehearsed cheaply: at
+    three consecutive depths of a few blocks, the same width, heads, feed-forward, vocabulary and sequence
+    (notebook 05b).
+
+    A term at d blocks is T(d) = T(d0) + (d - d0) x per-block as long as the step peaks at the same moment (in
+    forward, or in backward once gradient shards exist); the moment can change with depth (the backward's peak
+    gains a gradient shard per block), so d0 is the first depth from ``first`` at which the planner puts the peak
+    where it puts the whole model's, and the three rehearsals must peak there too. ``linear``: the per-block step
+    came out the same to the byte between the three depths. The measured term at the preset's L blocks is
+    T(d0) + (L - d0) x per-block; the planner's is priced at L blocks directly, at the moment the rehearsal
+    peaked. Where the three depths peak elsewhere than the whole model (Llama 2 without recomputation peaks in
+    forward only from about 30 blocks on), the whole model is rehearsed once instead. Returns one row per term:
+    ``{"preset", "policy", "term", "measured", "after", "after_error", "linear", "per_block", "depths", "moment"}``.
+    """
+    from dataclasses import replace
+
+    from ..presets import preset
+    from .run import model_config, rehearse
+
+    full = preset(name).cfg
+    probe = rehearse(model_config(name, layers=first), nproc, strategy, recompute=recompute)
+    want = _moment(_planned(probe, cfg=full))
+    # the first depth the planner puts the peak where it puts the full model's
+    start = next(d for d in range(first, full.layers) if _moment(_planned(probe, cfg=replace(full, layers=d))) == want)
+    runs = [probe] if start == first else []
+    for depth in range(start + len(runs), min(start + 3, full.layers + 1)):
+        runs.append(rehearse(model_config(name, layers=depth), nproc, strategy, recompute=recompute))
+    if len(runs) < 3 or {_rehearsed_moment(r) for r in runs} != {want}:  # not where the whole model peaks
+        runs = [rehearse(full, nproc, strategy, recompute=recompute)]
+    seen = [measured_terms(r) for r in runs]
+    steps = [{t: b[t] - a[t] for t in TERMS} for a, b in zip(seen, seen[1:])] or [dict.fromkeys(TERMS, 0)]
+    d0 = runs[0].cfg.layers
+    planned = planner_terms(replace(runs[0], cfg=full))
+    rows = []
+    for term in TERMS:
+        measured = seen[0][term] + (full.layers - d0) * steps[0][term]
+        rows.append({
+            "preset": name, "policy": recompute, "term": term, "measured": measured,
+            "after": planned[term], "after_error": planned[term] / measured - 1,
+            "linear": all(s[term] == steps[0][term] for s in steps), "per_block": steps[0][term],
+            "depths": tuple(r.cfg.layers for r in runs), "moment": _rehearsed_moment(runs[0]),
+        })  # fmt: skip
     return rows
 
 

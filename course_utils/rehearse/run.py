@@ -230,10 +230,9 @@ def rehearse(
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..loop import Prepared, TrainConfig, device_mesh, one_process, run_steps
+    from ..loop import device_mesh, one_process
     from ..models import GPT
 
     if dist.is_initialized():
@@ -255,24 +254,10 @@ def rehearse(
         with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
             warnings.simplefilter("ignore")  # FakeTensor's data_ptr and checkpoint notices
             net.to_empty(device="cpu")  # meta -> fake: shapes, no storage
-            opt = make_optimizer(net)
-            for p in net.parameters():  # give Adam its state, as a real run has from step 2 on
-                p.grad = torch.zeros_like(p)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            idx = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq))
-            tgt = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq))
-            tracker = (FSDPMemTracker if stock_tracker else tracker_class())(net, opt)
-            tracker.track_inputs((idx, tgt))
-            watch = TrackedStep(tracker)
-            prepared = Prepared(model=net, optimizer=opt, full_state_dict=dict, held=lambda: ((), (), ()))
-            data = lambda step, rank, world: (idx, tgt)  # noqa: E731 (the tokens the tracker counts as inputs)
-            run_steps(prepared, TrainConfig(model=cfg), info, range(1), [watch], data=data)  # the one loop
-            after_backward, after_step = watch.after_backward_parts, watch.after_step_parts
-            peak = _categories(tracker.get_tracker_snapshot("peak"))
-            category_peaks = _category_peaks(tracker, peak)
+            step = tracked_step(net, make_optimizer(net), cfg, info, micro_batch, stock_tracker=stock_tracker)
     finally:
         dist.destroy_process_group()
+    after_backward, after_step, peak, category_peaks = (step[k] for k in TRACKED)
     return Rehearsal(
         cfg=cfg,
         nproc=nproc,
@@ -292,6 +277,43 @@ def rehearse(
         label=label or _default_label(strategy, act_ckpt, recompute),
         recompute="full" if act_ckpt else recompute,
     )
+
+
+#: What ``tracked_step`` returns: the tracker's categories after the backward, after the step, at the peak, and
+#: each category's own largest value.
+TRACKED = ("after_backward", "after_step", "peak", "category_peaks")
+
+
+def tracked_step(net, opt, cfg, info, micro_batch: int, *, observers=(), data=None, stock_tracker: bool = False):
+    """One steady-state step of ``net`` through the one loop, watched by the tracker: ``{name: {category: bytes}}``
+    for the names of ``TRACKED`` (notebook 05b). The rehearsal runs it on fake tensors and ranks, the bridge
+    (``labs.lab05b``) on real gloo ranks: one measurement, two worlds.
+
+    Adam gets its state first (zero gradients, one step), as a real run has it from step 2 on. ``data``: the
+    loop's batches (``run_steps``); by default ``micro_batch`` random sequences of ``cfg.seq`` tokens, which
+    the tracker counts as inputs. ``observers`` watch the same step.
+    """
+    import torch
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from ..loop import Prepared, TrainConfig, run_steps
+
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    tracker = (FSDPMemTracker if stock_tracker else tracker_class())(net, opt)
+    if data is None:
+        idx, tgt = (torch.randint(0, cfg.vocab, (micro_batch, cfg.seq)) for _ in range(2))
+        tracker.track_inputs((idx, tgt))
+        data = lambda step, rank, world: (idx, tgt)  # noqa: E731 (the tokens the tracker counts as inputs)
+    watch = TrackedStep(tracker)
+    prepared = Prepared(model=net, optimizer=opt, full_state_dict=dict, held=lambda: ((), (), ()))
+    run = TrainConfig(model=cfg, batch=micro_batch * info.world_size)
+    run_steps(prepared, run, info, range(1), [watch, *observers], data=data)  # the one loop
+    peak = _categories(tracker.get_tracker_snapshot("peak"))
+    parts = (watch.after_backward_parts, watch.after_step_parts, peak, _category_peaks(tracker, peak))
+    return dict(zip(TRACKED, parts))
 
 
 def _default_label(strategy: str, act_ckpt: bool, recompute: str = "none") -> str:

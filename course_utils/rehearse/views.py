@@ -160,6 +160,29 @@ def markdown_bridge(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown_bridge_peaks(rows: list[dict]) -> str:
+    """``labs.lab05b.bridge`` rows' tracked steps as a Markdown table: categories' own peaks and the step's peak,
+    the rehearsal against real rank 0, and whether every other category is equal on every rank (notebook 05b)."""
+    shown = ("Activation", "Unsharded Param", "Temp")
+    lines = [
+        "Bytes at the peak of one step of the tiny course model, the same tracked step (FSDPMemTracker) on fake "
+        "tensors and on real gloo ranks: rehearsal / real rank 0",
+        "",
+        "| ranks | strategy | activations | gathered weights | Temp | peak of the step | other categories equal? |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cats = row["category_peaks"]
+        cells = [f"{cats[c][0]:,} / {cats[c][1][0]:,}" for c in shown]
+        others = all(set(real) == {fake} for c, (fake, real) in cats.items() if c not in shown)
+        name = get_fsdp(row["strategy"]).fsdp1_name
+        lines.append(
+            f"| {row['nproc']} | {name} | {' | '.join(cells)} | {row['peak_bytes'][0]:,} / {row['peak_bytes'][1][0]:,} "
+            f"| {'yes' if others else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
 def markdown_summary(rows: list[dict], unit: str = "GB") -> str:
     """``rows`` (``predictions.summary_rows``) as a Markdown table, the calibrated planner first (notebook 05b)."""
     lines = [
