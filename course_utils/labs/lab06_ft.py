@@ -96,6 +96,8 @@ def link_comparison(runs: dict) -> list[list]:
         def who(key):
             group, _, again = key.partition(" ")
             role = "restarted" if again else "killed" if any(k.startswith(f"{group} ") for k in keys) else "survivor"
+            if again and r["diloco"]:
+                role += ", its first round alone, replaced by the heal"
             return f"group {group} ({role})"
 
         keys = r["discarded_by_group"]
