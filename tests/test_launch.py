@@ -182,6 +182,18 @@ def test_torchrun_command_for_several_nodes():
     assert """--args '["$JOB_ID"]'""" in torchrun_command("m:f", 2, args=["$JOB_ID"])  # only a whole word is left bare
 
 
+def test_readme_multi_node_lines_restart_and_name_the_job():
+    """The README's multi-node lines are the one notebook 00 prints (00's c23 teaches the defaults end the job)."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [b.replace("\\\n", " ") for b in text.split("```bash\n")[1:]]
+    lines = [" ".join(b.split("```")[0].split()) for b in blocks if "--nnodes" in b.split("```")[0]]
+    two_node = torchrun_command(
+        "course_utils.examples:all_reduce_demo", 8, nnodes=2, rdzv_endpoint="node0:29400", max_restarts=3
+    )
+    assert two_node in lines
+    assert len(lines) == 2 and all("--max-restarts 3" in line and "--rdzv-id" in line for line in lines)
+
+
 def test_same_worker_runs_under_plain_torchrun():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     out = subprocess.run(
