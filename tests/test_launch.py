@@ -788,6 +788,19 @@ def test_the_agents_faster_rendezvous_names_events_and_pauses_as_torch_does(monk
     assert dr.get_method_name(depth=10_000) == "no_method_name"
 
 
+def test_the_summary_line_drops_torchs_build_path(tmp_path):
+    """gloo's messages open with the file torch was built from: the student's summary drops it, the log keeps it."""
+    from course_utils import _agent
+
+    attempt = tmp_path / "logs" / "run1_x" / "attempt_0" / "0"
+    attempt.mkdir(parents=True)
+    text = "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out"
+    (attempt / "error.json").write_text(json.dumps({"message": {"message": text, "extraInfo": {"py_callstack": ""}}}))
+    cause = _agent.root_cause(str(tmp_path / "logs"))
+    assert cause["message"].startswith("rank 0 raised first (attempt 0): RuntimeError: Timed out"), cause
+    assert "__w" not in cause["message"] and text in (attempt / "error.json").read_text()
+
+
 def test_an_error_file_cut_short_is_a_consequence_not_the_cause(tmp_path):
     """torch writes a worker's error.json in place; a survivor stopped by the agent while writing it leaves an
     empty file (seen once in a full test run). The rank with a whole report is still named as the cause, and the
