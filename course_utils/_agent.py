@@ -338,6 +338,7 @@ def root_cause(log_dir: str) -> dict | None:
     ranks = causes + [r for r in ranks if r not in causes]
     rank, text, stack = ranks[0]
     others = ", ".join(str(r) for r, _, _ in ranks[1:])
+    text = re.sub(r"\[/[^\]\s]*:\d+\] ", "", text, count=1)  # torch's build path ([/__w/...cc:78]): the logs keep it
     message = f"rank {rank} raised first (attempt {last}): {text}\n\n{trim_traceback(stack).strip()}"
     if others:
         message += f"\nrank(s) {others} failed after it (stopped by the agent, or their collectives lost a peer)."

@@ -182,6 +182,18 @@ def test_torchrun_command_for_several_nodes():
     assert """--args '["$JOB_ID"]'""" in torchrun_command("m:f", 2, args=["$JOB_ID"])  # only a whole word is left bare
 
 
+def test_readme_multi_node_lines_restart_and_name_the_job():
+    """The README's multi-node lines are the one notebook 00 prints (00's c23 teaches the defaults end the job)."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [b.replace("\\\n", " ") for b in text.split("```bash\n")[1:]]
+    lines = [" ".join(b.split("```")[0].split()) for b in blocks if "--nnodes" in b.split("```")[0]]
+    two_node = torchrun_command(
+        "course_utils.examples:all_reduce_demo", 8, nnodes=2, rdzv_endpoint="node0:29400", max_restarts=3
+    )
+    assert two_node in lines
+    assert len(lines) == 2 and all("--max-restarts 3" in line and "--rdzv-id" in line for line in lines)
+
+
 def test_same_worker_runs_under_plain_torchrun():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     out = subprocess.run(
@@ -774,6 +786,19 @@ def test_the_agents_faster_rendezvous_names_events_and_pauses_as_torch_does(monk
     dr._delay(seconds=1)
     assert slept == [1]
     assert dr.get_method_name(depth=10_000) == "no_method_name"
+
+
+def test_the_summary_line_drops_torchs_build_path(tmp_path):
+    """gloo's messages open with the file torch was built from: the student's summary drops it, the log keeps it."""
+    from course_utils import _agent
+
+    attempt = tmp_path / "logs" / "run1_x" / "attempt_0" / "0"
+    attempt.mkdir(parents=True)
+    text = "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out"
+    (attempt / "error.json").write_text(json.dumps({"message": {"message": text, "extraInfo": {"py_callstack": ""}}}))
+    cause = _agent.root_cause(str(tmp_path / "logs"))
+    assert cause["message"].startswith("rank 0 raised first (attempt 0): RuntimeError: Timed out"), cause
+    assert "__w" not in cause["message"] and text in (attempt / "error.json").read_text()
 
 
 def test_an_error_file_cut_short_is_a_consequence_not_the_cause(tmp_path):

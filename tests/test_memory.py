@@ -270,6 +270,11 @@ def test_headlines_hold_the_formulas_against_the_papers_words_not_against_themse
     # every row is one the paper states, in its own words, and says what the comparison shows
     assert len(stated) == 6 and all(r["words"] and r["stated"] is not None and r["note"] for r in stated)
     assert all(memory.paper_agrees(r) is True for r in stated)
+    # the two Pa sizes agree only with the paper's "GB" read as billions of numbers: flagged, not hidden
+    assert [r["claim"] for r in stated if r["unit_reinterpreted"]] == [
+        "Pa: the 100B model's activation checkpoints",
+        "Pa: the same, split over Nm = 16",
+    ]
     # by hand, from the paper's inputs: L·b·s·h of the 100B model, and 3e9 fp32 gradients
     pa = rows["Pa: the 100B model's activation checkpoints"]
     assert pa["ours"] == 125 * 32 * 1024 * 8192 / 1e9 and "67.1 GB" in pa["note"]  # "33 GB" is one byte a number

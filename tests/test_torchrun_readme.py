@@ -31,16 +31,16 @@ TRY_TIMEOUT_S = 240  # a hang is a failure, not a wait: on 2 loaded cores a try 
 
 
 def readme_torchrun_line(root: Path) -> str:
-    """The README's torchrun command with ``--max-restarts``, continuation lines joined."""
+    """The README's ``course_utils.train`` torchrun command with ``--max-restarts``, continuation lines joined."""
     lines = (root / "README.md").read_text().splitlines()
     for i, line in enumerate(lines):
-        if line.startswith("torchrun") and "--max-restarts" in line:
+        if line.startswith("torchrun") and "--max-restarts" in line and "course_utils.train" in line:
             parts = [line]
             while parts[-1].endswith("\\"):
                 i += 1
                 parts.append(lines[i])
             return " ".join(p.rstrip("\\").strip() for p in parts)
-    raise AssertionError("README.md has no torchrun line with --max-restarts")
+    raise AssertionError("README.md has no course_utils.train torchrun line with --max-restarts")
 
 
 def _env() -> dict:

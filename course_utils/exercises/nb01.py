@@ -303,8 +303,9 @@ AFTER_CHECK = {
             "#### Once your check has run: why no rank holds exactly $8\\Psi/N_d$\n\n"
             "ZeroRedundancyOptimizer never splits a tensor. It sorts them largest first and gives each to the rank "
             "with the fewest elements so far (`_partition_parameters` in torch's `zero_redundancy_optimizer.py`), "
-            "so a rank's share is a sum of whole tensors. `memory.whole_tensor_partition` does the same sum on the "
-            "tiny model's tensor sizes, without a launch:",
+            "so a rank's share is a sum of whole tensors. `memory.whole_tensor_partition` is the course's copy of "
+            "that rule, run on the tiny model's tensor sizes without a launch: a model of torch's code, not a "
+            "measurement (the measured bytes are the ones your check compared, rank by rank):",
             "skip",
         ),
         (
@@ -321,9 +322,7 @@ AFTER_CHECK = {
             '        f"{held:>7,} bytes of AdamW state = {held / even:.3f} × 8Ψ/Nd"\n'
             "    )\n"
             "big = max(sizes)\n"
-            'print(f"largest tensors: {sizes.count(big)} of {big:,} elements, each {big / sum(sizes):.1%} of Ψ")\n'
-            "assert sum(map(sum, ranks)) == sum(sizes)  # every tensor on exactly one rank\n"
-            "assert max(8 * sum(t) for t in ranks) > even  # so some rank holds more than 8Ψ/Nd",
+            'print(f"largest tensors: {sizes.count(big)} of {big:,} elements, each {big / sum(sizes):.1%} of Ψ")',
             "skip",
         ),
         (
