@@ -58,7 +58,8 @@ class Exercise:
 
     Either ``judge(fn)`` runs in this process and raises ``Wrong("...")`` on a wrong answer, or
     (distributed exercises, ``nproc`` > 0) ``on_rank(fn, info)`` runs on every rank of a launch
-    and returns plain data, and ``verdict(results_by_rank)`` raises ``Wrong`` on a wrong answer.
+    and returns plain data, and ``verdict(results_by_rank)`` raises ``Wrong`` on a wrong answer (it may
+    return a reading to report beside the pass).
 
     The contract that lets a teacher trust a grade (``grading``): the student's code runs where ``fn``
     is called, and everything there can be changed by it. So ``on_rank`` only reports what the
@@ -286,10 +287,12 @@ def _verdict(ex: Exercise, per_rank: dict) -> Outcome:
         if "error" in r:
             return _outcome(ex, FAILED, f"on rank {rank}, {r['error']}")
     try:
-        ex.verdict({rank: r["value"] for rank, r in per_rank.items()})
+        said = ex.verdict({rank: r["value"] for rank, r in per_rank.items()})  # a verdict may report a reading
     except Wrong as exc:
         return _outcome(ex, FAILED, str(exc))
-    return _outcome(ex, PASSED, f"matches the course's reference on {len(per_rank)} real ranks")
+    return _outcome(
+        ex, PASSED, f"matches the course's reference on {len(per_rank)} real ranks" + (f"; {said}" if said else "")
+    )
 
 
 def check_many(pairs: list) -> list[Outcome]:

@@ -166,6 +166,7 @@ class _Calls:
         self.ready = 0  # gradients made final so far (part A), set by the driver
         self.backward_returned = False  # part B, set by the driver
         self.calls = []
+        self.works = []  # the asynchronous calls' handles, to count what is still in flight
 
     def __call__(self, tensor, *args, async_op=False, **kwargs):
         self.calls.append(
@@ -176,7 +177,10 @@ class _Calls:
                 "after_backward": self.backward_returned,
             }
         )
-        return self.real(tensor, *args, async_op=async_op, **kwargs)
+        work = self.real(tensor, *args, async_op=async_op, **kwargs)
+        if work is not None:
+            self.works.append(work)
+        return work
 
     def __enter__(self):
         dist.all_reduce = self
@@ -212,12 +216,14 @@ def _real_backward(fn, info, names) -> dict:
         before = tcp_bytes_sent()
         loss.backward()
         calls.backward_returned = True
+        in_flight = sum(not w.is_completed() for w in calls.works)
         finish()
         after = tcp_bytes_sent()
     return {
         "calls": [{k: v for k, v in c.items() if k != "tensor"} | {"numel": c["tensor"].numel()} for c in calls.calls],
         "collectives": [(kind, payload) for kind, payload, _ in comm.events],
         "socket_bytes": None if before is None or after is None else after - before,
+        "in_flight_at_return": in_flight,
     }
 
 
@@ -358,7 +364,7 @@ def _judge_real_backward(rank: int, b: dict, sizes: list, world: int) -> None:
             )
 
 
-def overlap_verdict(per_rank: dict) -> None:
+def overlap_verdict(per_rank: dict) -> str:
     world = len(per_rank)
     model = _model()
     names = bucket_names(model)
@@ -378,6 +384,11 @@ def overlap_verdict(per_rank: dict) -> None:
                 "the same way (on 2 ranks they must match bit for bit): is finish() called once per step, and are "
                 "the buckets emptied for the next backward?"
             )
+    left = ", ".join(f"rank {r}: {b['B']['in_flight_at_return']}" for r, b in sorted(per_rank.items()))
+    return (
+        f"all-reduces of the {len(sizes)} still in flight when loss.backward() returned: {left} "
+        "(this run's timing, not a rule)"
+    )
 
 
 register(
@@ -404,8 +415,7 @@ register(
             "start every full bucket from index `len(handles)` on (a `while` loop), never one whose predecessor is "
             "not full.",
             "In `finish()`: `work.wait()`, `flat.div_(dist.get_world_size())`, copy each slice back with "
-            "`p.grad.copy_(flat[o:o + n].view_as(p))`, then reset the counts and handles for the next backward. "
-            "Notebook 02's `BucketedDDP._gradient_ready` and `_issue_full_buckets` are the same idea.",
+            "`p.grad.copy_(flat[o:o + n].view_as(p))`, then reset the counts and handles for the next backward.",
         ),
         on_rank=overlap_on_rank,
         verdict=overlap_verdict,

@@ -179,19 +179,22 @@ def bucket_cap_model(costs: dict, world_size: int) -> dict:
       ``price_is_a_floor``: no cap ran faster than its price by more than the two readings' spread (each price,
       less the compute's interquartile range, at most that cap's upper quartile): the model's one assumption,
       nothing hides on shared cores. Readings where communication hid behind the compute fail it;
-    - the in-step price: a least-squares line of the measured medians against the calls, whose slope
+    - the in-step price: a least-squares line of the measured medians against the calls, fitted on the caps with
+      the fewest and the most calls and every other cap between (``fitted``); the others are ``held_out``, priced
+      by the line without having shaped it (``in_step_residual_s``: measured median less price). Its slope
       ``per_call_in_step_s`` is what one more all-reduce costs *inside a step* (to compare with the isolated
       latency) and whose intercept ``in_step_intercept_s`` is a step with no call overhead (to compare with
       the compute alone plus the bytes at the isolated bandwidth, ``compute_plus_bytes_s``); each row's
       ``in_step_s`` and ``in_step_within`` (inside that cap's measured quartiles); ``in_step_explains``: every
-      cap's. A residual check of a line fitted to the same medians: whether one cost per call, the same at
-      every cap, explains the steps (on two shared cores many small calls also queue behind each other, so it
-      need not).
+      cap's; ``held_out_within`` of the ``held_out`` caps. Whether one cost per call, the same at every cap,
+      explains the steps (on two shared cores many small calls also queue behind each other, so it need not):
+      measured, not promised, so nothing here is asserted.
 
     Returns ``{"fit", "compute_s", "compute_plus_bytes_s", "rows": [{"cap_mb", "calls", "measured": spread,
-    "shared_s", "engine_s", "exposed_s", "shared_within_quartiles", "in_step_s", "in_step_within"}],
+    "shared_s", "engine_s", "exposed_s", "shared_within_quartiles", "held_out", "in_step_s", "in_step_within",
+    "in_step_residual_s"}],
     "best_measured", "best_shared", "best_engine", "order", "order_holds", "price_is_a_floor", "per_call_in_step_s",
-    "in_step_intercept_s", "in_step_explains"}``."""
+    "in_step_intercept_s", "in_step_explains", "held_out_within", "held_out"}``."""
     import statistics
 
     fit = fit_latency_bandwidth(costs["all_reduce"])
@@ -204,11 +207,19 @@ def bucket_cap_model(costs: dict, world_size: int) -> dict:
         m = _spread(readings)
         rows.append({"cap_mb": cap, "calls": len(buckets), "measured": m, **priced,
                      "shared_within_quartiles": m["q1"] <= priced["shared_s"] <= m["q3"]})  # fmt: skip
-    calls, medians = [r["calls"] for r in rows], [r["measured"]["median"] for r in rows]
-    line = statistics.linear_regression(calls, medians) if len(set(calls)) > 1 else None
+    by_calls = sorted(rows, key=lambda r: r["calls"])
+    fitted = [r for i, r in enumerate(by_calls) if i % 2 == 0 or i == len(by_calls) - 1]  # the ends, every other
+    fit_calls = [r["calls"] for r in fitted]
+    line = (
+        statistics.linear_regression(fit_calls, [r["measured"]["median"] for r in fitted])
+        if len(set(fit_calls)) > 1
+        else None
+    )
     for r in rows:
+        r["held_out"] = r not in fitted
         r["in_step_s"] = float("nan") if line is None else line.intercept + line.slope * r["calls"]
         r["in_step_within"] = r["measured"]["q1"] <= r["in_step_s"] <= r["measured"]["q3"]
+        r["in_step_residual_s"] = r["measured"]["median"] - r["in_step_s"]
     order = _order_pairs(rows)
     payload = sum(b["bytes"] for b in next(iter(costs["buckets"].values())))
     return {
@@ -227,4 +238,6 @@ def bucket_cap_model(costs: dict, world_size: int) -> dict:
         "per_call_in_step_s": float("nan") if line is None else line.slope,
         "in_step_intercept_s": float("nan") if line is None else line.intercept,
         "in_step_explains": all(r["in_step_within"] for r in rows),
+        "held_out_within": sum(r["in_step_within"] for r in rows if r["held_out"]),
+        "held_out": sum(r["held_out"] for r in rows),
     }

@@ -120,7 +120,7 @@ def bucket_cost_figure(model: dict, *, title: str = "", width: float = 10.0, hei
     ``model`` is ``plan.bucket_cap_model``'s. Left: each isolated all-reduce size, its median and interquartile
     range, and the fitted line t(B) = latency + sent bytes / bandwidth (log-log). Right: each cap's measured
     step (median and interquartile range), what the two models predict, and the line of the medians against the
-    calls (``in_step_s``).
+    calls (``in_step_s``), fitted on some caps: the held-out ones ringed.
     """
     fit = model["fit"]
     fig = new_figure(width, height)
@@ -169,9 +169,10 @@ def bucket_cost_figure(model: dict, *, title: str = "", width: float = 10.0, hei
         color=PART_COLORS["activations"],
         label="model: own engine (this machine's α, β)",
     )
-    right.plot(
-        caps, [r["in_step_s"] * 1e3 for r in rows], "d-.", color="#777777", label="in-step line: medians against calls"
-    )
+    right.plot(caps, [r["in_step_s"] * 1e3 for r in rows], "d-.", color="#777777", label="in-step line")
+    held = [r for r in rows if r.get("held_out")]
+    right.plot([r["cap_mb"] for r in held], [r["in_step_s"] * 1e3 for r in held], "o", mfc="none", ms=11,
+               color="#777777", label="held out: priced, not fitted")  # fmt: skip
     right.set_xscale("log")
     right.set_ylim(bottom=0)
     right.set_xlabel("bucket cap (MiB)")
