@@ -185,6 +185,9 @@ def run_teacher_edition(path: Path, out: Path, **papermill_args):
             if out.exists():  # also after a failure: the executed copy shows where it stopped
                 executed = nbformat.read(out, as_version=4)
                 executed.metadata.get("papermill", {})["input_path"] = str(path)
+                for cell in executed.cells:  # a finished launch's progress line: an empty bundle, drawn as nothing
+                    if "outputs" in cell:  # live, but a reader of the saved copy sees a blank line
+                        cell.outputs = [o for o in cell.outputs if o.output_type != "display_data" or o.get("data")]
                 nbformat.write(executed, out)
 
 
