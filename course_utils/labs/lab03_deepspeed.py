@@ -235,9 +235,9 @@ def census_table(result: dict, row: Strategy, psi: int, nd: int) -> tuple[list, 
     header = [
         "part",
         "DeepSpeed keeps it in",
-        "DeepSpeed, B per rank",
+        "DeepSpeed, B per rank, after `engine.step`",
         "formula",
-        "course's stage",
+        "course's stage, before its `zero_grad`",
         "paper, fp32",
         "why they differ",
     ]
