@@ -81,6 +81,7 @@ def calibration_rows(rehearsals) -> list[dict]:
         for term in TERMS:
             rows.append({
                 "label": r.label,
+                "setting": f"{short_size(r.psi)} on {r.nproc}: {r.label}",
                 "policy": r.recompute,
                 "term": term,
                 "measured": m[term],

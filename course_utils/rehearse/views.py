@@ -47,6 +47,7 @@ def format_report(r: Rehearsal, rows: list[dict], unit: str = "GB", calibrated: 
     if calibrated:
         lines += ["", f"notebook 05's planner (calibrated; this CPU's kernels) against the rehearsal, {u}:"]
         measured = measured_terms(r)
+        lines.append(f"  {'':<58} {'planner':>10} {'rehearsal':>10}  ratio")
         for term in ("activations", "states and buffers", "peak"):
             lines.append(
                 f"  {term:<58} {_fmt(calibrated[term], unit):>10} {_fmt(measured[term], unit):>10}"
@@ -57,6 +58,7 @@ def format_report(r: Rehearsal, rows: list[dict], unit: str = "GB", calibrated: 
         f"the first planner (course_utils.plan.memory_breakdown: memory.py's {r.stage} row with Nd = {r.nd}, the "
         f"paper's activation rule, DDP's two 25 MB buckets for every strategy), item by item, {u}:",
     ]
+    lines.append(f"  {'':<58} {'formula':>10} {'rehearsal':>10}  ratio")
     for row in rows:
         ratio = "" if math.isnan(row["ratio"]) else f"  x{row['ratio']:.2f}"
         lines.append(
@@ -127,6 +129,7 @@ def markdown_compare(r: Rehearsal, rows: list[dict], unit: str = "GB") -> str:
         "| item | planner | rehearsal | ratio | when | what the formula counts, what FSDP2 holds |",
         "|---|---|---|---|---|---|",
     ]
+    lines.append(f"  {'':<58} {'formula':>10} {'rehearsal':>10}  ratio")
     for row in rows:
         ratio = "" if math.isnan(row["ratio"]) else f"{row['ratio']:.3f}"
         lines.append(
