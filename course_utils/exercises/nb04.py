@@ -54,16 +54,17 @@ EXTRA_CELLS = [
     (
         "markdown",
         "Ask the class: why does a 10-row weight on 4 ranks leave rank 3 one real row? (Each rank keeps "
-        "c = ⌈10/4⌉ = 3 rows: ranks 0 to 2 hold nine, rank 3 the tenth and two zero rows; the next cell asserts it.)",
+        "c = ⌈10/4⌉ = 3 rows: ranks 0 to 2 hold nine, rank 3 the tenth and two zero rows. The next cell asserts the "
+        "same rule on section 1's 5-row weight, c = 2, so the Predict's answer is not printed before it is asked.)",
         "notes",
     ),
     (
         "code",
         "import inspect\n\nfrom course_utils import per_param\n\n"
         "print(inspect.getsource(per_param.ShardedParam))\n"
-        "rows = [(r, per_param.shard_rows(10, 4, r)) for r in range(4)]\n"
-        'print("a 10-row parameter on 4 ranks, rows kept per rank:", rows)\n'
-        "assert [stop - start for _, (start, stop) in rows] == [3, 3, 3, 1]  # torch.chunk's split: c = 3",
+        "rows = [(r, per_param.shard_rows(5, 4, r)) for r in range(4)]  # section 1's 5-row weight\n"
+        'print("a 5-row parameter on 4 ranks, rows kept per rank:", rows)\n'
+        "assert [stop - start for _, (start, stop) in rows] == [2, 2, 1, 0]  # torch.chunk's split: c = 2",
         None,
     ),
 ]
