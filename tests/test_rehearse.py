@@ -385,3 +385,37 @@ def test_the_calibrated_planner_holds_on_models_and_policies_it_was_not_fitted_t
     for (_, policy, term), row in rows.items():
         tol = {"peak": 0.03, "states and buffers": 0.05, "activations": 0.15 if policy == "full" else 0.03}[term]
         assert abs(row["after_error"]) < tol, (policy, term, row["after_error"])
+
+
+def test_the_real_ranks_extra_temp_is_fsdp2s_own_reduce_scatter_buffers(monkeypatch):
+    """Notebook 05b §3: real gloo ranks record more Temp than the rehearsal, by the largest reduce-scatter's input
+    and one-shard output. Both worlds hold those buffers: FSDP2's ``foreach_reduce`` allocates them and the tracker
+    files them under Temp until ``c10d._reduce_scatter_base_`` relabels the input. Probed just before the call on
+    fake ranks, Temp is the rehearsal's Temp peak plus both: a moment the rehearsal never writes down (the fake
+    group allocates nothing inside the call, so no new peak), which gloo's clone of the input makes a peak."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    import course_utils.rehearse.run as run
+
+    trackers, seen = [], []
+    make_tracker, call = run.tracker_class, collectives.DefaultReduceScatter.__call__
+
+    def capturing():
+        class Capturing(make_tracker()):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                trackers.append(self)
+
+        return Capturing
+
+    def probed(self, output_tensor, input_tensor, *args, **kwargs):
+        snapshot = next(iter(trackers[-1].get_tracker_snapshot().values()))
+        seen.append((input_tensor.nbytes, output_tensor.nbytes, snapshot["Temp"]))
+        return call(self, output_tensor, input_tensor, *args, **kwargs)
+
+    monkeypatch.setattr(run, "tracker_class", capturing)
+    monkeypatch.setattr(collectives.DefaultReduceScatter, "__call__", probed)
+    r = R.rehearse("tiny", 4, "full_shard")
+    largest_in, largest_out, temp = max(seen)
+    assert largest_in == r.category_peaks["Reduce Scatter"] and largest_out * 4 == largest_in
+    assert temp == r.category_peaks["Temp"] + largest_in + largest_out

@@ -118,15 +118,16 @@ def bridge(
 def _peaks(r, tracked: dict) -> dict:
     """The rehearsal's tracked step against the real ranks' (notebook 05b): ``category_peaks`` ``{category:
     (rehearsal, [real per rank])}`` (each category's own largest value in the step), ``peak_bytes`` (rehearsal,
-    [real per rank]) (the categories at the step's peak, added up), and ``gloo_copies``: what gloo's reduce-scatter
-    allocates that the fake process group does not, a copy of its input and one shard of it (seen by torch's
-    ``MemTracker`` around one bare gloo ``reduce_scatter_tensor``), for the step's largest reduce-scatter input
-    (the tracker's "Reduce Scatter" peak)."""
+    [real per rank]) (the categories at the step's peak, added up), and ``rs_buffers``: FSDP2's own reduce-scatter
+    buffers for the step's largest reduce-scatter, its input and its one-shard output (``foreach_reduce`` allocates
+    both; the tracker files them under Temp until the collective runs). Both worlds hold them; real gloo ranks record
+    them, because gloo's reduce-scatter clones its input (a new peak at that instant), the fake group does not. The
+    input is the tracker's "Reduce Scatter" peak."""
     ranks = sorted(tracked)
     cats = {c: (v, [tracked[k]["category_peaks"].get(c, 0) for k in ranks]) for c, v in r.category_peaks.items()}
     largest = r.category_peaks.get("Reduce Scatter", 0)
     return {
         "category_peaks": cats,
         "peak_bytes": (r.peak_bytes, [sum(tracked[k]["peak"].values()) for k in ranks]),
-        "gloo_copies": largest + largest // r.nd,
+        "rs_buffers": largest + largest // r.nd,
     }
