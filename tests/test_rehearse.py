@@ -419,3 +419,21 @@ def test_the_real_ranks_extra_temp_is_fsdp2s_own_reduce_scatter_buffers(monkeypa
     largest_in, largest_out, temp = max(seen)
     assert largest_in == r.category_peaks["Reduce Scatter"] and largest_out * 4 == largest_in
     assert temp == r.category_peaks["Temp"] + largest_in + largest_out
+
+
+def test_the_held_out_activation_residual_is_the_heads_gradient():
+    """Notebook 05b §10: under full recomputation on Llama 2 the planner's activations come out short at the late
+    backward peak by the head's unsharded bf16 gradient (the tracker files it under Temp, the planner books it as a
+    gradient): halve the vocabulary and the shortfall falls by exactly the bytes of the half of the head removed."""
+    from dataclasses import replace
+
+    from course_utils.rehearse.calibration import measured_terms, planner_terms
+
+    cfg = R.model_config("13B", layers=3)
+
+    def shortfall(vocab):
+        r = R.rehearse(replace(cfg, vocab=vocab), 8, "full_shard", recompute="full")
+        assert planner_terms(r)["moment"] == "late backward"
+        return measured_terms(r)["activations"] - planner_terms(r)["activations"]
+
+    assert shortfall(cfg.vocab) - shortfall(cfg.vocab // 2) == (cfg.vocab - cfg.vocab // 2) * cfg.width * 2
