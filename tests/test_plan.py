@@ -482,6 +482,31 @@ def test_a_bucket_step_is_priced_by_hand():
     assert late["exposed_s"] == pytest.approx(0.5e-3)
 
 
+def test_the_best_cap_of_an_even_backward_is_the_one_solved_by_hand():
+    """1,000 bytes of gradients made evenly over a 10 ms backward on 2 ranks, 1 ms + 1 µs per byte sent. By hand:
+    the all-reduces keep up from C* = 1 ms x 1,000 / (10 ms - 1 ms) = 111 bytes. At 125 bytes (8 buckets of
+    1.125 ms, one filled every 1.25 ms) only the last is exposed, 1.125 ms; at 100 (10 of 1.1 ms, one every 1 ms)
+    they fall behind: 1 + 10 x 1.1 = 12 ms, 2 ms exposed; at 250 the last one is longer, 1.25 ms."""
+    fit = {"latency_s": 1e-3, "bandwidth": 1e6}
+    rows = plan.even_backward_caps(1000, 10e-3, 2, fit, [100, 125, 250])
+    assert [r["calls"] for r in rows] == [10, 8, 4]
+    assert [r["exposed_s"] for r in rows] == pytest.approx([2e-3, 1.125e-3, 1.25e-3])
+    closed = plan.bucket_cap_closed_form(1000, 10e-3, 2, fit)
+    assert closed["keeps_up"] and closed["cap_bytes"] == pytest.approx(1000 / 9)
+    # a backward no longer than the bytes alone (1 ms): no cap keeps up; least exposed at G·sqrt(α/T) = 100 bytes,
+    # where 10 buckets of 0.11 ms run back to back from 0.1 ms: 0.2 ms past the backward
+    fast = {"latency_s": 1e-5, "bandwidth": 1e6}
+    assert plan.bucket_cap_closed_form(1000, 1e-3, 2, fast) == {"cap_bytes": pytest.approx(100), "keeps_up": False}
+    assert plan.even_backward_caps(1000, 1e-3, 2, fast, [100])[0]["exposed_s"] == pytest.approx(0.2e-3)
+
+
+def test_a_gpu_bucket_cap_comes_from_the_planner_link_table():
+    rows = plan.gpu_bucket_caps("1.56B", (1, 8))
+    assert [r["closed"]["keeps_up"] for r in rows] == [False, True]  # GPT-2 XL, fp32: micro-batch 1 is bound
+    for r in rows:
+        assert r["closed"]["cap_bytes"] / 2 <= r["best"]["cap_bytes"] <= 2 * r["closed"]["cap_bytes"]
+
+
 def _cap_readings(per_call_in_step, seed=0):
     """Readings a run of three caps would give: isolated all-reduces on a 0.5 ms + 1 GB/s line, steps of 10 ms
     plus ``per_call_in_step`` per call, a 2% spread."""
