@@ -1,5 +1,6 @@
 """This host's rates, fitted from notebook 05's measurement: achievable FLOP/s and all-gather latency and
-bandwidth, so the planner's formulas can be drawn for the machine the course runs on (notebook 05).
+bandwidth, so the planner's formulas can be drawn for the machine the course runs on (notebook 05); and DDP's
+bucket cap, priced with this host's fitted line and with a GPU's link table (notebook 02).
 
 The run that measures (``labs.lab05.block_overlap_worker``) lives with the notebook's experiments; this
 is arithmetic on its readings.
