@@ -91,6 +91,21 @@ def test_after_pass_text_is_shown_on_a_pass_only():
     assert "\n" not in str(passed) and passed.to_dict()["message"] == passed.message  # grading reads one line
 
 
+def test_after_check_replays_wait_for_a_pass():
+    """The after-check cells that replay an answer (01.1, 05.2) ask ``passed`` first: false before any check,
+    false after a wrong answer, true once the solution passes, false again after a later wrong answer."""
+    from course_utils.exercises import passed
+
+    core._PASSED.discard("05.exposed_comm")
+    assert not passed("05", "exposed_comm")
+    assert not core.check("05", "exposed_comm", lambda *a: (0.0, 0.0)).passed
+    assert not passed("05", "exposed_comm")
+    assert core.check("05", "exposed_comm", core.solution("05", "exposed_comm")).passed
+    assert passed("05", "exposed_comm") and not passed("01", "zero_state_bytes")
+    core.check("05", "exposed_comm", lambda *a: (0.0, 0.0))
+    assert not passed("05", "exposed_comm")
+
+
 def _cell_function(source: str, name: str, cell: int):
     """Define ``name`` the way a notebook cell does: module ``__main__``, source kept in linecache
     (how the not-done detection reads a stub), sent to the workers by value by ``launch``."""

@@ -695,6 +695,17 @@ def test_exposed_comm_plays_fsdp_schedule_unit_by_unit():
         plan.exposed_comm([1, 1], [2], [1, 1], [1, 1])
 
 
+def test_exercise_05_2_predict_case_falls_between_the_two_shortcuts():
+    """Exercise 05.2's Predict (8 units, 1 ms forward, 2 ms backward, 1.5 ms per collective; the notebook's
+    after-check replay): the schedule exposes more than totals against totals and less than every collective
+    added, and the backward more than the forward although it has twice the compute."""
+    f, b, g, rs = [1.0] * 8, [2.0] * 8, [1.5] * 8, [1.5] * 8
+    forward, backward = plan.exposed_comm(f, b, g, rs)
+    assert max(0, sum(g) - sum(f)) < forward < sum(g)
+    assert max(0, sum(g) + sum(rs) - sum(b)) < backward < sum(g) + sum(rs)
+    assert backward > forward
+
+
 def test_the_throughput_planner_prices_gathers_with_exposed_comm(monkeypatch):
     """One fact, one place: exercise 05.2's reference is what the planner calls for a row that gathers per unit
     (its exposed communication is accum x (forward + backward) of ``exposed_comm``, nothing added); a row that

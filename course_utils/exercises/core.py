@@ -134,6 +134,8 @@ class Outcome:
 
 
 REGISTRY: dict[tuple[str, str], Exercise] = {}
+#: The exercises whose check has passed in this process (a kernel): their after-check cells show their replay.
+_PASSED: set[str] = set()
 
 
 def register(ex: Exercise) -> Exercise:
@@ -333,7 +335,18 @@ def check_many(pairs: list) -> list[Outcome]:
             continue
         for j, i in enumerate(idxs):
             results[i] = _verdict(pairs[i][0], {rank: values[j] for rank, values in run.items()})
+    for i, (ex, _) in enumerate(pairs):
+        (_PASSED.add if results[i].passed else _PASSED.discard)(ex.key)
     return [results[i] for i in range(len(pairs))]
+
+
+def passed(notebook, name: str) -> bool:
+    """Whether the last check of exercise ``name`` in this kernel passed (notebooks 01 and 05).
+
+    An after-check cell that replays the exercise's answer asks this first, so the answer shows only
+    once the student's own code (or the loaded solution) has passed the check.
+    """
+    return get(notebook, name).key in _PASSED
 
 
 def ranks_failed(first_line: str) -> str:

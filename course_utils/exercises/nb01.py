@@ -326,18 +326,23 @@ AFTER_CHECK = {
         (
             "code",
             "from course_utils import memory\n"
-            "from course_utils.models import build_model\n\n"
-            'sizes = [p.numel() for p in build_model("tiny").parameters()]  # each tensor once\n'
-            "ranks = memory.whole_tensor_partition(sizes, 4)\n"
-            "even = 8 * sum(sizes) / 4  # 8Ψ/Nd: AdamW's two fp32 moments, split evenly\n"
-            "for rank, tensors in enumerate(ranks):\n"
-            "    held = 8 * sum(tensors)\n"
-            "    print(\n"
-            '        f"rank {rank}: {len(tensors):>2} tensors, the largest {tensors[0]:>6,} elements: "\n'
-            '        f"{held:>7,} bytes of AdamW state = {held / even:.3f} × 8Ψ/Nd"\n'
-            "    )\n"
-            "big = max(sizes)\n"
-            'print(f"largest tensors: {sizes.count(big)} of {big:,} elements, each {big / sum(sizes):.1%} of Ψ")',
+            "from course_utils.exercises import passed\n"
+            "from course_utils.models import build_model\n"
+            "\n"
+            'if not passed("01", "zero_state_bytes"):\n'
+            '    print("The placement shows once your check passes (stuck? load_solution, then the check again).")\n'
+            "else:\n"
+            '    sizes = [p.numel() for p in build_model("tiny").parameters()]  # each tensor once\n'
+            "    ranks = memory.whole_tensor_partition(sizes, 4)\n"
+            "    even = 8 * sum(sizes) / 4  # 8Ψ/Nd: AdamW's two fp32 moments, split evenly\n"
+            "    for rank, tensors in enumerate(ranks):\n"
+            "        held = 8 * sum(tensors)\n"
+            "        print(\n"
+            '            f"rank {rank}: {len(tensors):>2} tensors, the largest {tensors[0]:>6,} elements: "\n'
+            '            f"{held:>7,} bytes of AdamW state = {held / even:.3f} × 8Ψ/Nd"\n'
+            "        )\n"
+            "    big = max(sizes)\n"
+            '    print(f"largest tensors: {sizes.count(big)} of {big:,} elements, each {big / sum(sizes):.1%} of Ψ")',
             "skip",
         ),
     ]
