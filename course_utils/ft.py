@@ -264,6 +264,7 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
     (Adam's moments and step counts) per group with ``weights_equal`` and ``adam_equal``,
     ``link_bytes``, ``where`` (loopback or the cluster), ``listening`` (every address a group's
     process listened on at the end), ``pids`` (every process started), ``lighthouse`` (its address),
+    ``command`` (the ``python -m course_utils ft`` line of the same run),
     and the job manager's ``exits``, ``restarts`` and ``stopped`` (a failure nobody planned, with a
     ``hang``). ``run_dir`` (each group's log and event file) is kept when you pass it, or when the
     run fails; a temporary one is removed after a run that returned (the report's ``run_dir`` is then None).
@@ -302,6 +303,7 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
     report = summarize(
         cfg, run_dir, time.monotonic() - start, {"lighthouse": lighthouse, "pids": pids, "where": where, **jobs}
     )
+    report["command"] = command_line(cfg)
     if own_dir:  # everything is in the report; a failed run keeps its folder (its path is in the error)
         shutil.rmtree(run_dir, ignore_errors=True)
         report["run_dir"] = None
@@ -311,6 +313,9 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
 
 
 # ---------------------------------------------------------------- command line
+
+
+_FIELDS = {f.name for f in fields(FTConfig)}
 
 
 def _restart_after(text: str) -> int | None:
@@ -356,6 +361,30 @@ def ft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quorum-timeout-s", type=float, default=None)
     parser.add_argument("--timeout-s", type=float, default=d.timeout_s)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON line")
+
+
+def command_line(cfg: FTConfig) -> str:
+    """The ``python -m course_utils ft`` line that runs ``cfg``: each option whose value differs from its default.
+
+    Read off ``ft_arguments``'s own options, so a new option is in the line as soon as the parser has it.
+    ``heal_optimizer`` has no option (the copy-the-weights-only heal is a notebook's comparison): False is said.
+    """
+    parser = argparse.ArgumentParser()
+    ft_arguments(parser)
+    words = ["python -m course_utils ft"]
+    for action in parser._actions:
+        value = getattr(cfg, action.dest, None)
+        if not action.option_strings or action.dest not in _FIELDS:
+            continue
+        if value == action.default and action.dest not in ("replicas", "steps"):  # those two always said
+            continue
+        if action.nargs == 0:  # a flag (store_true)
+            words.append(action.option_strings[0])
+        else:
+            words.append(f"{action.option_strings[0]} {'never' if value is None else value}")
+    if not cfg.heal_optimizer:
+        words.append("# and heal_optimizer=False (no option: ft_run only)")
+    return " ".join(words)
 
 
 def ft_command(args) -> int:

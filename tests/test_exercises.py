@@ -64,9 +64,46 @@ def test_solutions_pass_and_known_mistakes_fail_with_their_message():
     outcomes = core.check_many(pairs)
     for (ex, fn), outcome, (status, words) in zip(pairs, outcomes, expected):
         assert outcome.status == status, (ex.key, fn.__name__, outcome.message)
+        if ex.after_pass:  # the Predict's answer: shown under a pass, never under a wrong answer
+            assert (ex.after_pass.split("\n")[0][:60] in outcome.shown()) == (status == core.PASSED), ex.key
         if words:
             assert words in outcome.message, (ex.key, fn.__name__, outcome.message)
             assert "Traceback" not in outcome.message and "\n" not in outcome.message
+
+
+def test_after_pass_text_is_shown_on_a_pass_only():
+    """Exercise 01.1's answer prose (its record's ``after_pass``) reaches the notebook only under a passing
+    check: not under a wrong answer, an error or an untouched stub (no launch: the outcomes are built
+    the way ``_verdict`` builds them)."""
+    from IPython.lib.pretty import pretty
+
+    ex = core.get("01", "zero_state_bytes")
+    first = ex.after_pass.split("\n")[0][:60]
+    assert first.startswith("Why no rank holds exactly 8Ψ/Nd")
+    failed = core._verdict(ex, {0: {"wrong": "you returned 0"}, 1: {"value": {"bytes": 0}}})
+    errored = core._verdict(ex, {0: {"error": "your code raised KeyError"}})
+    not_done = core._verdict(ex, {0: {"not_done": True}})
+    for o in (failed, errored, not_done):
+        assert not o.passed and not o.after_pass
+        assert first not in pretty(o) and first not in o.shown() and "Why no rank" not in str(o)
+    passed = core._outcome(ex, core.PASSED, "matches the course's reference on 4 real ranks")
+    assert pretty(passed).startswith(str(passed)) and first in pretty(passed)
+    assert "\n" not in str(passed) and passed.to_dict()["message"] == passed.message  # grading reads one line
+
+
+def test_after_check_replays_wait_for_a_pass():
+    """The after-check cells that replay an answer (01.1, 05.2) ask ``passed`` first: false before any check,
+    false after a wrong answer, true once the solution passes, false again after a later wrong answer."""
+    from course_utils.exercises import passed
+
+    core._PASSED.discard("05.exposed_comm")
+    assert not passed("05", "exposed_comm")
+    assert not core.check("05", "exposed_comm", lambda *a: (0.0, 0.0)).passed
+    assert not passed("05", "exposed_comm")
+    assert core.check("05", "exposed_comm", core.solution("05", "exposed_comm")).passed
+    assert passed("05", "exposed_comm") and not passed("01", "zero_state_bytes")
+    core.check("05", "exposed_comm", lambda *a: (0.0, 0.0))
+    assert not passed("05", "exposed_comm")
 
 
 def _cell_function(source: str, name: str, cell: int):

@@ -231,3 +231,30 @@ def test_bytes_per_step_leave_out_the_heal_that_crossed_the_link_once():
     # DiLoCo, H = 2: the heal is in the synchronisation ending at step 3, so the round of steps 2 and 3 is left out
     assert link_bytes_per_step(report(True, 4, [(2, 0), (2, 200), (2, 0), (2, 900), (2, 0), (2, 200)])) == 100
     assert link_bytes_per_step(report(False, None, [(2, None)])) is None  # loopback: nothing counted
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(replicas=2, steps=12, kill="1:3", during_allreduce=True, link="100mbit"),
+        dict(replicas=3, steps=16, diloco=True, sync_every=4, kill="1:6", restart_after=None, after_heal=2),
+        dict(hang="0:2", quorum_timeout_s=3.0, heartbeat_timeout_ms=500, outer_lr=0.5, timeout_s=30.0),
+    ],
+)
+def test_the_printed_command_line_runs_the_same_configuration(config):
+    """The line a notebook prints for a run, parsed by the command's own parser, is that run's FTConfig."""
+    import argparse
+    import shlex
+    from dataclasses import fields
+
+    from course_utils.ft import command_line, ft_arguments
+    from course_utils.ft_groups import FTConfig
+
+    line = command_line(FTConfig(**config))
+    assert line.startswith("python -m course_utils ft --replicas ")
+    parser = argparse.ArgumentParser()
+    ft_arguments(parser)
+    args = parser.parse_args(shlex.split(line)[4:])
+    assert FTConfig(**{f.name: getattr(args, f.name) for f in fields(FTConfig) if hasattr(args, f.name)}) == FTConfig(
+        **config
+    )

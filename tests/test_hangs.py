@@ -46,3 +46,14 @@ def test_time_lost_per_hang_is_the_timeout_plus_a_restart_plus_half_an_interval(
     cost = hangs.time_lost_per_hang([60, 600], restart_s=300, step_s=2.0, every=100)
     assert cost["redo_s"] == 100.0  # K t / 2
     assert np.array_equal(cost["lost_s"], [460.0, 1000.0])  # only T differs between the two
+
+
+def test_the_hang_table_cuts_a_long_error_between_words():
+    from course_utils.labs.lab06_ft import hang_rows
+
+    error = 'TimeoutError: status: Cancelled, message: "Timeout expired", details: [], metadata: MetadataMap { x }'
+    row = {"detector": "d", "configured_s": 3, "detected_after_s": 3.0, "report": "failed\nmore", "peer_error": error}
+    said = hang_rows([row])[0][3]
+    quoted = said.split("`")[1]
+    assert said.startswith("failed; the waiting side: ") and quoted.endswith(" ...") and len(quoted) <= 90
+    assert error.startswith(quoted.removesuffix(" ...") + " ")  # whole words of the error, cut before a space

@@ -482,6 +482,31 @@ def test_a_bucket_step_is_priced_by_hand():
     assert late["exposed_s"] == pytest.approx(0.5e-3)
 
 
+def test_the_best_cap_of_an_even_backward_is_the_one_solved_by_hand():
+    """1,000 bytes of gradients made evenly over a 10 ms backward on 2 ranks, 1 ms + 1 µs per byte sent. By hand:
+    the all-reduces keep up from C* = 1 ms x 1,000 / (10 ms - 1 ms) = 111 bytes. At 125 bytes (8 buckets of
+    1.125 ms, one filled every 1.25 ms) only the last is exposed, 1.125 ms; at 100 (10 of 1.1 ms, one every 1 ms)
+    they fall behind: 1 + 10 x 1.1 = 12 ms, 2 ms exposed; at 250 the last one is longer, 1.25 ms."""
+    fit = {"latency_s": 1e-3, "bandwidth": 1e6}
+    rows = plan.even_backward_caps(1000, 10e-3, 2, fit, [100, 125, 250])
+    assert [r["calls"] for r in rows] == [10, 8, 4]
+    assert [r["exposed_s"] for r in rows] == pytest.approx([2e-3, 1.125e-3, 1.25e-3])
+    closed = plan.bucket_cap_closed_form(1000, 10e-3, 2, fit)
+    assert closed["keeps_up"] and closed["cap_bytes"] == pytest.approx(1000 / 9)
+    # a backward no longer than the bytes alone (1 ms): no cap keeps up; least exposed at G·sqrt(α/T) = 100 bytes,
+    # where 10 buckets of 0.11 ms run back to back from 0.1 ms: 0.2 ms past the backward
+    fast = {"latency_s": 1e-5, "bandwidth": 1e6}
+    assert plan.bucket_cap_closed_form(1000, 1e-3, 2, fast) == {"cap_bytes": pytest.approx(100), "keeps_up": False}
+    assert plan.even_backward_caps(1000, 1e-3, 2, fast, [100])[0]["exposed_s"] == pytest.approx(0.2e-3)
+
+
+def test_a_gpu_bucket_cap_comes_from_the_planner_link_table():
+    rows = plan.gpu_bucket_caps("1.56B", (1, 8))
+    assert [r["closed"]["keeps_up"] for r in rows] == [False, True]  # GPT-2 XL, fp32: micro-batch 1 is bound
+    for r in rows:
+        assert r["closed"]["cap_bytes"] / 2 <= r["best"]["cap_bytes"] <= 2 * r["closed"]["cap_bytes"]
+
+
 def _cap_readings(per_call_in_step, seed=0):
     """Readings a run of three caps would give: isolated all-reduces on a 0.5 ms + 1 GB/s line, steps of 10 ms
     plus ``per_call_in_step`` per call, a 2% spread."""
@@ -668,6 +693,17 @@ def test_exposed_comm_plays_fsdp_schedule_unit_by_unit():
     assert plan.exposed_comm([], [], [], []) == (0.0, 0.0)
     with pytest.raises(CourseInputError, match="one entry per unit"):
         plan.exposed_comm([1, 1], [2], [1, 1], [1, 1])
+
+
+def test_exercise_05_2_predict_case_falls_between_the_two_shortcuts():
+    """Exercise 05.2's Predict (8 units, 1 ms forward, 2 ms backward, 1.5 ms per collective; the notebook's
+    after-check replay): the schedule exposes more than totals against totals and less than every collective
+    added, and the backward more than the forward although it has twice the compute."""
+    f, b, g, rs = [1.0] * 8, [2.0] * 8, [1.5] * 8, [1.5] * 8
+    forward, backward = plan.exposed_comm(f, b, g, rs)
+    assert max(0, sum(g) - sum(f)) < forward < sum(g)
+    assert max(0, sum(g) + sum(rs) - sum(b)) < backward < sum(g) + sum(rs)
+    assert backward > forward
 
 
 def test_the_throughput_planner_prices_gathers_with_exposed_comm(monkeypatch):

@@ -8,7 +8,8 @@ Each exercise's task, stub and check cell come from its ``Exercise`` record in
 
 Only cells whose id starts with ``NN-ex-`` are replaced; the rest of the notebook is untouched.
 A module's ``AFTER_CHECK`` ({exercise name: [(kind, source, slide), ...]}) adds cells right after that
-exercise's check and hints: what the student should read only once the check has run.
+exercise's check and hints: what the student should read only once the check has run. The answer to the
+task's Predict goes in the record's ``after_pass`` instead: the check shows it under a pass, never before.
 Slides: the task is a slide, the stub and the check stay out of the deck (the task, not the solution).
 The teacher's notes (how to run the exercises with a class, what each check compares) are written as
 notes cells and moved into cell metadata by ``tools/editions.py`` (the student's notebook holds none).

@@ -6,6 +6,6 @@ the checking machinery, ``solutions`` the reference solutions (installed with th
 ``grading`` grades a class, each notebook sealed (``seal``; ``python -m course_utils exercises --grade``).
 """
 
-from .core import Outcome, check, exercises, get, load_solution, show_hint
+from .core import Outcome, check, exercises, get, load_solution, passed, show_hint
 
-__all__ = ["Outcome", "check", "exercises", "get", "load_solution", "show_hint"]
+__all__ = ["Outcome", "check", "exercises", "get", "load_solution", "passed", "show_hint"]

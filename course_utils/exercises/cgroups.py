@@ -141,29 +141,34 @@ class Cgroups:
     def procs(self) -> set[int]:
         return {int(p) for f in self.procs_files() for p in _read(Path(f)).split()}
 
-    def empty(self, wait_s: float = 30.0) -> int:
+    def empty(self, stall_s: float = 15.0, wait_s: float = 120.0) -> int:
         """Wait until no process is left in the cgroup, and return how many had to be killed to get there.
 
         The PID namespace's processes are already killed when this runs, but they leave the cgroup only once
-        they are gone, which takes a moment (seconds, for hundreds of them on a loaded machine). What is still
-        there halfway through ``wait_s`` gets SIGKILL: 0 means the PID namespace ended every process.
+        they are gone, which takes a while: hundreds of them on a loaded machine left at a few per second in a
+        test run at load 23. So the wait lasts as long as processes keep leaving; what is still there after
+        ``stall_s`` with none leaving (or after ``wait_s`` in all) gets SIGKILL: 0 means the PID namespace
+        ended every process.
         """
-        start, killed = time.monotonic(), 0
+        start = last_progress = time.monotonic()
+        killed, fewest = set(), None
         while pids := self.procs():
-            waited = time.monotonic() - start
-            if waited > wait_s:
+            now = time.monotonic()
+            if fewest is None or len(pids) < fewest:
+                fewest, last_progress = len(pids), now
+            if now - start > wait_s + stall_s:
                 break
-            if waited > wait_s / 2:
+            if now - last_progress > stall_s or now - start > wait_s:
                 if self.kind == "v2" and (self.dirs["pids"] / "cgroup.kill").exists():
                     (self.dirs["pids"] / "cgroup.kill").write_text("1")
                 for pid in pids:
                     try:
                         os.kill(pid, signal.SIGKILL)
-                        killed += 1
+                        killed.add(pid)
                     except ProcessLookupError:
                         pass
             time.sleep(0.05)
-        return killed
+        return len(killed)
 
     def remove(self, wait_s: float = 10.0) -> list[str]:
         """Remove the cgroups; return those that could not be (a process still leaving, after ``wait_s``)."""

@@ -83,6 +83,7 @@ class Exercise:
     verdict: Callable | None = None
     nproc: int = 0
     timeout_s: float = 60.0
+    after_pass: str = ""  # shown under a passing check only, never before the student's answer passes
 
     @property
     def key(self) -> str:
@@ -108,10 +109,18 @@ class Outcome:
     name: str
     status: str
     message: str = ""
+    after_pass: str = ""  # the exercise's ``after_pass``, kept on a pass only
 
     @property
     def passed(self) -> bool:
         return self.status == PASSED
+
+    def shown(self) -> str:
+        """What the notebook shows: the one-line answer, then on a pass the exercise's ``after_pass`` text."""
+        if not (self.passed and self.after_pass):
+            return str(self)
+        paragraphs = [textwrap.fill(line, 100) for line in self.after_pass.split("\n")]
+        return "\n\n".join([str(self), *paragraphs])
 
     def to_dict(self) -> dict:
         return {"notebook": self.notebook, "name": self.name, "status": self.status, "message": self.message}
@@ -121,10 +130,12 @@ class Outcome:
         return f"[{mark}] exercise {self.notebook}.{self.name}" + (f": {self.message}" if self.message else "")
 
     def _repr_pretty_(self, p, cycle) -> None:  # IPython shows the sentence, not a dataclass dump
-        p.text(str(self))
+        p.text(self.shown())
 
 
 REGISTRY: dict[tuple[str, str], Exercise] = {}
+#: The exercises whose check has passed in this process (a kernel): their after-check cells show their replay.
+_PASSED: set[str] = set()
 
 
 def register(ex: Exercise) -> Exercise:
@@ -214,7 +225,7 @@ def student_error(exc: BaseException) -> str:
 
 
 def _outcome(ex: Exercise, status: str, message: str = "") -> Outcome:
-    return Outcome(ex.notebook, ex.name, status, message)
+    return Outcome(ex.notebook, ex.name, status, message, ex.after_pass if status == PASSED else "")
 
 
 def _not_done(ex: Exercise) -> Outcome:
@@ -324,7 +335,18 @@ def check_many(pairs: list) -> list[Outcome]:
             continue
         for j, i in enumerate(idxs):
             results[i] = _verdict(pairs[i][0], {rank: values[j] for rank, values in run.items()})
+    for i, (ex, _) in enumerate(pairs):
+        (_PASSED.add if results[i].passed else _PASSED.discard)(ex.key)
     return [results[i] for i in range(len(pairs))]
+
+
+def passed(notebook, name: str) -> bool:
+    """Whether the last check of exercise ``name`` in this kernel passed (notebooks 01 and 05).
+
+    An after-check cell that replays the exercise's answer asks this first, so the answer shows only
+    once the student's own code (or the loaded solution) has passed the check.
+    """
+    return get(notebook, name).key in _PASSED
 
 
 def ranks_failed(first_line: str) -> str:

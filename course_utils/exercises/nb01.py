@@ -122,6 +122,20 @@ def zero_state_verdict(per_rank: dict) -> None:
         raise Wrong(f"rank {rank} holds {want:,} bytes of per-parameter optimizer state; you returned {got!r}: {why}")
 
 
+# What the check shows once the answer passes (never before: it is the Predict's answer).
+ZERO_AFTER_PASS = (
+    "Why no rank holds exactly 8Ψ/Nd: ZeroRedundancyOptimizer never splits a tensor. It sorts them largest first "
+    "and gives each to the rank with the fewest elements so far (_partition_parameters in torch's "
+    "zero_redundancy_optimizer.py), so a rank's share is a sum of whole tensors.\n"
+    "Five of the tiny model's tensors tie for largest (the token embedding and each block's two MLP matrices): "
+    "four ranks take one each and the fifth goes to rank 0, which ends above 8Ψ/Nd while the others end below it. "
+    "The small tensors cannot even that out, because a tensor, once placed, never moves; and the fullest rank is "
+    "what sizes the GPU. The cell below replays torch's rule on the tiny model's tensor sizes.\n"
+    "The paper's P_os and the course's own stages in notebook 03 instead lay the parameters end to end in one "
+    "flat buffer and cut it into Nd equal slices: 8Ψ/Nd on every rank, up to a few elements of padding."
+)
+
+
 register(
     Exercise(
         "01",
@@ -150,6 +164,7 @@ register(
         verdict=zero_state_verdict,
         nproc=ZERO_NPROC,
         timeout_s=90.0,
+        after_pass=ZERO_AFTER_PASS,
     )
 )
 
@@ -294,45 +309,40 @@ register(
 )
 
 
-#: Read once exercise 01.1's check has run (``tools/exercise_cells.py`` puts these right after its hints):
-#: why a rank's share is not 8Ψ/Nd, from the course's arithmetic on the model's real tensor sizes, no launch.
+#: Read once exercise 01.1's check has run (``tools/exercise_cells.py`` puts these right after its hints): torch's
+#: placement rule replayed on the model's real tensor sizes, no launch. Why the shares differ (the Predict's answer)
+#: is the record's ``after_pass``: the check shows it once the student's answer passes.
 AFTER_CHECK = {
     "zero_state_bytes": [
         (
             "markdown",
-            "#### Once your check has run: why no rank holds exactly $8\\Psi/N_d$\n\n"
-            "ZeroRedundancyOptimizer never splits a tensor. It sorts them largest first and gives each to the rank "
-            "with the fewest elements so far (`_partition_parameters` in torch's `zero_redundancy_optimizer.py`), "
-            "so a rank's share is a sum of whole tensors. `memory.whole_tensor_partition` is the course's copy of "
-            "that rule, run on the tiny model's tensor sizes without a launch: a model of torch's code, not a "
-            "measurement (the measured bytes are the ones your check compared, rank by rank):",
+            "#### After the check: how ZeroRedundancyOptimizer places tensors\n\n"
+            "`memory.whole_tensor_partition` is the course's copy of torch's placement rule (`_partition_parameters` "
+            "in torch's `zero_redundancy_optimizer.py`), run on the tiny model's tensor sizes without a launch: a "
+            "model of torch's code, not a measurement (the measured bytes are the ones your check compared, rank by "
+            "rank). Once your answer passes, the check says what these numbers mean.",
             "skip",
         ),
         (
             "code",
             "from course_utils import memory\n"
-            "from course_utils.models import build_model\n\n"
-            'sizes = [p.numel() for p in build_model("tiny").parameters()]  # each tensor once\n'
-            "ranks = memory.whole_tensor_partition(sizes, 4)\n"
-            "even = 8 * sum(sizes) / 4  # 8Ψ/Nd: AdamW's two fp32 moments, split evenly\n"
-            "for rank, tensors in enumerate(ranks):\n"
-            "    held = 8 * sum(tensors)\n"
-            "    print(\n"
-            '        f"rank {rank}: {len(tensors):>2} tensors, the largest {tensors[0]:>6,} elements: "\n'
-            '        f"{held:>7,} bytes of AdamW state = {held / even:.3f} × 8Ψ/Nd"\n'
-            "    )\n"
-            "big = max(sizes)\n"
-            'print(f"largest tensors: {sizes.count(big)} of {big:,} elements, each {big / sum(sizes):.1%} of Ψ")',
-            "skip",
-        ),
-        (
-            "markdown",
-            "Five tensors tie for largest (the token embedding and each block's two MLP matrices): four ranks take "
-            "one each and the fifth goes to rank 0, which ends above $8\\Psi/N_d$ while the others end below it. "
-            "The small tensors cannot even that out, because a tensor, once placed, never moves; and the fullest "
-            "rank is what sizes the GPU. The paper's $P_{os}$ and the course's own stages in notebook 03 instead lay "
-            "the parameters end to end in one flat buffer and cut it into $N_d$ equal slices: $8\\Psi/N_d$ on every "
-            "rank, up to a few elements of padding.",
+            "from course_utils.exercises import passed\n"
+            "from course_utils.models import build_model\n"
+            "\n"
+            'if not passed("01", "zero_state_bytes"):\n'
+            '    print("The placement shows once your check passes (stuck? load_solution, then the check again).")\n'
+            "else:\n"
+            '    sizes = [p.numel() for p in build_model("tiny").parameters()]  # each tensor once\n'
+            "    ranks = memory.whole_tensor_partition(sizes, 4)\n"
+            "    even = 8 * sum(sizes) / 4  # 8Ψ/Nd: AdamW's two fp32 moments, split evenly\n"
+            "    for rank, tensors in enumerate(ranks):\n"
+            "        held = 8 * sum(tensors)\n"
+            "        print(\n"
+            '            f"rank {rank}: {len(tensors):>2} tensors, the largest {tensors[0]:>6,} elements: "\n'
+            '            f"{held:>7,} bytes of AdamW state = {held / even:.3f} × 8Ψ/Nd"\n'
+            "        )\n"
+            "    big = max(sizes)\n"
+            '    print(f"largest tensors: {sizes.count(big)} of {big:,} elements, each {big / sum(sizes):.1%} of Ψ")',
             "skip",
         ),
     ]

@@ -7,6 +7,7 @@ into the rows and numbers the notebook shows and asserts.
 from __future__ import annotations
 
 import re
+import textwrap
 
 
 def healed_state_rows(ft: dict) -> list[list]:
@@ -34,7 +35,7 @@ def hang_rows(rows: list[dict]) -> list[list]:
         said = r["report"].splitlines()[0]
         if r.get("peer_error"):  # gloo's messages start with their source file: [.../pair.cc:537]
             error = re.sub(r"^\[[^\]]*\]\s*", "", r["peer_error"])
-            said += f"; the waiting side: `{error[:90]}`"
+            said += f"; the waiting side: `{textwrap.shorten(error, 90, placeholder=' ...')}`"  # whole words
         measured = "-" if r["detected_after_s"] is None else f"{r['detected_after_s']:.2f} s"
         out.append([r["detector"], f"{r['configured_s']:g} s", measured, said])
     return out

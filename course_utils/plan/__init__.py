@@ -48,7 +48,16 @@ from __future__ import annotations
 from .activations import POLICIES, activation_terms, block_saved_bytes, block_selective_bytes, head_bytes
 from .choose import NOTHING_FITS, OVERLAP_TOKENS, STRATEGIES, STRATEGY_NAMES, TIE_MARGIN, Plan, StrategyPlan, plan
 from .cli import format_plan, parse_bandwidth, plan_arguments, plan_command, search_from_args
-from .hostfit import bucket_cap_model, bucket_step_time, fit_latency_bandwidth, host_fit, line_s
+from .hostfit import (
+    bucket_cap_closed_form,
+    bucket_cap_model,
+    bucket_step_time,
+    even_backward_caps,
+    fit_latency_bandwidth,
+    gpu_bucket_caps,
+    host_fit,
+    line_s,
+)
 from .implementations import BY_KEY, IMPLS, Impl
 from .inputs import DEFAULT_GPU, HEAD_DIM, WIDTH_STEP, Cluster, ModelSpec, model_spec, shape_block_params, shape_params
 from .network import (
@@ -153,4 +162,7 @@ __all__ = [
     "line_s",
     "bucket_step_time",
     "bucket_cap_model",
+    "even_backward_caps",
+    "bucket_cap_closed_form",
+    "gpu_bucket_caps",
 ]

@@ -1,5 +1,6 @@
 """This host's rates, fitted from notebook 05's measurement: achievable FLOP/s and all-gather latency and
-bandwidth, so the planner's formulas can be drawn for the machine the course runs on (notebook 05).
+bandwidth, so the planner's formulas can be drawn for the machine the course runs on (notebook 05); and DDP's
+bucket cap, priced with this host's fitted line and with a GPU's link table (notebook 02).
 
 The run that measures (``labs.lab05.block_overlap_worker``) lives with the notebook's experiments; this
 is arithmetic on its readings.
@@ -241,3 +242,74 @@ def bucket_cap_model(costs: dict, world_size: int) -> dict:
         "held_out_within": sum(r["in_step_within"] for r in rows if r["held_out"]),
         "held_out": sum(r["held_out"] for r in rows),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP's bucket cap on a GPU, priced with the planner's link table (notebook 02)
+# ---------------------------------------------------------------------------------------------
+
+
+def even_backward_caps(grad_bytes: float, backward_s: float, world_size: int, fit: dict, caps_bytes) -> list:
+    """Each cap's exposed communication when the backward makes ``grad_bytes`` of gradients at an even rate over
+    ``backward_s`` (notebook 02): a cap of C bytes cuts them into buckets of C (the last one smaller), each final
+    when its last byte is, scheduled by ``bucket_step_time``'s own engine (``fit``: ``{"latency_s",
+    "bandwidth"}``). Returns ``[{"cap_bytes", "calls", "comm_s", "exposed_s"}]``."""
+    import math
+
+    rows = []
+    for cap in caps_bytes:
+        n = math.ceil(grad_bytes / cap)
+        buckets = [{"bytes": min(cap, grad_bytes - i * cap), "names": [i]} for i in range(n)]
+        ready = {i: backward_s * min(1.0, (i + 1) * cap / grad_bytes) for i in range(n)}
+        p = bucket_step_time(fit, world_size, 0.0, buckets, ready, backward_s)
+        rows.append({"cap_bytes": cap, "calls": n, "comm_s": p["comm_s"], "exposed_s": p["exposed_s"]})
+    return rows
+
+
+def bucket_cap_closed_form(grad_bytes: float, backward_s: float, world_size: int, fit: dict) -> dict:
+    """The best bucket cap of ``even_backward_caps``' model, solved by hand (notebook 02). With G bytes made evenly
+    over a backward of T seconds, a bucket of C bytes fills in T·C/G and its all-reduce takes α + β'C
+    (β' = 2(N-1)/N / bandwidth). When T > β'G the all-reduces keep up once α + β'C <= T·C/G, from
+    C* = αG / (T - β'G) on, and the step then pays only the last bucket, α + β'C: the best cap is C*. When
+    T <= β'G they never keep up: the step pays T·C/G + (G/C)·α + β'G - T, least at C = G·sqrt(α/T).
+    Returns ``{"cap_bytes", "keeps_up"}``."""
+    import math
+
+    per_byte = ring_bytes_sent("all_reduce", 1.0, world_size) / fit["bandwidth"]
+    spare = backward_s - per_byte * grad_bytes
+    if spare > 0:
+        return {"cap_bytes": fit["latency_s"] * grad_bytes / spare, "keeps_up": True}
+    return {"cap_bytes": grad_bytes * math.sqrt(fit["latency_s"] / backward_s), "keeps_up": False}
+
+
+def gpu_bucket_caps(preset: str, micro_batches, *, gpus: int = 8, gpu: str = "H100-80GB", grad_bytes: int = 4) -> list:
+    """DDP's bucket cap for ``preset`` data-parallel over one node's ``gpus`` GPUs, per micro-batch (notebook 02).
+
+    α and β are the throughput planner's link table (``GPUCluster``'s ``intra_latency``, the GPU's ``nvlink_bw``),
+    not a measurement of this host. The backward takes twice the blocks' forward FLOPs (``block_flops``) at the
+    GPU's achievable FLOP/s; the gradients are ``grad_bytes`` per parameter (fp32 weights: DDP's buckets take the
+    parameters' dtype). Caps: powers of two from 256 KiB to 1 GiB, and torch's default of 25 MiB apart.
+    Returns per micro-batch ``{"micro_batch", "latency_s", "bandwidth", "backward_s", "bytes_s" (β'G), "best" (a row of
+    ``even_backward_caps``), "closed" (``bucket_cap_closed_form``), "default" (the 25 MiB row)}``."""
+    from .inputs import GPUS, model_spec
+    from .network import block_flops
+    from .shapes import GPUCluster
+
+    card = GPUS[gpu]
+    cluster = GPUCluster(card, gpus_per_node=gpus)
+    fit = {"latency_s": cluster.intra_latency, "bandwidth": card.nvlink_bw}
+    out = []
+    for mb in micro_batches:
+        spec = model_spec(preset, micro_batch=mb)
+        backward = 2 * spec.layers * block_flops(spec) / (card.peak_flops * card.mfu)
+        total = grad_bytes * spec.params
+        rows = even_backward_caps(total, backward, gpus, fit, [2**k for k in range(18, 31)])
+        out.append({
+            "micro_batch": mb,
+            **fit, "backward_s": backward,
+            "bytes_s": ring_bytes_sent("all_reduce", total, gpus) / card.nvlink_bw,
+            "best": min(rows, key=lambda r: (r["exposed_s"], r["calls"])),
+            "closed": bucket_cap_closed_form(total, backward, gpus, fit),
+            "default": even_backward_caps(total, backward, gpus, fit, [25 * 2**20])[0],
+        })  # fmt: skip
+    return out

@@ -59,7 +59,10 @@ from .runs import (
 )
 from .sent import fsdp_collectives, paper_sent_bytes, traffic_in_psi, zero_traffic
 from .timeline import (
+    bucket_and_gradients_states_peak,
     bucket_buffers_peak,
+    bucket_reduce_states,
+    bucket_reduce_states_peak,
     forward_end_states,
     full_gradients_states_peak,
     kept_all_gather_outputs,
@@ -72,10 +75,13 @@ from .timeline import (
 
 __all__ = [
     "bucket_buffers_peak",
+    "bucket_reduce_states",
+    "bucket_reduce_states_peak",
     "forward_end_states",
     "full_gradients_states_peak",
     "kept_all_gather_outputs",
     "reduce_at_step_states_peak",
+    "bucket_and_gradients_states_peak",
     "rest_bytes",
     "rest_check",
     "unit_reduce_states",

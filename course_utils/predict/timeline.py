@@ -101,6 +101,48 @@ def bucket_buffers_peak(units: list[dict], shard: int, *, backend_clones: bool =
     return {"comm": FP32 * (largest + largest // shard), "hidden": FP32 * largest if backend_clones else 0}
 
 
+def bucket_reduce_states(
+    strategy: str | Strategy, units: list[dict], tensors: int, shard: int, *, backend_clones: bool = True
+) -> list[dict]:
+    """Model states at each bucket's reduce-scatter in the backward of a row that keeps its weights whole and
+    reduce-scatters gradient buckets from hooks as they fill (the hand-built stage 2, notebook 03), in the order the
+    buckets complete: ``units`` as the mechanism reported them (filled from the last layer, so the backward completes
+    them in that order, the tied embedding's last: its gradient is whole only after both of its uses).
+
+    At bucket k's reduce-scatter a rank holds its whole weights and Adam's state for its slices (as at rest,
+    ``rest_bytes``); the averaged slices of the buckets reduced before it (``padded``/N each); bucket k's whole
+    ``.grad`` (``numel``: dropped only after the call), the flat contiguous copy sent (``padded``) and the slice
+    received (``padded``/N), and on gloo the clone of the copy (``backend_clones``). Returns ``[{"unit", "states"}]``;
+    the peak is the largest (``bucket_reduce_states_peak``)."""
+    row = get(strategy)
+    owned = _owned(row, units, shard)
+    stepped = sum(u["padded"] for u in units) // shard if OPTIM in row.shards_at_rest else owned
+    base = FP32 * owned + 2 * FP32 * stepped + step_counter_bytes(row, units, tensors)
+    out, slices = [], 0
+    for unit in units:
+        sent = unit["padded"] + unit["padded"] // shard + (unit["padded"] if backend_clones else 0)
+        out.append({"unit": unit["name"], "states": base + FP32 * (slices + unit["numel"] + sent)})
+        slices += unit["padded"] // shard
+    return out
+
+
+def bucket_reduce_states_peak(strategy: str | Strategy, run: dict) -> dict:
+    """The largest of ``bucket_reduce_states`` for a watched run (``labs.lab03.timelines``' row): ``{"unit",
+    "states"}`` (notebook 03)."""
+    row = get(strategy)
+    shard = row.shard_group_size(run["world"], 2)
+    return max(bucket_reduce_states(row, run["info"]["units"], run["tensors"], shard), key=lambda s: s["states"])
+
+
+def bucket_and_gradients_states_peak(rest_states: int, psi: int, bucket_elements: int) -> int:
+    """Model states at the end of the backward of DeepSpeed's stages 1 and 2 in fp32 with ``overlap_comm`` off
+    (notebook 03): what a rank holds at rest, one reduce bucket of ``reduce_bucket_size`` elements (allocated at the
+    backward's first gradient, ``setup_buckets`` in ``runtime/zero/stage_1_and_2.py``, 0.19.8) and every gradient
+    once more, 4Ψ (stage 1: the whole ``.grad``; stage 2: the flat copy its reduce sends, the ``.grad`` living in the
+    bucket). For a model whose gradients fit in one bucket (Ψ <= ``bucket_elements``)."""
+    return rest_states + FP32 * bucket_elements + FP32 * psi
+
+
 def kept_all_gather_outputs(units: list[dict]) -> int:
     """FSDP2's flat all-gather outputs alive at the last block's copy-out in the forward: the previous
     unit's (kept until this copy-out, ``_fsdp_param_group.py`` in torch 2.13) and this one's; the two
