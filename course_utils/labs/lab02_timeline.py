@@ -67,10 +67,11 @@ def straggler_summary(timelines: list) -> dict:
     twice (the bars overlap, so their sum would not fit in the step):
 
     - ``in_flight_ms``: the union of its all-reduces' bars, the time at least one was in flight;
-    - ``waiting_for_others_ms``: the part of it when the oldest all-reduce in flight had not yet been issued by
-      every rank (nothing can move: a straggler is still computing);
-    - ``moving_ms``: the rest, ``in_flight_ms - waiting_for_others_ms``: every rank has issued the oldest, and
-      gloo is moving and adding bytes;
+    - ``waiting_for_others_ms``: the part of it when some all-reduce in flight on this rank had not yet been
+      issued by every rank (a straggler is still computing, and this rank cannot finish its step without it,
+      whatever gloo is doing with the older buckets meanwhile);
+    - ``moving_ms``: the rest, ``in_flight_ms - waiting_for_others_ms``: every rank has issued every all-reduce in
+      flight here, and gloo is moving and adding bytes;
     - ``queued_ms``: the part of ``in_flight_ms`` when two or more all-reduces were in flight on the rank, a later
       bucket behind an earlier one (gloo works on at most ``ProcessGroupGloo`` options' ``threads``, 2 by
       default, at a time; the collectives complete in issue order).
@@ -96,7 +97,7 @@ def straggler_summary(timelines: list) -> dict:
 
 def _in_flight_parts(bars: list) -> dict:
     """One rank's ``(bucket, start, end, last rank's start)`` bars cut at every edge: each slice with an
-    all-reduce in flight is waiting (its oldest not yet issued everywhere) or moving, and queued when two or more
+    all-reduce in flight is waiting (one of them not yet issued everywhere) or moving, and queued when two or more
     are in flight."""
     edges = sorted({x for _, start, end, last in bars for x in (start, end, last)})
     out = {"in_flight_ms": 0.0, "waiting_for_others_ms": 0.0, "moving_ms": 0.0, "queued_ms": 0.0}
@@ -105,7 +106,7 @@ def _in_flight_parts(bars: list) -> dict:
         if not live:
             continue
         out["in_flight_ms"] += hi - lo
-        out["waiting_for_others_ms" if lo < min(live)[1] else "moving_ms"] += hi - lo
+        out["waiting_for_others_ms" if any(lo < last for _, last in live) else "moving_ms"] += hi - lo
         out["queued_ms"] += (hi - lo) if len(live) > 1 else 0.0
     return out
 
