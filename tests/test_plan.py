@@ -500,11 +500,31 @@ def test_the_best_cap_of_an_even_backward_is_the_one_solved_by_hand():
     assert plan.even_backward_caps(1000, 1e-3, 2, fast, [100])[0]["exposed_s"] == pytest.approx(0.2e-3)
 
 
+def test_real_buckets_are_priced_tensor_by_tensor_with_the_embedding_last():
+    """Two blocks' tensors of 400 and 600 bytes made evenly over a 10 ms backward, then a 1,000-byte embedding final
+    when it ends; 2 ranks, 1 ms + 1 µs per byte sent. One bucket each: 4 + 1.4 ms, then 10 + 1.6, then 11.6 + 2 =
+    13.6 ms, 3.6 exposed; one bucket of all 2,000 bytes, issued at 10 ms: 3 ms exposed."""
+    fit = {"latency_s": 1e-3, "bandwidth": 1e6}
+    tensors = [("blocks.1.w", 400), ("blocks.0.w", 600), ("emb", 1000)]
+    layout = {"tensors": tensors, "buckets": {
+        500: [{"bytes": b, "names": [n]} for n, b in tensors],
+        2000: [{"bytes": 2000, "names": [n for n, _ in tensors]}]}}  # fmt: skip
+    rows = plan.tensor_backward_caps(layout, 10e-3, 2, fit)
+    assert [r["exposed_s"] for r in rows] == pytest.approx([3.6e-3, 3e-3]) and [r["calls"] for r in rows] == [3, 1]
+
+
 def test_a_gpu_bucket_cap_comes_from_the_planner_link_table():
-    rows = plan.gpu_bucket_caps("1.56B", (1, 8))
+    from course_utils.labs import lab02
+
+    layout = lab02.preset_buckets("1.56B", [2**20, 25 * 2**20])
+    # whole tensors only: at 1 MiB, GPT-2 XL's 580 tensors make fewer buckets than 580, not 6.2 GB / 1 MiB of them
+    assert len(layout["tensors"]) == 580 and len(layout["buckets"][2**20]) < 580
+    assert layout["buckets"][2**20][-1]["names"] == ["tok_emb.weight"]  # the tied embedding: last, alone
+    rows = plan.gpu_bucket_caps("1.56B", (1, 8), layout)
     assert [r["closed"]["keeps_up"] for r in rows] == [False, True]  # GPT-2 XL, fp32: micro-batch 1 is bound
-    for r in rows:
-        assert r["closed"]["cap_bytes"] / 2 <= r["best"]["cap_bytes"] <= 2 * r["closed"]["cap_bytes"]
+    for r in rows:  # no cap hides the embedding's all-reduce: it starts when the backward ends
+        assert r["best"]["exposed_s"] >= r["floor_s"] and r["default"]["exposed_s"] >= r["floor_s"]
+    assert rows[1]["best"]["exposed_s"] < 1.2 * rows[1]["floor_s"]  # micro-batch 8: the blocks' buckets keep up
 
 
 def _cap_readings(per_call_in_step, seed=0):

@@ -19,10 +19,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import dist as cdist
 from ..data import batch_for_rank
-from ..ddp import BucketedDDP
+from ..ddp import BucketedDDP, make_buckets
 from ..instrument import CountCollectives, Observer, weights_sha256
 from ..loop import Prepared, TrainConfig, make_optimizer, module_held, run_steps
-from ..models import build_model, get_config
+from ..models import GPT, build_model, get_config
 from .lab02_cost import cap_costs
 from .lab02_pitfalls import (  # noqa: F401 (notebook 02 reads them here)
     GPTWithAuxHead,
@@ -408,3 +408,26 @@ def all_reduce_on_the_wire(numel: int) -> list | None:
         everyone = [None] * info.world_size
         dist.all_gather_object(everyone, wire)
         return everyone if info.rank == 0 else None
+
+
+#: The caps notebook 02 prices on a GPU: powers of two from 256 KiB to 1 GiB, and torch's default of 25 MiB.
+GPU_CAPS = sorted([2**k for k in range(18, 31)] + [25 * 2**20])
+
+
+def preset_buckets(name: str, caps_bytes=GPU_CAPS) -> dict:
+    """A published model's gradients and DDP's buckets at each cap, for ``plan.gpu_bucket_caps`` (notebook 02).
+
+    The preset is built on the meta device (shapes, no memory) and bucketed by ``ddp.make_buckets``, the rule
+    the hand-built DDP uses: whole tensors in reverse ``parameters()`` order, the embedding last. Returns
+    ``{"tensors": [(name, bytes)] in that order, "buckets": {cap: [{"bytes", "names"}]}}``."""
+    from ..presets import preset
+
+    with torch.device("meta"):
+        model = GPT(preset(name).cfg)
+    tensors = [(n, p.numel() * p.element_size()) for n, p in reversed(list(model.named_parameters()))]
+    return {
+        "tensors": tensors,
+        "buckets": {
+            cap: [{"bytes": b.nbytes, "names": b.names} for b in make_buckets(model, cap)] for cap in caps_bytes
+        },
+    }

@@ -57,6 +57,7 @@ from .hostfit import (
     gpu_bucket_caps,
     host_fit,
     line_s,
+    tensor_backward_caps,
 )
 from .implementations import BY_KEY, IMPLS, Impl
 from .inputs import DEFAULT_GPU, HEAD_DIM, WIDTH_STEP, Cluster, ModelSpec, model_spec, shape_block_params, shape_params
@@ -163,6 +164,7 @@ __all__ = [
     "bucket_step_time",
     "bucket_cap_model",
     "even_backward_caps",
+    "tensor_backward_caps",
     "bucket_cap_closed_form",
     "gpu_bucket_caps",
 ]

@@ -282,15 +282,41 @@ def bucket_cap_closed_form(grad_bytes: float, backward_s: float, world_size: int
     return {"cap_bytes": grad_bytes * math.sqrt(fit["latency_s"] / backward_s), "keeps_up": False}
 
 
-def gpu_bucket_caps(preset: str, micro_batches, *, gpus: int = 8, gpu: str = "H100-80GB", grad_bytes: int = 4) -> list:
+def tensor_backward_caps(layout: dict, backward_s: float, world_size: int, fit: dict) -> list:
+    """Each cap's exposed communication for a model's real buckets (notebook 02), scheduled by
+    ``bucket_step_time``'s own engine (``fit``: ``{"latency_s", "bandwidth"}``).
+
+    ``layout``: ``{"tensors": [(name, bytes)] in the order the backward makes them final, "buckets": {cap bytes:
+    [{"bytes", "names"}] in issue order}}`` (``labs.lab02.preset_buckets``: DDP's rule, whole tensors only). The
+    blocks' gradients (names under ``blocks.``, the course model's) are made at an even rate over ``backward_s``,
+    each final when its last byte is; a tensor outside the blocks is final when the blocks before it in that order
+    are: the final norm's at once, the embeddings' (the tied head's gradient among them) when the backward ends.
+    Returns ``[{"cap_bytes", "calls", "comm_s", "exposed_s"}]``."""
+    blocks = sum(b for name, b in layout["tensors"] if name.startswith("blocks."))
+    ready, made = {}, 0
+    for name, nbytes in layout["tensors"]:
+        made += nbytes if name.startswith("blocks.") else 0
+        ready[name] = backward_s * made / blocks
+    rows = []
+    for cap, buckets in layout["buckets"].items():
+        p = bucket_step_time(fit, world_size, 0.0, buckets, ready, backward_s)
+        rows.append({"cap_bytes": cap, "calls": len(buckets), "comm_s": p["comm_s"], "exposed_s": p["exposed_s"]})
+    return rows
+
+
+def gpu_bucket_caps(preset: str, micro_batches, layout: dict, *, gpus: int = 8, gpu: str = "H100-80GB") -> list:
     """DDP's bucket cap for ``preset`` data-parallel over one node's ``gpus`` GPUs, per micro-batch (notebook 02).
 
     α and β are the throughput planner's link table (``GPUCluster``'s ``intra_latency``, the GPU's ``nvlink_bw``),
-    not a measurement of this host. The backward takes twice the blocks' forward FLOPs (``block_flops``) at the
-    GPU's achievable FLOP/s; the gradients are ``grad_bytes`` per parameter (fp32 weights: DDP's buckets take the
-    parameters' dtype). Caps: powers of two from 256 KiB to 1 GiB, and torch's default of 25 MiB apart.
-    Returns per micro-batch ``{"micro_batch", "latency_s", "bandwidth", "backward_s", "bytes_s" (β'G), "best" (a row of
-    ``even_backward_caps``), "closed" (``bucket_cap_closed_form``), "default" (the 25 MiB row)}``."""
+    not a measurement of this host. The backward takes twice the blocks' forward FLOPs (``block_flops``, no
+    activation checkpointing) at the GPU's achievable FLOP/s. ``layout``: the model's gradients and each cap's
+    buckets (``labs.lab02.preset_buckets``: fp32 weights, so fp32 buckets), priced by ``tensor_backward_caps``; its
+    caps must include torch's default of 25 MiB. The last gradient to become final is the embedding's, so no cap
+    exposes less than its all-reduce alone (``floor_s``); ``closed`` solves ``even_backward_caps``' model for the
+    blocks' gradients alone (``blocks_bytes``), the part the backward makes evenly.
+    Returns per micro-batch ``{"micro_batch", "latency_s", "bandwidth", "backward_s", "bytes_s" (β'G), "floor_s",
+    "last_bytes", "blocks_bytes", "best" (a row of ``tensor_backward_caps``), "closed" (``bucket_cap_closed_form``),
+    "default" (the 25 MiB row)}``."""
     from .inputs import GPUS, model_spec
     from .network import block_flops
     from .shapes import GPUCluster
@@ -298,18 +324,22 @@ def gpu_bucket_caps(preset: str, micro_batches, *, gpus: int = 8, gpu: str = "H1
     card = GPUS[gpu]
     cluster = GPUCluster(card, gpus_per_node=gpus)
     fit = {"latency_s": cluster.intra_latency, "bandwidth": card.nvlink_bw}
+    total = sum(b for _, b in layout["tensors"])
+    blocks = sum(b for name, b in layout["tensors"] if name.startswith("blocks."))
+    last = layout["tensors"][-1][1]
     out = []
     for mb in micro_batches:
-        spec = model_spec(preset, micro_batch=mb)
+        spec = model_spec(preset, micro_batch=mb, checkpointing=False)
         backward = 2 * spec.layers * block_flops(spec) / (card.peak_flops * card.mfu)
-        total = grad_bytes * spec.params
-        rows = even_backward_caps(total, backward, gpus, fit, [2**k for k in range(18, 31)])
+        rows = tensor_backward_caps(layout, backward, gpus, fit)
         out.append({
             "micro_batch": mb,
             **fit, "backward_s": backward,
             "bytes_s": ring_bytes_sent("all_reduce", total, gpus) / card.nvlink_bw,
+            "floor_s": fit["latency_s"] + ring_bytes_sent("all_reduce", last, gpus) / card.nvlink_bw,
+            "last_bytes": last, "blocks_bytes": blocks,
             "best": min(rows, key=lambda r: (r["exposed_s"], r["calls"])),
-            "closed": bucket_cap_closed_form(total, backward, gpus, fit),
-            "default": even_backward_caps(total, backward, gpus, fit, [25 * 2**20])[0],
+            "closed": bucket_cap_closed_form(blocks, backward, gpus, fit),
+            "default": next(r for r in rows if r["cap_bytes"] == 25 * 2**20),
         })  # fmt: skip
     return out
