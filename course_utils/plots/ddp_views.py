@@ -119,7 +119,7 @@ def bucket_cost_figure(model: dict, *, title: str = "", width: float = 10.0, hei
 
     ``model`` is ``plan.bucket_cap_model``'s. Left: each isolated all-reduce size, its median and interquartile
     range, and the fitted line t(B) = latency + sent bytes / bandwidth (log-log). Right: each cap's measured
-    step (median and interquartile range), what the two models predict, and the line of the medians against the
+    step (median and interquartile range), the shared-cores price, and the line of the medians against the
     calls (``in_step_s``), fitted on some caps: the held-out ones ringed.
     """
     fit = model["fit"]
@@ -162,14 +162,7 @@ def bucket_cost_figure(model: dict, *, title: str = "", width: float = 10.0, hei
     right.plot(
         caps, [r["shared_s"] * 1e3 for r in rows], "s--", color=PART_COLORS["gradients"], label="model: shared cores"
     )
-    right.plot(
-        caps,
-        [r["engine_s"] * 1e3 for r in rows],
-        "^:",
-        color=PART_COLORS["activations"],
-        label="model: own engine (this machine's α, β)",
-    )
-    right.plot(caps, [r["in_step_s"] * 1e3 for r in rows], "d-.", color="#777777", label="in-step line")
+    right.plot(caps, [r["in_step_s"] * 1e3 for r in rows], "d-.", color="#777777", label="line fitted to the steps")
     held = [r for r in rows if r.get("held_out")]
     right.plot([r["cap_mb"] for r in held], [r["in_step_s"] * 1e3 for r in held], "o", mfc="none", ms=11,
                color="#777777", label="held out: priced, not fitted")  # fmt: skip
