@@ -5,7 +5,7 @@ library implements it. Arithmetic only (``course_utils.plan.search``); no proces
 from __future__ import annotations
 
 from ..plan.implementations import BY_KEY
-from ..plan.search import TIE, search, typed
+from ..plan.search import search, tied_with, typed
 from ..plan.shapes import GB, GPUS, GPUCluster, shape_of_preset
 from ..plan.throughput import Config, evaluate
 from ..presets import preset
@@ -39,7 +39,7 @@ def case_rows(results: dict) -> list[list]:
         b, ru = r["best"], r["runner_up"]
         c = b["config"]
         rel = ru["time"]["tokens_per_s_per_gpu"] / b["time"]["tokens_per_s_per_gpu"] - 1 if ru else None
-        tie = rel is not None and rel >= -TIE
+        tie = ru is not None and tied_with(b, ru)
         rows.append([
             label,
             f"{typed(b)} [{BY_KEY[b['impl']].course.name}]",

@@ -195,13 +195,14 @@ def plan(
 
 
 #: Step times within this fraction of the fastest count as a tie, and a tie goes to the most headroom (the
-#: memory a larger micro-batch or less recomputation can spend): the throughput search's own margin and tie-break.
+#: memory a larger micro-batch or less recomputation can spend), offload only when the fastest offloads: the
+#: throughput search's own margin and tie-break.
 TIE_MARGIN = TIE
 
 
 def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits: dict) -> dict:
     """Among the strategies that fit, the fastest by estimated step time; a tie within TIE_MARGIN
-    goes to the most headroom. The reason says what it beat and by how much."""
+    goes to the most headroom (an offload row ties only with an offload row). The reason says what it beat and by how much."""
 
     def gb(x):
         return f"{x / GB:.1f} GB"
@@ -212,20 +213,22 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
     fit = [s for s in plans if plans[s].fits]
     times = {s: plans[s].step_s for s in fit}
     if fit:
-        fastest = min(times.values())
-        tied = [s for s in fit if times[s] <= fastest * (1 + TIE_MARGIN)]
+        first = min(fit, key=times.get)
+        fastest = times[first]
+        # offload buys headroom with work (PCIe, CPU Adam): a tie only when the fastest offloads too
+        tied = [s for s in fit if times[s] <= fastest * (1 + TIE_MARGIN) and get(s).offload <= get(first).offload]
         s = max(tied, key=lambda o: plans[o].headroom)  # the most headroom within the margin
         p = plans[s]
         others = sorted((t, o) for o, t in times.items() if o != s)
         runner_up = others[0][1] if others else None
-        head = f"{gb(p.total)} per GPU with {gb(p.headroom)} to spare"
+        head = f"{gb(p.total)} of tensors per GPU with {gb(p.headroom)} to spare of {gb(cluster.usable)} usable"
         if runner_up is None:
             unfit = [o for o in plans if o != s and not plans[o].fits]
             floors = ", ".join(f"{name(o)} {gb(plans[o].total)}" for o in unfit[:3])
             beat = f"it is the only strategy that fits ({floors} do not)"
         else:
             t2 = times[runner_up]
-            if t2 <= times[s] * (1 + TIE_MARGIN):
+            if t2 <= times[s] * (1 + TIE_MARGIN) and plans[runner_up].headroom <= p.headroom:
                 beat = (
                     f"{name(runner_up)} is as fast ({fmt_sig3(t2)} s, within {TIE_MARGIN:.0%}), and a tie goes to the "
                     f"most headroom, {gb(p.headroom)} against {gb(plans[runner_up].headroom)}"

@@ -186,7 +186,7 @@ def format_plan(p: Plan) -> str:
             f"{o['cpu_step_s']:>10.3g} {o['nvme_s']:>6.3g} {o['step_s']:>6.3g}  {'yes' if o['fits'] else 'no'}"
         )
     r = p.recommendation
-    said = [f"At this micro-batch: {r['strategy']}. {r['reason']}", f"In PyTorch: {r['pytorch']}"]
+    said = [f"At this micro-batch: {r['strategy']}. {r['reason']}", f"In PyTorch: {r['pytorch'].rstrip('.')}."]
     if r.get("practice"):
         said.append(f"Practice: {r['practice']}")
     lines.append("")

@@ -6,7 +6,8 @@ Given a model, a cluster and a global batch (sequences of the model's length), s
     size x offload
 
 and recommend the configuration with the most tokens per second per GPU that fits. Within ``TIE`` of the
-best it is a tie, broken by more nodes (more tokens per second in all), then more headroom. The runner-up is
+best it is a tie among the ways to do the same work (no more recomputation than the fastest, and no offload
+unless it offloads), broken by more nodes (more tokens per second in all), then more headroom. The runner-up is
 the best configuration of another implementation, with why it lost. When fewer nodes than offered win, the
 answer says what all of them would give, and what torchft's DiLoCo would (``torchft/local_sgd.py``).
 """
@@ -22,8 +23,9 @@ from .shapes import GB, MFU_SOURCE, GPUCluster, Shape
 from .throughput import Config, evaluate
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
-#: Throughputs within this fraction of the best are a tie (the time model is not finer than that).
-TIE = 0.01
+#: Throughputs within this fraction of the best are a tie: the time model prices every FLOP at one assumed
+#: fraction of peak and every byte at one bandwidth, so it does not rank plans that differ by less.
+TIE = 0.05
 
 
 def hsdp_shards(n: int, gpus_per_node: int) -> list[int]:
@@ -52,13 +54,27 @@ def _rate(r: dict) -> float:
     return r["time"]["tokens_per_s_per_gpu"]
 
 
+def _work(r: dict) -> tuple[int, int]:
+    """The extra work a row chooses: its recomputation (in ``POLICIES``' order), and whether it offloads."""
+    return POLICIES.index(r["config"]["policy"]), int(bool(BY_KEY[r["impl"]].offload))
+
+
 def _pick(rows: list[dict]) -> dict | None:
-    """The fastest, ties within ``TIE`` broken by more nodes, then more headroom."""
+    """The fastest; within ``TIE`` of it, the rows that recompute no more than it (and offload only if it
+    does) are a tie, broken by more nodes, then more headroom. Headroom bought with extra work is no tie:
+    spare memory is worth having to remove work (a larger micro-batch, less recomputation), not to add it."""
     if not rows:
         return None
-    top = max(_rate(r) for r in rows)
-    tied = [r for r in rows if _rate(r) >= top * (1 - TIE)]
+    top = max(rows, key=_rate)
+    most = _work(top)
+    tied = [r for r in rows if _rate(r) >= _rate(top) * (1 - TIE) and all(map(int.__le__, _work(r), most))]
     return max(tied, key=lambda r: (r["config"]["nodes"], r["memory"]["headroom"], _rate(r)))
+
+
+def tied_with(best: dict, other: dict) -> bool:
+    """Whether ``other`` lost to ``best`` on the tie-break: within ``TIE`` and with no more headroom (one in
+    the band with more headroom lost on nodes, or bought its room with work ``_pick`` does not tie)."""
+    return _rate(other) >= _rate(best) * (1 - TIE) and other["memory"]["headroom"] <= best["memory"]["headroom"]
 
 
 def search(
@@ -133,14 +149,15 @@ def explain(best: dict, runner: dict | None) -> str:
     b, mem = best["time"], best["memory"]
     text = (
         f"{_said(best)}: {b['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU; {mem['total'] / GB:.1f} GB per GPU "
-        f"({mem['headroom'] / GB:.1f} GB to spare). Options: {BY_KEY[best['impl']].options}."
+        f"with the allocator's reserve and the CUDA context ({mem['headroom'] / GB:.1f} GB to spare of "
+        f"{(mem['total'] + mem['headroom']) / GB:.1f}). Options: {BY_KEY[best['impl']].options}."
     )
     if not runner:
         return text
     r = runner["time"]
     rel = r["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"] - 1
     text += f" Runner-up: {_said(runner)}: {r['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU ({rel:+.1%})"
-    if rel >= -TIE:
+    if tied_with(best, runner):
         spare = runner["memory"]["headroom"] / GB
         return text + f", a tie within {TIE:.0%}; it leaves {spare:.1f} GB to spare against {mem['headroom'] / GB:.1f}."
     n_b = best["config"]["nodes"] * best["gpus_per_node"]

@@ -55,7 +55,7 @@ def _plan_memory_axes(ax, p) -> None:
             Patch(color=PART_COLORS["optimizer"], label="model states"),
             Patch(color=PART_COLORS["activations"], label="activations"),
             Patch(color=PART_COLORS["buffers"], label="buffers"),
-            Patch(fill=False, edgecolor="#c0392b", ls="--", label=f"{c.gpu_mem / GB:g} GB GPU (dotted: usable)"),
+            Patch(fill=False, edgecolor="#c0392b", ls="--", label=f"{c.gpu_mem / GB:.1f} GB GPU (dotted: usable)"),
         ],
         fontsize=7,
         loc="upper right",
