@@ -10,8 +10,8 @@ parameters, communication buffers); and the **peak** itself.
   CPU kernels, its terms taken at the moment the rehearsal peaked (in forward while no gradient shard
   exists, else in backward). Its three fitted constants (the loss's 8V bytes per token, a block's backward
   working set, what a selective block rebuilds) were fitted on these rehearsals; everything else is counted.
-- *cuda*: the same with CUDA's kernels: CPU kernels are not CUDA kernels. The difference is the artefact
-  of rehearsing on a CPU (RMSNorm's composite path keeps fp32 copies a fused CUDA kernel does not).
+- *cuda*: the same with CUDA's kernels, at the same moment: CPU kernels are not CUDA kernels. The difference
+  is the artefact of rehearsing on a CPU (RMSNorm's composite path keeps fp32 copies a fused CUDA kernel does not).
 
 No tensor, no process: it reads ``Rehearsal`` objects and computes.
 """
@@ -29,6 +29,7 @@ ACTIVATION_CATEGORIES = ("Activation", "Temp", "Inputs", "Buffer")
 TERMS = ("activations", "states and buffers", "peak")
 _FORWARD = ("end of forward", "backward of the loss")
 _BACKWARD = ("first block's backward", "late backward")
+_AT = {"peak": "at moment"}  # the CPU kernels' share of the peak: at the moment the rehearsal peaked
 
 
 def measured_terms(r: Rehearsal) -> dict:
@@ -52,17 +53,19 @@ def _planned(r: Rehearsal, kernels: str = "cpu", cfg=None) -> dict:
     return memory(s, impl, config, cluster)
 
 
-def planner_terms(r: Rehearsal, kernels: str = "cpu") -> dict | None:
+def planner_terms(r: Rehearsal, kernels: str = "cpu", at: str | None = None) -> dict | None:
     """The throughput planner's terms for the rehearsal's setting (no allocator reserve, no CUDA context),
-    at the moment the rehearsal peaked; None for a strategy the planner prices as another implementation."""
+    at the moment the rehearsal peaked (or at the planner's phase ``at``); None for a strategy the planner
+    prices as another implementation. ``"at moment"``: the planner's total at that moment, where its
+    ``"peak"`` is its largest over the step."""
     if _impl_for(r) is None or r.mixed_precision != "bf16":
         return None
     m = _planned(r, kernels)
     moments = _FORWARD if r.peak.get("Sharded Grad", 0) == 0 else _BACKWARD
-    at = max(moments, key=lambda k: m["phases"][k]["total"])
+    at = at or max(moments, key=lambda k: m["phases"][k]["total"])
     p = m["phases"][at]
     return {"activations": p["activations"], "states and buffers": p["states"] + p["unsharded"],
-            "peak": m["tensors_peak"], "moment": at}  # fmt: skip
+            "peak": m["tensors_peak"], "moment": at, "at moment": p["total"]}  # fmt: skip
 
 
 def before_terms(r: Rehearsal) -> dict | None:
@@ -77,7 +80,8 @@ def calibration_rows(rehearsals) -> list[dict]:
     """One row per rehearsal and term: measured, before, after (CPU kernels), the CUDA estimate, errors."""
     rows = []
     for r in rehearsals:
-        m, b, a, cu = measured_terms(r), before_terms(r), planner_terms(r, "cpu"), planner_terms(r, "cuda")
+        m, b, a = measured_terms(r), before_terms(r), planner_terms(r, "cpu")
+        cu = a and planner_terms(r, "cuda", at=a["moment"])  # CUDA's kernels at the same moment of the step
         for term in TERMS:
             rows.append({
                 "label": r.label,
@@ -90,7 +94,7 @@ def calibration_rows(rehearsals) -> list[dict]:
                 "after": a and a[term],
                 "after_error": a and a[term] / m[term] - 1,
                 "cuda": cu and cu[term],
-                "cpu_artefact": (a and cu) and a[term] - cu[term],
+                "cpu_artefact": (a and cu) and a[_AT.get(term, term)] - cu[_AT.get(term, term)],
                 "moment": a and a["moment"],
             })  # fmt: skip
     return rows

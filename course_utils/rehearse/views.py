@@ -75,10 +75,11 @@ def bars_view(
     """What the stacked-bar chart draws: one bar per rehearsal, its peak by part (notebook 05b).
 
     ``planned``: ``{label: bytes}`` of settings not rehearsed, drawn as outlined bars of the
-    planner's total beside the rehearsed ones (cheap context for a slow model).
+    first planner's total beside the rehearsed ones (cheap context for a slow model; its activations are the
+    paper's rule, which undercounts a Llama block's, sections 6-7).
     """
     bars = [{"label": r.label, "parts": r.parts("peak"), "peak": r.peak_bytes} for r in rehearsals]
-    planned_bars = [{"label": f"{label} (planner)", "peak": float(v)} for label, v in (planned or {}).items()]
+    planned_bars = [{"label": f"{label} (first planner)", "peak": float(v)} for label, v in (planned or {}).items()]
     if not title and bars:
         lo = min(bars, key=lambda b: b["peak"])
         fits = sum(b["peak"] <= gpu_mem for b in bars)
@@ -126,10 +127,9 @@ def markdown_compare(r: Rehearsal, rows: list[dict], unit: str = "GB") -> str:
     lines = [
         f"{r.label}, {r.nproc} ranks, Ψ = {short_size(r.psi)}; bytes per GPU, {_unit_name(unit)}",
         "",
-        "| item | planner | rehearsal | ratio | when | what the formula counts, what FSDP2 holds |",
+        "| item | first planner | rehearsal | ratio | when | what the formula counts, what FSDP2 holds |",
         "|---|---|---|---|---|---|",
     ]
-    lines.append(f"  {'':<58} {'formula':>10} {'rehearsal':>10}  ratio")
     for row in rows:
         ratio = "" if math.isnan(row["ratio"]) else f"{row['ratio']:.3f}"
         lines.append(
@@ -246,7 +246,7 @@ def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
             .replace(" + ", "\n+ ")
             .replace("_GRAD_", "_GRAD\n_")
             .replace("HYBRID_", "HYBRID\n_")
-            .replace(" (planner)", "\n(planner)")
+            .replace(" (first planner)", "\n(first planner)")
             for b in every
         ],
         fontsize=11,
@@ -259,7 +259,13 @@ def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
     handles = [Patch(color=view["colors"][p], label=p) for p in used]
     if planned:
         handles.append(
-            Patch(fill=False, edgecolor="#555555", ls="--", hatch="//", label="not rehearsed: the planner's total")
+            Patch(
+                fill=False,
+                edgecolor="#555555",
+                ls="--",
+                hatch="//",
+                label="not rehearsed: the first planner's total",
+            )
         )
     fig.legend(handles=handles, fontsize=11, loc="outside lower center", ncols=2)
     ax.set_title(view["title"], fontsize=12)
@@ -288,9 +294,15 @@ def agreement_figure(rows: list[dict], *, width: float = 7.0, height: float = 4.
     ax.fill_between(grid, grid * (1 - CALIBRATED_TOL), grid * (1 + CALIBRATED_TOL), color="#3a7dc9", alpha=0.15,
                     label=f"±{CALIBRATED_TOL:.0%}")  # fmt: skip
     ax.scatter(first, ys, color="#e8883a", s=45, alpha=0.7, zorder=3, label="first planner (the paper's rule)")
-    for x, y, r in cal:
+    placed = []  # two points within 4% of the axis: the left one's label moves above and to the left of it
+    for x, y, r in sorted(cal, key=lambda c: c[0]):
         ax.scatter([x], [y], color="#3a7dc9", zorder=4, s=60)
-        ax.annotate(r["short"], (x, y), fontsize=11, xytext=(8, -4), textcoords="offset points")
+        for px, py, label in placed:
+            if abs(x - px) < 0.04 * hi and abs(y - py) < 0.04 * hi:
+                label.set_position((-6, 10))
+                label.set_horizontalalignment("right")
+        label = ax.annotate(r["short"], (x, y), fontsize=11, xytext=(8, -4), textcoords="offset points")
+        placed.append((x, y, label))
     ax.scatter([], [], color="#3a7dc9", s=60, label="calibrated planner (notebook 05)")
     ax.set_xlim(0, hi)
     ax.set_ylim(0, hi)
