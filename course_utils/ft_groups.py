@@ -419,7 +419,7 @@ class _Replica:
             weights_sha256=weights_sha256(self.model.state_dict()),
             adam_sha256=weights_sha256(_adam_state(self.model, self.inner)),
             adam_steps=sorted({int(s["step"]) for s in self.inner.state.values()}),
-            held_out_loss=float(self.model(tokens[:, :-1], tokens[:, 1:])),
+            held_out_loss=float(self.model(tokens[:, :-1], tokens[:, 1:]).detach()),
             listening=ft_nodes.listening_addresses([os.getpid()]),
             t=time.time(),
             pid=os.getpid(),
