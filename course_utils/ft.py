@@ -180,6 +180,18 @@ def _committed_after_heal(cfg: FTConfig, syncs: list, heal: dict) -> dict:
     }
 
 
+def _held_s(syncs: list, heals: list) -> float | None:
+    """Synchronous: how long the survivors' quorum at the step the restarted group healed to waited for it
+    (the last ``FTConfig.after_heal`` steps wait for a group being restarted; notebook 06)."""
+    held = [
+        r["quorum_s"]
+        for h in heals[:1]
+        for r in syncs
+        if r["step"] == h["healed_to_step"] and r["replica"] != h["replica"]
+    ]
+    return max(held, default=None)
+
+
 def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dict:
     """The report of one run, from the groups' event logs (notebook 06)."""
     rows = _events(run_dir)
@@ -200,6 +212,7 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
         "kill": cfg.kill,
         "hang": cfg.hang,
         "during_allreduce": cfg.during_allreduce,
+        "after_heal": cfg.after_heal,
         "diloco": cfg.diloco,
         "sync_every": cfg.sync_every if cfg.diloco else 1,
         "heartbeat_timeout_ms": cfg.heartbeat_timeout_ms,
@@ -216,6 +229,7 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
         "weights_sha256": by_group("weights_sha256"),
         "adam_sha256": by_group("adam_sha256"),
         "adam_steps": by_group("adam_steps"),
+        "held_out_loss": by_group("held_out_loss"),
         "final_steps": by_group("step"),
         "listening": sorted(
             {tuple(a) for f in finals.values() for a in f["listening"]} | set(map(tuple, started["listening"]))
@@ -227,6 +241,7 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
     report["weights_equal"] = len(finals) == cfg.replicas and len(set(report["weights_sha256"].values())) == 1
     report["adam_equal"] = len(finals) == cfg.replicas and len(set(report["adam_sha256"].values())) == 1
     report["committed_after_heal"] = _committed_after_heal(cfg, syncs, heals[0]) if heals else {}
+    report["held_s"] = None if cfg.diloco else _held_s(syncs, heals)
     link = [row["link_bytes"] for row in per_step if row["link_bytes"] is not None and row["participants"] > 1]
     report["link_bytes"] = sum(link) if link else None  # node 0's cable, both ways, steps with 2+ groups
     if kill or hang:
@@ -257,11 +272,13 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
     to the survivors' first step without the dead group, less the useful steps in between),
     ``steps_lost_with_it`` (local steps of the dead group never committed), ``heal_s`` (the restarted
     group copying the model and Adam state from a live peer), ``healed_to_step``,
-    ``committed_after_heal`` (per group, steps committed from the heal on), ``steps_while_away``,
+    ``committed_after_heal`` (per group, steps committed from the heal on), ``held_s`` (synchronous: how long the
+    survivors' quorum at that step waited for the restarted group, see ``FTConfig.after_heal``), ``steps_while_away``,
     ``step_time_s`` (median step with every group in; DiLoCo: median synchronising step),
     ``time_per_step_s`` (the same; DiLoCo: a round's duration over its H steps, median) and
     ``overhead_s`` (its median quorum plus commit vote), ``weights_sha256`` and ``adam_sha256``
-    (Adam's moments and step counts) per group with ``weights_equal`` and ``adam_equal``,
+    (Adam's moments and step counts) per group with ``weights_equal`` and ``adam_equal``, ``held_out_loss``
+    (per group, the final weights' loss on a batch no step trained on),
     ``link_bytes``, ``where`` (loopback or the cluster), ``listening`` (every address a group's
     process listened on at the end), ``pids`` (every process started), ``lighthouse`` (its address),
     ``command`` (the ``python -m course_utils ft`` line of the same run),

@@ -402,9 +402,13 @@ class _Replica:
         So a restarted group that arrives late can still heal from a finished one (synchronous mode:
         DiLoCo's quorum is followed by an all-reduce a finished group would not join).
         """
+        from .data import global_batch
         from .instrument import weights_sha256
+        from .models import get_config
 
-        cfg, manager = self.cfg, self.manager
+        cfg, manager, m = self.cfg, self.manager, get_config(self.cfg.model)
+        # the final weights' loss on a batch no step trained on: DiLoCo's rows are its drifting groups' losses
+        tokens = global_batch(10**6, cfg.batch, m.seq, m.vocab, cfg.seed)
         (self.run_dir / f"done-{self.replica}").touch()
         while not cfg.diloco and not _all_finished(self.run_dir, cfg):
             self.optimizer.zero_grad()
@@ -415,6 +419,7 @@ class _Replica:
             weights_sha256=weights_sha256(self.model.state_dict()),
             adam_sha256=weights_sha256(_adam_state(self.model, self.inner)),
             adam_steps=sorted({int(s["step"]) for s in self.inner.state.values()}),
+            held_out_loss=float(self.model(tokens[:, :-1], tokens[:, 1:]).detach()),
             listening=ft_nodes.listening_addresses([os.getpid()]),
             t=time.time(),
             pid=os.getpid(),

@@ -10,6 +10,7 @@ compares what two processes computed independently.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import socket
 
@@ -90,6 +91,11 @@ def test_the_healed_group_trains_on_and_ends_equal_to_the_survivor(in_allreduce)
     assert run["weights_equal"] and len(set(run["weights_sha256"].values())) == 1
     # Adam's moments and step counts, hashed in each process: copied by the heal, then updated alike
     assert run["adam_equal"] and run["adam_steps"] == {"0": [STEPS], "1": [STEPS]}
+    # the last AFTER_HEAL steps waited for the restarted group: the survivor's quorum at the heal step held
+    assert run["after_heal"] == AFTER_HEAL and run["held_s"] is not None and run["held_s"] >= 0
+    # the final weights' loss on a batch no step trained on, computed in each group's own process: equal weights
+    losses = list(run["held_out_loss"].values())
+    assert len(losses) == 2 and math.isclose(*losses, rel_tol=1e-6) and math.isfinite(losses[0])
 
 
 def test_a_heal_that_copies_only_the_weights_is_caught(weights_only):
@@ -117,6 +123,8 @@ def test_diloco_loses_the_dead_groups_round_and_heals_it_at_a_synchronisation(di
     assert run["healed_to_step"] % H == 0 and run["committed_after_heal"]["1"] >= H
     assert run["weights_equal"] and run["final_steps"] == {"0": 4 * H, "1": 4 * H}
     assert not run["adam_equal"]  # each group keeps its own inner Adam state: DiLoCo averages weights only
+    assert run["held_s"] is None  # DiLoCo's groups wait before a round, not inside a step's quorum
+    assert math.isclose(*run["held_out_loss"].values(), rel_tol=1e-6)  # its synchronised weights, one loss
 
 
 def test_a_restarted_diloco_group_never_waits_for_its_own_restart():

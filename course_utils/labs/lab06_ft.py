@@ -7,6 +7,7 @@ into the rows and numbers the notebook shows and asserts.
 from __future__ import annotations
 
 import re
+import statistics
 import textwrap
 
 
@@ -79,7 +80,8 @@ def link_comparison(runs: dict) -> list[list]:
     ``runs``: ``{label: ft_run report}``. Rows: what was measured, one column per run: bytes across
     node 0's cable per step with both groups in (counted by the kernel on the node's interface), the
     median step with every group in (DiLoCo: a round's steps, synchronisation included, per step), the
-    run's wall time, the mean loss of the last H steps, and what the failure cost.
+    run's wall time, the mean loss of the last H steps, the median change of the loss from one step to the
+    next (its scale), the final weights' loss on a batch no step trained on, and what the failure cost.
     """
 
     def per_step_bytes(r):
@@ -92,6 +94,14 @@ def link_comparison(runs: dict) -> list[list]:
     def final_loss(r):
         tail = [row["loss"] for row in r["per_step"][-max(r["sync_every"], 4) :]]
         return f"{sum(tail) / len(tail):.4f}"
+
+    def step_change(r):  # the scale of the row above: how much one step moved the loss, median over the run
+        losses = [row["loss"] for row in r["per_step"] if row["loss"] is not None]
+        return f"{statistics.median(abs(b - a) for a, b in zip(losses, losses[1:])):.4f}"
+
+    def held_out(r):
+        losses = set(r["held_out_loss"].values())  # one value when the groups' weights are equal
+        return " / ".join(f"{x:.4f}" for x in sorted(losses))
 
     def failure(r):  # keys: "0" a group's first process, "1 restarted" its second (ft._discarded_by_group)
         def who(key):
@@ -114,7 +124,15 @@ def link_comparison(runs: dict) -> list[list]:
         ],
         ["time per step, every group in (median; DiLoCo: a round's time / H)", *(step_time(r) for r in runs.values())],
         ["wall time of the run", *(f"{r['wall_s']:.1f} s" for r in runs.values())],
-        ["loss, mean of the last steps", *(final_loss(r) for r in runs.values())],
+        ["loss, mean of the last steps (DiLoCo: its groups' local models)", *(final_loss(r) for r in runs.values())],
+        [
+            "loss change from one step to the next (median, the scale of the row above)",
+            *(step_change(r) for r in runs.values()),
+        ],
+        [
+            "loss of the final, synchronised weights on a batch no step trained on",
+            *(held_out(r) for r in runs.values()),
+        ],
         ["a group killed inside the all-reduce of the same step", *(failure(r) for r in runs.values())],
         ["final weights of the groups", *("equal" if r["weights_equal"] else "DIFFERENT" for r in runs.values())],
     ]

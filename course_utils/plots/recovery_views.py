@@ -50,7 +50,14 @@ def lost_work_figure(rows: list, lost: list | None = None, *, width: float = 10.
         ax.bar(lk, restart, width=0.5, color="#9a9a9a", label="restart: stop, relaunch, rendezvous, load")
         ax.bar(lk, redo, width=0.5, bottom=restart, color="#3a7dc9", label="redo the completed steps")
         for k, a, b, r in zip(lk, restart, redo, lost):
-            ax.text(k, a + b, f"{a + b:.2f} s\n({r['failures']} failures)", ha="center", va="bottom", fontsize=8)
+            ax.text(
+                k,
+                a + b,
+                f"{a + b:.2f} s\n({r['failures']} failure{'s' if r['failures'] != 1 else ''})",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         ax.set_xticks(lk)
         ax.set_xlabel("checkpoint interval K (optimizer steps)")
         ax.set_ylabel("wall-clock seconds lost per failure")
