@@ -140,8 +140,8 @@ def shard_model(
 
     The root gets ``fully_shard``'s default, ``reshard_after_forward=None``: it is not resharded after
     its forward, because the backward begins with it (torch 2.13, ``_fsdp_state.py``: the root's
-    ``post_forward_mesh_info`` is None), so FULL_SHARD all-gathers 2U - 1 times per step, not 2U;
-    the record says so (``Strategy.keeps_root``) and ``predict.fsdp_collectives`` counts it.
+    ``post_forward_mesh_info`` is None); the record says so (``Strategy.keeps_root``) and
+    ``predict.fsdp_collectives`` counts it.
 
     The one wrapping function of the course: real runs (``apply.apply_fsdp``, for every FSDP row of
     the record) and the dress rehearsal (notebook 05b) both wrap through it.

@@ -305,6 +305,7 @@ def test_a_pytorch_users_bill_is_measured_not_assumed():
     assert amp["copies_after_forward"] == 2 * amp["linear_psi"] and amp["copies_after_backward"] == 0
     mg = memory.measure_model_state_bytes("tiny", "main_grad_adamw")
     assert (mg["weights"], mg["gradients"], mg["optimizer"], mg["total"]) == (2 * psi, 4 * psi, 12 * psi, 18 * psi)
+    assert mg["dot_grad"] == 0  # measured: every bf16 .grad was added into main_grad and freed
     # the same step as the paper's recipe, to rounding: main_grad changes the bill, not the arithmetic
     paper = memory.measure_model_state_bytes("tiny", "adam_mixed")
     assert abs(mg["loss"] - paper["loss"]) < 1e-3 and abs(amp["loss"] - paper["loss"]) < 1e-2

@@ -228,7 +228,8 @@ def measure_model_state_bytes(
     ``per_param`` ({part: bytes / Ψ}) and ``loss``; with "autocast_adamw" also ``copies_after_forward``
     (bytes of 16-bit weight copies alive between the forward and the backward, seen by a
     ``TorchDispatchMode``), ``copies_after_backward`` and ``linear_psi`` (parameters an ``nn.Linear``
-    reads, counted from the model's modules).
+    reads, counted from the model's modules); with "main_grad_adamw" ``gradients`` counts the measured
+    ``.grad`` bytes plus the ``main_grad`` buffers, and ``dot_grad`` the measured ``.grad`` bytes alone.
     """
     import torch
 
@@ -268,8 +269,9 @@ def measure_model_state_bytes(
 
         def after_update(self, step: int) -> None:
             self.bill = measured_bill(net, opt)
-            if isinstance(opt, MainGradAdamW):  # the gradients live in main_grad, not in .grad
-                self.bill["gradients"] = sum(p.main_grad.nbytes for p in opt.params)
+            if isinstance(opt, MainGradAdamW):  # measured .grad (the hook frees it) + the main_grad buffers
+                self.bill["dot_grad"] = self.bill["gradients"]
+                self.bill["gradients"] += sum(p.main_grad.nbytes for p in opt.params)
                 self.bill["total"] = self.bill["weights"] + self.bill["gradients"] + self.bill["optimizer"]
 
     counted = BillAfterTheStep()
