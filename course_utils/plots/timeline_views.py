@@ -22,7 +22,7 @@ TIMELINE_COLORS = {
 }
 
 
-def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, row_height: float = 1.6):
+def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, row_height: float = 1.2):
     """``timelines``: ``{label: StepTimeline.result()}``. One panel per run, up to three columns (so that every
     run fits one 1280 x 720 slide), the same y axis (bytes, kB = 10^3), x the operations of the step;
     the step's peak (activations included, ▼) and the model states' peak (parameters, gradients, optimizer state
@@ -46,8 +46,8 @@ def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, r
             x = next((i for i, r in enumerate(t["rows"]) if r[0] == at), 0)
             ax.plot([x], [height / 1e3], mark, color="black", ms=6)
         ax.set_title(
-            f"{name}\n▼ step peak {peak['total']:,} B ({peak['where'].split(',')[0]})\n"
-            f"◀ model states peak {states['states']:,} B ({states['where'].split(',')[0]})",
+            f"{name}: ▼ {peak['total']:,} B ({peak['where'].split(',')[0]})\n"
+            f"◀ model states {states['states']:,} B ({states['where'].split(',')[0]})",
             fontsize=8,
         )
         ax.set_ylim(0, top)
@@ -59,7 +59,7 @@ def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, r
     for mark, label in (("v", "step peak, activations included"), ("<", "model states peak")):
         handles.append(Line2D([], [], marker=mark, color="black", ls="", ms=6))
         labels.append(label)
-    fig.legend(handles, labels, loc="outside lower center", ncol=-(-len(labels) // 2), fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
