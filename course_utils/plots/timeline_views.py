@@ -59,7 +59,7 @@ def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, r
     for mark, label in (("v", "step peak, activations included"), ("<", "model states peak")):
         handles.append(Line2D([], [], marker=mark, color="black", ls="", ms=6))
         labels.append(label)
-    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="outside lower center", ncol=-(-len(labels) // 2), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
