@@ -147,15 +147,20 @@ def test_deepspeeds_watched_step_at_rest_is_the_formula_and_peaks_in_the_backwar
 
 @needs_deepspeed
 def test_deepspeeds_stage1_and_2_peaks_are_rest_plus_one_bucket_plus_every_gradient(beside):
-    """At the end of the backward: at rest + one reduce bucket (``reduce_bucket_size`` from the config) + 4Ψ. Stage 2
-    to the byte (8 runs of 8: 5,853,700 B); stage 1 within 4Ψ above it (7 runs of 8 exact, one 6,127,108 B: the flat
-    copy of the gradients alive before every ``.grad`` was freed)."""
+    """At the end of the backward: at rest + one reduce bucket (``reduce_bucket_size`` from the config) + 4Ψ, to the
+    byte; or that + the gradient partition ``copy_grads_in_partition`` allocates, when gloo's worker thread drops
+    the all-reduce's flat input only after it (``ProcessGroupGloo::runLoop``: measured 1 run in 8, stage 1)."""
+    late = lab.partition_gradient_bytes(TrainConfig().model, ND)
     for row in (ZERO1, ZERO2):
-        t = beside[row.name]["timeline"]
+        peak = beside[row.name]["timeline"]["states_peak"]
         bucket = lab.ds_config(row, ND, TrainConfig().batch)["zero_optimization"]["reduce_bucket_size"]
         want = predict.bucket_and_gradients_states_peak(sum(lab.expected_rest(row, PSI, ND).values()), PSI, bucket)
-        got = t["states_peak"]["states"]
-        if row is ZERO2:
-            assert got == want, (got, want)
-        else:
-            assert want <= got <= want + 4 * PSI, (got, want)
+        assert peak["states"] == want or (peak["states"] == want + late and peak["grads"] == late), (row.name, peak)
+
+
+def test_the_partition_gradient_is_every_whole_parameter_over_the_slice():
+    """One rank: every parameter; N ranks: each at least its slice, together at least every parameter once (a
+    parameter that straddles a boundary counts whole on both sides)."""
+    assert lab.partition_gradient_bytes("tiny", 1) == 4 * PSI
+    parts = [lab.partition_gradient_bytes("tiny", ND, r) for r in range(ND)]
+    assert all(p >= 4 * PSI // ND for p in parts) and 4 * PSI <= sum(parts) < 8 * PSI

@@ -142,6 +142,17 @@ def expected_held(row: Strategy, psi: int, nd: int) -> dict:
     }
 
 
+def partition_gradient_bytes(model: str, nd: int, rank: int = 0) -> int:
+    """Stages 1-2 in fp32: the gradient buffer ``copy_grads_in_partition`` allocates after the reduce
+    (``stage_1_and_2.py:2187-2189``), every *whole* parameter that overlaps ``rank``'s partition of the flat
+    buffer (padded to a multiple of 2N, ``:441``); in the model's parameter order (notebook 03)."""
+    numels = [p.numel() for p in build_model(get_config(model)).parameters()]
+    padded = -(-sum(numels) // (2 * nd)) * 2 * nd
+    lo, hi = rank * padded // nd, (rank + 1) * padded // nd
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    return FP32 * sum(n for s, n in zip(starts, numels) if s < hi and s + n > lo)
+
+
 #: The timeline's category (``timeline.CATEGORIES``) of each of ``expected_held``'s parts (``timeline_roles``).
 TIMELINE_CATEGORY = {
     "parameters": "params",

@@ -24,8 +24,11 @@ TIMELINE_COLORS = {
 
 def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, row_height: float = 1.2):
     """``timelines``: ``{label: StepTimeline.result()}``. One panel per run, up to three columns (so that every
-    run fits one 1280 x 720 slide), the same y axis (bytes, kB = 10^3), x the operations of the step; the peak
-    marked and its phase named."""
+    run fits one 1280 x 720 slide), the same y axis (bytes, kB = 10^3), x the operations of the step;
+    the step's peak (activations included, ▼) and the model states' peak (parameters, gradients, optimizer state
+    and buffers, ◀) marked and their phases named."""
+    from matplotlib.lines import Line2D
+
     names = list(timelines)
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
@@ -38,17 +41,25 @@ def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, r
         xs = list(range(len(t["rows"])))
         layers = [[r[index(c)] / 1e3 for r in t["rows"]] for c in TIMELINE_COLORS]
         ax.stackplot(xs, layers, colors=list(TIMELINE_COLORS.values()), labels=list(TIMELINE_COLORS), lw=0)
-        peak = t["peak"]
-        at = next((i for i, r in enumerate(t["rows"]) if r[0] == peak["index"]), 0)
-        ax.plot([at], [peak["total"] / 1e3], "v", color="black", ms=6)
-        ax.set_title(f"{name}: peak {peak['total']:,} B in the {peak['where'].split(',')[0]}", fontsize=9)
+        peak, states = t["peak"], t["states_peak"]
+        for mark, at, height in (("v", peak["index"], peak["total"]), ("<", states["index"], states["states"])):
+            x = next((i for i, r in enumerate(t["rows"]) if r[0] == at), 0)
+            ax.plot([x], [height / 1e3], mark, color="black", ms=6)
+        ax.set_title(
+            f"{name}: ▼ {peak['total']:,} B ({peak['where'].split(',')[0]})\n"
+            f"◀ model states {states['states']:,} B ({states['where'].split(',')[0]})",
+            fontsize=8,
+        )
         ax.set_ylim(0, top)
         ax.set_xlabel("operation of the step", fontsize=8)
         ax.set_ylabel("kB live", fontsize=8)
     for ax in list(axes.flat)[len(names) :]:
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8, frameon=False)
+    for mark, label in (("v", "step peak, activations included"), ("<", "model states peak")):
+        handles.append(Line2D([], [], marker=mark, color="black", ls="", ms=6))
+        labels.append(label)
+    fig.legend(handles, labels, loc="outside lower center", ncol=-(-len(labels) // 2), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
