@@ -74,7 +74,7 @@ def straggler_summary(timelines: list) -> dict:
       flight here, and gloo is moving and adding bytes;
     - ``queued_ms``: the part of ``in_flight_ms`` when two or more all-reduces were in flight on the rank, a later
       bucket behind an earlier one (gloo works on at most ``ProcessGroupGloo`` options' ``threads``, 2 by
-      default, at a time; the collectives complete in issue order).
+      default, at a time; they start in issue order, but a later, smaller one can finish first).
     """
     starts = [{r["bucket"]: r["start_ms"] for r in t["all_reduce"]} for t in timelines]
     ends = [
