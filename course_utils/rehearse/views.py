@@ -320,6 +320,7 @@ def _label_points(ax, points: list, *, avoid=()) -> None:
     every point, every label placed before it, the boxes in ``avoid`` and the axes' frame; a label set off past the
     first ring gets a leader line to its point (notebook 05b). Boxes are in display pixels: lay the figure out first.
     """
+    from matplotlib.text import Text
     from matplotlib.transforms import Bbox
 
     renderer = ax.figure.canvas.get_renderer()
@@ -329,7 +330,7 @@ def _label_points(ax, points: list, *, avoid=()) -> None:
     taken = list(avoid)
     turns = [(1, 0), (-1, 0), (0, 1), (0, -1), (0.7, 0.7), (-0.7, 0.7), (0.7, -0.7), (-0.7, -0.7)]
     for x, y, text, color in points:
-        for ring in (8, 24, 44, 66, 90):
+        for ring in (8, 24, 44, 66, 90, 120, 150):
             for dx, dy in turns:
                 label = ax.annotate(
                     text, (x, y), xytext=(dx * ring, dy * ring), textcoords="offset points", fontsize=11, color=color,
@@ -337,7 +338,8 @@ def _label_points(ax, points: list, *, avoid=()) -> None:
                     va="bottom" if dy > 0 else "top" if dy < 0 else "center",
                     arrowprops=dict(arrowstyle="-", color=color, lw=0.8, shrinkA=1, shrinkB=5) if ring > 8 else None,
                 )  # fmt: skip
-                box = label.get_window_extent(renderer).padded(2 * pt)
+                label.update_positions(renderer)
+                box = Text.get_window_extent(label, renderer).padded(2 * pt)  # the text's box, not its leader line's
                 clear = not any(box.overlaps(b) for b in dots + taken)
                 if clear and frame.containsx(box.x0) and frame.containsx(box.x1) and frame.containsy(box.y0) \
                         and frame.containsy(box.y1):  # fmt: skip
