@@ -294,16 +294,8 @@ def agreement_figure(rows: list[dict], *, width: float = 7.0, height: float = 4.
     ax.fill_between(grid, grid * (1 - CALIBRATED_TOL), grid * (1 + CALIBRATED_TOL), color="#3a7dc9", alpha=0.15,
                     label=f"±{CALIBRATED_TOL:.0%}")  # fmt: skip
     ax.scatter(first, ys, color="#e8883a", s=45, alpha=0.7, zorder=3, label="first planner (the paper's rule)")
-    placed = []  # two points within 4% of the axis: the left one's label moves above and to the left of it
-    for x, y, r in sorted(cal, key=lambda c: c[0]):
-        ax.scatter([x], [y], color="#3a7dc9", zorder=4, s=60)
-        for px, py, label in placed:
-            if abs(x - px) < 0.04 * hi and abs(y - py) < 0.04 * hi:
-                label.set_position((-6, 10))
-                label.set_horizontalalignment("right")
-        label = ax.annotate(r["short"], (x, y), fontsize=11, xytext=(8, -4), textcoords="offset points")
-        placed.append((x, y, label))
-    ax.scatter([], [], color="#3a7dc9", s=60, label="calibrated planner (notebook 05)")
+    ax.scatter([x for x, _, _ in cal], [y for _, y, _ in cal], color="#3a7dc9", zorder=4, s=60,
+               label="calibrated planner (notebook 05)")  # fmt: skip
     ax.set_xlim(0, hi)
     ax.set_ylim(0, hi)
     ax.tick_params(labelsize=12)
@@ -314,5 +306,48 @@ def agreement_figure(rows: list[dict], *, width: float = 7.0, height: float = 4.
         f"The calibrated planner is within {CALIBRATED_TOL:.0%} of FSDP2's peak for {inside} of {len(rows)}",
         fontsize=13,
     )
-    ax.legend(fontsize=11, loc="upper left")
+    legend = ax.legend(fontsize=11, loc="lower right")  # below the diagonal: no planner here overestimates by much
+    fig.canvas.draw()  # lay the figure out, then keep that layout: the labels are placed in its pixels
+    fig.set_layout_engine("none")
+    blue = [(x, y, r["short"], "#1f5a9e") for x, y, r in cal]  # text a shade darker than its point, to read on white
+    orange = [(x, y, r["short"], "#a8550f") for x, y, r in zip(first, ys, rows)]
+    _label_points(ax, blue + orange, avoid=[legend.get_window_extent()])
     return fig
+
+
+def _label_points(ax, points: list, *, avoid=()) -> None:
+    """Label every one of ``points`` (x, y, text, colour) at the first offset, nearest ring first, whose box clears
+    every point, every label placed before it, the boxes in ``avoid`` and the axes' frame; a label set off past the
+    first ring gets a leader line to its point (notebook 05b). Boxes are in display pixels: lay the figure out first.
+    """
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+
+    renderer = ax.figure.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    pt = ax.figure.dpi / 72  # pixels per point
+    dots = [Bbox.from_bounds(*(ax.transData.transform((x, y)) - 5 * pt), 10 * pt, 10 * pt) for x, y, _, _ in points]
+    taken = list(avoid)
+    turns = [(1, 0), (-1, 0), (0, 1), (0, -1), (0.7, 0.7), (-0.7, 0.7), (0.7, -0.7), (-0.7, -0.7)]
+    for x, y, text, color in points:
+        for ring in (8, 24, 44, 66, 90, 120, 150):
+            for dx, dy in turns:
+                label = ax.annotate(
+                    text, (x, y), xytext=(dx * ring, dy * ring), textcoords="offset points", fontsize=11, color=color,
+                    ha="left" if dx > 0 else "right" if dx < 0 else "center",
+                    va="bottom" if dy > 0 else "top" if dy < 0 else "center",
+                    arrowprops=dict(arrowstyle="-", color=color, lw=0.8, shrinkA=1, shrinkB=5) if ring > 8 else None,
+                )  # fmt: skip
+                label.update_positions(renderer)
+                box = Text.get_window_extent(label, renderer).padded(2 * pt)  # the text's box, not its leader line's
+                clear = not any(box.overlaps(b) for b in dots + taken)
+                if clear and frame.containsx(box.x0) and frame.containsx(box.x1) and frame.containsy(box.y0) \
+                        and frame.containsy(box.y1):  # fmt: skip
+                    taken.append(box)
+                    break
+                label.remove()
+            else:
+                continue
+            break
+        else:  # nowhere clear: beside the point, as before
+            ax.annotate(text, (x, y), xytext=(8, -4), textcoords="offset points", fontsize=11, color=color)
