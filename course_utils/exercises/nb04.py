@@ -60,14 +60,27 @@ EXTRA_CELLS = [
     ),
     (
         "code",
-        "import inspect\n\nfrom course_utils import per_param\n\n"
-        "print(inspect.getsource(per_param.ShardedParam))\n"
+        "from course_utils import per_param\n\n"
         "rows = [(r, per_param.shard_rows(5, 4, r)) for r in range(4)]  # section 1's 5-row weight\n"
         'print("a 5-row parameter on 4 ranks, rows kept per rank:", rows)\n'
         "assert [stop - start for _, (start, stop) in rows] == [2, 2, 1, 0]  # torch.chunk's split: c = 2",
         None,
     ),
 ]
+
+
+# After the last exercise: the course's ShardedParam, whose all_gather and reduce_scatter answer 04.1 and 04.2.
+AFTER_CHECK = {
+    "choose_layout": [
+        (
+            "code",
+            "# Exercises 04.1 and 04.2 answered: the course's per-parameter layout, gathered and reduced\n"
+            "import inspect\n\n"
+            "print(inspect.getsource(per_param.ShardedParam))",
+            "skip",
+        ),
+    ],
+}
 
 
 def judge_shard_dim0(fn) -> None:

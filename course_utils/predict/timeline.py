@@ -216,11 +216,19 @@ def unit_reduce_states(
 def unit_reduce_states_peak(strategy: str | Strategy, run: dict) -> dict:
     """The largest of ``unit_reduce_states`` for a watched run (``labs.lab03.timelines``' row): ``{"unit",
     "states"}``, read from the units the mechanism reported (``info["units"]``) and its backward prefetch
-    (``info["prefetch"]``: FSDP2's "default" has one unit in flight, the hand-built stage 3 none) (notebooks 03, 04)."""
+    (``info["prefetch"]``: FSDP2's "default" has one unit in flight, the hand-built stage 3 none) (notebooks 03, 04).
+    A shard group of one rank (NO_SHARD) runs no reduce-scatter, so no gloo clone: ``foreach_reduce`` calls the
+    collective only when ``world_size > 1`` (``_fsdp_collectives.py:618`` in torch 2.13)."""
     row = get(strategy)
     prefetch = {"default": 1, "none": 0}[run["info"].get("prefetch", "none")]
     shard = row.shard_group_size(run["world"], 2)
     steps = unit_reduce_states(
-        row, run["info"]["units"], run["tensors"], shard, tail_grads=run["tail_grads"], prefetch=prefetch
+        row,
+        run["info"]["units"],
+        run["tensors"],
+        shard,
+        tail_grads=run["tail_grads"],
+        prefetch=prefetch,
+        backend_clones=shard > 1,
     )
     return max(steps, key=lambda s: s["states"])
