@@ -102,7 +102,7 @@ def link_comparison(runs: dict) -> list[list]:
 
     def train_time(r):  # steps x time per step; the launch's wall time adds the same fixed costs to both
         tps = r["time_per_step_s"]
-        return ("-" if tps is None else f"{r['steps'] * tps:.2f} s") + f" (launch: {r['wall_s']:.1f} s)"
+        return ("-" if tps is None else f"{r['steps'] * tps:.2f} s") + f" (launch {r['wall_s']:.1f} s)"
 
     def final_loss(r):
         tail = [row["loss"] for row in r["per_step"][-max(r["sync_every"], 4) :]]
@@ -126,22 +126,18 @@ def link_comparison(runs: dict) -> list[list]:
 
         keys = r["discarded_by_group"]
         parts = [f"{who(k)}: {n}" for k, n in keys.items() if n]
-        unit, why = (
-            ("logged local steps", f"a round of {r['sync_every']} is kept or dropped whole; ")
-            if r["diloco"]
-            else ("logged tries", "")
-        )
+        unit = f"local steps (a round of {r['sync_every']} is kept or dropped whole)" if r["diloco"] else "step tries"
         waited = f"; survivors waited {r['stall_s']:.2f} s" if r.get("stall_s") is not None else ""
-        return f"{unit} not committed ({why}the killed try never logged): {'; '.join(parts) or 'none'}{waited}"
+        return f"{unit} not committed: {'; '.join(parts) or 'none'}{waited}"
 
     return [
         [
-            "bytes across the link per step (both groups in, the heal aside; measured over)",
+            "bytes across the link per step (both groups in, the heal aside)",
             *(per_step_bytes(r) for r in runs.values()),
         ],
         ["time per step, every group in (median; DiLoCo: a round's time / H)", *(step_time(r) for r in runs.values())],
         [
-            "training time: steps x time per step (launch: start-up, lighthouse, stall, restart, heal)",
+            "training time: steps x time per step",
             *(train_time(r) for r in runs.values()),
         ],
         ["loss, mean of the last steps (DiLoCo: its groups' local models)", *(final_loss(r) for r in runs.values())],
@@ -153,6 +149,9 @@ def link_comparison(runs: dict) -> list[list]:
             "loss of the final, synchronised weights on a batch no step trained on",
             *(held_out(r) for r in runs.values()),
         ],
-        ["a group killed inside the all-reduce of the same step", *(failure(r) for r in runs.values())],
+        [
+            "a group killed inside the same step's all-reduce (logged tries only: the killed try never logged)",
+            *(failure(r) for r in runs.values()),
+        ],
         ["final weights of the groups", *("equal" if r["weights_equal"] else "DIFFERENT" for r in runs.values())],
     ]
