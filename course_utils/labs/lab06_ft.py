@@ -64,14 +64,19 @@ def link_bytes_per_step(run: dict) -> float | None:
     ``healed_to_step`` (DiLoCo: of the synchronisation ending the round before it, so that round is left
     out whole: a round is the unit that crosses the link once). None on loopback.
     """
+    both = _steps_both_in(run)
+    return sum(both) / len(both) if both else None
+
+
+def _steps_both_in(run: dict) -> list[int]:
+    """Node 0's cable bytes of each step with every group in, the heal's step (DiLoCo: round) left out."""
     heal, h = run["healed_to_step"], run["sync_every"] if run["diloco"] else 1
     healing = set() if heal is None else set(range(heal - h, heal) if run["diloco"] else [heal])
-    both = [
+    return [
         row["link_bytes"]
         for row in run["per_step"]
         if row["participants"] == run["replicas"] and row["link_bytes"] is not None and row["step"] not in healing
     ]
-    return sum(both) / len(both) if both else None
 
 
 def link_comparison(runs: dict) -> list[list]:
@@ -85,11 +90,19 @@ def link_comparison(runs: dict) -> list[list]:
     """
 
     def per_step_bytes(r):
-        mean = link_bytes_per_step(r)
-        return "- (loopback: no link to count)" if mean is None else f"{mean / 1e6:.2f} MB"
+        mean, n = link_bytes_per_step(r), len(_steps_both_in(r)) // (r["sync_every"] if r["diloco"] else 1)
+        return (
+            "- (loopback: no link to count)"
+            if mean is None
+            else f"{mean / 1e6:.2f} MB ({n} {'round' if r['diloco'] else 'step'}{'s' * (n != 1)})"
+        )
 
     def step_time(r):
         return "-" if r["time_per_step_s"] is None else f"{r['time_per_step_s'] * 1e3:.0f} ms"
+
+    def train_time(r):  # steps x time per step; the launch's wall time adds the same fixed costs to both
+        tps = r["time_per_step_s"]
+        return ("-" if tps is None else f"{r['steps'] * tps:.2f} s") + f" (launch {r['wall_s']:.1f} s)"
 
     def final_loss(r):
         tail = [row["loss"] for row in r["per_step"][-max(r["sync_every"], 4) :]]
@@ -123,7 +136,10 @@ def link_comparison(runs: dict) -> list[list]:
             *(per_step_bytes(r) for r in runs.values()),
         ],
         ["time per step, every group in (median; DiLoCo: a round's time / H)", *(step_time(r) for r in runs.values())],
-        ["wall time of the run", *(f"{r['wall_s']:.1f} s" for r in runs.values())],
+        [
+            "training time: steps x time per step",
+            *(train_time(r) for r in runs.values()),
+        ],
         ["loss, mean of the last steps (DiLoCo: its groups' local models)", *(final_loss(r) for r in runs.values())],
         [
             "loss change from one step to the next (median, the scale of the row above)",
@@ -133,6 +149,9 @@ def link_comparison(runs: dict) -> list[list]:
             "loss of the final, synchronised weights on a batch no step trained on",
             *(held_out(r) for r in runs.values()),
         ],
-        ["a group killed inside the all-reduce of the same step", *(failure(r) for r in runs.values())],
+        [
+            "a group killed inside the same step's all-reduce (logged tries only: the killed try never logged)",
+            *(failure(r) for r in runs.values()),
+        ],
         ["final weights of the groups", *("equal" if r["weights_equal"] else "DIFFERENT" for r in runs.values())],
     ]
