@@ -601,6 +601,20 @@ def test_host_fit_uses_the_sweep_when_given():
     assert h["gather_bw"] == pytest.approx(1e9, rel=0.05) and h["gather_fit"]["explains"]
 
 
+def test_host_fit_separates_the_per_call_overhead_from_the_rate():
+    """Forward seconds = 2 ms per call + FLOPs at 50 GFLOP/s: the fit recovers both, where a median of the
+    rows' rates would not (the small calls' rates are overhead)."""
+    rows = [
+        {"width": w, "tokens": t, "fwd_s": 2e-3 + 24.0 * w * w * t / 50e9, "gather_bytes": 1, "gather_s": 1.0,
+         "world_size": 2}
+        for w in (64, 128, 256) for t in (64, 256, 1024)
+    ]  # fmt: skip
+    h = plan.host_fit(rows)
+    assert h["flops"] == pytest.approx(50e9, rel=1e-6) and h["compute_overhead_s"] == pytest.approx(2e-3, rel=1e-6)
+    ratio = plan.overlap_ratio([1024.0], 256, flops=50e9, bandwidth=1e9, n=2, bytes_per_param=4, compute_overhead=2e-3)
+    assert ratio[0] == pytest.approx(rows[-1]["fwd_s"] / (4 * 12 * 256 * 256 / 2 / 1e9))
+
+
 # ---------------------------------------------------------------------------------------------
 # The throughput planner (issue 32): the four cases an expert was asked about
 # ---------------------------------------------------------------------------------------------
