@@ -601,6 +601,20 @@ def test_host_fit_uses_the_sweep_when_given():
     assert h["gather_bw"] == pytest.approx(1e9, rel=0.05) and h["gather_fit"]["explains"]
 
 
+def test_host_fit_separates_the_per_call_overhead_from_the_rate():
+    """Forward seconds = 2 ms per call + FLOPs at 50 GFLOP/s: the fit recovers both, where a median of the
+    rows' rates would not (the small calls' rates are overhead)."""
+    rows = [
+        {"width": w, "tokens": t, "fwd_s": 2e-3 + 24.0 * w * w * t / 50e9, "gather_bytes": 1, "gather_s": 1.0,
+         "world_size": 2}
+        for w in (64, 128, 256) for t in (64, 256, 1024)
+    ]  # fmt: skip
+    h = plan.host_fit(rows)
+    assert h["flops"] == pytest.approx(50e9, rel=1e-6) and h["compute_overhead_s"] == pytest.approx(2e-3, rel=1e-6)
+    ratio = plan.overlap_ratio([1024.0], 256, flops=50e9, bandwidth=1e9, n=2, bytes_per_param=4, compute_overhead=2e-3)
+    assert ratio[0] == pytest.approx(rows[-1]["fwd_s"] / (4 * 12 * 256 * 256 / 2 / 1e9))
+
+
 # ---------------------------------------------------------------------------------------------
 # The throughput planner (issue 32): the four cases an expert was asked about
 # ---------------------------------------------------------------------------------------------
@@ -809,3 +823,21 @@ def test_the_first_planner_prices_block_gathers_with_exposed_comm(monkeypatch):
     z3 = p.strategies["zero3"]
     assert z3.exposed_comm_s == pytest.approx(0.375)
     assert (p.model.layers, z3.block["gather_s"], z3.block["reduce_scatter_s"]) in calls
+
+
+def test_fsdp2_cpu_offload_is_paid_every_micro_batch_deepspeeds_once_a_step():
+    """FSDP2's CPUOffloadPolicy copies each reduced fp32 gradient to the host on every micro-batch, blocking and
+    added on the CPU once accumulating (torch 2.13, _fsdp_collectives.py); DeepSpeed's offload_optimizer
+    accumulates on the GPU and offloads at the boundary (stage3.py): one more micro-batch adds 4 bytes per
+    shard element over PCIe and 12 through the host's memory to the first, nothing to the second."""
+    from course_utils.presets import preset
+
+    s = plan.shape_of_preset(preset("70B"))
+    cluster = plan.GPUCluster(H100)
+    extra = {}
+    for key in ("pt-fsdp2-cpu", "ds-3-offload"):
+        t = [plan.evaluate(s, cluster, plan.BY_KEY[key], plan.Config(key, "full", 1, a, 1, 8), 0.4) for a in (1, 2)]
+        extra[key] = t[1]["time"]["terms"]["offload"] - t[0]["time"]["terms"]["offload"]
+    shard = s.params / 8
+    assert extra["ds-3-offload"] == 0.0
+    assert extra["pt-fsdp2-cpu"] == pytest.approx(4 * shard / H100.pcie_bw + 12 * shard * 8 / cluster.host_bw)

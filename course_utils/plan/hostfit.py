@@ -93,14 +93,25 @@ def host_fit(rows, gathers: list | None = None) -> dict:
     rows, so the planner's formulas can be drawn for this machine (notebook 05).
 
     ``gathers``: the worker's all-gather sweep; with it the bandwidth (and latency) come from
-    ``fit_latency_bandwidth`` (``"gather_fit"``), without it from the blocks' own gathers."""
+    ``fit_latency_bandwidth`` (``"gather_fit"``), without it from the blocks' own gathers.
+
+    Compute is fitted as a line, forward seconds = ``compute_overhead_s`` + FLOPs / ``flops`` (least squares
+    of the relative misses over every row): a per-call overhead makes small calls look slow, so a median of
+    per-row rates would mix the two."""
     import statistics
 
-    flops = [(24.0 * r["width"] ** 2 * r["tokens"]) / r["fwd_s"] for r in rows]
+    import numpy as np
+
+    work = np.array([24.0 * r["width"] ** 2 * r["tokens"] for r in rows])
+    secs = np.array([r["fwd_s"] for r in rows])
+    slope, overhead = np.polyfit(work, secs, 1, w=1 / secs) if len(rows) > 1 and np.ptp(work) > 0 else (0.0, 0.0)
+    if slope <= 0 or overhead < 0:  # too few or too noisy rows for a line: through the origin
+        slope, overhead = float(np.sum(work * secs) / np.sum(work * work)), 0.0
+    compute = {"flops": 1.0 / float(slope), "compute_overhead_s": float(overhead)}
     if gathers:
         f = fit_latency_bandwidth(gathers)
         return {
-            "flops": statistics.median(flops),
+            **compute,
             "gather_bw": f["bandwidth"],
             "gather_latency_s": f["latency_s"],
             "gather_fit": f,
@@ -108,7 +119,7 @@ def host_fit(rows, gathers: list | None = None) -> dict:
     bws = [
         r["gather_bytes"] * (r["world_size"] - 1) / r["world_size"] / r["gather_s"] for r in rows if r["gather_s"] > 0
     ]
-    return {"flops": statistics.median(flops), "gather_bw": statistics.median(bws) if bws else float("nan")}
+    return {**compute, "gather_bw": statistics.median(bws) if bws else float("nan")}
 
 
 # ---------------------------------------------------------------------------------------------

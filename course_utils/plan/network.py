@@ -180,12 +180,14 @@ def overlap_ratio(
     bytes_per_param: float = 2,
     seq: int = 0,
     latency: float = 0.0,
+    compute_overhead: float = 0.0,
 ):
     """A block's forward compute time divided by the all-gather time of its parameters, for
     ``tokens`` = b·s per micro-batch (notebook 05). Above 1 the gather hides.
 
     compute = (24h² + 4sh)·tokens / FLOP/s; gather = latency + bytes_per_param·12h²·(n − 1)/n / bandwidth
-    (``latency``: a measured line's, e.g. ``host_fit``'s; a GPU's few microseconds are left out).
+    (``latency``: a measured line's, e.g. ``host_fit``'s; a GPU's few microseconds are left out;
+    ``compute_overhead``: seconds per forward call, ``host_fit``'s, added to the compute).
     With s small next to 6h the width cancels: the crossover sits near
     tokens ≈ FLOP/s · bytes_per_param · (n − 1)/n / (2 · bandwidth), whatever the model's size.
     """
@@ -193,8 +195,8 @@ def overlap_ratio(
 
     tokens = np.asarray(tokens, dtype=float)
     _need(flops > 0 and bandwidth > 0 and n >= 2 and width >= 1, "flops, bandwidth, width must be positive and n >= 2")
-    compute = (24.0 * width * width + 4.0 * seq * width) * tokens / flops
-    _need(latency >= 0, "latency must be >= 0 seconds")
+    compute = compute_overhead + (24.0 * width * width + 4.0 * seq * width) * tokens / flops
+    _need(latency >= 0 and compute_overhead >= 0, "latency and compute_overhead must be >= 0 seconds")
     gather = latency + bytes_per_param * 12.0 * width * width * (n - 1) / n / bandwidth
     return compute / gather
 

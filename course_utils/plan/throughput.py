@@ -132,13 +132,19 @@ def step_time(s: Shape, impl: Impl, c: Config, cl: GPUCluster, mfu: float) -> di
     exposed, sent = impl.comm(s, impl, c, t)
     updated = s.params / impl.optimizer_share(t.n, c.shard)
     optimizer = (28 + impl.step_copy) * updated / g.hbm_bw
-    offload = 0.0
+    offload, micro = 0.0, s.layers * 3 * t.f_blk + 3 * t.head
     if impl.offload:
-        pcie = (12 if impl.offload == "all" else 4) * updated
         cpu_adam = (2 * 12 + 4) * updated * cl.gpus_per_node / cl.host_bw
-        offload, optimizer = pcie / g.pcie_bw + cpu_adam, 0.0
+        offload, optimizer = 4 * updated / g.pcie_bw + cpu_adam, 0.0  # DeepSpeed: bf16 out and in, once a step
+    if impl.offload == "all":  # FSDP2's CPUOffloadPolicy works on every micro-batch (torch 2.13's _fully_shard):
+        # the fp32 shard copied in before each all-gather (non-blocking: hides behind the micro-batch's compute),
+        # the reduced fp32 gradient copied out (blocking once accumulating) and added on the CPU (read 2, write 1)
+        copy_in = (2 if impl.reshard_after_forward else 1) * 4 * updated / g.pcie_bw
+        add = 12 * updated * cl.gpus_per_node / cl.host_bw
+        offload = c.accum * (max(0.0, copy_in - micro - recompute) + 4 * updated / g.pcie_bw)
+        offload += (c.accum - 1) * add + cpu_adam
     terms = {
-        "compute": c.accum * (s.layers * 3 * t.f_blk + 3 * t.head),
+        "compute": c.accum * micro,
         "recompute": c.accum * recompute,
         "exposed comm": exposed,
         "optimizer step": optimizer,
