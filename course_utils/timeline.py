@@ -32,9 +32,10 @@ same program makes the same storages every run. The tolerances, and why: (1) glo
 (a reduce-scatter's clone of its input) are released by gloo's own thread at a moment the caller does
 not control; ``settle`` waits (at most 1 s) before the next operation until they are gone, which makes
 their life end with the collective in every run (measured: two runs of nine strategies identical
-operation by operation). (2) What a kernel allocates and frees inside itself is invisible at operation
-granularity: the peak is a lower bound by at most one such workspace. (3) On a GPU the caching
-allocator rounds each block up (512 B at least) and keeps freed blocks: compare
+operation by operation). Only those copies: a collective's input, which gloo's thread may also keep a
+moment after ``wait()`` returns, is not waited for (its caller may keep it on purpose). (2) What a kernel
+allocates and frees inside itself is invisible at operation granularity: the peak is a lower bound by at
+most one such workspace. (3) On a GPU the caching allocator rounds each block up (512 B at least) and keeps freed blocks: compare
 ``torch.cuda.max_memory_allocated`` within 512 B per live storage, never to the byte.
 """
 
@@ -147,7 +148,8 @@ class StepTimeline:
 
         gloo's reduce-scatter clones its input; its ``wait()`` runs ``split`` and ``copy_`` on the clone
         (let through), then gloo's worker thread drops it a moment after the caller resumed. Waiting here
-        ends the clone's life with the collective in every run, instead of a race."""
+        ends the clone's life with the collective in every run, instead of a race. The clone only: a
+        collective's input, which gloo's thread may keep a moment longer too, is not waited for."""
         if not self.settle or name in ("split", "copy_") or not self.pending_hidden:
             return
         deadline = time.monotonic() + 1.0

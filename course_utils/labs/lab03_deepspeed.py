@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .. import dist as cdist
 from ..data import batch_for_rank
-from ..instrument import HeldAtRest, weights_sha256
+from ..instrument import CommCounter, HeldAtRest, weights_sha256
 from ..launch import launch
 from ..loop import TrainConfig, make_optimizer, prepare, run_steps
 from ..models import build_model, get_config
@@ -352,17 +352,18 @@ def _train_deepspeed(deepspeed, row: Strategy, cfg: TrainConfig, info, own_linea
     phase = timeline.phase if timeline is not None else (lambda *a: None)
     if timeline is not None:
         timeline.roles = timeline_roles(engine)
-    losses = []
+    losses, comm = [], CommCounter()
     for step in range(cfg.steps):
         x, y = batch_for_rank(
             step, info.rank, info.world_size, batch=cfg.batch, seq=mcfg.seq, vocab=mcfg.vocab, seed=cfg.seed
         )
-        phase("forward", step)
-        loss = engine(x, y)
-        phase("backward")
-        engine.backward(loss)
-        phase("optimizer")  # DeepSpeed's step: the reduce (stage 1), the update, the all-gather, its zero_grad
-        engine.step()
+        with comm if step == cfg.steps - 1 else contextlib.nullcontext():  # the last step's collectives
+            phase("forward", step)
+            loss = engine(x, y)
+            phase("backward")
+            engine.backward(loss)
+            phase("optimizer")  # DeepSpeed's step: the reduce (stage 1), the update, the all-gather, its zero_grad
+            engine.step()
         losses.append(float(loss.detach()))
         if timeline is not None:
             timeline.end_step(step)
@@ -376,7 +377,7 @@ def _train_deepspeed(deepspeed, row: Strategy, cfg: TrainConfig, info, own_linea
     engine.destroy()
     replaced = torch.nn.functional.linear is not _TORCH_LINEAR
     torch.nn.functional.linear = _TORCH_LINEAR  # DeepSpeed's replacement outlives its engine otherwise
-    return {"losses": losses, "weights": weights, "census": held, "replaced_linear": replaced}
+    return {"losses": losses, "weights": weights, "census": held, "replaced_linear": replaced, "comm": comm.summary(1)}
 
 
 def _estimators(deepspeed, psi: int, nd: int, largest_layer: int) -> dict:
@@ -423,6 +424,7 @@ def worker(config: dict) -> dict:
                 "sha_course": weights_sha256(full),
                 "losses": ds["losses"],
                 "replaced_linear": ds["replaced_linear"],
+                "comm": ds["comm"],
                 "timeline": watch.result() if watch is not None and info.rank == 0 else None,
             }
             every = [None] * info.world_size
@@ -443,7 +445,8 @@ def beside(cfg: TrainConfig | None = None, **overrides) -> dict:
     ``replaced_linear`` (DeepSpeed left ``torch.nn.functional.linear`` replaced: the worker restores it),
     ``per_rank`` (DeepSpeed's census ``by_category`` and the course's bytes held, ``HeldAtRest`` after the
     last update), rank 0's ``storages`` (path, bytes, category), the losses, and ``deepspeed_estimate``
-    (DeepSpeed's own estimator for a GPU, mixed precision; None for stage 1).
+    (DeepSpeed's own estimator for a GPU, mixed precision; None for stage 1), ``comm_per_step`` (rank 0's
+    collectives in the last step, ``CommCounter.summary``).
     Defaults: the course model, 2 ranks, 3 steps (notebook 03)."""
     base = asdict(cfg or TrainConfig(strategy=ZERO1.name, nproc=2, steps=3))
     cfg = TrainConfig(**{**base, **overrides}).validate()
@@ -477,6 +480,7 @@ def beside(cfg: TrainConfig | None = None, **overrides) -> dict:
             "losses_equal": all(r["losses_equal"] for r in ranks),
             "losses": first["losses"],
             "replaced_linear": all(r["replaced_linear"] for r in ranks),
+            "comm_per_step": first["comm"],
             "per_rank": [{"deepspeed": r["census"]["by_category"], "course": r["course_held"]} for r in ranks],
             "storages": first["census"]["storages"],
             "deepspeed_estimate": result["estimates"][deepspeed_stage(row)],
