@@ -356,11 +356,19 @@ def test_straggler_summary_splits_the_union_of_overlapping_bars():
     assert rank0["in_flight_ms"] == pytest.approx(7.0)  # [1, 8], not 5 + 6 = 11
     # [1, 5]: rank 1 issues bucket 0 at 4 and bucket 1 at 5; until then rank 0 cannot finish, even while bucket 0 moves
     assert rank0["waiting_for_others_ms"] == pytest.approx(4.0)
-    assert rank0["moving_ms"] == pytest.approx(3.0) and rank0["queued_ms"] == pytest.approx(4.0)  # [5, 8]; [2, 6]
+    # [5, 8]: two in flight at most, each on one of gloo's two threads: none queued for a thread
+    assert rank0["moving_ms"] == pytest.approx(3.0) and rank0["queued_ms"] == 0.0
     assert rank1 == {
         "backward_ms": pytest.approx(5.0),
         "in_flight_ms": pytest.approx(4.0),  # [4, 8] on rank 0's clock
         "waiting_for_others_ms": 0.0,  # the last to issue: never waits
         "moving_ms": pytest.approx(4.0),
-        "queued_ms": pytest.approx(1.0),  # [5, 6]
+        "queued_ms": 0.0,
     }
+    # a third bucket in flight beside two, all issued everywhere: it waits for one of gloo's 2 threads
+    three = lab02.on_one_axis(
+        [timeline(100.0, [(0, 1, 6), (1, 2, 7), (2, 3, 8)]), timeline(100.0, [(0, 0, 6), (1, 0, 7), (2, 0, 8)])]
+    )
+    r0 = lab02.straggler_summary(three)["ranks"][0]
+    assert r0["waiting_for_others_ms"] == 0.0 and r0["queued_ms"] == pytest.approx(3.0)  # [3, 6]
+    assert r0["moving_ms"] == pytest.approx(4.0)  # [1, 3] and [6, 8]

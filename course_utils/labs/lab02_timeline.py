@@ -58,6 +58,11 @@ def on_one_axis(timelines: list) -> list:
     return moved
 
 
+#: The worker threads a ``ProcessGroupGloo`` runs collectives on by default (``int threads{2}``,
+#: ``ProcessGroupGloo.hpp``, torch 2.13): a third collective in flight waits for one of them.
+GLOO_THREADS = 2
+
+
 def straggler_summary(timelines: list) -> dict:
     """What each rank's all-reduces waited for, from timelines on one axis (``on_one_axis``) (notebook 02).
 
@@ -70,11 +75,10 @@ def straggler_summary(timelines: list) -> dict:
     - ``waiting_for_others_ms``: the part of it when some all-reduce in flight on this rank had not yet been
       issued by every rank (a straggler is still computing, and this rank cannot finish its step without it,
       whatever gloo is doing with the older buckets meanwhile);
-    - ``moving_ms``: the rest, ``in_flight_ms - waiting_for_others_ms``: every rank has issued every all-reduce in
-      flight here, and gloo is moving and adding bytes;
-    - ``queued_ms``: the part of ``in_flight_ms`` when two or more all-reduces were in flight on the rank, a later
-      bucket behind an earlier one (gloo works on at most ``ProcessGroupGloo`` options' ``threads``, 2 by
-      default, at a time; they start in issue order, but a later, smaller one can finish first).
+    - ``queued_ms``: the part of it, every all-reduce in flight issued everywhere, when more were in flight on the
+      rank than gloo has worker threads (``GLOO_THREADS``, ``threads{2}`` in ``ProcessGroupGloo.hpp``): a bucket
+      waiting for a thread behind older ones (they start in issue order, a later, smaller one can finish first);
+    - ``moving_ms``: the rest, ``in_flight_ms - waiting_for_others_ms - queued_ms``: gloo moving and adding bytes.
     """
     starts = [{r["bucket"]: r["start_ms"] for r in t["all_reduce"]} for t in timelines]
     ends = [
@@ -97,8 +101,8 @@ def straggler_summary(timelines: list) -> dict:
 
 def _in_flight_parts(bars: list) -> dict:
     """One rank's ``(bucket, start, end, last rank's start)`` bars cut at every edge: each slice with an
-    all-reduce in flight is waiting (one of them not yet issued everywhere) or moving, and queued when two or more
-    are in flight."""
+    all-reduce in flight is waiting (one of them not yet issued everywhere), else queued (more in flight than
+    gloo's threads), else moving."""
     edges = sorted({x for _, start, end, last in bars for x in (start, end, last)})
     out = {"in_flight_ms": 0.0, "waiting_for_others_ms": 0.0, "moving_ms": 0.0, "queued_ms": 0.0}
     for lo, hi in zip(edges, edges[1:]):
@@ -106,8 +110,10 @@ def _in_flight_parts(bars: list) -> dict:
         if not live:
             continue
         out["in_flight_ms"] += hi - lo
-        out["waiting_for_others_ms" if any(lo < last for _, last in live) else "moving_ms"] += hi - lo
-        out["queued_ms"] += (hi - lo) if len(live) > 1 else 0.0
+        if any(lo < last for _, last in live):
+            out["waiting_for_others_ms"] += hi - lo
+        else:
+            out["queued_ms" if len(live) > GLOO_THREADS else "moving_ms"] += hi - lo
     return out
 
 
