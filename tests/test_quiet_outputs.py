@@ -103,7 +103,8 @@ def test_the_plugin_fails_the_cells_that_show_noise(tmp_path):
         [
             ("print('the answer: 42')", []),
             ("import warnings\nwarnings.warn('old name', FutureWarning)", []),
-            ("import tempfile\nprint(tempfile.mkdtemp(prefix='course-run-'))", []),
+            # a real temporary path, removed before it is printed: the test leaves no folder behind
+            ("import os, tempfile\np = tempfile.mkdtemp(prefix='course-run-')\nos.rmdir(p)\nprint(p)", []),
             ("import warnings\nwarnings.warn('what this warning says', UserWarning)", [quiet.ALLOW_TAG]),
         ],
     )
