@@ -241,6 +241,10 @@ def test_overlap_summary_reports_the_union_of_overlapping_all_reduces():
     assert got["in_flight_ms"] == 7.0  # [1, 8], not 5 + 5 + 4 = 14
     assert got["in_flight_during_backward_ms"] == 4.0  # [1, 5]
     assert got["step_ms"] == 10.0 and got["started_during_backward"] == 3
+    assert got["for_all_reduces_ms"] == 3.0 and got["after_last_all_reduce_ms"] == 0.0  # bucket 2 ends at synced
+    later = lab02.overlap_summary({**timeline, "synced_ms": 9.5, "all_reduce": timeline["all_reduce"][:2]})
+    assert later["for_all_reduces_ms"] == 2.0 and later["after_last_all_reduce_ms"] == 2.5  # [5, 7], then [7, 9.5]
+    assert later["wait_after_backward_ms"] == 4.5
 
 
 # ---------------------------------------------------------------- the worker: both DDPs in the course's loop

@@ -488,13 +488,24 @@ def test_a_bucket_step_is_priced_by_hand():
     assert late["exposed_s"] == pytest.approx(0.5e-3)
 
 
+def _even_layout(caps_bytes, grad_bytes=1000, tensor_bytes=25):
+    """``tensor_backward_caps``' layout for gradients made at an even rate: blocks' tensors of ``tensor_bytes``, at
+    each cap buckets of cap / ``tensor_bytes`` whole tensors (the last one smaller)."""
+    tensors = [(f"blocks.{i}.w", tensor_bytes) for i in range(grad_bytes // tensor_bytes)]
+    per = {cap: cap // tensor_bytes for cap in caps_bytes}
+    return {"tensors": tensors, "buckets": {cap: [
+        {"bytes": tensor_bytes * len(tensors[i : i + k]), "names": [n for n, _ in tensors[i : i + k]]}
+        for i in range(0, len(tensors), k)] for cap, k in per.items()}}  # fmt: skip
+
+
 def test_the_best_cap_of_an_even_backward_is_the_one_solved_by_hand():
-    """1,000 bytes of gradients made evenly over a 10 ms backward on 2 ranks, 1 ms + 1 µs per byte sent. By hand:
+    """1,000 bytes of blocks' gradients made evenly over a 10 ms backward on 2 ranks, 1 ms + 1 µs per byte sent,
+    scheduled by ``tensor_backward_caps`` (what ``gpu_bucket_caps`` prices notebook 02's caps with). By hand:
     the all-reduces keep up from C* = 1 ms x 1,000 / (10 ms - 1 ms) = 111 bytes. At 125 bytes (8 buckets of
     1.125 ms, one filled every 1.25 ms) only the last is exposed, 1.125 ms; at 100 (10 of 1.1 ms, one every 1 ms)
     they fall behind: 1 + 10 x 1.1 = 12 ms, 2 ms exposed; at 250 the last one is longer, 1.25 ms."""
     fit = {"latency_s": 1e-3, "bandwidth": 1e6}
-    rows = plan.even_backward_caps(1000, 10e-3, 2, fit, [100, 125, 250])
+    rows = plan.tensor_backward_caps(_even_layout([100, 125, 250]), 10e-3, 2, fit)
     assert [r["calls"] for r in rows] == [10, 8, 4]
     assert [r["exposed_s"] for r in rows] == pytest.approx([2e-3, 1.125e-3, 1.25e-3])
     closed = plan.bucket_cap_closed_form(1000, 10e-3, 2, fit)
@@ -503,7 +514,7 @@ def test_the_best_cap_of_an_even_backward_is_the_one_solved_by_hand():
     # where 10 buckets of 0.11 ms run back to back from 0.1 ms: 0.2 ms past the backward
     fast = {"latency_s": 1e-5, "bandwidth": 1e6}
     assert plan.bucket_cap_closed_form(1000, 1e-3, 2, fast) == {"cap_bytes": pytest.approx(100), "keeps_up": False}
-    assert plan.even_backward_caps(1000, 1e-3, 2, fast, [100])[0]["exposed_s"] == pytest.approx(0.2e-3)
+    assert plan.tensor_backward_caps(_even_layout([100]), 1e-3, 2, fast)[0]["exposed_s"] == pytest.approx(0.2e-3)
 
 
 def test_real_buckets_are_priced_tensor_by_tensor_with_the_embedding_last():

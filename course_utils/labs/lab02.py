@@ -4,7 +4,7 @@ cost model ``labs.lab02_cost``; reading a step's timeline
 (overlap, stragglers) ``labs.lab02_timeline``.
 
 Each training run is the one loop (``loop.run_steps``) with the observers the notebook reads
-(collectives counted, each bucket's timeline, the bytes gloo wrote to its sockets, the replica
+(collectives counted, the bytes gloo wrote to its sockets, the replica
 check). The mechanism they measure is ``course_utils.ddp`` (``BucketedDDP``, ``make_buckets``).
 """
 
@@ -88,18 +88,6 @@ def tcp_bytes_sent() -> int | None:
     return total if seen else None
 
 
-def _timeline_rows(events: list, origin: float) -> dict:
-    """Timeline events of one step as milliseconds after ``origin`` (the start of backward)."""
-    ms = lambda t: (t - origin) * 1e3  # noqa: E731
-    ready = [{"bucket": b, "param": n, "t_ms": ms(t)} for t, e, b, n in events if e == "ready"]
-    start = {b: ms(t) for t, e, b, _ in events if e == "start"}
-    end = {b: ms(t) for t, e, b, _ in events if e == "end"}
-    return {
-        "ready": ready,
-        "all_reduce": [{"bucket": b, "start_ms": start[b], "end_ms": end.get(b)} for b in sorted(start)],
-    }
-
-
 def _gradient_vs_full_batch(model, cfg: TrainConfig, info) -> float | None:
     """On rank 0: ||g_DDP − g|| / ||g||, g the gradient one process gets from the whole global batch.
 
@@ -117,9 +105,9 @@ def _gradient_vs_full_batch(model, cfg: TrainConfig, info) -> float | None:
 
 
 class _BucketWatch(Observer):
-    """What notebook 02 watches on ``BucketedDDP`` each step: the last step's timeline, the bytes
-    gloo wrote to its sockets during forward, backward and synchronisation, the step time, the
-    first averaged gradient against the full batch's, and whether the replicas still agree."""
+    """What notebook 02 watches on ``BucketedDDP`` each step (its timeline is ``lab02_cost``'s, from a step no
+    ``CountCollectives`` slows): the bytes gloo wrote to its sockets during forward, backward and synchronisation,
+    the step time, the first averaged gradient against the full batch's, and whether the replicas still agree."""
 
     def __init__(self, ddp: BucketedDDP, model, cfg: TrainConfig, info):
         self.ddp, self.model, self.cfg, self.info = ddp, model, cfg, info
@@ -127,18 +115,10 @@ class _BucketWatch(Observer):
         self.w0 = None
 
     def before_forward(self, step: int) -> None:
-        self.ddp.timeline.clear()
         self.w0 = socket_bytes_written()
         self.t0 = time.perf_counter()
 
-    def after_forward(self, step: int, loss) -> None:
-        self.t_backward = time.perf_counter()
-
-    def after_backward(self, step: int) -> None:
-        self.t_backward_end = time.perf_counter()
-
     def before_update(self, step: int) -> None:  # finish_gradient_synchronization has run
-        self.t_synced = time.perf_counter()
         if self.w0 is not None:
             self.wire += socket_bytes_written() - self.w0
         if step == 0:
@@ -150,21 +130,11 @@ class _BucketWatch(Observer):
         dist.all_gather_object(hashes, weights_sha256(self.model.state_dict()))
         self.replicas_identical.append(len(set(hashes)) == 1)
 
-    def timeline(self) -> dict:
-        rows = _timeline_rows(self.ddp.timeline, self.t_backward)
-        rows.update(
-            forward_ms=(self.t0 - self.t_backward) * 1e3,
-            backward_end_ms=(self.t_backward_end - self.t_backward) * 1e3,
-            synced_ms=(self.t_synced - self.t_backward) * 1e3,
-            clock_origin_s=self.t_backward,  # perf_counter is CLOCK_MONOTONIC: one clock for every process of a host
-        )
-        return rows
-
 
 def _sweep_one_cap(cfg: TrainConfig, info, cap_mb: float) -> dict:
     """Train ``cfg.steps`` steps of BucketedDDP at one bucket cap in the one loop, and watch it."""
     model = build_model(get_config(cfg.model), seed=cfg.seed, device=info.device)
-    ddp = BucketedDDP(model, bucket_cap_mb=cap_mb, timeline=True)
+    ddp = BucketedDDP(model, bucket_cap_mb=cap_mb)
     optimizer = make_optimizer(ddp.parameters(), cfg)
     prepared = Prepared(
         model=ddp,
@@ -178,9 +148,6 @@ def _sweep_one_cap(cfg: TrainConfig, info, cap_mb: float) -> dict:
     mean_losses = torch.stack(losses).to(info.device)
     dist.all_reduce(mean_losses)
     counted = count.summary(cfg.steps).get("all_reduce", {"calls": 0, "payload_bytes": 0, "sent_bytes": 0})
-    timeline = watch.timeline()
-    timelines = [None] * info.world_size  # every rank's last step, each on its own clock
-    dist.all_gather_object(timelines, timeline)
     return {
         "cap_mb": cap_mb,
         **ddp.describe(),
@@ -194,8 +161,6 @@ def _sweep_one_cap(cfg: TrainConfig, info, cap_mb: float) -> dict:
         "weights_sha256": weights_sha256(model.state_dict()),
         "grad_rel_vs_full_batch": watch.grad_rel,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "timeline": timeline,
-        "timelines": timelines,
     }
 
 
@@ -385,6 +350,7 @@ def ddp_measurements(config: dict, caps_mb: list, torch_cap_mb: float) -> dict |
         for row in rows:  # the sweep's own steps ran with every operator counted: time from the clean run
             row["counted_step_time_s"] = row["step_time_s"]
             row["step_time_s"] = statistics.median(costs["step_s"][row["cap_mb"]])
+            row["timelines"] = costs["timelines"][row["cap_mb"]]  # every rank's last clean step, own clock
         return {"sweep": rows, "torch_ddp": internals, "costs": costs} if info.rank == 0 else None
 
 

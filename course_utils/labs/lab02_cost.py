@@ -1,7 +1,7 @@
 """Notebook 02's cost model of the bucket cap: what it measures, with no instrumentation on the timed steps.
 
 ``cap_costs`` runs inside the same launch as the bucket sweep (``lab02.ddp_measurements``) and returns
-three things the arithmetic of ``plan.hostfit`` turns into a prediction:
+what the arithmetic of ``plan.hostfit`` turns into a prediction, and the overlap chart's timelines:
 
 - **step times per cap**, uninstrumented: the sweep's own step times are taken with ``CountCollectives`` on
   (a ``TorchDispatchMode`` that routes every operator through Python, about twice the step), so these are
@@ -10,6 +10,8 @@ three things the arithmetic of ``plan.hostfit`` turns into a prediction:
 - **the compute alone**: the same steps with no communication at all (no hooks, no buckets);
 - **one all-reduce of B bytes**, for B from 256 B to 4 MiB, timed in runs of back-to-back calls: the readings
   ``plan.fit_latency_bandwidth`` fits t(B) = latency + sent bytes / bandwidth to;
+- **every rank's timeline of each cap's last timed step** (``lab02_timeline.step_timeline``), so the overlap
+  chart's milliseconds are not the counted run's;
 - **when each gradient becomes final** in an undisturbed backward (one bucket, so no all-reduce starts before
   the backward ends): what the separate-engine model of ``plan.bucket_step_time`` schedules buckets from.
 """
@@ -25,6 +27,7 @@ from ..ddp import BucketedDDP
 from ..instrument import Observer
 from ..loop import Prepared, TrainConfig, make_optimizer, module_held, run_steps
 from ..models import build_model, get_config
+from .lab02_timeline import step_timeline
 
 #: All-reduce sizes of the micro-benchmark: 256 B to 4 MiB, a factor 4 apart (the tiny model's gradients
 #: are 0.4 MiB in all; a 25 MiB cap never holds more).
@@ -36,21 +39,33 @@ PROBE_CAP_MB = 1024.0
 
 
 class _Clock(Observer):
-    """Each step's seconds and its backward's, nothing else: the ranks meet at a barrier before every step
-    (outside the timed window), so one rank's late start is not carried into the next step's reading."""
+    """Each step's seconds and its backward's, and the clock readings of ``step_timeline``, nothing else: the
+    ranks meet at a barrier before every step (outside the timed window), so one rank's late start is not
+    carried into the next step's reading. With ``ddp``, its timeline is cleared before each step: the last
+    step's events are left."""
 
-    def __init__(self):
-        self.step_s, self.backward_s = [], []
+    def __init__(self, ddp: BucketedDDP | None = None):
+        self.step_s, self.backward_s, self.ddp = [], [], ddp
 
     def before_forward(self, step: int) -> None:
         dist.barrier()
+        if self.ddp is not None:
+            self.ddp.timeline.clear()
         self.t0 = time.perf_counter()
 
     def after_forward(self, step: int, loss) -> None:
         self.tb = time.perf_counter()
 
     def after_backward(self, step: int) -> None:
-        self.backward_s.append(time.perf_counter() - self.tb)
+        self.tbe = time.perf_counter()
+        self.backward_s.append(self.tbe - self.tb)
+
+    def before_update(self, step: int) -> None:  # finish_gradient_synchronization has run
+        self.ts = time.perf_counter()
+
+    def timeline(self) -> dict:
+        """The last step's timeline (``step_timeline``), on this rank's clock."""
+        return step_timeline(self.ddp.timeline, self.t0, self.tb, self.tbe, self.ts)
 
     def after_step(self, step: int, losses: list) -> None:
         self.step_s.append(time.perf_counter() - self.t0)
@@ -99,11 +114,12 @@ def cap_costs(cfg: TrainConfig, info, caps_mb: list, rounds: int = 4, steps: int
 
     ``{"step_s": {cap: [s, ...]}, "compute_s": [...], "buckets": {cap: [{"bytes", "names"}]},
     "all_reduce": [{"kind", "bytes", "world_size", "readings"}], "ready_s": {param: s after backward began},
-    "backward_s"}``. Each model runs one untimed step first (buffers, the allocator, the first bucket fill).
+    "backward_s", "timelines": {cap: [every rank's last step's timeline]}}``. Each model runs one untimed step
+    first (buffers, the allocator, the first bucket fill).
     """
     settings = [None, *caps_mb]  # None: the compute alone
     built = {cap: _prepared(cfg, info, cap) for cap in settings}
-    clocks = {cap: _Clock() for cap in settings}
+    clocks = {cap: _Clock(built[cap][1]) for cap in settings}
     step = 0
     for cap in settings:
         run_steps(built[cap][0], cfg, info, [step])
@@ -120,6 +136,9 @@ def cap_costs(cfg: TrainConfig, info, caps_mb: list, rounds: int = 4, steps: int
     run_steps(probe, cfg, info, [1], [clock])
     began = clock.tb
     ready = {name: t - began for t, event, _, name in ddp.timeline if event == "ready"}
+    timelines = {cap: [None] * info.world_size for cap in caps_mb}  # every rank's, each on its own clock
+    for cap in caps_mb:
+        dist.all_gather_object(timelines[cap], clocks[cap].timeline())
     return {
         "step_s": {cap: clocks[cap].step_s for cap in caps_mb},
         "compute_s": clocks[None].step_s,
@@ -129,4 +148,5 @@ def cap_costs(cfg: TrainConfig, info, caps_mb: list, rounds: int = 4, steps: int
         "all_reduce": _all_reduce_readings(info, reps),
         "ready_s": ready,
         "backward_s": clock.backward_s[-1],
+        "timelines": timelines,
     }

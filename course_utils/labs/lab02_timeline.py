@@ -1,11 +1,28 @@
 """Reading one DDP step's timeline (notebook 02): how much communication ran inside the backward, every
 rank's step on one clock, and what each rank's all-reduces waited for.
 
-The timelines are ``labs.lab02``'s bucket sweep's (``BucketedDDP(timeline=True)`` events, in ms after the
-rank's backward began); these functions are plain arithmetic on them.
+The timelines are ``step_timeline``'s, built by ``labs.lab02_cost`` from ``BucketedDDP(timeline=True)``
+events of an uninstrumented step (in ms after the rank's backward began); these functions are plain arithmetic
+on them.
 """
 
 from __future__ import annotations
+
+
+def step_timeline(events: list, t0: float, t_backward: float, t_backward_end: float, t_synced: float) -> dict:
+    """One step's ``BucketedDDP`` timeline events and the loop's clock readings (``time.perf_counter``: step
+    start, backward start and end, gradients synchronised) as ms after the backward began."""
+    ms = lambda t: (t - t_backward) * 1e3  # noqa: E731
+    start = {b: ms(t) for t, e, b, _ in events if e == "start"}
+    end = {b: ms(t) for t, e, b, _ in events if e == "end"}
+    return {
+        "ready": [{"bucket": b, "param": n, "t_ms": ms(t)} for t, e, b, n in events if e == "ready"],
+        "all_reduce": [{"bucket": b, "start_ms": start[b], "end_ms": end.get(b)} for b in sorted(start)],
+        "forward_ms": ms(t0),
+        "backward_end_ms": ms(t_backward_end),
+        "synced_ms": ms(t_synced),
+        "clock_origin_s": t_backward,  # perf_counter is CLOCK_MONOTONIC: one clock for every process of a host
+    }
 
 
 def overlap_summary(timeline: dict) -> dict:
@@ -14,14 +31,19 @@ def overlap_summary(timeline: dict) -> dict:
     From a ``bucket_sweep`` timeline: how many buckets started before backward ended, the time
     at least one all-reduce was in flight (the union of their intervals: they overlap, so their
     sum would be longer than the step), the part of it inside the backward pass, and how long the
-    optimizer waited after backward for the last all-reduce.
+    optimizer waited after backward, in two parts: until the last all-reduce ended (``for_all_reduces_ms``),
+    then host time until the step could start (``after_last_all_reduce_ms``: ``wait()`` returning, the mean
+    copied into every ``.grad``), which no peer causes.
     """
     end = timeline["backward_end_ms"]
     spans = [
         (r["start_ms"], r["end_ms"] if r["end_ms"] is not None else timeline["synced_ms"])
         for r in timeline["all_reduce"]
     ]
+    done = max([end] + [stop for _, stop in spans])  # the backward and every all-reduce over
     return {
+        "for_all_reduces_ms": done - end,
+        "after_last_all_reduce_ms": timeline["synced_ms"] - done,
         "buckets": len(spans),
         "started_during_backward": sum(start < end for start, _ in spans),
         "in_flight_ms": _union_ms(spans),

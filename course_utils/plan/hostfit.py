@@ -260,25 +260,9 @@ def bucket_cap_model(costs: dict, world_size: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def even_backward_caps(grad_bytes: float, backward_s: float, world_size: int, fit: dict, caps_bytes) -> list:
-    """Each cap's exposed communication when the backward makes ``grad_bytes`` of gradients at an even rate over
-    ``backward_s`` (notebook 02): a cap of C bytes cuts them into buckets of C (the last one smaller), each final
-    when its last byte is, scheduled by ``bucket_step_time``'s own engine (``fit``: ``{"latency_s",
-    "bandwidth"}``). Returns ``[{"cap_bytes", "calls", "comm_s", "exposed_s"}]``."""
-    import math
-
-    rows = []
-    for cap in caps_bytes:
-        n = math.ceil(grad_bytes / cap)
-        buckets = [{"bytes": min(cap, grad_bytes - i * cap), "names": [i]} for i in range(n)]
-        ready = {i: backward_s * min(1.0, (i + 1) * cap / grad_bytes) for i in range(n)}
-        p = bucket_step_time(fit, world_size, 0.0, buckets, ready, backward_s)
-        rows.append({"cap_bytes": cap, "calls": n, "comm_s": p["comm_s"], "exposed_s": p["exposed_s"]})
-    return rows
-
-
 def bucket_cap_closed_form(grad_bytes: float, backward_s: float, world_size: int, fit: dict) -> dict:
-    """The best bucket cap of ``even_backward_caps``' model, solved by hand (notebook 02). With G bytes made evenly
+    """The best bucket cap when the backward makes its gradients at an even rate, solved by hand (notebook 02): the
+    model ``tensor_backward_caps`` schedules for the blocks' buckets. With G bytes made evenly
     over a backward of T seconds, a bucket of C bytes fills in T·C/G and its all-reduce takes α + β'C
     (β' = 2(N-1)/N / bandwidth). When T > β'G the all-reduces keep up once α + β'C <= T·C/G, from
     C* = αG / (T - β'G) on, and the step then pays only the last bucket, α + β'C: the best cap is C*. When
@@ -323,8 +307,9 @@ def gpu_bucket_caps(preset: str, micro_batches, layout: dict, *, gpus: int = 8, 
     activation checkpointing) at the GPU's achievable FLOP/s. ``layout``: the model's gradients and each cap's
     buckets (``labs.lab02.preset_buckets``: fp32 weights, so fp32 buckets), priced by ``tensor_backward_caps``; its
     caps must include torch's default of 25 MiB. The last gradient to become final is the embedding's, so no cap
-    exposes less than its all-reduce alone (``floor_s``); ``closed`` solves ``even_backward_caps``' model for the
-    blocks' gradients alone (``blocks_bytes``), the part the backward makes evenly.
+    exposes less than its all-reduce alone (``floor_s``); ``closed`` solves the even-rate model
+    (``bucket_cap_closed_form``) for the blocks' gradients alone (``blocks_bytes``), the part the backward makes
+    evenly.
     Returns per micro-batch ``{"micro_batch", "latency_s", "bandwidth", "backward_s", "bytes_s" (β'G), "floor_s",
     "last_bytes", "blocks_bytes", "best" (a row of ``tensor_backward_caps``), "closed" (``bucket_cap_closed_form``),
     "default" (the 25 MiB row)}``."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from matplotlib.ticker import FuncFormatter, NullFormatter
+
 from .base import PART_COLORS, new_figure
 
 
@@ -26,7 +28,7 @@ def ddp_timelines_figure(timelines: list, *, title: str = "", width: float = 8.5
         ax.tick_params(labelbottom=rank >= len(timelines) - cols)  # times under the last panel of each column
     for ax in axes[len(timelines) :]:
         ax.set_visible(False)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=8, frameon=False)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(title or "Each bucket's all-reduce starts as soon as its last gradient is ready", fontsize=10)
     return fig
 
@@ -45,9 +47,11 @@ def _draw_ddp_timeline(ax, timeline: dict, *, legend: bool = True, xlabel: bool 
         height=0.6,
         label="backward",
     )
+    ends = [r["end_ms"] if r["end_ms"] is not None else timeline["synced_ms"] for r in timeline["all_reduce"]]
+    done = max([timeline["backward_end_ms"], *ends])  # the last all-reduce over: the rest is this host's own time
     ax.barh(
         top,
-        timeline["synced_ms"] - timeline["backward_end_ms"],
+        done - timeline["backward_end_ms"],
         left=timeline["backward_end_ms"],
         color="#dddddd",
         hatch="//",
@@ -55,8 +59,17 @@ def _draw_ddp_timeline(ax, timeline: dict, *, legend: bool = True, xlabel: bool 
         height=0.6,
         label="waiting for all-reduces",
     )
-    for i, row in enumerate(timeline["all_reduce"]):
-        end = row["end_ms"] if row["end_ms"] is not None else timeline["synced_ms"]
+    ax.barh(
+        top,
+        timeline["synced_ms"] - done,
+        left=done,
+        color="#f4f4f4",
+        hatch="..",
+        edgecolor="#aaaaaa",
+        height=0.6,
+        label="until the step starts (wait() returns, mean into .grad)",
+    )
+    for i, (row, end) in enumerate(zip(timeline["all_reduce"], ends)):
         ax.barh(
             row["bucket"],
             end - row["start_ms"],
@@ -76,7 +89,7 @@ def _draw_ddp_timeline(ax, timeline: dict, *, legend: bool = True, xlabel: bool 
         ax.set_xlabel("ms since rank 0's backward began (one clock)" if one_axis else "time since backward began (ms)")
     if legend:
         ax.legend(
-            loc="upper center", bbox_to_anchor=(0.5, -0.3 if xlabel else -0.14), ncol=5, fontsize=8, frameon=False
+            loc="upper center", bbox_to_anchor=(0.5, -0.3 if xlabel else -0.14), ncol=3, fontsize=8, frameon=False
         )
 
 
@@ -140,7 +153,11 @@ def bucket_cost_figure(model: dict, *, title: str = "", width: float = 10.0, hei
     left.plot(sizes, [p["predicted_s"] * 1e3 for p in pts], "-", color=PART_COLORS["optimizer"], label="fitted line")
     left.set_xscale("log")
     left.set_yscale("log")
-    left.set_xlabel("all-reduce size (bytes)")
+    lo, hi = left.get_ylim()
+    left.set_yticks([t for t in (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100) if lo <= t <= hi], minor=False)
+    left.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    left.yaxis.set_minor_formatter(NullFormatter())  # unlabelled minor ticks: a label on each cluttered the axis
+    left.set_xlabel("buffer bytes B (sent = 2(N−1)/N·B)")
     left.set_ylabel("time (ms)")
     left.legend(frameon=False, fontsize=8)
     left.set_title(f"One all-reduce: {fit['latency_s'] * 1e3:.2f} ms + sent bytes / {fit['bandwidth'] / 1e9:.2g} GB/s")
