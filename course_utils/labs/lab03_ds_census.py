@@ -21,11 +21,14 @@ BUCKET_ELEMENTS = 2**20
 
 FP32 = 4
 
-#: Where DeepSpeed 0.19.8 keeps each kind of bytes (the first name found in a tensor's path wins), the part
-#: of the paper's bill it belongs to, and how the notebook names the place. Source lines:
+#: The reduce buckets' part: communication buffers, ZeRO-R's $C_B$, outside the paper's model-state bill; the
+#: parts are the timeline's category names (``timeline.CATEGORIES``), so the census and the timeline agree.
+COMM = "comm"
+#: Where DeepSpeed 0.19.8 keeps each kind of bytes (the first name found in a tensor's path wins), its part
+#: (the paper's bill, or ``COMM``), and how the notebook names the place. Source lines:
 #: ``runtime/zero/stage_1_and_2.py`` (s12), ``runtime/zero/stage3.py`` (s3).
 PLACES = (
-    ("ipg_buckets", "reduce bucket", GRADS, "`ipg_buckets` (s3:782)"),
+    ("ipg_buckets", "reduce bucket", COMM, "`ipg_buckets` (s3:782)"),
     ("grad_partitions_flat_buffer", "gradient partition", GRADS, "`grad_partitions_flat_buffer` (s3:791)"),
     ("single_partition_of_fp32_groups", "fp32 master partition", OPTIM, "`single_partition_of_fp32_groups` (s12:560)"),
     ("fp32_partitioned_groups_flat", "fp32 master partition", OPTIM, "`fp32_partitioned_groups_flat` (s3:1172)"),
@@ -66,14 +69,8 @@ def partition_gradient_bytes(model: str, nd: int, rank: int = 0) -> int:
     return FP32 * sum(n for s, n in zip(starts, numels) if s < hi and s + n > lo)
 
 
-#: The timeline's category (``timeline.CATEGORIES``) of each of ``expected_held``'s parts (``timeline_roles``).
-TIMELINE_CATEGORY = {
-    "parameters": "params",
-    "gradient partition": "grads",
-    "reduce bucket": "comm",
-    "fp32 master partition": "optim",
-    "Adam m, v, step": "optim",
-}
+#: The timeline's category (``timeline.CATEGORIES``) of each of ``expected_held``'s parts: its part in ``PLACES``.
+TIMELINE_CATEGORY = {cat: part for _, cat, part, _ in PLACES}
 
 
 def expected_rest(row: Strategy, psi: int, nd: int) -> dict:
@@ -101,12 +98,15 @@ WHY = {
     (PARAMS, True): "the same: 1/N of every weight",
     (GRADS, False): "DeepSpeed drops them inside `engine.step` (engine.py:3529-3530, s12:2613-2623, s12:3131); "
     "the course's count comes before its loop clears them",
-    (GRADS, True): "the course holds its 1/N too, until its loop clears it; DeepSpeed keeps its partition between "
-    "steps (s3:791), and one reduce bucket of `reduce_bucket_size` elements, ZeRO-R's constant buffer $C_B$ (s3:782)",
+    (GRADS, True): "the same bytes: the course holds its 1/N until its loop clears it, DeepSpeed keeps its "
+    "partition between steps (s3:791)",
     (OPTIM, False): "an fp32 master copy of the partition, even in fp32 training (s12:558-560 clones it): "
     "the paper's mixed-precision K = 12, not fp32's 8",
     (OPTIM, True): "an fp32 master copy, even in fp32: s3:1163 would share the partition, but compares a "
     "`torch.device` with the string `'cpu'` (s3:333), never equal in torch 2.13, so s3:1170-1172 clone it",
+    (COMM, False): "the same, none: DeepSpeed's reduce bucket lives in the backward and is gone after `engine.step`",
+    (COMM, True): "DeepSpeed keeps one reduce bucket of `reduce_bucket_size` elements between steps (s3:782), ZeRO-R's "
+    "constant-size buffer $C_B$; the course's stage 3 keeps no communication buffer between steps",
 }
 
 
@@ -115,22 +115,25 @@ FORMULA = {
     (PARAMS, False): "4Ψ",
     (PARAMS, True): "4Ψ/N",
     (GRADS, False): "0",
-    (GRADS, True): "4Ψ/N + 4·2²⁰",
+    (GRADS, True): "4Ψ/N",
     (OPTIM, False): "4Ψ/N + 8Ψ/N + 4",
     (OPTIM, True): "4Ψ/N + 8Ψ/N + 4",
+    (COMM, False): "0",
+    (COMM, True): "4·2²⁰",
 }
 
 
 def census_table(result: dict, row: Strategy, psi: int, nd: int) -> tuple[list, list]:
-    """``(header, rows)`` of notebook 03's table for ``row``: per part of the paper's bill, where DeepSpeed
-    keeps it, its bytes on rank 0 and the formula (``expected_held``), the course's stage and the paper's
-    fp32 bill at the same moment, and why they differ (``WHY``)."""
+    """``(header, rows)`` of notebook 03's table for ``row``: per part of the paper's bill (and ``COMM``, which
+    the bill leaves out: "not in it"), where DeepSpeed keeps it, its bytes on rank 0 and the formula
+    (``expected_held``), the course's stage and the paper's fp32 bill at the same moment, and why they differ
+    (``WHY``)."""
     r = result[row.name]
     measured, course = r["per_rank"][0]["deepspeed"], r["per_rank"][0]["course"]
     expected, paper = expected_held(row, psi, nd), bill_bytes(row, psi, nd, precision="fp32")
     stage3 = row.gathers_units
     rows = []
-    for part in (PARAMS, GRADS, OPTIM):
+    for part in (PARAMS, GRADS, OPTIM, COMM):
         cats = list(dict.fromkeys(cat for _, cat, p, _ in PLACES if p == part))
         where = {_place(st["path"])[3] for st in r["storages"] if _place(st["path"])[2] == part}
         rows.append(
@@ -139,8 +142,8 @@ def census_table(result: dict, row: Strategy, psi: int, nd: int) -> tuple[list, 
                 "; ".join(sorted(where)) or "nothing",
                 " + ".join(f"{measured[c]:,}" for c in cats if measured[c]) or "0",
                 f"{FORMULA[(part, stage3)]} = {sum(expected[c] for c in cats):,}",
-                f"{course[part]:,}",
-                f"{paper[part]:,.0f}",
+                f"{course.get(part, 0):,}",  # the course's stages keep no buffer between steps
+                f"{paper[part]:,.0f}" if part in paper else "not in it",
                 WHY[(part, stage3)],
             ]
         )
