@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from course_utils import predict
+from course_utils import predict, timeline
 from course_utils.labs import lab03_deepspeed as lab
 from course_utils.models import build_model, param_count
-from course_utils.strategies import FULL_SHARD, GRADS, PARAMS, ZERO1, ZERO2, ZERO3
+from course_utils.strategies import FULL_SHARD, PARAMS, ZERO1, ZERO2, ZERO3
 from course_utils.train import TrainConfig
 
 PSI = param_count(build_model("tiny"))  # Ψ = 118,528: divides by 2, so every partition is exact
@@ -57,11 +57,13 @@ def test_expected_held_follows_what_each_stage_shards():
 
 
 def test_where_deepspeed_keeps_it_names_the_category():
-    assert lab.category("optimizer.ipg_buckets[dtype].buffer") == ("reduce bucket", GRADS)
+    assert lab.category("optimizer.ipg_buckets[dtype].buffer") == ("reduce bucket", "comm")  # as in the timeline
     assert lab.category("optimizer.single_partition_of_fp32_groups[0]")[0] == "fp32 master partition"
     assert lab.category("optimizer.optimizer.state[Tensor][exp_avg]")[0] == "Adam m, v, step"
     assert lab.category("module.tok_emb.weight.ds_tensor") == ("parameters", PARAMS)
     assert lab.category("optimizer._global_grad_norm")[0] == lab.SCALARS
+    # one sorting for the census and the timeline: every part is a timeline category (the bucket is comm in both)
+    assert {part for _, _, part, _ in lab.PLACES} <= set(timeline.CATEGORIES)
 
 
 def test_available_asks_without_importing(monkeypatch):
