@@ -686,6 +686,9 @@ def test_case_3_stage_1_is_priced_as_the_implementation_that_is_named():
     assert ds == pytest.approx((2 + 18 / 8) * psi + 2 * 5e8)
     sent = {k: r["time"]["link_bytes_per_gpu"]["nvlink"] for k, r in rows.items()}
     assert sent["pt-ddp-zero"] / sent["pt-ddp"] == pytest.approx(1.5)
+    # DeepSpeed 0.19 all-reduces each bf16 bucket (use_multi_rank_bucket_allreduce=True), then all-gathers the
+    # bf16 parameters: 3(N-1)/N x 2 Psi, the count notebook 03 asserts on DeepSpeed's own collectives
+    assert sent["ds-1"] == pytest.approx(3 * 7 / 8 * 2 * psi)
     assert not rows["pt-ddp"]["fits"] and zero["fits"]
     assert zero["memory"]["total"] > rows["ds-1"]["memory"]["total"] + 15e9
 
@@ -708,10 +711,10 @@ def test_a_tie_is_the_same_work_headroom_bought_with_recomputation_is_not_one():
     """7B on one node: within the margin of the fastest sit both fully_shard with nothing recomputed and rows
     that recompute to leave more memory free; the tie takes the most headroom among the former only."""
     r = plan.search(plan.shape_for("6.7B")[0], plan.GPUCluster(plan.GPUS["H100-80GB"]), 256)
-    best, top = r["best"], max(r["best_per_impl"].values(), key=lambda x: x["time"]["tokens_per_s_per_gpu"])
+    best, top = r["best"], r["runner_up"]  # the runner-up: the fastest row of another implementation
     rate = top["time"]["tokens_per_s_per_gpu"]
-    assert best["config"]["policy"] == "none" and best["impl"] == "pt-fsdp2" and top["impl"] == "ds-1"
-    assert best["time"]["tokens_per_s_per_gpu"] < rate * 0.99  # outside the old 1% band
+    assert best["config"]["policy"] == "none" and best["impl"] == "pt-fsdp2" and top["impl"] == "ds-3"
+    assert rate * (1 - plan.TIE) <= best["time"]["tokens_per_s_per_gpu"] < rate  # not the fastest: a tie won
     rows = plan.search(
         plan.shape_for("6.7B")[0], plan.GPUCluster(plan.GPUS["H100-80GB"]), 256, policies=("selective",)
     )["best_per_impl"].values()
