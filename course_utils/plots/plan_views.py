@@ -126,7 +126,7 @@ def crossover_figure(lines: dict, points: dict | None = None, *, width: float = 
     ax.set_title("The crossover is a number of tokens: about FLOP/s ÷ bandwidth", fontsize=10)
     low = min(min(y) for _, y in lines.values())
     ax.set_ylim(bottom=low / 300)  # room below the lines, for the legend: it covers no data
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
     ax.grid(True, which="major", alpha=0.3)
     return fig
 
