@@ -404,14 +404,15 @@ def _add_planned(rows: list[dict], psi: int, nodes: int, nproc_per_node: int, ro
 
 def _crossover(base: dict, rows: list[dict]) -> dict:
     """Where HSDP (the record's strategy that shards inside a node) and each other strategy take equally long
-    (notebook 05)."""
+    (notebook 05): the measured base steps plus gloo's card bytes (``predicted_card_bytes``, not the ring
+    model's: gloo sends a reduce-scatter as an all-reduce) at the link's rate."""
     from . import plan
     from .strategies import get as strategy
 
     hybrid = next((name for name in base if strategy(name).shard_over == "node"), None)  # shards inside a node
     if hybrid is None:
         return {}
-    link_bytes = {r["strategy"]: r["link_bytes"] for r in rows}
+    link_bytes = {r["strategy"]: r["predicted_card_bytes"] for r in rows}
     crossover = {}
     for other in base:
         if other == hybrid:

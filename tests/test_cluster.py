@@ -215,14 +215,15 @@ def test_the_crossover_is_found_for_the_strategy_that_shards_inside_a_node():
     ("replicate", "shard"), not "hybrid": reading the name once made every crossover silently vanish)."""
     base = {"ddp": 0.10, "full_shard": 0.30, "hybrid_shard": 0.35}
     rows = [
-        {"strategy": s, "link_bytes": b} for s, b in (("ddp", 5.2e6), ("full_shard", 7.8e6), ("hybrid_shard", 3.5e6))
+        {"strategy": s, "predicted_card_bytes": b}
+        for s, b in (("ddp", 5.2e6), ("full_shard", 7.8e6), ("hybrid_shard", 3.5e6))
     ]
     got = cluster._crossover(base, rows)
     assert set(got) == {"ddp", "full_shard"}
     for other in got:
         bw = got[other]["bandwidth"]
         assert got[other]["hsdp_faster"] == "below" and f"HSDP is faster than {other} below" in got[other]["text"]
-        other_bytes = next(r["link_bytes"] for r in rows if r["strategy"] == other)
+        other_bytes = next(r["predicted_card_bytes"] for r in rows if r["strategy"] == other)
         assert base["hybrid_shard"] + 3.5e6 / bw == pytest.approx(base[other] + other_bytes / bw)
 
 

@@ -358,6 +358,12 @@ def test_offload_costs_the_cpu_step_not_pcie():
     assert fast["cpu_step_s"] == pytest.approx(p.offload["zero3_offload"]["cpu_step_s"] / 2)
     assert fast["pcie_s"] == p.offload["zero3_offload"]["pcie_s"]
     assert p.offload["zero_infinity"]["nvme_s"] > 0 and p.offload["fsdp2_cpu_offload"]["nvme_s"] == 0
+    # FSDP2's row is the search's term at one micro-batch: the two fp32 copies in hide behind the step's compute
+    # (it outlasts them), the fp32 gradient's copy out and the CPU's Adam do not
+    fsdp2, z3, shard = p.offload["fsdp2_cpu_offload"], p.strategies["zero3"], p.model.params / 8
+    assert z3.compute_s > 8 * shard / p.cluster.pcie_bw
+    want = z3.step_s + 4 * shard / p.cluster.pcie_bw + (2 * 12 + 4) * shard * 8 / p.cluster.host_bw
+    assert fsdp2["step_s"] == pytest.approx(want)
 
 
 def test_fsdp2_cpu_offload_keeps_what_the_planner_says_on_the_cpu(tmp_path, monkeypatch):
@@ -697,6 +703,9 @@ def test_case_3_stage_1_is_priced_as_the_implementation_that_is_named():
     assert ds == pytest.approx((2 + 18 / 8) * psi + 2 * 5e8)
     sent = {k: r["time"]["link_bytes_per_gpu"]["nvlink"] for k, r in rows.items()}
     assert sent["pt-ddp-zero"] / sent["pt-ddp"] == pytest.approx(1.5)
+    # DeepSpeed 0.19 all-reduces each bf16 bucket (use_multi_rank_bucket_allreduce=True), then all-gathers the
+    # bf16 parameters: 3(N-1)/N x 2 Psi, the count notebook 03 asserts on DeepSpeed's own collectives
+    assert sent["ds-1"] == pytest.approx(3 * 7 / 8 * 2 * psi)
     assert not rows["pt-ddp"]["fits"] and zero["fits"]
     assert zero["memory"]["total"] > rows["ds-1"]["memory"]["total"] + 15e9
 
@@ -719,10 +728,10 @@ def test_a_tie_is_the_same_work_headroom_bought_with_recomputation_is_not_one():
     """7B on one node: within the margin of the fastest sit both fully_shard with nothing recomputed and rows
     that recompute to leave more memory free; the tie takes the most headroom among the former only."""
     r = plan.search(plan.shape_for("6.7B")[0], plan.GPUCluster(plan.GPUS["H100-80GB"]), 256)
-    best, top = r["best"], max(r["best_per_impl"].values(), key=lambda x: x["time"]["tokens_per_s_per_gpu"])
+    best, top = r["best"], r["runner_up"]  # the runner-up: the fastest row of another implementation
     rate = top["time"]["tokens_per_s_per_gpu"]
-    assert best["config"]["policy"] == "none" and best["impl"] == "pt-fsdp2" and top["impl"] == "ds-1"
-    assert best["time"]["tokens_per_s_per_gpu"] < rate * 0.99  # outside the old 1% band
+    assert best["config"]["policy"] == "none" and best["impl"] == "pt-fsdp2" and top["impl"] == "ds-3"
+    assert rate * (1 - plan.TIE) <= best["time"]["tokens_per_s_per_gpu"] < rate  # not the fastest: a tie won
     rows = plan.search(
         plan.shape_for("6.7B")[0], plan.GPUCluster(plan.GPUS["H100-80GB"]), 256, policies=("selective",)
     )["best_per_impl"].values()

@@ -14,7 +14,9 @@ something else (read in the libraries' source; torch 2.13, DeepSpeed 0.19):
   accumulation micro-batches, at the price of an fp32 shard-sized partial sum kept across them.
 - DeepSpeed ZeRO stages (bf16): 2Ψ of bf16 weights plus 18Ψ/N of partitions (fp32 master, Adam, fp32 and bf16
   gradient partitions; ``estimate_zero2_model_states_mem_needs``), its reduce buckets (``reduce_bucket_size``
-  5e8 elements), stage 1 keeping whole bf16 gradients across accumulation micro-steps.
+  5e8 elements), stage 1 keeping whole bf16 gradients across accumulation micro-steps. Stages 1 and 2
+  all-reduce each gradient bucket (``use_multi_rank_bucket_allreduce``, True by default), not the paper's
+  reduce-scatter, and then all-gather the bf16 parameters: 3(N-1)/N of 2Ψ per step, as notebook 03 counts.
 
 A row carries its behaviour (``states``, ``buffers``, ``comm``) as callables, and its course row (a
 ``Strategy`` of the record) for the course's name; the planner branches on no name.
@@ -50,7 +52,8 @@ class Impl:
     exposed seconds and bytes per link; ``fresh_grads(s, n, shard)``: the part of the states backward creates
     (gradients are freed after each step); ``holds_head_grad``: the head's bf16 gradient waits for the root
     unit (reduced last); ``step_copy``: bytes per updated parameter written besides Adam's (DeepSpeed's bf16
-    copy)."""
+    copy); ``reduce_bytes``: bytes per gradient element reduced; ``overlap_comm``: the reduction runs on a
+    side stream, behind the backward (DeepSpeed's flag; PyTorch's collectives always do)."""
 
     key: str
     course: Strategy
@@ -68,6 +71,7 @@ class Impl:
     holds_head_grad: bool = False
     step_copy: int = 0
     reduce_bytes: int = 4
+    overlap_comm: bool = True
 
     def shard(self, n: int, shard: int) -> int:
         """The GPUs one state is sharded over."""
@@ -234,18 +238,28 @@ def _unit_schedule(L, f_blk, block_backwards, head, root_ag, ag, rs, root_rs, re
 
 
 def _bucket_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:
-    """DeepSpeed stages 1 and 2: bf16 gradients reduced in buckets (stage 2 every micro-step, stage 1 at the
-    accumulation boundary), the updated bf16 parameters all-gathered after the step (exposed)."""
+    """DeepSpeed stages 1 and 2: bf16 gradients all-reduced in buckets (stage 2 every micro-step, stage 1 at
+    the accumulation boundary), the updated bf16 parameters all-gathered after the step (exposed). An
+    all-reduce, not the paper's reduce-scatter: ``average_tensor`` (``stage_1_and_2.py``) files every gradient
+    slice under one "allreduce" bucket while ``use_multi_rank_bucket_allreduce`` is True (DeepSpeed 0.19's
+    default), so each rank sends 2(N-1)/N of the bucket and keeps its own partition of the sum; with that
+    flag off it issues one ``reduce`` per destination rank instead. The reduction hides behind the backward
+    only with ``overlap_comm`` (a side stream; stage 1-2's default is off: the hooks reduce on the compute
+    stream), and never its last bucket."""
     link = t.link(t.n, c.nodes > 1)
     if not link:
         return 0.0, {}
     bw, lat = link
     P, n = s.params, t.n
-    rs = 2 * P * (n - 1) / n / bw + lat * math.ceil(P / DS_REDUCE_BUCKET)
-    ag = 2 * P * (n - 1) / n / bw + lat
+    ar_bytes = 2 * (n - 1) / n * 2 * P
+    ar = ar_bytes / bw + lat * math.ceil(P / DS_REDUCE_BUCKET)
+    last = 2 * (n - 1) / n * 2 * min(DS_REDUCE_BUCKET, P) / bw
+    ag_bytes = (n - 1) / n * 2 * P
+    ag = ag_bytes / bw + lat
     reduces = c.accum if impl.stage == 2 else 1
-    exposed = reduces * (max(0.0, rs - t.backward_window(False)) + 2 * DS_REDUCE_BUCKET * (n - 1) / n / bw) + ag
-    return exposed, {t.wire(c.nodes > 1): (reduces + 1) * 2 * P * (n - 1) / n}
+    hidden = t.backward_window(False) if impl.overlap_comm else 0.0
+    exposed = reduces * (max(0.0, ar - hidden) + last * impl.overlap_comm) + ag
+    return exposed, {t.wire(c.nodes > 1): reduces * ar_bytes + ag_bytes}
 
 
 # --------------------------------------------------------------------------------------------- the rows
@@ -277,13 +291,14 @@ IMPLS: tuple[Impl, ...] = (
          "fully_shard + CPUOffloadPolicy()", 3, "world", offload="all",
          **dict(_FSDP2, options="parameters, gradients and Adam on the host; torch.optim on the CPU")),
     Impl("ds-1", rec.ZERO1, 'DeepSpeed "zero_optimization": {"stage": 1}', "DeepSpeed ZeRO stage 1", 1,
-         options="bf16; reduce_bucket_size 5e8 (the default)", **_DS12),
+         options='bf16; reduce_bucket_size 5e8, "overlap_comm": false (the defaults)', overlap_comm=False, **_DS12),
     Impl("ds-2", rec.ZERO2, 'DeepSpeed "zero_optimization": {"stage": 2}', "DeepSpeed ZeRO stage 2", 2,
          options='bf16; "overlap_comm": true; reduce_bucket_size 5e8', **_DS12),
     Impl("ds-3", rec.ZERO3, 'DeepSpeed "zero_optimization": {"stage": 3}', "DeepSpeed ZeRO stage 3", 3,
          options="bf16; overlap_comm true (the stage-3 default); prefetch 5e7, reduce bucket 5e8", **_DS3),
     Impl("ds-2-offload", rec.ZERO2_OFFLOAD, 'DeepSpeed stage 2 + "offload_optimizer": {"device": "cpu"}',
-         "DeepSpeed stage 2 + offload_optimizer", 2, offload="optimizer", options=_CPU_ADAM, **_DS12),
+         "DeepSpeed stage 2 + offload_optimizer", 2, offload="optimizer", options=_CPU_ADAM + '; "overlap_comm": true',
+         **_DS12),
     Impl("ds-3-offload", rec.ZERO3_OFFLOAD, 'DeepSpeed stage 3 + "offload_optimizer": {"device": "cpu"}',
          "DeepSpeed stage 3 + offload_optimizer", 3, offload="optimizer", options=_CPU_ADAM, **_DS3),
 )  # fmt: skip

@@ -13,6 +13,7 @@ from ..strategies import ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD
 from ..units import GB
 from .inputs import Cluster, ModelSpec
 from .price import block_overlap, memory_breakdown, step_time
+from .throughput import cpu_adam_s, fsdp2_cpu_offload_s
 
 #: The four ways to park model states off the GPU, each under the name its library gives it.
 #: DeepSpeed's own two are the record's offload rows (``zero3_offload`` under its row's name).
@@ -67,7 +68,9 @@ def offload_modes(
     ``host_bw``. That, not PCIe, is the cost: with Adam's K = 12, 28 bytes of CPU memory traffic per
     parameter against 4 over PCIe, through a link (``host_bw``) only a few times faster.
     ``step_s`` adds PCIe, CPU (and NVMe) time to the GPU-resident strategy's step (stage 2's or
-    stage 3's), none of it hidden: an upper bound; ``pcie_s`` is what could hide behind the backward.
+    stage 3's), none of it hidden (an upper bound; ``pcie_s`` is what could hide behind the backward),
+    except FSDP2's: the search's term (``throughput.fsdp2_cpu_offload_s``), whose copies in hide behind the
+    step's compute (one micro-batch a step here; the search pays them on every micro-batch).
     Each row: ``{"name", "base", "gpu_bytes", "host_bytes", "nvme_bytes", "pcie_bytes",
     "nvme_step_bytes", "optimizer_step", "pcie_s", "cpu_step_s", "nvme_s", "step_s", "fits", "why_not"}``.
     """
@@ -100,7 +103,7 @@ def offload_modes(
             "activations": mem["activations"],
         }
 
-    cpu_s = (2 * k + 4) * p / nd * g / cluster.host_bw
+    cpu_s = cpu_adam_s(p / nd, g, cluster.host_bw, k)
     z3 = row_of(ZERO3)
     z3_no_cpu = z3["step_s"]  # stage 3 on the GPUs: the step the offloads of stage 3's layout add to
     rows = {}
@@ -132,7 +135,8 @@ def offload_modes(
         "pcie_s": pcie / cluster.pcie_bw,
         "cpu_step_s": cpu_s,
         "nvme_s": 0.0,
-        "step_s": z3_no_cpu + pcie / cluster.pcie_bw + cpu_s,
+        # the search's own term (one micro-batch a step here): the copies in hide behind the step's compute
+        "step_s": z3_no_cpu + fsdp2_cpu_offload_s(p / nd, 1, z3["compute_s"], cluster.pcie_bw, cluster.host_bw, g, k=k),
         "optimizer_step": "CPU: torch.optim on the CPU parameter shards (FSDP2 only moves the tensors)",
         "base": ZERO3.name,
     }

@@ -133,16 +133,13 @@ def step_time(s: Shape, impl: Impl, c: Config, cl: GPUCluster, mfu: float) -> di
     updated = s.params / impl.optimizer_share(t.n, c.shard)
     optimizer = (28 + impl.step_copy) * updated / g.hbm_bw
     offload, micro = 0.0, s.layers * 3 * t.f_blk + 3 * t.head
-    if impl.offload:
-        cpu_adam = (2 * 12 + 4) * updated * cl.gpus_per_node / cl.host_bw
-        offload, optimizer = 4 * updated / g.pcie_bw + cpu_adam, 0.0  # DeepSpeed: bf16 out and in, once a step
-    if impl.offload == "all":  # FSDP2's CPUOffloadPolicy works on every micro-batch (torch 2.13's _fully_shard):
-        # the fp32 shard copied in before each all-gather (non-blocking: hides behind the micro-batch's compute),
-        # the reduced fp32 gradient copied out (blocking once accumulating) and added on the CPU (read 2, write 1)
-        copy_in = (2 if impl.reshard_after_forward else 1) * 4 * updated / g.pcie_bw
-        add = 12 * updated * cl.gpus_per_node / cl.host_bw
-        offload = c.accum * (max(0.0, copy_in - micro - recompute) + 4 * updated / g.pcie_bw)
-        offload += (c.accum - 1) * add + cpu_adam
+    if impl.offload:  # DeepSpeed: bf16 out and in, once a step, then its CPU Adam
+        offload, optimizer = 4 * updated / g.pcie_bw + cpu_adam_s(updated, cl.gpus_per_node, cl.host_bw), 0.0
+    if impl.offload == "all":
+        gathers = 2 if impl.reshard_after_forward else 1
+        offload = fsdp2_cpu_offload_s(
+            updated, c.accum, micro + recompute, g.pcie_bw, cl.host_bw, cl.gpus_per_node, gathers
+        )
     terms = {
         "compute": c.accum * micro,
         "recompute": c.accum * recompute,
@@ -160,6 +157,28 @@ def step_time(s: Shape, impl: Impl, c: Config, cl: GPUCluster, mfu: float) -> di
         "link_bytes_per_gpu": {"nvlink": sent.get("nvlink", 0.0), "network": sent.get("network", 0.0)},
         "per_block_fwd_s": t.f_blk,
     }
+
+
+def cpu_adam_s(updated: float, gpus_per_node: int, host_bw: float, k: float = 12.0) -> float:
+    """Adam on the host, memory-bound: it reads and writes its K bytes of state per parameter, reads the
+    gradient and writes the weight, (2K + 4) bytes, for each of the node's GPUs through the host's memory
+    bandwidth (both planners: ``step_time`` and ``offload_modes``)."""
+    return (2 * k + 4) * updated * gpus_per_node / host_bw
+
+
+def fsdp2_cpu_offload_s(updated, accum, hidden, pcie_bw, host_bw, gpus_per_node, gathers=2, k=12.0) -> float:
+    """Seconds FSDP2's ``CPUOffloadPolicy`` adds to a step on a GPU that updates ``updated`` parameters (torch
+    2.13's ``_fully_shard``; both planners use it). On every micro-batch the fp32 shard is copied in before
+    each of its ``gathers`` all-gathers (non-blocking: it hides behind ``hidden``, the micro-batch's compute)
+    and the reduced fp32 gradient copied out (blocking), from the second micro-batch on added on the CPU
+    (read 2, write 1: 12 bytes); then ``torch.optim`` steps on the CPU (``cpu_adam_s``)."""
+    copy_in, copy_out = gathers * 4 * updated / pcie_bw, 4 * updated / pcie_bw
+    add = 12 * updated * gpus_per_node / host_bw
+    return (
+        accum * (max(0.0, copy_in - hidden) + copy_out)
+        + (accum - 1) * add
+        + cpu_adam_s(updated, gpus_per_node, host_bw, k)
+    )
 
 
 def evaluate(s: Shape, cl: GPUCluster, impl: Impl, c: Config, mfu: float) -> dict:
