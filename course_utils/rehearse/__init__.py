@@ -39,7 +39,15 @@ the tiny course model, bytes counted on the real shards with ``instrument.tensor
 from __future__ import annotations
 
 from ..presets import ALIASES, NOT_THEIR_SIZE, PRESETS, GPTConfig, Preset, preset
-from .calibration import TERMS, calibration_rows, measured_terms, planner_terms, preset_calibration, summary_rows
+from .calibration import (
+    TERMS,
+    calibration_rows,
+    measured_terms,
+    planned_peak,
+    planner_terms,
+    preset_calibration,
+    summary_rows,
+)
 from .cli import rehearse_arguments, rehearse_command
 from .predictions import (
     BLOCK_SAVED_PER_TOKEN_WIDTH,
@@ -104,6 +112,7 @@ __all__ = [
     "preset_calibration",
     "measured_terms",
     "planner_terms",
+    "planned_peak",
     "check_policy",
     "wrap_blocks",
     "CATEGORIES",

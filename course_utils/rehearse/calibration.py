@@ -39,18 +39,32 @@ def measured_terms(r: Rehearsal) -> dict:
 
 
 def _impl_for(r: Rehearsal):
-    row = get_fsdp(r.strategy)
+    return _impl_of(r.strategy)
+
+
+def _impl_of(strategy: str):
+    row = get_fsdp(strategy)
     return next((i for i in IMPLS if i.course is row and not i.offload), None)
 
 
-def _planned(r: Rehearsal, kernels: str = "cpu", cfg=None) -> dict:
-    """``plan.throughput.memory`` for the rehearsal's setting (at ``cfg``'s shape if given), no allocator reserve,
-    no CUDA context."""
-    impl, c = _impl_for(r), cfg or r.cfg
+def _memory(c, nproc: int, strategy: str, node_size: int, micro_batch: int, recompute: str, kernels: str) -> dict:
+    """``plan.throughput.memory`` for one setting at ``c``'s shape, no allocator reserve, no CUDA context."""
+    impl = _impl_of(strategy)
     s = Shape("", c.arch, c.layers, c.width, c.heads, c.n_kv_heads, c.hidden, c.vocab, c.seq, c.tie_weights)
-    cluster = GPUCluster(GPUS["H100-80GB"], gpus_per_node=r.nproc, context_bytes=0.0, allocator_reserve=0.0)
-    config = Config(impl.key, r.recompute, r.micro_batch, 1, 1, impl.shard(r.nproc, r.node_size), kernels)
+    cluster = GPUCluster(GPUS["H100-80GB"], gpus_per_node=nproc, context_bytes=0.0, allocator_reserve=0.0)
+    config = Config(impl.key, recompute, micro_batch, 1, 1, impl.shard(nproc, node_size), kernels)
     return memory(s, impl, config, cluster)
+
+
+def _planned(r: Rehearsal, kernels: str = "cpu", cfg=None) -> dict:
+    """``plan.throughput.memory`` for the rehearsal's setting (at ``cfg``'s shape if given)."""
+    return _memory(cfg or r.cfg, r.nproc, r.strategy, r.node_size, r.micro_batch, r.recompute, kernels)
+
+
+def planned_peak(cfg, nproc: int, strategy: str, *, node_size: int = 8, micro_batch: int = 1, recompute: str = "none"):
+    """The calibrated planner's peak per rank (this CPU's kernels, as ``planner_terms``) for a setting not rehearsed:
+    the outlined bars of notebook 05b's chart. ``cfg``: a ``GPTConfig`` (``model_config``)."""
+    return _memory(cfg, nproc, strategy, node_size, micro_batch, recompute, "cpu")["tensors_peak"]
 
 
 def planner_terms(r: Rehearsal, kernels: str = "cpu", at: str | None = None) -> dict | None:

@@ -75,11 +75,11 @@ def bars_view(
     """What the stacked-bar chart draws: one bar per rehearsal, its peak by part (notebook 05b).
 
     ``planned``: ``{label: bytes}`` of settings not rehearsed, drawn as outlined bars of the
-    first planner's total beside the rehearsed ones (cheap context for a slow model; its activations are the
-    paper's rule, which undercounts a Llama block's, sections 6-7).
+    calibrated planner's peak (``calibration.planned_peak``) beside the rehearsed ones: cheap context for a slow
+    model.
     """
     bars = [{"label": r.label, "parts": r.parts("peak"), "peak": r.peak_bytes} for r in rehearsals]
-    planned_bars = [{"label": f"{label} (first planner)", "peak": float(v)} for label, v in (planned or {}).items()]
+    planned_bars = [{"label": f"{label} (planned)", "peak": float(v)} for label, v in (planned or {}).items()]
     if not title and bars:
         lo = min(bars, key=lambda b: b["peak"])
         fits = sum(b["peak"] <= gpu_mem for b in bars)
@@ -246,7 +246,7 @@ def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
             .replace(" + ", "\n+ ")
             .replace("_GRAD_", "_GRAD\n_")
             .replace("HYBRID_", "HYBRID\n_")
-            .replace(" (first planner)", "\n(first planner)")
+            .replace(" (planned)", "\n(planned)")
             for b in every
         ],
         fontsize=11,
@@ -264,7 +264,7 @@ def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
                 edgecolor="#555555",
                 ls="--",
                 hatch="//",
-                label="not rehearsed: the first planner's total",
+                label="not rehearsed: the calibrated planner's peak",
             )
         )
     fig.legend(handles=handles, fontsize=11, loc="outside lower center", ncols=2)
