@@ -196,9 +196,9 @@ def file_timer_hang(step_deadline_s: float = 2.0, *, nproc: int = 2, stall_step:
 
     The process group's timeout stays 60 s, out of the way. The agent runs with
     ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` and its pipe in this run's folder. ``detected_after_s`` runs
-    from the stall to the timer's own "Reaping worker_pid" line for the hung rank (its server checks
-    every 0.1 s); ``reaped`` lists the ranks the timer SIGKILLed (every rank past its step's deadline at
-    that check), ``not_reaped`` the others, which the agent's death and then the launcher ended;
+    from the stall to the timer's own first "Reaping worker_pid" line (its server checks every 0.1 s);
+    ``reaped`` lists the ranks the timer SIGKILLed (every rank past its step's deadline at that check),
+    ``not_reaped`` the others, which the agent's death and then the launcher ended;
     ``run_end_s`` runs from the stall to the run's end, every process gone (the launcher's shutdown
     included); ``ranks_that_raised`` lists ranks that lived to raise an error; ``agent_killed`` says
     whether the timer server also killed the agent (the launcher then finds no result).
@@ -229,7 +229,8 @@ def file_timer_hang(step_deadline_s: float = 2.0, *, nproc: int = 2, stall_step:
         row = _detection(folder, {"wall_s": time.monotonic() - t0}, step_deadline_s, "torch elastic file timer", report)
         stalled = json.loads((folder / "stalled.json").read_text())
         reaped = _timer_record(folder)
-        row["detected_after_s"] = reaped[stalled["rank"]] - stalled["t"] if stalled["rank"] in reaped else None
+        # its first check past a deadline: the hung rank's, or its waiting peer's (their steps began within ms)
+        row["detected_after_s"] = min(reaped.values()) - stalled["t"] if reaped else None
         row["reaped"], row["not_reaped"] = sorted(reaped), sorted(set(range(nproc)) - set(reaped))
         row["run_end_s"] = ended - stalled["t"]
         row["ranks_that_raised"] = sorted(int(p.stem[len("raised-rank") :]) for p in folder.glob("raised-rank*.json"))

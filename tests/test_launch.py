@@ -790,7 +790,7 @@ def test_the_agents_faster_rendezvous_names_events_and_pauses_as_torch_does(monk
 
 def test_the_summary_line_drops_torchs_build_path(tmp_path):
     """gloo's messages open with the file torch was built from: the student's summary drops it, the log keeps it."""
-    from course_utils import _agent_patches
+    from course_utils import _agent
 
     attempt = tmp_path / "logs" / "run1_x" / "attempt_0" / "0"
     attempt.mkdir(parents=True)
