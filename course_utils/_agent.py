@@ -67,81 +67,6 @@ def _record_exit_codes() -> None:
     MultiprocessContext._close = _close
 
 
-def _stores_listen_on_loopback() -> None:
-    """Make the agent's TCPStore servers listen on 127.0.0.1 only (single-machine runs).
-
-    torch's TCPStore server binds every interface whatever host it is given; a run of this
-    course on one machine needs nothing beyond loopback. TCPStore takes an already-bound
-    listening socket (``master_listen_fd``), so the two stores an agent creates (the c10d
-    rendezvous store, and the store it shares with the workers) get a socket bound to
-    127.0.0.1 instead. The workers reach it because the node's address is 127.0.0.1 too
-    (``LaunchConfig(local_addr=...)``).
-    """
-    import socket
-
-    import torch.distributed as tdist
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
-
-    def loopback_store(host_name, port, world_size=None, is_master=False, **kwargs):
-        if not is_master:
-            return tdist.TCPStore(host_name, port, world_size, is_master, **kwargs)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", port))
-        sock.listen(128)
-        return tdist.TCPStore(
-            "127.0.0.1", sock.getsockname()[1], world_size, True, master_listen_fd=sock.detach(), **kwargs
-        )
-
-    c10d_rendezvous_backend.TCPStore = loopback_store
-    dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = lambda self, addr, port: loopback_store(
-        addr, port, is_master=True, multi_tenant=True
-    )
-
-
-def _rendezvous_without_stack_walks() -> None:
-    """Keep what torch's rendezvous does for one machine, minus two costs that buy nothing there.
-
-    Measured with py-spy on a launch of a function that returns at once (2 ranks, this machine): the
-    launch took 1.03 s, and the agent spent 39% of it in ``dynamic_rendezvous.get_method_name``, which
-    names each rendezvous event by calling ``inspect.stack()`` twice: that reads the source lines of every
-    frame and searches ``sys.modules`` for each (python/cpython#92041), about 20 times per rendezvous. And 15%
-    in a random pause of 0 to 0.3 s before the first round, which spreads the first attempts of *several
-    nodes* apart; this agent is the only node (``max_nodes=1``). The event names stay the same: the frame
-    ``depth`` levels up, read directly. Pauses given as one number (the polls between rounds) stay.
-    """
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    def get_method_name(depth=2):
-        try:
-            return sys._getframe(depth).f_code.co_name  # its own frame is depth 0, as in inspect.stack()
-        except ValueError:  # a stack shallower than depth
-            return "no_method_name"
-
-    original_delay = dynamic_rendezvous._delay
-
-    def delay(seconds):
-        if not isinstance(seconds, tuple):  # a (low, high) range is the skew between nodes: one node here
-            original_delay(seconds)
-
-    dynamic_rendezvous.get_method_name = get_method_name
-    dynamic_rendezvous._delay = delay
-
-
-def _tail_logs_promptly() -> None:
-    """Tee the workers' output with 20 ms polls instead of torch's 100 ms.
-
-    Every launch ends by stopping its two ``TailLog`` (stdout, stderr) one after the other, and each stop
-    waits for its threads' current sleep: 0.1 s each by default, most of what was left between the
-    workers' return and the launch's (py-spy, after ``_rendezvous_without_stack_walks``).
-    """
-    import functools
-
-    from torch.distributed.elastic.multiprocessing import api, tail_log
-
-    api.TailLog = functools.partial(tail_log.TailLog, interval_sec=0.02)
-
-
 def run_agent(spec: dict, result_path: str) -> None:
     """Run the elastic agent for one launch and write its outcome to ``result_path``."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -158,9 +83,12 @@ def run_agent(spec: dict, result_path: str) -> None:
     # The agent's INFO lines are noise in a notebook; its warnings and errors still show.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     _record_exit_codes()
-    _stores_listen_on_loopback()
-    _rendezvous_without_stack_walks()
-    _tail_logs_promptly()
+    from . import _agent_patches as patches  # after the fork, as every course module
+
+    patches.stores_listen_on_loopback()
+    patches.rendezvous_without_stack_walks()
+    patches.tail_logs_promptly()
+    patches.log_file_timer_reaping()  # only with TORCHELASTIC_ENABLE_FILE_TIMER=1
     # gloo (and NCCL's bootstrap) listen on the address of the interface they pick: loopback here.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")

@@ -15,9 +15,11 @@ sources:
   then SIGKILLs its own process, the agent (``file_based_local_timer.py``: "Terminating the server process
   ... because of expired timers"); a worker still alive gets SIGINT as the agent dies (torch.multiprocessing
   sets ``PR_SET_PDEATHSIG``). No restart by torchrun; the job manager sees the node's torchrun die.
-- **torch elastic's health check server** (``TORCHELASTIC_HEALTH_CHECK_PORT``): in torch 2.13
-  ``HealthCheckServer.start()`` starts nothing ("Unsupported functionality for PyTorch"); it is a hook
-  for a scheduler's own server, fed the file timer's last progress time. Nothing to measure.
+- **torch elastic's health check server** (``TORCHELASTIC_HEALTH_CHECK_PORT``): in torch 2.13 a
+  placeholder. ``HealthCheckServer.start()`` only logs "No health check server started" (its docstring:
+  "Unsupported functionality for PyTorch"), so nothing listens on the port; the agent still hands it a
+  callback returning the file timer's last progress time, for a build that brings its own server
+  (``local_elastic_agent.py`` names a C++ ``HealthCheckThriftServer``, not in torch). Nothing to measure.
 - **torchft's heartbeat**: the manager server sends it every 100 ms from its own (Rust) threads, so a
   group whose Python is stuck keeps heartbeating and the lighthouse never drops it. With two groups the
   survivor's quorum cannot form without it (the lighthouse requires more than half of the heartbeating
@@ -26,7 +28,8 @@ sources:
   after the heartbeat timeout, as section 13 of the notebook measures.
 
 ``measure`` runs the three that fire here, each on a real run, and reports the time from the stall to
-the detection against the configured value; ``hang_cost`` is the arithmetic for choosing timeouts.
+the detection against the configured value (the file timer: its own log line, read from the agent's log);
+``time_lost_per_hang`` is the arithmetic for choosing timeouts.
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ def stall_worker(
 
     with cdist.session(timeout_s=60.0) as info:
         cfg = TrainConfig(**{**config, "nproc": info.world_size}).validate()
+        _note(folder, f"pid-rank{info.rank}", pid=os.getpid())  # who the file timer's record names
         prepared = prepare(cfg, info)
         observers = [Stall(*stall, info.rank, folder, pg_timeout_s)]
         if step_deadline_s:
@@ -175,15 +179,29 @@ def pg_timeout_hang(timeout_s: float = 2.0, *, nproc: int = 2, stall_step: int =
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks)) or "none"
+
+
+def _timer_record(folder: Path) -> dict:
+    """Each worker the file timer reaped, by rank, with the time of its own log line (``_agent_patches``)."""
+    pids = {json.loads(p.read_text())["pid"]: int(p.stem[len("pid-rank") :]) for p in folder.glob("pid-rank*.json")}
+    log = next(folder.glob("launch-*/agent.log")).read_text(errors="replace")
+    found = re.findall(r"^file timer (\d+\.\d+): Reaping worker_pid=\[(\d+)\]", log, re.M)
+    return {pids.get(int(pid), -1): float(t) for t, pid in found}
+
+
 def file_timer_hang(step_deadline_s: float = 2.0, *, nproc: int = 2, stall_step: int = 2, model: str = "tiny") -> dict:
     """Detector 2, torch elastic's file timer: the hung worker killed after its step's deadline (notebook 06).
 
     The process group's timeout stays 60 s, out of the way. The agent runs with
     ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` and its pipe in this run's folder. ``detected_after_s`` runs
-    from the stall to the end of the run (every process gone: an upper bound, the launcher polls every
-    50 ms); ``ranks_that_raised`` lists ranks that lived to raise an error (the waiting rank, when it
-    outlived the timer's check and got its agent's death signal); ``agent_killed`` says whether
-    the timer server also killed the agent (the launcher then finds no result).
+    from the stall to the timer's own first "Reaping worker_pid" line (its server checks every 0.1 s);
+    ``reaped`` lists the ranks the timer SIGKILLed (every rank past its step's deadline at that check),
+    ``not_reaped`` the others, which the agent's death and then the launcher ended;
+    ``run_end_s`` runs from the stall to the run's end, every process gone (the launcher's shutdown
+    included); ``ranks_that_raised`` lists ranks that lived to raise an error; ``agent_killed`` says
+    whether the timer server also killed the agent (the launcher then finds no result).
     """
     from .launch import LaunchError, launch
     from .loop import TrainConfig
@@ -209,11 +227,16 @@ def file_timer_hang(step_deadline_s: float = 2.0, *, nproc: int = 2, stall_step:
     ended = time.time()
     try:
         row = _detection(folder, {"wall_s": time.monotonic() - t0}, step_deadline_s, "torch elastic file timer", report)
-        # Every rank waiting on the hung one is past its own step's deadline too: the server kills them all
-        # (SIGKILL: nothing is written), then the agent. The run's end is when the last of them was gone.
-        row["detected_after_s"] = ended - json.loads((folder / "stalled.json").read_text())["t"]
+        stalled = json.loads((folder / "stalled.json").read_text())
+        reaped = _timer_record(folder)
+        # its first check past a deadline: the hung rank's, or its waiting peer's (their steps began within ms)
+        row["detected_after_s"] = min(reaped.values()) - stalled["t"] if reaped else None
+        row["reaped"], row["not_reaped"] = sorted(reaped), sorted(set(range(nproc)) - set(reaped))
+        row["run_end_s"] = ended - stalled["t"]
         row["ranks_that_raised"] = sorted(int(p.stem[len("raised-rank") :]) for p in folder.glob("raised-rank*.json"))
         row["agent_killed"] = "without a result" in report
+        others = f"; rank(s) {_ranks(row['not_reaped'])} ended with the agent" if row["not_reaped"] else ""
+        row["report"] = f"SIGKILLed rank(s) {_ranks(row['reaped'])}, then its agent{others}: {report}"
         return row
     finally:
         shutil.rmtree(folder, ignore_errors=True)

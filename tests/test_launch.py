@@ -762,18 +762,18 @@ def test_torch_error_files_stay_in_the_run_folder_and_workers_keep_the_usual_tem
 
 
 def test_the_agents_faster_rendezvous_names_events_and_pauses_as_torch_does(monkeypatch):
-    """The agent replaces two helpers of torch's rendezvous (``_agent._rendezvous_without_stack_walks``): the
+    """The agent replaces two helpers of torch's rendezvous (``_agent_patches.rendezvous_without_stack_walks``): the
     event names must stay torch's own (the caller of ``_record``, read with ``inspect.stack()``), and only the
     random skew between nodes is skipped, not the fixed polls between rounds."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    from course_utils import _agent
+    from course_utils import _agent_patches
 
     original_name = dr.get_method_name
     slept = []
     monkeypatch.setattr(dr, "get_method_name", dr.get_method_name)  # restored after the test
     monkeypatch.setattr(dr, "_delay", lambda seconds: slept.append(seconds))
-    _agent._rendezvous_without_stack_walks()
+    _agent_patches.rendezvous_without_stack_walks()
 
     def _record():
         return original_name(), dr.get_method_name()

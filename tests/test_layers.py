@@ -25,7 +25,7 @@ LAYERS = [
     {"presets", "comm", "stepper", "validate", "strategy_spec"},  # shapes; ring arithmetic; the stage-3
     # schedule; input checks; what a row of the strategy record says
     {"models", "data", "dist", "instrument", "timeline", "_agent", "worker", "checksums", "_report", "recovery"}
-    | {"namespaces", "cable", "scratch"},
+    | {"namespaces", "cable", "scratch", "_agent_patches"},
     # model, data, observers, workers; what a launch says; what a restart cost; a cluster's nodes and their cards;
     # temporary folders that go with their process
     {"_procs", "failures"},  # a launch's processes and their clean-up; failure injection

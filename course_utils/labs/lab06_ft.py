@@ -79,6 +79,12 @@ def _steps_both_in(run: dict) -> list[int]:
     ]
 
 
+def loss_step_change(run: dict) -> float:
+    """How much one step moved an ``ft_run``'s logged loss: the median change from a step to the next (notebook 06)."""
+    losses = [row["loss"] for row in run["per_step"] if row["loss"] is not None]
+    return statistics.median(abs(b - a) for a, b in zip(losses, losses[1:]))
+
+
 def link_comparison(runs: dict) -> list[list]:
     """Synchronous DDP against DiLoCo over the same link, same steps, data and failure (notebook 06).
 
@@ -109,8 +115,7 @@ def link_comparison(runs: dict) -> list[list]:
         return f"{sum(tail) / len(tail):.4f}"
 
     def step_change(r):  # the scale of the row above: how much one step moved the loss, median over the run
-        losses = [row["loss"] for row in r["per_step"] if row["loss"] is not None]
-        return f"{statistics.median(abs(b - a) for a, b in zip(losses, losses[1:])):.4f}"
+        return f"{loss_step_change(r):.4f}"
 
     def held_out(r):
         losses = set(r["held_out_loss"].values())  # one value when the groups' weights are equal
