@@ -174,11 +174,12 @@ def replica_main(cfg: FTConfig, replica: int, attempt: int, place: dict, lightho
     (``should_commit``). DiLoCo: the inner Adam steps locally; after every H steps torchft's hook asks
     for a quorum, all-reduces each group's change of the weights since the last synchronisation and
     applies their mean with the outer optimizer, if ``should_commit``. The step numbers follow the
-    manager's count (``_Replica.quorum_steps``): a discarded step is tried again, and a group that healed
-    jumps to the step its peer is at.
+    manager's count (``_Replica.quorum_steps``): a discarded step is tried again (DiLoCo's on the next
+    round's batches: ``_Replica.skipped``), and a group that healed jumps to the step its peer is at.
     """
     import torch
 
+    from .data import batch_for_rank
     from .loop import Prepared, module_held, run_steps
 
     ft_nodes.enter(place)  # first: every socket below opens in this group's place
@@ -193,7 +194,9 @@ def replica_main(cfg: FTConfig, replica: int, attempt: int, place: dict, lightho
     )
     info = SimpleNamespace(rank=replica, world_size=cfg.replicas, device=torch.device("cpu"))
     steps = group.diloco_steps() if cfg.diloco else group.quorum_steps()
-    run_steps(prepared, cfg.train_config(), info, steps, [_committed(group)])
+    kw = dict(batch=cfg.batch, seq=group.model.cfg.seq, vocab=group.model.cfg.vocab, seed=cfg.seed)
+    data = lambda s, r, w: batch_for_rank(s + group.skipped * cfg.sync_every, r, w, **kw)  # noqa: E731 (skipped: later)
+    run_steps(prepared, cfg.train_config(), info, steps, [_committed(group)], data=data)
     group.finish()
 
 
@@ -208,6 +211,7 @@ class _Replica:
         self.kill = cfg.kill_at() if attempt == 0 else None
         self.hang = next(iter(cfg.planned("hang")), None) if attempt == 0 else None
         self.healed: list[float] = []  # seconds of each heal's copy from a live peer
+        self.skipped = 0  # DiLoCo: rounds discarded, whose retries move on to new batches (``diloco_steps``)
         self.timed = {"quorum": [], "commit": []}  # TorchFT's own cost per call
         self.clock: dict = {}
         self.events = open(run_dir / f"events-{replica}-{attempt}.jsonl", "w")
@@ -380,8 +384,9 @@ class _Replica:
     def diloco_steps(self):
         """DiLoCo: H local steps per round; the round's last step ends in the synchronisation."""
         manager, cfg = self.manager, self.cfg
-        tries = 0
+        tries, outer_step = 0, None
         while manager.current_step() * cfg.sync_every < cfg.steps:
+            self.skipped += outer_step == manager.current_step()  # a discarded round: its retry takes new batches
             outer_step = manager.current_step()
             rounds_left = cfg.steps // cfg.sync_every - outer_step
             while rounds_left <= cfg.after_heal and _restarting(self.run_dir, cfg, but=self.replica):
