@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+from matplotlib.patches import Patch
 
 from .base import new_figure
 
@@ -100,7 +101,8 @@ def sync_vs_diloco_figure(runs: dict, *, width: float = 10.0, height: float = 3.
     """Loss per step and bytes across the link per step, one colour per run (notebook 06).
 
     ``runs``: ``{label: course_utils.ft.ft_run report}``, the same steps, data and failure in each.
-    Right panel: the bytes counted on node 0's cable during each step (absent on loopback).
+    Right panel: the bytes counted on node 0's cable during each step (absent on loopback); hatched, the
+    step whose bytes include the heal's copy (DiLoCo: the round's synchronisation before ``healed_to_step``).
     """
     fig = new_figure(width, height)
     loss_ax, link_ax = fig.subplots(1, 2)
@@ -110,9 +112,14 @@ def sync_vs_diloco_figure(runs: dict, *, width: float = 10.0, height: float = 3.
         steps = [row["step"] for row in run["per_step"]]
         loss_ax.plot(steps, [row["loss"] for row in run["per_step"]], color=color, lw=1.8, marker=".", label=label)
         mb = [(row["link_bytes"] or 0) / 1e6 for row in run["per_step"]]
-        link_ax.bar(
+        bars = link_ax.bar(
             np.array(steps) + (i - (len(runs) - 1) / 2) * width_bar, mb, width=width_bar, color=color, label=label
         )
+        if run.get("healed_to_step") is not None:
+            heal_step = run["healed_to_step"] - (1 if run.get("diloco") else 0)
+            for bar, step in zip(bars, steps):
+                if step == heal_step:
+                    bar.set(hatch="///", edgecolor="black", linewidth=0.6)
     killed = next((run["killed"]["step"] for run in runs.values() if run.get("killed")), None)
     if killed is not None:
         loss_ax.axvline(killed, color="#c0392b", lw=1, ls=":", label="a group dies")
@@ -122,8 +129,10 @@ def sync_vs_diloco_figure(runs: dict, *, width: float = 10.0, height: float = 3.
     loss_ax.legend(fontsize=8)
     link_ax.set_xlabel("step")
     link_ax.set_ylabel("MB across node 0's cable (counted)")
-    link_ax.set_title("DiLoCo crosses the link once every H steps")
+    link_ax.set_title("DiLoCo syncs once every H steps (hatched: a heal)")
     if not any(row["link_bytes"] for run in runs.values() for row in run["per_step"]):
         link_ax.text(0.5, 0.5, "on loopback: no link to count", ha="center", va="center", transform=link_ax.transAxes)
-    link_ax.legend(fontsize=8)
+    handles, _ = link_ax.get_legend_handles_labels()
+    heal = Patch(facecolor="white", hatch="///", edgecolor="black", linewidth=0.6, label="with the heal's copy")
+    link_ax.legend(handles=[*handles, heal], fontsize=8)
     return fig
