@@ -41,14 +41,16 @@ PROBE_CAP_MB = 1024.0
 class _Clock(Observer):
     """Each step's seconds and its backward's, and the clock readings of ``step_timeline``, nothing else: the
     ranks meet at a barrier before every step (outside the timed window), so one rank's late start is not
-    carried into the next step's reading. With ``ddp``, its timeline is cleared before each step and read into
-    ``timelines`` after it: one per timed step, in the order of ``step_s``."""
+    carried into the next step's reading. With ``ddp``, its timeline is read into ``timelines`` (one per timed
+    step, in the order of ``step_s``) after that barrier, or by ``keep`` after the last step, then cleared: an
+    all-reduce's end is marked by a callback on gloo's thread, which can run just after ``wait()`` returns."""
 
     def __init__(self, ddp: BucketedDDP | None = None):
         self.step_s, self.backward_s, self.timelines, self.ddp = [], [], [], ddp
 
     def before_forward(self, step: int) -> None:
         dist.barrier()
+        self.keep()
         if self.ddp is not None:
             self.ddp.timeline.clear()
         self.t0 = time.perf_counter()
@@ -65,7 +67,10 @@ class _Clock(Observer):
 
     def after_step(self, step: int, losses: list) -> None:
         self.step_s.append(time.perf_counter() - self.t0)
-        if self.ddp is not None:  # this step's timeline (``step_timeline``), on this rank's clock
+
+    def keep(self) -> None:
+        """The last timed step's timeline (``step_timeline``, on this rank's clock), if not yet kept."""
+        if self.ddp is not None and len(self.timelines) < len(self.step_s):
             self.timelines.append(step_timeline(self.ddp.timeline, self.t0, self.tb, self.tbe, self.ts))
 
 
@@ -136,6 +141,7 @@ def cap_costs(cfg: TrainConfig, info, caps_mb: list, rounds: int = 4, steps: int
     ready = {name: t - began for t, event, _, name in ddp.timeline if event == "ready"}
     timelines = {cap: [None] * info.world_size for cap in caps_mb}  # every rank's steps, each on its own clock
     for cap in caps_mb:
+        clocks[cap].keep()
         dist.all_gather_object(timelines[cap], clocks[cap].timelines)
     return {
         "step_s": {cap: clocks[cap].step_s for cap in caps_mb},
