@@ -336,7 +336,9 @@ def test_timelines_on_one_clock_show_who_waited_for_whom():
     assert moved[1]["all_reduce"][0] == {"bucket": 0, "start_ms": pytest.approx(4.0), "end_ms": pytest.approx(5.0)}
     assert moved[1]["backward_start_ms"] == pytest.approx(3.0) and moved[0]["backward_start_ms"] == 0.0
     s = lab02.straggler_summary(moved)
-    assert s["buckets"] == [{"bucket": 0, "last_start_ms": pytest.approx(4.0), "earliest_end_ms": pytest.approx(5.0)}]
+    assert s["buckets"] == [
+        {"bucket": 0, "last_start_ms": pytest.approx(4.0), "last_rank": 1, "earliest_end_ms": pytest.approx(5.0)}
+    ]
     assert [r["waiting_for_others_ms"] for r in s["ranks"]] == [pytest.approx(3.0), 0.0]
     assert [r["backward_ms"] for r in s["ranks"]] == [pytest.approx(5.0), pytest.approx(5.0)]
 
@@ -360,19 +362,21 @@ def test_straggler_summary_splits_the_union_of_overlapping_bars():
     assert rank0["in_flight_ms"] == pytest.approx(7.0)  # [1, 8], not 5 + 6 = 11
     # [1, 5]: rank 1 issues bucket 0 at 4 and bucket 1 at 5; until then rank 0 cannot finish, even while bucket 0 moves
     assert rank0["waiting_for_others_ms"] == pytest.approx(4.0)
-    # [5, 8]: two in flight at most, each on one of gloo's two threads: none queued for a thread
-    assert rank0["moving_ms"] == pytest.approx(3.0) and rank0["queued_ms"] == 0.0
+    # [5, 8]: two in flight at most, each on one of gloo's two threads: none waiting for a thread
+    assert rank0["gloo_working_ms"] == pytest.approx(3.0) and rank0["of_which_thread_wait_ms"] == 0.0
+    assert rank0["issued_last"] == 0
     assert rank1 == {
         "backward_ms": pytest.approx(5.0),
+        "issued_last": 2,  # both buckets: the straggler of each
         "in_flight_ms": pytest.approx(4.0),  # [4, 8] on rank 0's clock
         "waiting_for_others_ms": 0.0,  # the last to issue: never waits
-        "moving_ms": pytest.approx(4.0),
-        "queued_ms": 0.0,
+        "gloo_working_ms": pytest.approx(4.0),
+        "of_which_thread_wait_ms": 0.0,
     }
     # a third bucket in flight beside two, all issued everywhere: it waits for one of gloo's 2 threads
     three = lab02.on_one_axis(
         [timeline(100.0, [(0, 1, 6), (1, 2, 7), (2, 3, 8)]), timeline(100.0, [(0, 0, 6), (1, 0, 7), (2, 0, 8)])]
     )
     r0 = lab02.straggler_summary(three)["ranks"][0]
-    assert r0["waiting_for_others_ms"] == 0.0 and r0["queued_ms"] == pytest.approx(3.0)  # [3, 6]
-    assert r0["moving_ms"] == pytest.approx(4.0)  # [1, 3] and [6, 8]
+    assert r0["waiting_for_others_ms"] == 0.0 and r0["of_which_thread_wait_ms"] == pytest.approx(3.0)  # [3, 6]
+    assert r0["gloo_working_ms"] == pytest.approx(7.0)  # [1, 8]: the thread wait is part of it, not beside it

@@ -31,7 +31,7 @@ from .lab02_pitfalls import (  # noqa: F401 (notebook 02 reads them here)
     unused_parameters_demo,
     worker_log_errors,
 )
-from .lab02_timeline import on_one_axis, overlap_summary, straggler_summary  # noqa: F401 (notebook 02 reads them here)
+from .lab02_timeline import GLOO_THREADS, on_one_axis, overlap_summary, straggler_summary  # noqa: F401 (notebook 02)
 
 # ---------------------------------------------------------------- measurements (notebook 02)
 
@@ -339,8 +339,10 @@ def torch_ddp_internals(cfg: TrainConfig, info, cap_mb: float, steps: int = 3) -
 
 def ddp_measurements(config: dict, caps_mb: list, torch_cap_mb: float) -> dict | None:
     """One launch for notebook 02: the sweep's rows (``step_time_s`` from ``lab02_cost.cap_costs``' clean steps;
-    ``counted_step_time_s`` with every operator counted), ``torch_ddp_internals`` at ``torch_cap_mb`` and the
-    cost model's readings. Rank 0 returns ``{"sweep", "torch_ddp", "costs"}``; the other ranks None.
+    ``counted_step_time_s`` with every operator counted; ``timelines``: every rank's timeline of the clean step
+    ``timeline_step`` nearest the median, which took ``timeline_step_s`` on rank 0), ``torch_ddp_internals`` at
+    ``torch_cap_mb`` and the cost model's readings. Rank 0 returns ``{"sweep", "torch_ddp", "costs"}``; the other
+    ranks None.
     """
     cfg = TrainConfig(**config).validate()
     with cdist.session() as info:
@@ -349,8 +351,11 @@ def ddp_measurements(config: dict, caps_mb: list, torch_cap_mb: float) -> dict |
         costs = cap_costs(cfg, info, [float(cap) for cap in caps_mb]) if caps_mb else None
         for row in rows:  # the sweep's own steps ran with every operator counted: time from the clean run
             row["counted_step_time_s"] = row["step_time_s"]
-            row["step_time_s"] = statistics.median(costs["step_s"][row["cap_mb"]])
-            row["timelines"] = costs["timelines"][row["cap_mb"]]  # every rank's last clean step, own clock
+            steps = costs["step_s"][row["cap_mb"]]  # rank 0's clean steps, in order
+            row["step_time_s"] = statistics.median(steps)
+            k = min(range(len(steps)), key=lambda i: abs(steps[i] - row["step_time_s"]))  # a typical step
+            row["timelines"] = [per_rank[k] for per_rank in costs["timelines"][row["cap_mb"]]]  # own clocks
+            row["timeline_step_s"], row["timeline_step"] = steps[k], k
         return {"sweep": rows, "torch_ddp": internals, "costs": costs} if info.rank == 0 else None
 
 

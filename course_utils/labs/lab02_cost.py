@@ -10,8 +10,8 @@ what the arithmetic of ``plan.hostfit`` turns into a prediction, and the overlap
 - **the compute alone**: the same steps with no communication at all (no hooks, no buckets);
 - **one all-reduce of B bytes**, for B from 256 B to 4 MiB, timed in runs of back-to-back calls: the readings
   ``plan.fit_latency_bandwidth`` fits t(B) = latency + sent bytes / bandwidth to;
-- **every rank's timeline of each cap's last timed step** (``lab02_timeline.step_timeline``), so the overlap
-  chart's milliseconds are not the counted run's;
+- **every rank's timeline of each cap's timed steps** (``lab02_timeline.step_timeline``, a few floats a step),
+  so the overlap chart's milliseconds are not the counted run's, and it can draw a typical step, not the last;
 - **when each gradient becomes final** in an undisturbed backward (one bucket, so no all-reduce starts before
   the backward ends): what the separate-engine model of ``plan.bucket_step_time`` schedules buckets from.
 """
@@ -41,14 +41,16 @@ PROBE_CAP_MB = 1024.0
 class _Clock(Observer):
     """Each step's seconds and its backward's, and the clock readings of ``step_timeline``, nothing else: the
     ranks meet at a barrier before every step (outside the timed window), so one rank's late start is not
-    carried into the next step's reading. With ``ddp``, its timeline is cleared before each step: the last
-    step's events are left."""
+    carried into the next step's reading. With ``ddp``, its timeline is read into ``timelines`` (one per timed
+    step, in the order of ``step_s``) after that barrier, or by ``keep`` after the last step, then cleared: an
+    all-reduce's end is marked by a callback on gloo's thread, which can run just after ``wait()`` returns."""
 
     def __init__(self, ddp: BucketedDDP | None = None):
-        self.step_s, self.backward_s, self.ddp = [], [], ddp
+        self.step_s, self.backward_s, self.timelines, self.ddp = [], [], [], ddp
 
     def before_forward(self, step: int) -> None:
         dist.barrier()
+        self.keep()
         if self.ddp is not None:
             self.ddp.timeline.clear()
         self.t0 = time.perf_counter()
@@ -63,12 +65,13 @@ class _Clock(Observer):
     def before_update(self, step: int) -> None:  # finish_gradient_synchronization has run
         self.ts = time.perf_counter()
 
-    def timeline(self) -> dict:
-        """The last step's timeline (``step_timeline``), on this rank's clock."""
-        return step_timeline(self.ddp.timeline, self.t0, self.tb, self.tbe, self.ts)
-
     def after_step(self, step: int, losses: list) -> None:
         self.step_s.append(time.perf_counter() - self.t0)
+
+    def keep(self) -> None:
+        """The last timed step's timeline (``step_timeline``, on this rank's clock), if not yet kept."""
+        if self.ddp is not None and len(self.timelines) < len(self.step_s):
+            self.timelines.append(step_timeline(self.ddp.timeline, self.t0, self.tb, self.tbe, self.ts))
 
 
 def _prepared(cfg: TrainConfig, info, cap_mb: float | None) -> tuple[Prepared, BucketedDDP | None]:
@@ -114,7 +117,7 @@ def cap_costs(cfg: TrainConfig, info, caps_mb: list, rounds: int = 4, steps: int
 
     ``{"step_s": {cap: [s, ...]}, "compute_s": [...], "buckets": {cap: [{"bytes", "names"}]},
     "all_reduce": [{"kind", "bytes", "world_size", "readings"}], "ready_s": {param: s after backward began},
-    "backward_s", "timelines": {cap: [every rank's last step's timeline]}}``. Each model runs one untimed step
+    "backward_s", "timelines": {cap: [every rank's [one timeline per timed step]]}}``. Each model runs one untimed step
     first (buffers, the allocator, the first bucket fill).
     """
     settings = [None, *caps_mb]  # None: the compute alone
@@ -136,9 +139,10 @@ def cap_costs(cfg: TrainConfig, info, caps_mb: list, rounds: int = 4, steps: int
     run_steps(probe, cfg, info, [1], [clock])
     began = clock.tb
     ready = {name: t - began for t, event, _, name in ddp.timeline if event == "ready"}
-    timelines = {cap: [None] * info.world_size for cap in caps_mb}  # every rank's, each on its own clock
+    timelines = {cap: [None] * info.world_size for cap in caps_mb}  # every rank's steps, each on its own clock
     for cap in caps_mb:
-        dist.all_gather_object(timelines[cap], clocks[cap].timeline())
+        clocks[cap].keep()
+        dist.all_gather_object(timelines[cap], clocks[cap].timelines)
     return {
         "step_s": {cap: clocks[cap].step_s for cap in caps_mb},
         "compute_s": clocks[None].step_s,

@@ -81,7 +81,7 @@ def on_one_axis(timelines: list) -> list:
 
 
 #: The worker threads a ``ProcessGroupGloo`` runs collectives on by default (``int threads{2}``,
-#: ``ProcessGroupGloo.hpp``, torch 2.13): a third collective in flight waits for one of them.
+#: ``ProcessGroupGloo.hpp``, torch 2.13): a third collective in flight waits for one of them to be free.
 GLOO_THREADS = 2
 
 
@@ -89,18 +89,20 @@ def straggler_summary(timelines: list) -> dict:
     """What each rank's all-reduces waited for, from timelines on one axis (``on_one_axis``) (notebook 02).
 
     An all-reduce completes on a rank only once every rank has issued it. Per bucket: ``last_start_ms``
-    (when the last rank issued it) and ``earliest_end_ms`` (the first rank to see it complete), which can
-    never be before the last start. Per rank, times on its own clock that add up without counting an instant
-    twice (the bars overlap, so their sum would not fit in the step):
+    (when the last rank issued it), ``last_rank`` (that rank, the bucket's straggler) and ``earliest_end_ms``
+    (the first rank to see it complete), which can never be before the last start. Per rank, ``issued_last``
+    (how many buckets it was the straggler of) and times on its own clock that add up without counting an
+    instant twice (the bars overlap, so their sum would not fit in the step):
 
     - ``in_flight_ms``: the union of its all-reduces' bars, the time at least one was in flight;
     - ``waiting_for_others_ms``: the part of it when some all-reduce in flight on this rank had not yet been
       issued by every rank (a straggler is still computing, and this rank cannot finish its step without it,
       whatever gloo is doing with the older buckets meanwhile);
-    - ``queued_ms``: the part of it, every all-reduce in flight issued everywhere, when more were in flight on the
-      rank than gloo has worker threads (``GLOO_THREADS``, ``threads{2}`` in ``ProcessGroupGloo.hpp``): a bucket
-      waiting for a thread behind older ones (they start in issue order, a later, smaller one can finish first);
-    - ``moving_ms``: the rest, ``in_flight_ms - waiting_for_others_ms - queued_ms``: gloo moving and adding bytes.
+    - ``gloo_working_ms``: the rest, every all-reduce in flight issued everywhere: gloo moving and adding bytes;
+    - ``of_which_thread_wait_ms``: information, not a third cost: the part of ``gloo_working_ms`` when more were in
+      flight on the rank than gloo has worker threads (``GLOO_THREADS``), so a bucket waited for a thread while
+      the two oldest were worked on. Nothing measured says a third thread would have moved the bytes sooner (on a
+      busy CPU the threads share the same cores), so this time is not charged to the thread limit.
     """
     starts = [{r["bucket"]: r["start_ms"] for r in t["all_reduce"]} for t in timelines]
     ends = [
@@ -109,13 +111,23 @@ def straggler_summary(timelines: list) -> dict:
     ]
     buckets = sorted(starts[0])
     last = {b: max(s[b] for s in starts) for b in buckets}
+    last_rank = {b: max(range(len(starts)), key=lambda r: starts[r][b]) for b in buckets}
     ranks = []
-    for t, s, e in zip(timelines, starts, ends):
+    for rank, (t, s, e) in enumerate(zip(timelines, starts, ends)):
         parts = _in_flight_parts([(b, s[b], e[b], last[b]) for b in buckets])
-        ranks.append({"backward_ms": t["backward_end_ms"] - t["backward_start_ms"], **parts})
+        issued_last = sum(last_rank[b] == rank for b in buckets)
+        ranks.append(
+            {"backward_ms": t["backward_end_ms"] - t["backward_start_ms"], "issued_last": issued_last, **parts}
+        )
     return {
         "buckets": [
-            {"bucket": b, "last_start_ms": last[b], "earliest_end_ms": min(e[b] for e in ends)} for b in buckets
+            {
+                "bucket": b,
+                "last_start_ms": last[b],
+                "last_rank": last_rank[b],
+                "earliest_end_ms": min(e[b] for e in ends),
+            }
+            for b in buckets
         ],
         "ranks": ranks,
     }
@@ -123,10 +135,10 @@ def straggler_summary(timelines: list) -> dict:
 
 def _in_flight_parts(bars: list) -> dict:
     """One rank's ``(bucket, start, end, last rank's start)`` bars cut at every edge: each slice with an
-    all-reduce in flight is waiting (one of them not yet issued everywhere), else queued (more in flight than
-    gloo's threads), else moving."""
+    all-reduce in flight is waiting (one of them not yet issued everywhere), else gloo working (of which a thread
+    wait when more are in flight than gloo's threads)."""
     edges = sorted({x for _, start, end, last in bars for x in (start, end, last)})
-    out = {"in_flight_ms": 0.0, "waiting_for_others_ms": 0.0, "moving_ms": 0.0, "queued_ms": 0.0}
+    out = {"in_flight_ms": 0.0, "waiting_for_others_ms": 0.0, "gloo_working_ms": 0.0, "of_which_thread_wait_ms": 0.0}
     for lo, hi in zip(edges, edges[1:]):
         live = [(b, last) for b, start, end, last in bars if start <= lo and hi <= end]
         if not live:
@@ -135,7 +147,9 @@ def _in_flight_parts(bars: list) -> dict:
         if any(lo < last for _, last in live):
             out["waiting_for_others_ms"] += hi - lo
         else:
-            out["queued_ms" if len(live) > GLOO_THREADS else "moving_ms"] += hi - lo
+            out["gloo_working_ms"] += hi - lo
+            if len(live) > GLOO_THREADS:
+                out["of_which_thread_wait_ms"] += hi - lo
     return out
 
 
