@@ -25,8 +25,11 @@ hybrid_shard    True                    (N/n, n)   ("replicate","shard") stage 3
   (stage 2's traffic), and while a step runs the whole model is unsharded at once. FSDP2 reshards
   after the backward, so *at rest* it holds exactly what FULL_SHARD holds (stage 3's bytes). At the
   end of the forward, where the loop has set the gradients to None, it holds its shards, Adam's
-  state and the whole model gathered: 4Ψ/N + 8Ψ/N + 4Ψ in fp32, stage 2's row (measured in
-  notebook 04).
+  state and the whole model gathered: 4Ψ/N + 8Ψ/N + 4Ψ in fp32, stage 2's row; beside them sit
+  FSDP2's flat all-gather outputs of the two last blocks (at the last block's copy-out the one
+  before is not yet freed: FSDP2 frees it late to overlap the copy-out; ``predict.kept_all_gather_outputs``),
+  so the measured model states peak is stage 2's row plus those two buffers and Adam's step
+  counters (notebook 04's timeline, to the byte).
 - NO_SHARD: FSDP2 has no flag for it. A 2-D mesh whose shard dimension has size 1 *is* NO_SHARD:
   each rank's shard is the whole tensor, nothing is gathered or scattered, and gradients are
   all-reduced over the replicate dimension (one all-reduce per unit). We use it because it is

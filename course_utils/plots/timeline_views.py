@@ -22,15 +22,16 @@ TIMELINE_COLORS = {
 }
 
 
-def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, row_height: float = 1.2):
-    """``timelines``: ``{label: StepTimeline.result()}``. One panel per run, up to three columns (so that every
-    run fits one 1280 x 720 slide), the same y axis (bytes, kB = 10^3), x the operations of the step;
+def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, row_height: float = 1.2, cols: int = 3):
+    """``timelines``: ``{label: StepTimeline.result()}``. One panel per run, up to ``cols`` columns (three: every
+    run fits one 1280 x 720 slide; notebook 04's four runs take one row of four, taller), the same y axis
+    (bytes, kB = 10^3), x the operations of the step;
     the step's peak (activations included, ▼) and the model states' peak (parameters, gradients, optimizer state
     and buffers, ◀) marked and their phases named."""
     from matplotlib.lines import Line2D
 
     names = list(timelines)
-    cols = min(3, len(names))
+    cols = min(cols, len(names))
     rows = -(-len(names) // cols)
     fig = new_figure(width, row_height * rows + 0.6)
     top = max(t["peak"]["total"] for t in timelines.values()) / 1e3 * 1.08
