@@ -13,10 +13,12 @@ keeps slice g of *every* unit. Each press of Step moves the schedule on:
   slice's gradients), and freed; the root's gradients reduce-scattered last (the embedding's).
 
 Each GPU's traffic is counted in units of Ψ with the ring model the course uses everywhere
-(``instrument.CommCounter``): an all-gather or reduce-scatter of a layer of Ψ/L parameters
-costs every GPU (Nd-1)/Nd of that unit's Ψ sent. After the last step each GPU has sent 3(Nd-1)/Nd·Ψ
+(``instrument.CommCounter``): the picture draws its L + 1 units (the layers and the root) the same
+size, Ψ/(L+1) parameters each, and an all-gather or reduce-scatter of one costs every GPU (Nd-1)/Nd
+of that unit's Ψ sent. After the last step each GPU has sent 3(Nd-1)/Nd·Ψ
 against plain data parallelism's 2(Nd-1)/Nd·Ψ: 1.5x. At no moment does a GPU hold more than its own
-slices (Ψ/Nd) plus the rest of the root and of one gathered layer.
+slices (Ψ/Nd) plus the rest of the root and of one gathered layer: 2(Nd-1)/(Nd(L+1))·Ψ more, in the
+picture's equal units (a real model's root and layers differ in size).
 
 The widget (``widgets.zero3_stepper``) and the figure (``plots.zero3_schedule_figure``) only
 draw these states; nothing here imports torch or matplotlib.

@@ -86,9 +86,9 @@ def reduce_at_step_states_peak(units: list[dict], psi: int, shard: int, *, backe
 
 def full_gradients_states_peak(rest: dict, psi: int) -> int:
     """Model states at the peak of a row that keeps its whole model and every full gradient until the
-    optimizer's step (DDP): what it holds at rest (weights, Adam's state, the bucket buffers, ``rest_bytes``)
-    plus 4Ψ of ``.grad`` (copied out of the buckets: ``gradient_as_bucket_view`` is off), reached in the
-    backward once the last gradient exists (notebook 03)."""
+    optimizer's step (single, DDP): what it holds at rest (weights, Adam's state, DDP's bucket buffers,
+    ``rest_bytes``) plus 4Ψ of ``.grad`` (DDP's copied out of its buckets: ``gradient_as_bucket_view`` is off),
+    reached in the backward once the last gradient exists and held into the step (notebook 03)."""
     return sum(rest[k] for k in ("params", "optim", "comm")) + FP32 * psi
 
 
