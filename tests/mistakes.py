@@ -341,9 +341,9 @@ def hsdp_sharded_over_every_gpu(params, gpus_per_node, nodes, mp, strategy):
         "zero3_offload": 16,
     }[strategy]
     gpu, host = (16 - sharded) * p + sharded * p / nd, 0.0
-    if strategy.endswith("_offload"):
-        host = 12 * p / nd
-        gpu -= host
+    if strategy.endswith("_offload"):  # optimizer and gradient partitions on the host, right for these rows
+        host = (12 + (6 if strategy == "zero3_offload" else 4)) * p / nd
+        gpu -= (12 + 2) * p / nd
     return {"gpu": gpu, "host": host}
 
 

@@ -49,7 +49,7 @@ def judge_model_states(fn) -> None:
                     if row.shard_over == "node":
                         hint = " (HSDP shards within one node: over gpus_per_node / Nm GPUs, replicates across nodes)"
                     elif row.offload:
-                        hint = " (offload moves the K·Ψ optimizer bytes to the host)"
+                        hint = " (offload_optimizer moves the optimizer bytes and the gradient partitions to the host)"
                     raise Wrong(
                         f"{strategy} for {model.params:.3g} parameters on {_cluster_text(cluster)}: you put "
                         f"{got[where] / GB:.4g} GB on the {where}, the planner {want[where] / GB:.4g} GB{hint}"
@@ -74,7 +74,9 @@ register(
             "Per GPU: p = params / mp; weights 2p, gradients 2p, optimizer 12p; Nd = gpus_per_node·nodes / mp.",
             "zero1 divides the optimizer by Nd, zero2 also the gradients, zero3 all three; HSDP shards all three "
             "over the GPUs of one node (gpus_per_node / mp), not over Nd.",
-            "The _offload strategies are zero2/zero3 with the (sharded) optimizer bytes moved to 'host'.",
+            "The _offload strategies are DeepSpeed's offload_optimizer: zero2/zero3 with the sharded optimizer bytes "
+            "and the gradient partitions on the host, in fp32 (4 bytes per parameter of the shard) and, for stage 3, "
+            "in bf16 too (2 more); no gradient bytes stay on the GPU.",
         ),
         judge=judge_model_states,
     )

@@ -17,6 +17,8 @@ something else (read in the libraries' source; torch 2.13, DeepSpeed 0.19):
   5e8 elements), stage 1 keeping whole bf16 gradients across accumulation micro-steps. Stages 1 and 2
   all-reduce each gradient bucket (``use_multi_rank_bucket_allreduce``, True by default), not the paper's
   reduce-scatter, and then all-gather the bf16 parameters: 3(N-1)/N of 2Ψ per step, as notebook 03 counts.
+  With ``offload_optimizer`` the master, Adam and every gradient partition live on the host
+  (``ds_offload_grad_bytes``); the GPU keeps the bf16 weights (stage 3: their partitions) and the buckets.
 
 A row carries its behaviour (``states``, ``buffers``, ``comm``) as callables, and its course row (a
 ``Strategy`` of the record) for the course's name; the planner branches on no name.
@@ -107,20 +109,41 @@ def _fsdp2_states(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> dict:
     return out
 
 
+def ds_offload_grad_bytes(stage: int) -> dict:
+    """Bytes per parameter of a rank's partition that DeepSpeed's ``offload_optimizer`` keeps on the host for
+    the gradients (DeepSpeed 0.19; both planners; 05's recount checks it tensor by tensor): the fp32 gradient
+    CPU Adam reads (stage 2 ``single_partition_of_fp32_groups[i].grad`` on ``self.device``, the CPU,
+    ``stage_1_and_2.py``; stage 3 ``fp32_partitioned_groups_flat[i].grad``, ``stage3.py``) and, stage 3 only,
+    the bf16 partitions each reduce-scatter's output is copied into (``grad_partitions_flat_buffer``, also on
+    ``self.device``; DeepSpeed's estimator leaves them out). No gradient stays on the GPU but the buckets."""
+    return {"fp32 gradient partition": 4, **({"bf16 gradient partitions": 2} if stage == 3 else {})}
+
+
+def host_bytes_per_param(impl: Impl, k: float = 12.0) -> float:
+    """Bytes per parameter of a GPU's shard an offload row keeps on the host (both planners): FSDP2's
+    ``CPUOffloadPolicy`` the fp32 parameter and gradient shards and Adam's state (4 + 4 + K - 4); DeepSpeed's
+    ``offload_optimizer`` the fp32 master and Adam's state (K) and the gradient partitions."""
+    if impl.offload == "all":
+        return 4 + k
+    return k + sum(ds_offload_grad_bytes(impl.stage).values()) if impl.offload else 0.0
+
+
 def _deepspeed_states(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> dict:
     P = s.params
+    # offload_optimizer: the fp32 master, Adam and every gradient partition on the host (ds_offload_grad_bytes)
+    host = {f"(host) {t}": 0.0 for t in ("fp32 master + Adam", *ds_offload_grad_bytes(impl.stage))}
     if impl.stage == 3:
-        partitions = 4 * P / n if impl.offload else 18 * P / n
+        out = {"bf16 parameter partitions + fp32 master + Adam + gradient partitions": 18 * P / n}
+        if impl.offload:
+            out = {"bf16 parameter partitions": 2 * P / n, **host}
         return {
-            "bf16 parameter partitions + fp32 master + Adam + gradient partitions": partitions,
+            **out,
             "reduce buckets (overlap_comm: two), bf16": 2 * 2 * min(DS_REDUCE_BUCKET, P),
             "prefetch bucket, bf16": 2 * min(DS_PREFETCH, P),
         }
-    out = {
-        "bf16 parameters": 2 * P,
-        "fp32 master + Adam + fp32/bf16 gradient partitions": (2 if impl.offload else 18) * P / n,
-        "IPG reduce bucket(s), bf16": 2 * min(DS_REDUCE_BUCKET, P) * (2 if impl.stage == 2 else 1),
-    }
+    out = {"bf16 parameters": 2 * P}
+    out.update(host if impl.offload else {"fp32 master + Adam + fp32/bf16 gradient partitions": 18 * P / n})
+    out["IPG reduce bucket(s), bf16"] = 2 * min(DS_REDUCE_BUCKET, P) * (2 if impl.stage == 2 else 1)
     if impl.stage == 1 and accum > 1:
         out["bf16 gradients kept across micro-steps"] = 2 * P
     return out

@@ -70,7 +70,8 @@ def offload_modes(
     ``step_s`` adds PCIe, CPU (and NVMe) time to the GPU-resident strategy's step (stage 2's or
     stage 3's), none of it hidden (an upper bound; ``pcie_s`` is what could hide behind the backward),
     except FSDP2's: the search's term (``throughput.fsdp2_cpu_offload_s``), whose copies in hide behind the
-    step's compute (one micro-batch a step here; the search pays them on every micro-batch).
+    step's compute and the first micro-batch's copies out behind its backward (one micro-batch a step here;
+    the search pays the copies out from the second micro-batch on).
     Each row: ``{"name", "base", "gpu_bytes", "host_bytes", "nvme_bytes", "pcie_bytes",
     "nvme_step_bytes", "optimizer_step", "pcie_s", "cpu_step_s", "nvme_s", "step_s", "fits", "why_not"}``.
     """

@@ -14,6 +14,7 @@ import math
 from ..comm import ring_bytes_sent
 from ..memory import bill
 from ..strategies import GRADS, OPTIM, PARAMS, ZERO3, Strategy, get
+from .implementations import ds_offload_grad_bytes
 from .inputs import Cluster, ModelSpec
 from .network import _groups, _hsdp_shard, block_flops, exposed_comm, ring_time
 
@@ -55,7 +56,9 @@ def memory_breakdown(
 
     Model states follow the paper with Ψ/Nm per GPU, the parts the row shards at the peak of a step
     divided by its shard group (Nd, or ``shard_size`` GPUs, one node's by default, for a row that
-    shards inside a node); the parts it offloads go to the host. Activations: the paper's rule
+    shards inside a node); the parts it offloads go to the host, and with the optimizer
+    (DeepSpeed's ``offload_optimizer``, the record's offload rows) the gradient partitions too
+    (``implementations.ds_offload_grad_bytes``). Activations: the paper's rule
     divided by Nm (as with ZeRO-R's partitioned activations). Buffers: two 25 MB gradient buckets
     when the weights are whole; when they are sharded, the largest unit gathered in 16-bit twice (the
     current block and the prefetched next one) plus its unsharded 16-bit gradient.
@@ -69,6 +72,9 @@ def memory_breakdown(
     host = 0.0
     for part in row.offload:
         host, held[PLAN_PART[part]] = host + held[PLAN_PART[part]], 0.0
+    if OPTIM in row.offload:  # DeepSpeed's offload_optimizer: the gradient partitions live on the host too
+        stage = 3 if "weights" in sharded else 2
+        host, held["gradients"] = host + sum(ds_offload_grad_bytes(stage).values()) * p / shard, 0.0
     activations = (
         bill.activation_bytes(
             model.width, model.micro_batch, model.seq, model.layers, checkpointing=model.checkpointing

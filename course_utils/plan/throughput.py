@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .activations import activation_terms, block_saved_bytes, block_selective_bytes, policy_parts, rebuilt_blocks
-from .implementations import Impl
+from .implementations import Impl, host_bytes_per_param
 from .shapes import GPUCluster, Shape
 
 
@@ -169,14 +169,17 @@ def cpu_adam_s(updated: float, gpus_per_node: int, host_bw: float, k: float = 12
 def fsdp2_cpu_offload_s(updated, accum, hidden, pcie_bw, host_bw, gpus_per_node, gathers=2, k=12.0) -> float:
     """Seconds FSDP2's ``CPUOffloadPolicy`` adds to a step on a GPU that updates ``updated`` parameters (torch
     2.13's ``_fully_shard``; both planners use it). On every micro-batch the fp32 shard is copied in before
-    each of its ``gathers`` all-gathers (non-blocking: it hides behind ``hidden``, the micro-batch's compute)
-    and the reduced fp32 gradient copied out (blocking), from the second micro-batch on added on the CPU
-    (read 2, write 1: 12 bytes); then ``torch.optim`` steps on the CPU (``cpu_adam_s``)."""
+    each of its ``gathers`` all-gathers (non-blocking: it hides behind ``hidden``, the micro-batch's compute).
+    The reduced fp32 gradient is copied out after each unit's reduce-scatter: on the first micro-batch
+    non-blocking (pinned memory, nothing to accumulate into: ``foreach_reduce`` in ``_fsdp_collectives.py``
+    records an event the optimizer waits on), so it hides behind the rest of the backward; from the second
+    micro-batch on blocking, since the CPU then adds it to the gradient so far (read 2, write 1: 12 bytes).
+    Then ``torch.optim`` steps on the CPU (``cpu_adam_s``)."""
     copy_in, copy_out = gathers * 4 * updated / pcie_bw, 4 * updated / pcie_bw
     add = 12 * updated * gpus_per_node / host_bw
     return (
-        accum * (max(0.0, copy_in - hidden) + copy_out)
-        + (accum - 1) * add
+        accum * max(0.0, copy_in - hidden)
+        + (accum - 1) * (copy_out + add)
         + cpu_adam_s(updated, gpus_per_node, host_bw, k)
     )
 
@@ -186,8 +189,8 @@ def evaluate(s: Shape, cl: GPUCluster, impl: Impl, c: Config, mfu: float) -> dic
     mem = memory(s, impl, c, cl)
     host_ok = True
     if impl.offload:
-        host_ok = 16 * s.params / impl.optimizer_share(c.nodes * cl.gpus_per_node, c.shard) * cl.gpus_per_node
-        host_ok = host_ok <= cl.host_mem
+        share = impl.optimizer_share(c.nodes * cl.gpus_per_node, c.shard)
+        host_ok = host_bytes_per_param(impl) * s.params / share * cl.gpus_per_node <= cl.host_mem
     return {
         "config": asdict(c),
         "impl": impl.key,

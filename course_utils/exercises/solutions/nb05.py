@@ -18,8 +18,9 @@ def model_states_per_gpu(params, gpus_per_node, nodes, mp, strategy):
     over = gpus_per_node // mp if strategy == "hybrid_shard" else nd  # HSDP: shard inside one node
     held = {k: v / over if k in sharded else v for k, v in parts.items()}
     host = 0.0
-    if strategy.endswith("_offload"):
-        host, held["optimizer"] = held["optimizer"], 0.0
+    if strategy.endswith("_offload"):  # DeepSpeed's offload_optimizer: fp32 gradient partition (and stage 3's bf16)
+        host = held["optimizer"] + (6 if strategy == "zero3_offload" else 4) * p / nd
+        held["optimizer"], held["gradients"] = 0.0, 0.0
     return {"gpu": sum(held.values()), "host": host}
 
 
