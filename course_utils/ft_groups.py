@@ -299,17 +299,25 @@ class _Replica:
 
             setattr(self.manager, method, timed_call)
 
-    def _die_in_allreduce(self) -> None:
+    def die(self, where: str) -> None:
+        """The planned kill: its event row, the ``dead-R`` marker, then ``die_hard``. The job manager also writes
+        the marker, once it has reaped the process: on a busy machine after a DiLoCo survivor's last look
+        (``_restarting``), which then finished without waiting, left the restarted group to train alone."""
         from .failures import die_hard
 
+        self.record(kill=self.kill[1], where=where, t=time.time())
+        (self.run_dir / f"dead-{self.replica}").touch()  # before the death: before any peer can notice it
+        how = "inside the all-reduce of step" if where == "allreduce" else "between steps, before step"
+        die_hard(f"replica {self.replica} {how} {self.kill[1]}")
+
+    def _die_in_allreduce(self) -> None:
         manager, cfg, kill = self.manager, self.cfg, self.kill
         allreduce = manager.allreduce
 
         def die_in_allreduce(tensor, *args, **kwargs):  # DDP's comm hook (DiLoCo's sync) calls manager.allreduce
             # the peers' all-reduce of this step (DiLoCo: of the round holding it) waits for our part
             if manager.current_step() == (kill[1] // cfg.sync_every if cfg.diloco else kill[1]):
-                self.record(kill=kill[1], where="allreduce", t=time.time())
-                die_hard(f"replica {self.replica} inside the all-reduce of step {kill[1]}")
+                self.die("allreduce")
             return allreduce(tensor, *args, **kwargs)
 
         manager.allreduce = die_in_allreduce
@@ -349,12 +357,9 @@ class _Replica:
             time.sleep(0.01)
 
     def before_step(self, step: int) -> None:
-        from .failures import die_hard
-
         kill, hang, replica = self.kill, self.hang, self.replica
         if kill and kill[0] == replica and not self.cfg.during_allreduce and step == kill[1]:
-            self.record(kill=kill[1], where="between", t=time.time())
-            die_hard(f"replica {replica} between steps, before step {kill[1]}")
+            self.die("between")
         if hang and hang[0] == replica and step == hang[1]:
             self.record(hang=hang[1], t=time.time())
             time.sleep(10**6)  # stuck in Python: torchft's heartbeat runs in its own (Rust) threads
