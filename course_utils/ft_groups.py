@@ -300,9 +300,7 @@ class _Replica:
             setattr(self.manager, method, timed_call)
 
     def die(self, where: str) -> None:
-        """The planned kill: its event row, the ``dead-R`` marker, then ``die_hard``. The job manager also writes
-        the marker, once it has reaped the process: on a busy machine after a DiLoCo survivor's last look
-        (``_restarting``), which then finished without waiting, left the restarted group to train alone."""
+        """The planned kill: its event row, its ``dead-R`` marker (``_restarting``), then ``die_hard``."""
         from .failures import die_hard
 
         self.record(kill=self.kill[1], where=where, t=time.time())
@@ -484,14 +482,11 @@ def _committed(group: _Replica):
 
 
 def _restarting(run_dir: Path, cfg: FTConfig, but: int | None = None) -> bool:
-    """A group other than ``but`` died, will be restarted, and its new process has not yet asked the
-    lighthouse to join.
-
-    (DiLoCo: a restarted group trains one round on its own first, then asks at that round's end; the
-    survivors' next synchronisation, H steps later, is the one it joins.) The restarted group itself is
-    ``but``: it must not wait for its own restart. It did, when the death fell in the first round and the
-    last ``after_heal`` rounds began at once (8 steps, H = 4, a kill at step 3): both groups waited for ever.
-    """
+    """A group other than ``but`` died (``dead-R``, which the dying group writes: the job manager's, after it has
+    reaped the process, came late on a busy machine and the survivor finished without waiting), will be
+    restarted, and its new process has not asked the lighthouse to join: it trains one round alone, then joins
+    the survivors' next synchronisation. ``but``, the restarted group, must not wait for its own restart (both
+    groups waited for ever when the death fell in the first round and the last rounds began at once)."""
     return cfg.restart_after is not None and any(
         (run_dir / f"dead-{r}").exists()
         and not (run_dir / f"gone-{r}").exists()
