@@ -299,17 +299,23 @@ class _Replica:
 
             setattr(self.manager, method, timed_call)
 
-    def _die_in_allreduce(self) -> None:
+    def die(self, where: str) -> None:
+        """The planned kill: its event row, its ``dead-R`` marker (``_restarting``), then ``die_hard``."""
         from .failures import die_hard
 
+        self.record(kill=self.kill[1], where=where, t=time.time())
+        (self.run_dir / f"dead-{self.replica}").touch()  # before the death: before any peer can notice it
+        how = "inside the all-reduce of step" if where == "allreduce" else "between steps, before step"
+        die_hard(f"replica {self.replica} {how} {self.kill[1]}")
+
+    def _die_in_allreduce(self) -> None:
         manager, cfg, kill = self.manager, self.cfg, self.kill
         allreduce = manager.allreduce
 
         def die_in_allreduce(tensor, *args, **kwargs):  # DDP's comm hook (DiLoCo's sync) calls manager.allreduce
             # the peers' all-reduce of this step (DiLoCo: of the round holding it) waits for our part
             if manager.current_step() == (kill[1] // cfg.sync_every if cfg.diloco else kill[1]):
-                self.record(kill=kill[1], where="allreduce", t=time.time())
-                die_hard(f"replica {self.replica} inside the all-reduce of step {kill[1]}")
+                self.die("allreduce")
             return allreduce(tensor, *args, **kwargs)
 
         manager.allreduce = die_in_allreduce
@@ -349,12 +355,9 @@ class _Replica:
             time.sleep(0.01)
 
     def before_step(self, step: int) -> None:
-        from .failures import die_hard
-
         kill, hang, replica = self.kill, self.hang, self.replica
         if kill and kill[0] == replica and not self.cfg.during_allreduce and step == kill[1]:
-            self.record(kill=kill[1], where="between", t=time.time())
-            die_hard(f"replica {replica} between steps, before step {kill[1]}")
+            self.die("between")
         if hang and hang[0] == replica and step == hang[1]:
             self.record(hang=hang[1], t=time.time())
             time.sleep(10**6)  # stuck in Python: torchft's heartbeat runs in its own (Rust) threads
@@ -479,14 +482,11 @@ def _committed(group: _Replica):
 
 
 def _restarting(run_dir: Path, cfg: FTConfig, but: int | None = None) -> bool:
-    """A group other than ``but`` died, will be restarted, and its new process has not yet asked the
-    lighthouse to join.
-
-    (DiLoCo: a restarted group trains one round on its own first, then asks at that round's end; the
-    survivors' next synchronisation, H steps later, is the one it joins.) The restarted group itself is
-    ``but``: it must not wait for its own restart. It did, when the death fell in the first round and the
-    last ``after_heal`` rounds began at once (8 steps, H = 4, a kill at step 3): both groups waited for ever.
-    """
+    """A group other than ``but`` died (``dead-R``, which the dying group writes: the job manager's, after it has
+    reaped the process, came late on a busy machine and the survivor finished without waiting), will be
+    restarted, and its new process has not asked the lighthouse to join: it trains one round alone, then joins
+    the survivors' next synchronisation. ``but``, the restarted group, must not wait for its own restart (both
+    groups waited for ever when the death fell in the first round and the last rounds began at once)."""
     return cfg.restart_after is not None and any(
         (run_dir / f"dead-{r}").exists()
         and not (run_dir / f"gone-{r}").exists()

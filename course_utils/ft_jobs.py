@@ -178,7 +178,7 @@ def _exited(cfg: FTConfig, run_dir: Path, jobs: dict, replica: int, attempt: int
         }
         return False
     if code != 0:  # the job manager's answer to a dead group: start it again, or let it go
-        (run_dir / f"dead-{replica}").touch()
+        (run_dir / f"dead-{replica}").touch()  # the planned kill wrote it first (_Replica.die)
         # DiLoCo: a group restarted after the others finished has nobody to heal from
         if cfg.restart_after is None or (cfg.diloco and _all_finished(run_dir, cfg)):
             (run_dir / f"gone-{replica}").touch()

@@ -13,13 +13,15 @@ import importlib.util
 import math
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 from conftest import pid_alive
 from listening import watching_this_process
 
-from course_utils import cli, cluster, namespaces
+from course_utils import cli, cluster, failures, ft_nodes, namespaces
 from course_utils.ft import INSTALL_HINT, ft_run
+from course_utils.ft_groups import FTConfig, _Replica, _restarting
 from course_utils.launch import LaunchTimeout
 from course_utils.models import get_config, param_count
 
@@ -137,6 +139,27 @@ def test_a_restarted_diloco_group_never_waits_for_its_own_restart():
     # both end at the last step with the same weights (whether the restarted group joined the retried first round
     # or healed from the survivor at the end depends on which reached the lighthouse first: either is torchft's)
     assert run["final_steps"] == {"0": 2 * H, "1": 2 * H} and run["weights_equal"] and len(run["restarts"]) == 1
+
+
+@pytest.mark.parametrize("during_allreduce", [False, True])
+def test_a_killed_diloco_group_is_known_dead_before_the_job_manager_reaps_it(tmp_path, monkeypatch, during_allreduce):
+    """The flaky 06-diloco-03: the job manager marked the death only once it had reaped the process; on a busy
+    machine the survivor looked before that, ran its last rounds without waiting for the restart and finished, and
+    the restarted group trained alone (different final weights, no round of two groups across the link)."""
+    cfg = FTConfig(
+        steps=8, diloco=True, sync_every=H, kill=f"1:{H - 1}", during_allreduce=during_allreduce, restart_after=1,
+        after_heal=2,
+    ).validate()  # fmt: skip
+    monkeypatch.setattr(failures, "die_hard", lambda reason: (_ for _ in ()).throw(SystemExit(reason)))
+    group = _Replica(cfg, 1, 0, ft_nodes.LOOPBACK, "", tmp_path)  # the group that dies; no job manager runs
+    group.manager = SimpleNamespace(current_step=lambda: 0, allreduce=lambda tensor: tensor)
+    group._die_in_allreduce()
+    assert not _restarting(tmp_path, cfg, but=0)
+    with pytest.raises(SystemExit, match="replica 1"):
+        group.manager.allreduce(None) if during_allreduce else group.before_step(H - 1)
+    assert _restarting(tmp_path, cfg, but=0)  # what the survivor reads before its last rounds
+    (tmp_path / "asking-1-1").touch()  # the restarted group asks to join: the survivor goes on
+    assert not _restarting(tmp_path, cfg, but=0)
 
 
 @pytest.mark.skipif(not ON_CLUSTER, reason=cluster.missing() or "")
