@@ -141,13 +141,16 @@ def test_tables_and_charts_render(small_runs):
     from course_utils.plots import png
 
     runs = [small_runs[4, "full_shard"], small_runs[4, "shard_grad_op"], small_runs[4, "full_shard+ckpt"]]
-    view = R.bars_view(runs, gpu_mem=5.8e6, planned={"NO_SHARD": 1e7})
-    assert view["title"].startswith("2 of 3 rehearsed fit")
+    from course_utils.plan import Cluster
+
+    c = Cluster()  # a GPU whose usable memory (the planner's fits test) is 5.8 MB of tensors: two of three fit
+    view = R.bars_view(runs, gpu_mem=c.context + (1 + c.reserve) * 5.8e6, planned={"NO_SHARD": 1e7})
+    assert view["title"].startswith("2 of 3 rehearsed fit") and view["usable"] == pytest.approx(5.8e6)
     rows = R.summary_rows(runs)
     for fig in (R.rehearsal_figure(view), R.agreement_figure(rows)):
         assert png(fig)[:4] == b"\x89PNG"
     tables = (
-        R.markdown_table(runs, gpu_mem=1e9),
+        R.markdown_table(runs, gpu_mem=80e9),
         R.markdown_summary(rows),
         R.markdown_compare(runs[0], R.compare(runs[0])),
     )
@@ -261,6 +264,9 @@ def test_cli_text_and_json(capsys):
     shape = ["--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "32"]
     code, out, err = run_cli(capsys, *shape, "--nproc", "4", "--strategy", "shard_grad_op")
     assert code == 0 and "SHARD_GRAD_OP on 4 ranks" in out and "peak per rank" in out
+    assert "buffers: two 25 MB gradient buckets)" in out  # the first planner's buckets only where weights are whole
+    code, out, err = run_cli(capsys, *shape, "--nproc", "4")
+    assert code == 0 and "buffers: a gathered block twice and its 16-bit gradient)" in out
     code, out, err = run_cli(
         capsys, *shape, "--nproc", "16", "--strategy", "hybrid_shard", "--node-size", "4", "--act-ckpt", "--json"
     )
@@ -351,8 +357,9 @@ def test_the_throughput_planner_is_calibrated_per_term_on_llama_2_7b():
 #: Terms of the five presets outside 10%, and why: at a peak late in backward under full recomputation the tracker
 #: files the head's gradient under temporaries (an activation category here) where the planner books it as a
 #: gradient (notebook 05b, section 10), so the planner's activations come out short and its states and buffers
-#: long; the peak itself is within 2.5% in every such setting. The bound each is held to, so that a change that
-#: moves it shows.
+#: long; the peak itself is within 2.5% in every such setting, and on Llama the activations within 10% once the
+#: head's gradient is taken out (GPT-2 XL's tied head: its own test below). The bound each is held to, so that a
+#: change that moves it shows.
 RESIDUALS = {
     (
         "1.56B",
@@ -378,6 +385,9 @@ def test_every_preset_is_calibrated_at_both_recomputation_extremes(name, policy)
         assert abs(row["after_error"]) < bound, (name, policy, row["term"], row["after_error"])
         if (name, policy, row["term"]) in RESIDUALS:
             assert row["moment"] == "backward" and abs(row["after_error"]) >= 0.10  # still a residual
+            cfg = R.model_config(name)
+            if not cfg.tie_weights:  # Llama: the residual is the head's bf16 gradient; without it, within 10%
+                assert abs(row["after"] / (row["measured"] - cfg.vocab * cfg.width * 2) - 1) < 0.10, (name, row)
 
 
 def test_the_calibrated_planner_holds_on_models_and_policies_it_was_not_fitted_to():

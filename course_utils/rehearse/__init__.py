@@ -104,6 +104,8 @@ from .views import (
     markdown_summary,
     markdown_table,
     rehearsal_figure,
+    usable,
+    usable_words,
 )
 
 __all__ = [
@@ -156,6 +158,8 @@ __all__ = [
     "UNITS",
     "agreement_figure",
     "bars_view",
+    "usable",
+    "usable_words",
     "format_report",
     "markdown_bridge",
     "markdown_bridge_peaks",

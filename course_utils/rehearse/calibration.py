@@ -5,7 +5,8 @@ Terms, as the tracker sorts bytes at its peak: **activations** (``Activation``, 
 parameters, communication buffers); and the **peak** itself.
 
 - *before*: the course's first planner (``predictions.predict``: the paper's 12·h·s·b·L rule for
-  activations, no logits or loss, DDP's buckets for every strategy); it knows only "none" and "full".
+  activations, no logits or loss; buffers: DDP's two buckets where the weights are whole, a gathered block twice
+  and its gradient where they are sharded); it knows only "none" and "full".
 - *after*: the throughput planner (``plan.throughput.memory``) for the same setting with the rehearsal's
   CPU kernels, its terms taken at the moment the rehearsal peaked (in forward while no gradient shard
   exists, else in backward). Its three fitted constants (the loss's 8V bytes per token, a block's backward
@@ -71,7 +72,7 @@ def planner_terms(r: Rehearsal, kernels: str = "cpu", at: str | None = None) -> 
     """The throughput planner's terms for the rehearsal's setting (no allocator reserve, no CUDA context),
     at the moment the rehearsal peaked (or at the planner's phase ``at``); None for a strategy the planner
     prices as another implementation. ``"at moment"``: the planner's total at that moment, where its
-    ``"peak"`` is its largest over the step."""
+    ``"peak"`` is its largest over the step, at ``"peak moment"``."""
     if _impl_for(r) is None or r.mixed_precision != "bf16":
         return None
     m = _planned(r, kernels)
@@ -79,7 +80,8 @@ def planner_terms(r: Rehearsal, kernels: str = "cpu", at: str | None = None) -> 
     at = at or max(moments, key=lambda k: m["phases"][k]["total"])
     p = m["phases"][at]
     return {"activations": p["activations"], "states and buffers": p["states"] + p["unsharded"],
-            "peak": m["tensors_peak"], "moment": at, "at moment": p["total"]}  # fmt: skip
+            "peak": m["tensors_peak"], "moment": at, "at moment": p["total"],
+            "peak moment": m["peak_phase"]}  # fmt: skip
 
 
 def before_terms(r: Rehearsal) -> dict | None:

@@ -188,6 +188,14 @@ def agreement(r: Rehearsal) -> dict:
     return out
 
 
+def buffers_booked(strategy: str) -> str:
+    """The first planner's buffers for a strategy, in words (``plan.price.memory_breakdown``): the compare table's
+    buffers row and the command line's header say it here (notebook 05b)."""
+    if PARAMS in get_fsdp(strategy).shards_at_peak:
+        return "a gathered block twice and its 16-bit gradient"
+    return "two 25 MB gradient buckets"
+
+
 def compare(r: Rehearsal) -> list[dict]:
     """The planner against the rehearsal, one row per item of the bill, with why they differ (notebook 05b).
 
@@ -290,11 +298,7 @@ def compare(r: Rehearsal) -> list[dict]:
         top["All Gather"] + top["Reduce Scatter"] + top["Unsharded Grad"],
         "largest in the step",
         "not in the 16-byte bill (ZeRO-R's constant buffers). The planner allows "
-        + (
-            "a gathered block twice and its 16-bit gradient"
-            if PARAMS in spec.shards_at_peak
-            else "two 25 MB gradient buckets"
-        )
+        + buffers_booked(r.strategy)
         + "; FSDP2 holds an all-gather output, a reduce-scatter input (fp32) and a block's unsharded gradient",
     )
     if r.cfg.arch == "gpt2":

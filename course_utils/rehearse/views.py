@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 
+from ..plan.inputs import Cluster
 from ..strategies import get_fsdp
 from ..units import GB, MB, GiB
 from .calibration import measured_terms
-from .predictions import CALIBRATED_TOL
+from .predictions import CALIBRATED_TOL, buffers_booked
 from .run import Rehearsal, short_size
 from .tracker import CATEGORIES, PART_COLORS, PARTS
 
@@ -48,15 +49,22 @@ def format_report(r: Rehearsal, rows: list[dict], unit: str = "GB", calibrated: 
         lines += ["", f"notebook 05's planner (calibrated; this CPU's kernels) against the rehearsal, {u}:"]
         measured = measured_terms(r)
         lines.append(f"  {'':<58} {'planner':>10} {'rehearsal':>10}  ratio")
+        at = calibrated["moment"]
         for term in ("activations", "states and buffers", "peak"):
+            when = f"at the {at}"
+            if term == "peak" and calibrated["peak moment"] != at:  # the planner's largest moment is another
+                when = (
+                    f"the planner's at the {calibrated['peak moment']}; at the rehearsal's, the {at}, it says "
+                    f"{_fmt(calibrated['at moment'], unit)}, x{measured[term] / calibrated['at moment']:.2f}"
+                )
             lines.append(
                 f"  {term:<58} {_fmt(calibrated[term], unit):>10} {_fmt(measured[term], unit):>10}"
-                f"  x{measured[term] / calibrated[term]:.2f}  (at the {calibrated['moment']})"
+                f"  x{measured[term] / calibrated[term]:.2f}  ({when})"
             )
     lines += [
         "",
         f"the first planner (course_utils.plan.memory_breakdown: memory.py's {r.stage} row with Nd = {r.nd}, the "
-        f"paper's activation rule, DDP's two 25 MB buckets for every strategy), item by item, {u}:",
+        f"paper's activation rule, buffers: {buffers_booked(r.strategy)}), item by item, {u}:",
     ]
     lines.append(f"  {'':<58} {'formula':>10} {'rehearsal':>10}  ratio")
     for row in rows:
@@ -67,6 +75,23 @@ def format_report(r: Rehearsal, rows: list[dict], unit: str = "GB", calibrated: 
         )
         lines.append(f"      {row['why']}")
     return "\n".join(lines)
+
+
+def usable(gpu_mem: float) -> float:
+    """Tensor bytes a rehearsed peak may reach on a GPU of ``gpu_mem`` bytes: the planner's own fits test
+    (``plan.Cluster.usable``: the caching allocator's reserve on top of the tensors and the CUDA context left
+    out), so that "fits" means the same here and in notebook 05 (notebook 05b)."""
+    return Cluster(gpu_mem=gpu_mem).usable
+
+
+def usable_words(gpu_mem: float) -> str:
+    """``usable(gpu_mem)`` and its two terms, from the planner's own record, in words (notebook 05b)."""
+    c = Cluster(gpu_mem=gpu_mem)
+    return (
+        f"one GPU holds {gpu_mem / GB:g} GB, of which a peak of tensors may fill {c.usable / GB:.1f} GB (the "
+        f"planner's rule: the caching allocator's {c.reserve:.0%} on top of the tensors and "
+        f"{c.context / GiB:g} GiB of CUDA context)"
+    )
 
 
 def bars_view(
@@ -82,10 +107,10 @@ def bars_view(
     planned_bars = [{"label": f"{label} (planned)", "peak": float(v)} for label, v in (planned or {}).items()]
     if not title and bars:
         lo = min(bars, key=lambda b: b["peak"])
-        fits = sum(b["peak"] <= gpu_mem for b in bars)
+        fits = sum(b["peak"] <= usable(gpu_mem) for b in bars)
         title = (
-            f"{fits} of {len(bars)} rehearsed fit {gpu_mem / GB:g} GB; lowest peak: {lo['label']}, "
-            f"{lo['peak'] / GB:.1f} GB per GPU"
+            f"{fits} of {len(bars)} rehearsed fit {usable(gpu_mem) / GB:.1f} GB usable; lowest: {lo['label']}, "
+            f"{lo['peak'] / GB:.1f} GB"
         )
     return {
         "bars": bars,
@@ -93,6 +118,7 @@ def bars_view(
         "parts": list(PARTS),
         "colors": PART_COLORS,
         "gpu_mem": gpu_mem,
+        "usable": usable(gpu_mem),
         "title": title,
     }
 
@@ -110,13 +136,13 @@ def markdown_table(rehearsals: list[Rehearsal], unit: str = "GB", *, gpu_mem: fl
         cells = [r.label, str(r.nproc), str(r.nd)] + [_fmt(parts[p], unit) for p in PARTS]
         cells.append(f"**{_fmt(r.peak_bytes, unit)}**")
         if gpu_mem:
-            cells.append("yes" if r.peak_bytes <= gpu_mem else "no")
+            cells.append("yes" if r.peak_bytes <= usable(gpu_mem) else "no")
         cells.append(f"{r.wall_s:.1f} s")
         lines.append("| " + " | ".join(cells) + " |")
     psi = {short_size(r.psi) for r in rehearsals}
     return (
         f"Bytes per GPU at the peak of one training step, {_unit_name(unit)}; Ψ = {', '.join(sorted(psi))}"
-        + (f"; one GPU holds {gpu_mem / GB:g} GB" if gpu_mem else "")
+        + (f"; {usable_words(gpu_mem)}" if gpu_mem else "")
         + "\n\n"
         + "\n".join(lines)
     )
@@ -238,7 +264,9 @@ def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
     gpu = view["gpu_mem"] / GB
     ax.axhline(gpu, color="#c0392b", ls="--", lw=1.5)
     every = bars + planned
-    ax.text(-0.55, gpu, f" one {gpu:g} GB GPU", color="#c0392b", ha="left", va="bottom", fontsize=12)
+    ax.axhline(view["usable"] / GB, color="#c0392b", ls=":", lw=1.2)  # the planner's fits test (``usable``)
+    ax.text(-0.55, gpu, f" one {gpu:g} GB GPU\n dotted: {view['usable'] / GB:.1f} GB usable", color="#c0392b",
+            ha="left", va="bottom", fontsize=12)  # fmt: skip
     ax.set_xticks(
         range(len(every)),
         [
