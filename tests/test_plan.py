@@ -878,9 +878,9 @@ def test_the_first_planner_prices_block_gathers_with_exposed_comm(monkeypatch):
 
 def test_fsdp2_cpu_offload_is_paid_every_micro_batch_deepspeeds_once_a_step():
     """FSDP2's CPUOffloadPolicy copies each reduced fp32 gradient to the host on every micro-batch, blocking and
-    added on the CPU once accumulating (torch 2.13, _fsdp_collectives.py; non-blocking, hidden, on the first); DeepSpeed's offload_optimizer
-    accumulates on the GPU and offloads at the boundary (stage3.py): one more micro-batch adds 4 bytes per
-    shard element over PCIe and 12 through the host's memory to the first, nothing to the second."""
+    added on the CPU once accumulating (torch 2.13, _fsdp_collectives.py; non-blocking, hidden, on the first);
+    DeepSpeed's offload_optimizer accumulates on the GPU and offloads at the boundary (stage3.py): one more
+    micro-batch adds 4 bytes per shard element over PCIe and 12 through the host's memory to the first, nothing to the second."""
     from course_utils.presets import preset
 
     s = plan.shape_of_preset(preset("70B"))
