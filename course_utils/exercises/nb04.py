@@ -32,7 +32,7 @@ EXTRA_CELLS = [
     (
         "markdown",
         "### Per-parameter sharding: FSDP2's layout, built by hand\n\n"
-        "Notebook 03's stage 3 (like FSDP1 and DeepSpeed's stages 1 and 2) cuts one flat buffer per unit into N "
+        "Notebook 03's stage 3 (like FSDP1) cuts one flat buffer per unit into N "
         "slices, so a slice can end inside a weight matrix; DeepSpeed's stage 3 flattens and pads each parameter "
         "on its own and gives rank r its r-th piece. `fully_shard` shards *each parameter* on dim 0, padded with "
         "zero rows; "
