@@ -2,11 +2,12 @@
 
 One weight can be laid across ranks three ways. The hand-built stage 3 of notebook 03
 (``zero.Zero3Module``) lays each unit's parameters end to end in one flat buffer and gives rank r
-one contiguous slice of it: FSDP1's ``FlatParameter`` and DeepSpeed's stages 1 and 2
-(``bit16_groups_flat``) do the same. A slice can cut a weight matrix anywhere, so the optimizer sees
-flat fragments. DeepSpeed's stage 3 flattens and pads *each parameter* to a multiple of N and gives
-rank r the r-th piece of every parameter (``param.ds_tensor``, ``partition_parameters.py`` in
-DeepSpeed 0.19.8): a piece can still cut a row. PyTorch's FSDP2 (``fully_shard``) shards each
+one contiguous slice of it, padded to a multiple of N: FSDP1's ``FlatParameter`` does the same. DeepSpeed's
+stages 1 and 2 flatten a whole parameter group (``bit16_groups_flat``) and pad it to a multiple of 2N
+(``stage_1_and_2.py``, ``nccl_start_alignment_factor = 2``), so their slices and padding differ. A slice
+can cut a weight matrix anywhere, so the optimizer sees flat fragments. DeepSpeed's stage 3 flattens and pads
+*each parameter* to a multiple of N and gives rank r the r-th piece of every parameter (``param.ds_tensor``,
+``partition_parameters.py`` in DeepSpeed 0.19.8): a piece can still cut a row. PyTorch's FSDP2 (``fully_shard``) shards each
 parameter by rows: rank r keeps rows
 ``[r·c, (r+1)·c)`` of dim 0, with c = ceil(dim0 / N) (``torch.chunk``; a rank past the end keeps
 no rows, and the gathered buffer is padded with zeros to c·N rows, as torch 2.13's
@@ -55,7 +56,7 @@ from .zero import GatheredBytes, assign_units
 
 #: The three layouts, in the order the course meets them (notebook 03's flat buffer first).
 LAYOUTS = {
-    "flat": "one flat buffer per unit (ours, FSDP1, DeepSpeed 1-2)",
+    "flat": "one flat buffer per unit (ours, FSDP1)",
     "per_parameter_flat": "each parameter flat and padded (DeepSpeed 3)",
     "rows": "each parameter by rows of dim 0 (FSDP2)",
 }

@@ -328,6 +328,18 @@ def layout_always_reshard(budget_bytes, units):
     return {"wrap": "block", "reshard_after_forward": True}
 
 
+def layout_one_unit_when_it_fits(budget_bytes, units):
+    """Right, not the reference's: with wrap="model" the only unit is the root, never resharded, so each parameter
+    is all-gathered once, the same bytes as {"block", False}."""
+    whole = 4 * sum(u["numel"] for u in units)
+    root = 4 * sum(u["numel"] for u in units if u["name"] == "(root)")
+    if whole <= budget_bytes:
+        return {"wrap": "model", "reshard_after_forward": True}
+    if root + 4 * max(u["numel"] for u in units if u["name"] != "(root)") <= budget_bytes:
+        return {"wrap": "block", "reshard_after_forward": True}
+    return None
+
+
 # 05 -------------------------------------------------------------------------------------------
 def hsdp_sharded_over_every_gpu(params, gpus_per_node, nodes, mp, strategy):
     p, nd = params / mp, gpus_per_node * nodes // mp
@@ -449,3 +461,6 @@ MISTAKES = {
     ("06", "newest_complete"): [(newest_by_name, "no commit.json")],
     ("06", "resume"): [(resume_without_optimizer, "optimizer state")],
 }
+
+# Right answers other than the reference's, each of which the check must pass.
+ALSO_RIGHT = {("04", "choose_layout"): [layout_one_unit_when_it_fits]}

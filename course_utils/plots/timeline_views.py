@@ -22,18 +22,23 @@ TIMELINE_COLORS = {
 }
 
 
-def timelines_figure(timelines: dict, *, title: str = "", width: float = 12.5, row_height: float = 1.2, cols: int = 3):
+def timelines_figure(
+    timelines: dict, *, title: str = "", width: float = 12.5, row_height: float = 1.2, cols: int = 3, right: float = 1.0
+):
     """``timelines``: ``{label: StepTimeline.result()}``. One panel per run, up to ``cols`` columns (three: every
     run fits one 1280 x 720 slide; notebook 04's four runs take one row of four, taller), the same y axis
     (bytes, kB = 10^3), x the operations of the step;
     the step's peak (activations included, ▼) and the model states' peak (parameters, gradients, optimizer state
-    and buffers, ◀) marked and their phases named."""
+    and buffers, ◀) marked and their phases named. ``right`` < 1 leaves a right margin (the figure's share kept for
+    the panels): the constrained layout does not widen a panel whose centred title is wider than it."""
     from matplotlib.lines import Line2D
 
     names = list(timelines)
     cols = min(cols, len(names))
     rows = -(-len(names) // cols)
     fig = new_figure(width, row_height * rows + 0.6)
+    if right < 1:
+        fig.get_layout_engine().set(rect=(0, 0, right, 1))
     top = max(t["peak"]["total"] for t in timelines.values()) / 1e3 * 1.08
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
     for ax, name in zip(axes.flat, names):

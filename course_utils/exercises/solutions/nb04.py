@@ -35,12 +35,13 @@ def clip_sharded(grads, max_norm):
 
 
 def choose_layout(budget_bytes, units):
-    """{"wrap": "block"|"model", "reshard_after_forward": bool} that fits budget_bytes with the fewest gathers, or None."""
+    """{"wrap": "block"|"model", "reshard_after_forward": bool} that fits budget_bytes with the fewest all-gathered
+    bytes, or None."""
     whole = 4 * sum(u["numel"] for u in units)
     root = 4 * sum(u["numel"] for u in units if u["name"] == "(root)")
     largest_block = 4 * max((u["numel"] for u in units if u["name"] != "(root)"), default=0)
     if whole <= budget_bytes:
-        return {"wrap": "block", "reshard_after_forward": False}  # one all-gather per parameter
+        return {"wrap": "block", "reshard_after_forward": False}  # each parameter all-gathered once
     if root + largest_block <= budget_bytes:
         return {"wrap": "block", "reshard_after_forward": True}  # gathered again for the backward
     return None
