@@ -103,8 +103,11 @@ def link_comparison(runs: dict) -> list[list]:
             else f"{mean / 1e6:.2f} MB ({n} {'round' if r['diloco'] else 'step'}{'s' * (n != 1)})"
         )
 
-    def step_time(r):
-        return "-" if r["time_per_step_s"] is None else f"{r['time_per_step_s'] * 1e3:.0f} ms"
+    def step_time(r):  # how many steps (DiLoCo: rounds) the median is over, as the bytes row says
+        n, unit = r["timed"], "round" if r["diloco"] else "step"
+        return (
+            "-" if r["time_per_step_s"] is None else f"{r['time_per_step_s'] * 1e3:.0f} ms ({n} {unit}{'s' * (n != 1)})"
+        )
 
     def train_time(r):  # steps x time per step; the launch's wall time adds the same fixed costs to both
         tps = r["time_per_step_s"]
@@ -142,7 +145,7 @@ def link_comparison(runs: dict) -> list[list]:
         ],
         ["time per step, every group in (median; DiLoCo: a round's time / H)", *(step_time(r) for r in runs.values())],
         [
-            "training time: steps x time per step",
+            "training time, extrapolated: steps x time per step",
             *(train_time(r) for r in runs.values()),
         ],
         ["loss, mean of the last steps (DiLoCo: its groups' local models)", *(final_loss(r) for r in runs.values())],
