@@ -132,7 +132,7 @@ def _timings(cfg: FTConfig, tries: list, syncs: list, heal_steps: set, kill) -> 
     # TorchFT's own cost per step (DiLoCo: per synchronisation): the quorum and the commit vote. The
     # rest (forward, backward, the all-reduce, Adam) is what plain DDP does too.
     overhead = statistics.median(r["quorum_s"] + r["commit_s"] for r in ordinary) if ordinary else None
-    return {"step_time_s": step_time, "time_per_step_s": per_step_time, "overhead_s": overhead}
+    return {"step_time_s": step_time, "time_per_step_s": per_step_time, "overhead_s": overhead, "timed": len(ordinary)}
 
 
 def _after_the_event(cfg: FTConfig, tries: list, syncs: list, kill, hang, step_time) -> dict:
@@ -276,7 +276,8 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
     survivors' quorum at that step waited for the restarted group, see ``FTConfig.after_heal``), ``steps_while_away``,
     ``step_time_s`` (median step with every group in; DiLoCo: median synchronising step),
     ``time_per_step_s`` (the same; DiLoCo: a round's duration over its H steps, median) and
-    ``overhead_s`` (its median quorum plus commit vote), ``weights_sha256`` and ``adam_sha256``
+    ``overhead_s`` (its median quorum plus commit vote), ``timed`` (how many steps, DiLoCo: rounds, those medians
+    are over), ``weights_sha256`` and ``adam_sha256``
     (Adam's moments and step counts) per group with ``weights_equal`` and ``adam_equal``, ``held_out_loss``
     (per group, the final weights' loss on a batch no step trained on),
     ``link_bytes``, ``where`` (loopback or the cluster), ``listening`` (every address a group's

@@ -80,9 +80,12 @@ def _steps_both_in(run: dict) -> list[int]:
 
 
 def loss_step_change(run: dict) -> float:
-    """How much one step moved an ``ft_run``'s logged loss: the median change from a step to the next (notebook 06)."""
-    losses = [row["loss"] for row in run["per_step"] if row["loss"] is not None]
-    return statistics.median(abs(b - a) for a, b in zip(losses, losses[1:]))
+    """How much one step moved an ``ft_run``'s logged loss: the least-squares slope over its steps (notebook 06).
+
+    A fit, not the median of step-to-step changes: those are mostly the batches' noise, not progress.
+    """
+    rows = [row for row in run["per_step"] if row["loss"] is not None]
+    return abs(statistics.linear_regression([r["step"] for r in rows], [r["loss"] for r in rows]).slope)
 
 
 def link_comparison(runs: dict) -> list[list]:
@@ -91,8 +94,8 @@ def link_comparison(runs: dict) -> list[list]:
     ``runs``: ``{label: ft_run report}``. Rows: what was measured, one column per run: bytes across
     node 0's cable per step with both groups in (counted by the kernel on the node's interface), the
     median step with every group in (DiLoCo: a round's steps, synchronisation included, per step), the
-    run's wall time, the mean loss of the last H steps, the median change of the loss from one step to the
-    next (its scale), the final weights' loss on a batch no step trained on, and what the failure cost.
+    run's wall time, the mean loss of the last H steps, the loss's fitted change per step (its
+    scale), the final weights' loss on a batch no step trained on, and what the failure cost.
     """
 
     def per_step_bytes(r):
@@ -103,8 +106,11 @@ def link_comparison(runs: dict) -> list[list]:
             else f"{mean / 1e6:.2f} MB ({n} {'round' if r['diloco'] else 'step'}{'s' * (n != 1)})"
         )
 
-    def step_time(r):
-        return "-" if r["time_per_step_s"] is None else f"{r['time_per_step_s'] * 1e3:.0f} ms"
+    def step_time(r):  # how many steps (DiLoCo: rounds) the median is over, as the bytes row says
+        n, unit = r["timed"], "round" if r["diloco"] else "step"
+        return (
+            "-" if r["time_per_step_s"] is None else f"{r['time_per_step_s'] * 1e3:.0f} ms ({n} {unit}{'s' * (n != 1)})"
+        )
 
     def train_time(r):  # steps x time per step; the launch's wall time adds the same fixed costs to both
         tps = r["time_per_step_s"]
@@ -114,7 +120,7 @@ def link_comparison(runs: dict) -> list[list]:
         tail = [row["loss"] for row in r["per_step"][-max(r["sync_every"], 4) :]]
         return f"{sum(tail) / len(tail):.4f}"
 
-    def step_change(r):  # the scale of the row above: how much one step moved the loss, median over the run
+    def step_change(r):  # the scale of the row above: how much one step moved the loss, fitted over the run
         return f"{loss_step_change(r):.4f}"
 
     def held_out(r):
@@ -142,12 +148,12 @@ def link_comparison(runs: dict) -> list[list]:
         ],
         ["time per step, every group in (median; DiLoCo: a round's time / H)", *(step_time(r) for r in runs.values())],
         [
-            "training time: steps x time per step",
+            "training time, extrapolated: steps x time per step",
             *(train_time(r) for r in runs.values()),
         ],
         ["loss, mean of the last steps (DiLoCo: its groups' local models)", *(final_loss(r) for r in runs.values())],
         [
-            "loss change from one step to the next (median, the scale of the row above)",
+            "loss change per step (least-squares slope over the run, the scale of the row above)",
             *(step_change(r) for r in runs.values()),
         ],
         [
