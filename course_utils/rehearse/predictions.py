@@ -115,9 +115,9 @@ MODEL_STATE_TOL = 1e-3
 #: The peak: the planner within this fraction of the tracker, for full-depth models (at least
 #: ``PEAK_MIN_LAYERS`` blocks) whose rule-based activations are at most ``PEAK_MAX_ACT_SHARE`` of
 #: the planner's total. Why so narrow a claim: the planner's activation rule counts 12 numbers per
-#: token per unit of width per block (a GPT-2-era count); a Llama block (SwiGLU's three
-#: hidden-size tensors, RMSNorm computed in fp32, rotated copies of q and k) and the fp32 logits of
-#: the loss hold about 2.5 times that (notebook 05b measures it on Llama 2 7B at 4096 tokens), so an
+#: token per unit of width per block (a GPT-2-era count); a Llama block (SwiGLU's four
+#: hidden-size tensors, RMSNorm computed in fp32, rotated copies of q and k) and the loss's fp32
+#: log-probabilities hold about 2.5 times that (notebook 05b measures it on Llama 2 7B at 4096 tokens), so an
 #: activation term of 10% of the total can be 15% of it. Without checkpointing the activations are
 #: a third or more of the total and the planner's peak is far low; the notebook shows by how much
 #: (``peak_errors``) instead of claiming a tolerance.
@@ -308,8 +308,8 @@ def compare(r: Rehearsal) -> list[dict]:
         )
     else:
         kept = (
-            f"this Llama block keeps more: SwiGLU's gate, up and product ({3 * r.cfg.hidden / r.cfg.width:.1f}h "
-            "of them), RMSNorm's input and output in fp32, rotated copies of q and k"
+            "this Llama block keeps more: SwiGLU's gate, SiLU output, up and product "
+            f"({4 * r.cfg.hidden / r.cfg.width:.1f}h of them), RMSNorm's input and output in fp32, rotated copies of q and k"
         )
     row(
         "activations",
@@ -317,7 +317,8 @@ def compare(r: Rehearsal) -> list[dict]:
         r.peak["Activation"] + r.peak["Temp"] + r.peak["Inputs"],
         "at the peak",
         f"the paper's rule is about 12 numbers per token per unit of width per layer, 16-bit; {kept}; the loss "
-        f"keeps fp32 logits of the {r.cfg.vocab:,}-token vocabulary. Per rank; sharding never touches them"
+        f"keeps log_softmax's fp32 log-probabilities over the {r.cfg.vocab:,}-token vocabulary. Per rank; "
+        "sharding never touches them"
         + ("; with checkpointing, one input per block plus one block rebuilt at a time" if r.act_ckpt else ""),
     )
     row(
