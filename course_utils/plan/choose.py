@@ -295,10 +295,11 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
         causes.append(
             f"one gathered unit (a block) needs {gb(limits['single_layer'])}"
             + (
-                f", and even one weight matrix gathered needs {gb(limits['single_matrix'])}: tensor parallelism splits it"
+                f", and even one weight matrix (its bf16 weight and gradient, with one layer's activations) needs "
+                f"{gb(limits['single_matrix'])}: tensor parallelism splits it"
                 if limits["single_matrix_limit"]
-                else f"; wrapped per linear layer the largest unit is one h x 4h matrix, {gb(limits['single_matrix'])}, "
-                "which fits"
+                else f"; wrapped per linear layer the largest unit is one h x 4h matrix: its bf16 weight and gradient, "
+                f"with one layer's activations, {gb(limits['single_matrix'])}, which fits"
             )
         )
     if limits["activations_limit"] and model.seq >= 32768:
