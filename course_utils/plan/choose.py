@@ -293,12 +293,13 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
         causes.append(f"activations alone need {gb(limits['activations'])} per GPU")
     if limits["single_layer_limit"]:
         causes.append(
-            f"one gathered unit (a block) needs {gb(limits['single_layer'])}"
+            f"one gathered unit (a block: its bf16 weights and gradient, with its activations) needs {gb(limits['single_layer'])}"
             + (
-                f", and even one weight matrix gathered needs {gb(limits['single_matrix'])}: tensor parallelism splits it"
+                f", and even one weight matrix (its bf16 weight and gradient, with one layer's activations) needs "
+                f"{gb(limits['single_matrix'])}: tensor parallelism splits it"
                 if limits["single_matrix_limit"]
-                else f"; wrapped per linear layer the largest unit is one h x 4h matrix, {gb(limits['single_matrix'])}, "
-                "which fits"
+                else f"; wrapped per linear layer the largest unit is one h x 4h matrix: its bf16 weight and gradient, "
+                f"with one layer's activations, {gb(limits['single_matrix'])}, which fits"
             )
         )
     if limits["activations_limit"] and model.seq >= 32768:

@@ -128,8 +128,8 @@ def _label(sp: StrategyPlan) -> str:
 WIDTH = 100
 
 
-def format_plan(p: Plan) -> str:
-    """The plan as a text table within 100 columns (notebook 05)."""
+def format_plan(p: Plan, offload: bool = True) -> str:
+    """The plan as a text table within 100 columns (notebook 05); ``offload=False`` leaves out the offload table."""
     m, c = p.model, p.cluster
     shape = f"{m.name}: " if m.name else ""
     head = [
@@ -173,13 +173,14 @@ def format_plan(p: Plan) -> str:
             f"{_label(sp):<30} {sp.step_comm_bytes / GB:>8.2f} {sp.pcie_bytes / GB:>8.2f} "
             f"{sp.compute_s:>10.3g} {sp.exposed_comm_s:>10.3g} {sp.step_s:>8.3g}"
         )
-    lines += [
-        "",
-        "Offload, each library's: per GPU, and per step",
-        f"{'offload':<27} {'GPU GB':>6} {'host GB':>7} {'NVMe GB':>7} {'PCIe GB':>7} {'PCIe s':>6} "
-        f"{'CPU Adam s':>10} {'NVMe s':>6} {'step s':>6}  fits",
-    ]
-    for name, o in p.offload.items():
+    if offload:
+        lines += [
+            "",
+            "Offload, each library's: per GPU, and per step",
+            f"{'offload':<27} {'GPU GB':>6} {'host GB':>7} {'NVMe GB':>7} {'PCIe GB':>7} {'PCIe s':>6} "
+            f"{'CPU Adam s':>10} {'NVMe s':>6} {'step s':>6}  fits",
+        ]
+    for name, o in p.offload.items() if offload else ():
         lines.append(
             f"{OFFLOAD_SHORT.get(name, name):<27} {o['gpu_bytes'] / GB:>6.1f} {o['host_bytes'] / GB:>7.1f} "
             f"{o['nvme_bytes'] / GB:>7.1f} {o['pcie_bytes'] / GB:>7.2f} {o['pcie_s']:>6.3g} "
