@@ -109,9 +109,30 @@ def _per_step(cfg: FTConfig, tries: list) -> list[dict]:
     return rows
 
 
-def _timings(cfg: FTConfig, tries: list, syncs: list, heal_steps: set, kill) -> dict:
-    """Median step time, time per step (DiLoCo: a round over H) and TorchFT's own cost per step (notebook 06)."""
-    # An ordinary step: every group took part, none healed, no failure inside it; step 0 warms up.
+def _heal_steps(cfg: FTConfig, heals: list) -> list[int]:
+    """The steps whose records carry a heal's copy of the model and Adam across the link (notebook 06).
+
+    Synchronous: the step a group healed to (the heal runs in that step's quorum). DiLoCo: the round
+    before it, whole (the heal runs in the synchronisation that ends that round; ``healed_to_step`` is the
+    first step after it).
+    """
+    h = cfg.sync_every
+    return sorted(
+        {
+            s
+            for r in heals
+            for s in (range(r["healed_to_step"] - h, r["healed_to_step"]) if cfg.diloco else [r["healed_to_step"]])
+        }
+    )
+
+
+def _timings(cfg: FTConfig, tries: list, syncs: list, heal_steps: list, kill) -> dict:
+    """Median step time, time per step (DiLoCo: a round over H) and TorchFT's own cost per step (notebook 06).
+
+    The medians are over records, one per group and step (DiLoCo: per group and round); ``timed`` counts the
+    distinct steps (rounds) they come from.
+    """
+    # An ordinary step: every group took part, no heal in it, no failure inside it; step 0 warms up.
     ordinary = [
         r
         for r in syncs
@@ -132,7 +153,8 @@ def _timings(cfg: FTConfig, tries: list, syncs: list, heal_steps: set, kill) -> 
     # TorchFT's own cost per step (DiLoCo: per synchronisation): the quorum and the commit vote. The
     # rest (forward, backward, the all-reduce, Adam) is what plain DDP does too.
     overhead = statistics.median(r["quorum_s"] + r["commit_s"] for r in ordinary) if ordinary else None
-    return {"step_time_s": step_time, "time_per_step_s": per_step_time, "overhead_s": overhead, "timed": len(ordinary)}
+    timed = len({r["step"] for r in ordinary})  # DiLoCo: a round's synchronising step stands for the round
+    return {"step_time_s": step_time, "time_per_step_s": per_step_time, "overhead_s": overhead, "timed": timed}
 
 
 def _after_the_event(cfg: FTConfig, tries: list, syncs: list, kill, hang, step_time) -> dict:
@@ -204,7 +226,8 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
     heals = [r for r in rows if "healed_to_step" in r]
     per_step = _per_step(cfg, tries)
     syncs = [r for r in tries if r.get("sync", not cfg.diloco)]
-    timings = _timings(cfg, tries, syncs, {r["healed_to_step"] for r in heals}, kill)
+    heal_steps = _heal_steps(cfg, heals)
+    timings = _timings(cfg, tries, syncs, heal_steps, kill)
     by_group = lambda key: {str(r): finals[r][key] for r in sorted(finals)}  # noqa: E731
     report = {
         "replicas": cfg.replicas,
@@ -212,6 +235,7 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
         "kill": cfg.kill,
         "hang": cfg.hang,
         "during_allreduce": cfg.during_allreduce,
+        "restart_after": cfg.restart_after,
         "after_heal": cfg.after_heal,
         "diloco": cfg.diloco,
         "sync_every": cfg.sync_every if cfg.diloco else 1,
@@ -225,6 +249,7 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
         "lost_s": None,
         "heal_s": heals[0]["heal_s"] if heals else None,
         "healed_to_step": heals[0]["healed_to_step"] if heals else None,
+        "heal_steps": heal_steps,
         "steps_while_away": sum(0 < row["participants"] < cfg.replicas for row in per_step),
         "weights_sha256": by_group("weights_sha256"),
         "adam_sha256": by_group("adam_sha256"),
@@ -271,13 +296,14 @@ def ft_run(cfg: FTConfig | None = None, *, run_dir=None, **overrides) -> dict:
     dead group: about the lighthouse's heartbeat timeout), ``lost_s`` (wall clock from the failure
     to the survivors' first step without the dead group, less the useful steps in between),
     ``steps_lost_with_it`` (local steps of the dead group never committed), ``heal_s`` (the restarted
-    group copying the model and Adam state from a live peer), ``healed_to_step``,
-    ``committed_after_heal`` (per group, steps committed from the heal on), ``held_s`` (synchronous: how long the
+    group copying the model and Adam state from a live peer), ``healed_to_step``, ``heal_steps`` (the steps
+    whose records carry the heal's copy: that step; DiLoCo: the round before it), ``committed_after_heal``
+    (per group, steps committed from the heal on), ``held_s`` (synchronous: how long the
     survivors' quorum at that step waited for the restarted group, see ``FTConfig.after_heal``), ``steps_while_away``,
-    ``step_time_s`` (median step with every group in; DiLoCo: median synchronising step),
+    ``step_time_s`` (median step with every group in, the heal's steps aside; DiLoCo: median synchronising step),
     ``time_per_step_s`` (the same; DiLoCo: a round's duration over its H steps, median) and
-    ``overhead_s`` (its median quorum plus commit vote), ``timed`` (how many steps, DiLoCo: rounds, those medians
-    are over), ``weights_sha256`` and ``adam_sha256``
+    ``overhead_s`` (its median quorum plus commit vote), ``timed`` (how many distinct steps, DiLoCo: rounds,
+    those medians are over; each has a record per group), ``weights_sha256`` and ``adam_sha256``
     (Adam's moments and step counts) per group with ``weights_equal`` and ``adam_equal``, ``held_out_loss``
     (per group, the final weights' loss on a batch no step trained on),
     ``link_bytes``, ``where`` (loopback or the cluster), ``listening`` (every address a group's

@@ -79,6 +79,10 @@ def test_the_survivor_keeps_stepping(in_allreduce):
     assert len(alone) >= 2 and min(alone) == KILL_STEP
     assert in_allreduce["steps_while_away"] == len(alone)
     assert in_allreduce["stall_s"] is not None and in_allreduce["lost_s"] is not None
+    # the survivor waited for the lighthouse to drop the dead group: its last heartbeat (every 100 ms until the
+    # kill) a heartbeat timeout old, not before; half of it is a floor, the upper bound a generous one
+    timeout_s = in_allreduce["heartbeat_timeout_ms"] / 1e3
+    assert timeout_s / 2 <= in_allreduce["stall_s"] < timeout_s + 2.0
 
 
 def test_the_healed_group_trains_on_and_ends_equal_to_the_survivor(in_allreduce):
@@ -251,17 +255,48 @@ def test_missing_torchft_says_how_to_install(monkeypatch, capsys):
 
 
 def test_bytes_per_step_leave_out_the_heal_that_crossed_the_link_once():
+    from course_utils.ft import _heal_steps
     from course_utils.labs.lab06_ft import link_bytes_per_step
 
     def report(diloco, heal, rows):
         per_step = [{"step": s, "participants": p, "link_bytes": b} for s, (p, b) in enumerate(rows)]
-        return {"diloco": diloco, "sync_every": 2, "healed_to_step": heal, "replicas": 2, "per_step": per_step}
+        heals = [] if heal is None else [{"healed_to_step": heal}]
+        heal_steps = _heal_steps(FTConfig(diloco=diloco, sync_every=2), heals)
+        return {"diloco": diloco, "sync_every": 2, "heal_steps": heal_steps, "replicas": 2, "per_step": per_step}
 
     # synchronous: the heal is in step 3's quorum; step 1 had one group only
     assert link_bytes_per_step(report(False, 3, [(2, 100), (1, 0), (2, 100), (2, 900), (2, 100)])) == 100
     # DiLoCo, H = 2: the heal is in the synchronisation ending at step 3, so the round of steps 2 and 3 is left out
     assert link_bytes_per_step(report(True, 4, [(2, 0), (2, 200), (2, 0), (2, 900), (2, 0), (2, 200)])) == 100
     assert link_bytes_per_step(report(False, None, [(2, None)])) is None  # loopback: nothing counted
+
+
+def test_the_step_time_counts_steps_not_records_and_leaves_out_the_heal():
+    from course_utils.ft import _heal_steps, _timings
+
+    def sync(replica, step, t0):  # one group's record of a step (DiLoCo: of a round's synchronising step)
+        return dict(
+            replica=replica,
+            attempt=0,
+            round=step // 4,
+            step=step,
+            t0=t0,
+            t1=t0 + 0.1,
+            committed=True,
+            participants=2,
+            quorum_s=0.01,
+            commit_s=0.01,
+        )
+
+    # synchronous: steps 1, 2 and 5 with both groups in; step 4 carries the heal, step 0 warms up
+    cfg = FTConfig()
+    syncs = [sync(g, s, s) for s in (0, 1, 2, 4, 5) for g in (0, 1)]
+    assert _timings(cfg, syncs, syncs, _heal_steps(cfg, [{"healed_to_step": 4}]), None)["timed"] == 3
+    # DiLoCo, H = 4: the heal runs in the synchronisation ending round 1 (step 7), healed_to_step is 8
+    cfg = FTConfig(diloco=True, sync_every=4)
+    syncs = [sync(g, s, s) for s in (3, 7, 11) for g in (0, 1)]
+    tries = [{**r, "t0": r["t0"] - 3} for r in syncs]  # each round's first local step
+    assert _timings(cfg, tries, syncs, _heal_steps(cfg, [{"healed_to_step": 8}]), None)["timed"] == 2  # rounds 0, 2
 
 
 @pytest.mark.parametrize(

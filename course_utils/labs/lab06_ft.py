@@ -62,7 +62,8 @@ def link_bytes_per_step(run: dict) -> float | None:
 
     The heal sends the model and optimizer state across the link once, in the quorum of step
     ``healed_to_step`` (DiLoCo: of the synchronisation ending the round before it, so that round is left
-    out whole: a round is the unit that crosses the link once). None on loopback.
+    out whole: a round is the unit that crosses the link once): the report's ``heal_steps``, which the
+    time-per-step median leaves out too. None on loopback.
     """
     both = _steps_both_in(run)
     return sum(both) / len(both) if both else None
@@ -70,8 +71,7 @@ def link_bytes_per_step(run: dict) -> float | None:
 
 def _steps_both_in(run: dict) -> list[int]:
     """Node 0's cable bytes of each step with every group in, the heal's step (DiLoCo: round) left out."""
-    heal, h = run["healed_to_step"], run["sync_every"] if run["diloco"] else 1
-    healing = set() if heal is None else set(range(heal - h, heal) if run["diloco"] else [heal])
+    healing = set(run["heal_steps"])
     return [
         row["link_bytes"]
         for row in run["per_step"]
@@ -106,7 +106,7 @@ def link_comparison(runs: dict) -> list[list]:
             else f"{mean / 1e6:.2f} MB ({n} {'round' if r['diloco'] else 'step'}{'s' * (n != 1)})"
         )
 
-    def step_time(r):  # how many steps (DiLoCo: rounds) the median is over, as the bytes row says
+    def step_time(r):  # how many distinct steps (DiLoCo: rounds) the median is over; step 0 is warm-up
         n, unit = r["timed"], "round" if r["diloco"] else "step"
         return (
             "-" if r["time_per_step_s"] is None else f"{r['time_per_step_s'] * 1e3:.0f} ms ({n} {unit}{'s' * (n != 1)})"
