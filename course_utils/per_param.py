@@ -1,6 +1,6 @@
 """FSDP2's layout built by hand: every parameter sharded on dim 0, gathered one unit at a time (notebook 04).
 
-One weight can be laid across ranks three ways. The hand-built stage 3 of notebook 03
+One weight can be laid across ranks four ways. The hand-built stage 3 of notebook 03
 (``zero.Zero3Module``) lays each unit's parameters end to end in one flat buffer and gives rank r
 one contiguous slice of it, padded to a multiple of N: FSDP1's ``FlatParameter`` does the same. DeepSpeed's
 stages 1 and 2 flatten a whole parameter group (``bit16_groups_flat``) and pad it to a multiple of 2N
