@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT, pid_alive
 from listening import watch
 
-from course_utils import cable, cluster, comm, namespaces, plan
+from course_utils import cable, cluster, cluster_jobs, comm, namespaces, plan
 from course_utils.cli import main as cli_main
 from course_utils.errors import CourseInputError
 from course_utils.models import build_model, get_config, param_count, unit_modules, unit_table
@@ -279,7 +279,7 @@ def test_teardown_on_error_interrupt_and_timeout(as_root):
     with pytest.raises(TimeoutError):
         with namespaces.Cluster(link="1gbit") as c:
             procs = [c.start(node, ["sleep", "60"]) for node in c.nodes]
-            cluster._wait(procs, time.monotonic() + 0.3, c)
+            cluster_jobs.wait(procs, time.monotonic() + 0.3, c)
     assert all(p.poll() is not None for p in procs)
     _assert_nothing_left(before, c.run)
 

@@ -114,7 +114,7 @@ register(
 
 # ---------------------------------------------------------------------------------------------
 
-CAP_BYTES = 64 * 1024  # the tiny model in 12 buckets (ddp.make_buckets): room to fill them out of order
+CAP_BYTES = 64 * 1024  # the tiny model in a dozen buckets (bucket_names): room to fill them out of order
 STEPS = 3  # AdamW steps held bit for bit against torch's DDP
 LR = 1e-3
 
@@ -405,7 +405,8 @@ register(
         "backward). Hook every parameter (`p.register_post_accumulate_grad_hook`) to copy `p.grad` into its "
         "bucket's flat tensor; once a bucket and every bucket before it are full, start "
         "`dist.all_reduce(flat, async_op=True)`. Return `finish()`: after `loss.backward()` it waits on every "
-        "handle and leaves the mean over ranks in each `p.grad`. Predict first: with 12 buckets, how many "
+        "handle and leaves the mean over ranks in each `p.grad`. Predict first: with "
+        f"{len(bucket_names(_model()))} buckets, how many "
         "all-reduces are still in flight when the backward returns?",
         stub="def overlapped_buckets(buckets):\n"
         '    """Hook every parameter; start each bucket\'s async all-reduce from the hooks; return finish()."""\n'
