@@ -397,6 +397,45 @@ def test_offload_costs_the_cpu_step_not_pcie():
     assert fsdp2["step_s"] == pytest.approx(want)
 
 
+def test_ddps_gradient_buckets_outlive_every_step_as_the_planner_holds_them(tmp_path):
+    """A real DDP (one gloo rank, gradient_as_bucket_view=True, the planner's row): the buckets its comm hook sees
+    hold every parameter's fp32 gradient, at the same addresses step after step although zero_grad(set_to_none=True)
+    drops every .grad, and each .grad is a view into them; so the planner's row frees none of them after a step."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=0.02)
+        seen: dict[int, list] = {}
+
+        def hook(step, bucket):
+            seen.setdefault(step[0], []).append((bucket.buffer().data_ptr(), bucket.buffer().numel()))
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        step = [0]
+        ddp.register_comm_hook(step, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step[0] in range(4):
+            opt.zero_grad(set_to_none=True)
+            assert all(p.grad is None for p in model.parameters())
+            ddp(torch.randn(2, 64)).sum().backward()
+            opt.step()
+        numel = sum(p.numel() for p in model.parameters())
+        assert all(sum(n for _, n in buckets) == numel for buckets in seen.values())
+        assert len(seen[1]) > 1 and seen[1] == seen[2] == seen[3]  # rebuilt once after the first step, then kept
+        inside = [any(a <= p.grad.data_ptr() < a + 4 * n for a, n in seen[3]) for p in model.parameters()]
+        assert all(inside)
+    finally:
+        dist.destroy_process_group()
+    impl = plan.BY_KEY["pt-ddp"]
+    assert "gradient_as_bucket_view=True" in impl.options and impl.fresh_grads(None, impl, 8, 1) == 0
+
+
 def test_fsdp2_cpu_offload_keeps_what_the_planner_says_on_the_cpu(tmp_path, monkeypatch):
     """A real FSDP2 step with CPUOffloadPolicy (one gloo rank): the host bytes per parameter and the
     shard copies per all-gather, counted from torch's own objects, against the planner's row."""
