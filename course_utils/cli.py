@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "train the course model with one strategy and report losses, bytes, traffic (notebook 02)",
     ),
     "cluster": (
-        "course_utils.cluster",
+        "course_utils.cluster_cli",
         "train across 2+ network namespaces joined by a rate-limited link (root, Linux; notebook 05)",
     ),
     "plan": ("course_utils.plan", "choose a data-parallel strategy for a model and cluster (notebook 05)"),

@@ -7,7 +7,8 @@ would type on each machine of a real cluster. torch ignores ``--node-rank`` with
 rendezvous (it assigns node ranks itself, in the order of ``--local-addr``), so that is what orders
 the nodes here. ``train_on_cluster`` trains (and can lose a node, notebook 06); ``sweep_on_cluster``
 runs every strategy on every link in one job; ``links_vs_planner`` sets the measurements beside the
-planner's prediction.
+planner's prediction. The plumbing under them (each node's torchrun line, starting the job, waiting for
+it, reading its report) is ``cluster_jobs``; the command line, ``cluster_cli``.
 
 Linux and root only; ``namespaces.missing()`` says in one sentence what this machine lacks, and
 nothing a run creates outlives it (``namespaces``).
@@ -16,122 +17,13 @@ nothing a run creates outlives it (``namespaces``).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from .cluster_jobs import check_shape, node_env, report_from_logs, start_job, steps_done, tail, wait
 from .errors import CourseInputError
-from .namespaces import IFACE, Cluster, Node, clean_command, missing, parse_link, require
-
-# ------------------------------------------------------------------ torchrun across the nodes
-
-
-def torchrun_argv(
-    cluster: Cluster,
-    node: Node,
-    endpoint: str,
-    *,
-    nproc_per_node: int,
-    module_argv: list[str],
-    max_restarts: int = 0,
-    rdzv_id: str,
-) -> list[str]:
-    """The torchrun line of one node, as one would type it on that machine (notebook 05)."""
-    # node 0 hosts the rendezvous store (torch's guess compares host names, which all namespaces
-    # share); a dead node is declared dead after 2 missed 1 s heartbeats (the default waits 15 s)
-    conf = f"is_host={int(node.addr == endpoint.rpartition(':')[0])},join_timeout=60,"
-    conf += "keep_alive_interval=1,keep_alive_max_attempt=2"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cluster.size)]
-    argv += ["--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
-    argv += ["--rdzv-id", rdzv_id, "--local-addr", node.addr, "--max-restarts", str(max_restarts)]
-    return [*argv, "--rdzv-conf", conf, "--monitor-interval", "0.1", *module_argv]
-
-
-def _node_env(timeout_s: float, progress_dir: str | None) -> dict:
-    pkg_root = str(Path(__file__).resolve().parent.parent)
-    env = {
-        "GLOO_SOCKET_IFNAME": IFACE,  # gloo talks over the node's card, not loopback
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # a fresh store per restart (pytorch/pytorch#135712)
-        "COURSE_TIMEOUT_S": str(timeout_s),
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p),
-    }
-    if progress_dir:
-        env["COURSE_PROGRESS_DIR"] = progress_dir
-    return env
-
-
-def _report_from_logs(cluster: Cluster) -> dict | None:
-    """Rank 0's JSON report line, from whichever node's log holds it."""
-    for log in sorted(cluster.log_dir.glob("*.log")):
-        for line in reversed(log.read_text(errors="replace").splitlines()):
-            start = line.find("{")
-            if start >= 0 and '"losses"' in line:
-                try:
-                    return json.loads(line[start:])
-                except json.JSONDecodeError:
-                    continue
-    return None
-
-
-def _tail(cluster: Cluster, lines: int = 15) -> str:
-    parts = []
-    for log in sorted(cluster.log_dir.glob("*.log")):
-        text = log.read_text(errors="replace").splitlines()[-lines:]
-        parts.append(f"--- {log.name}\n" + "\n".join(text))
-    return "\n".join(parts)
-
-
-def _wait(procs: list[subprocess.Popen], deadline: float, cluster: Cluster, on_tick=None) -> None:
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                "the cluster run did not finish in time; every process was stopped. Last output:\n" + _tail(cluster)
-            )
-        if on_tick:
-            on_tick()
-        time.sleep(0.02)
-    bad = [p.returncode for p in procs if p.returncode]
-    if bad:
-        raise RuntimeError(
-            f"torchrun exited with status {bad[0]} on a node; every process was stopped. "
-            "Last output:\n" + _tail(cluster)
-        )
-
-
-def _start_job(
-    cluster: Cluster, module_argv: list[str], *, nproc_per_node: int, max_restarts: int, env: dict
-) -> tuple[list[subprocess.Popen], callable]:
-    """Start torchrun on every node; return the processes and ``argv_of(node)`` (for replacements)."""
-    head = cluster.nodes[0]
-    endpoint = f"{head.addr}:{cluster.free_port(head)}"
-
-    def argv_of(node):
-        return torchrun_argv(
-            cluster,
-            node,
-            endpoint,
-            nproc_per_node=nproc_per_node,
-            module_argv=module_argv,
-            max_restarts=max_restarts,
-            rdzv_id=cluster.run,
-        )
-
-    return [cluster.start(node, argv_of(node), env) for node in cluster.nodes], argv_of
-
-
-def _steps_done(progress: str) -> int | None:
-    done = []
-    for f in Path(progress).glob("rank*.json"):
-        try:
-            done.append(json.loads(f.read_text())["step"])
-        except (OSError, ValueError, KeyError):
-            pass
-    return max(done) if done else None
+from .namespaces import Cluster, missing, parse_link
 
 
 def train_on_cluster(
@@ -167,22 +59,22 @@ def train_on_cluster(
             "losing a node needs checkpoint_dir and max_restarts >= 1 (the survivors restart "
             "from the newest complete checkpoint)"
         )
-    _check_shape(nodes, nproc_per_node, timeout_s)
+    check_shape(nodes, nproc_per_node, timeout_s)
     start = time.monotonic()
     with Cluster(nodes, link) as cluster:
         progress = str(cluster.scratch("progress"))
-        procs, argv_of = _start_job(
+        procs, argv_of = start_job(
             cluster,
             ["-m", "course_utils.train", *train_flags(cfg), "--json"],
             nproc_per_node=nproc_per_node,
             max_restarts=cfg.max_restarts,
-            env=_node_env(cfg.timeout_s, progress),
+            env=node_env(cfg.timeout_s, progress),
         )
-        lose_when_due, lost = _node_loss(cluster, procs, argv_of, _node_env(cfg.timeout_s, progress), lose_node_after)
-        _wait(procs, start + timeout_s, cluster, on_tick=lose_when_due)
-        report = _report_from_logs(cluster)
+        lose_when_due, lost = _node_loss(cluster, procs, argv_of, node_env(cfg.timeout_s, progress), lose_node_after)
+        wait(procs, start + timeout_s, cluster, on_tick=lose_when_due)
+        report = report_from_logs(cluster)
         if report is None:
-            raise RuntimeError("the run finished without rank 0's report. Last output:\n" + _tail(cluster))
+            raise RuntimeError("the run finished without rank 0's report. Last output:\n" + tail(cluster))
         report.update(
             link=cluster.describe_link(),
             nodes=nodes,
@@ -201,7 +93,7 @@ def _node_loss(cluster: Cluster, procs: list, argv_of, env: dict, after: int | N
     lost = []
 
     def tick():
-        done = _steps_done(env["COURSE_PROGRESS_DIR"]) or 0
+        done = steps_done(env["COURSE_PROGRESS_DIR"]) or 0
         if after is None or lost or done < after:
             return
         lost.append(done)
@@ -211,17 +103,6 @@ def _node_loss(cluster: Cluster, procs: list, argv_of, env: dict, after: int | N
         procs.append(cluster.start(replacement, argv_of(replacement), env))
 
     return tick, lost
-
-
-def _check_shape(nodes: int, nproc_per_node: int, timeout_s: float) -> None:
-    """The cluster's shape and time limit against their stated ranges, before any namespace exists."""
-    from .validate import check_values, max_local_ranks
-
-    check_values("cluster", {"nodes": nodes, "nproc_per_node": nproc_per_node, "wall_timeout_s": timeout_s})
-    if nodes * nproc_per_node > max_local_ranks():
-        raise CourseInputError(
-            f"{nodes} nodes x {nproc_per_node} ranks is more than this machine can start ({max_local_ranks()})"
-        )
 
 
 #: What ``sweep_worker`` keeps of each run's report.
@@ -294,17 +175,17 @@ def sweep_on_cluster(
         TrainConfig(**{**asdict(cfg), "strategy": s}).validate()
     parsed = [parse_link(x) for x in links]
     links = [p.describe() for p in parsed]
-    _check_shape(nodes, nproc_per_node, timeout_s)
+    check_shape(nodes, nproc_per_node, timeout_s)
     start = time.monotonic()
     with Cluster(nodes, parsed[0]) as cluster:
         phases = str(cluster.scratch("phases"))
         args = json.dumps([asdict(cfg), list(strategies), links, phases])
-        procs, argv_of = _start_job(
+        procs, argv_of = start_job(
             cluster,
             ["-m", "course_utils.worker", "course_utils.cluster:sweep_worker", "--args", args],
             nproc_per_node=nproc_per_node,
             max_restarts=0,
-            env=_node_env(cfg.timeout_s, None),
+            env=node_env(cfg.timeout_s, None),
         )
         shaped = {}
 
@@ -315,10 +196,10 @@ def sweep_on_cluster(
                     shaped[link] = cluster.describe_link()
                     (Path(phases) / f"done-{i}").touch()
 
-        _wait(procs, start + timeout_s, cluster, on_tick=serve_links)
+        wait(procs, start + timeout_s, cluster, on_tick=serve_links)
         result = Path(phases) / "result.json"
         if not result.exists():
-            raise RuntimeError("the sweep finished without rank 0's rows. Last output:\n" + _tail(cluster))
+            raise RuntimeError("the sweep finished without rank 0's rows. Last output:\n" + tail(cluster))
         return {
             "rows": json.loads(result.read_text()),
             "links": shaped,
@@ -430,71 +311,3 @@ def _crossover(base: dict, rows: list[dict]) -> dict:
         )
         crossover[other] = {"bandwidth": bandwidth, "hsdp_faster": wins, "text": text}
     return crossover
-
-
-# ------------------------------------------------------------------ command line
-
-
-def cluster_arguments(parser) -> None:
-    """``train``'s flags, less ``--nproc`` and ``--node-size`` (the cluster's shape sets them), plus its own (notebook 05)."""
-    from .train import train_arguments
-
-    train_arguments(parser, one_machine=False)
-    parser.set_defaults(strategy="hybrid_shard")  # the strategy a slow link between nodes is for
-    parser.add_argument("--nodes", type=int, default=2, help='namespaces ("machines") on the switch')
-    parser.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node")
-    parser.add_argument(
-        "--link",
-        default="unlimited",
-        help="each node's link: unlimited, 100mbit, 1gbit, or RATE,DELAY (delay needs netem)",
-    )
-    parser.add_argument("--wall-timeout-s", type=float, default=300.0, help="the whole run, then everything is stopped")
-    parser.add_argument(
-        "--clean",
-        action="store_true",
-        help="run nothing: remove the namespaces, processes and folders that killed cluster runs left",
-    )
-
-
-class Terminated(Exception):
-    """The command was sent SIGTERM: handled as an interrupt, everything of the run removed first."""
-
-
-def _terminated(signum, frame):
-    raise Terminated()
-
-
-def cluster_command(args) -> int:
-    """``python -m course_utils cluster ...`` (notebook 05). SIGTERM ends it as Ctrl-C does: cleanly."""
-    from .train import _config_from_args, print_report
-
-    if args.clean:
-        return clean_command()
-    parse_link(args.link)  # the input first: refusing it needs nothing from this machine
-    args.nproc, args.node_size = args.nodes * args.nproc_per_node, args.nproc_per_node
-    cfg = _config_from_args(args)
-    require()  # then what the machine lacks, before anything is built
-    previous = signal.signal(signal.SIGTERM, _terminated)
-    try:
-        report = train_on_cluster(
-            cfg, nodes=args.nodes, nproc_per_node=args.nproc_per_node, link=args.link, timeout_s=args.wall_timeout_s
-        )
-    except (RuntimeError, TimeoutError) as exc:  # a failed run, already torn down: say why, no traceback
-        print(f"python -m course_utils cluster: {exc}", file=sys.stderr)
-        return 1
-    except Terminated:
-        print(
-            "python -m course_utils cluster: stopped by SIGTERM; every process, namespace and folder of the "
-            "run was removed",
-            file=sys.stderr,
-        )
-        return 128 + signal.SIGTERM
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    print_report(report, args.json)
-    if not args.json:
-        print(
-            f"link {report['link']['rate'] or 'unlimited'}, delay {report['link']['delay'] or 'none'}; "
-            f"{report['cross_node_bytes_per_step']:.0f} B per step from one rank to other nodes"
-        )
-    return 0

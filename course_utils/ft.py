@@ -55,7 +55,7 @@ from pathlib import Path
 
 from . import ft_nodes, scratch
 from .errors import CourseInputError
-from .ft_groups import FTConfig
+from .ft_config import FTConfig
 from .ft_jobs import job_manager
 
 __all__ = ["INSTALL_HINT", "FTConfig", "ft_run", "summarize"]

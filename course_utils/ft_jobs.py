@@ -17,7 +17,8 @@ import traceback
 from pathlib import Path
 
 from . import ft_nodes
-from .ft_groups import FTConfig, _all_finished, replica_main
+from .ft_config import FTConfig
+from .ft_groups import _all_finished, replica_main
 
 # ---------------------------------------------------------------- the job manager (a launch worker)
 

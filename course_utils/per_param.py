@@ -1,6 +1,6 @@
 """FSDP2's layout built by hand: every parameter sharded on dim 0, gathered one unit at a time (notebook 04).
 
-One weight can be laid across ranks three ways. The hand-built stage 3 of notebook 03
+One weight can be laid across ranks four ways. The hand-built stage 3 of notebook 03
 (``zero.Zero3Module``) lays each unit's parameters end to end in one flat buffer and gives rank r
 one contiguous slice of it, padded to a multiple of N: FSDP1's ``FlatParameter`` does the same. DeepSpeed's
 stages 1 and 2 flatten a whole parameter group (``bit16_groups_flat``) and pad it to a multiple of 2N
@@ -54,38 +54,60 @@ from .zero import GatheredBytes, assign_units
 # ---------------------------------------------------------------------------------------------
 
 
-#: The three layouts, in the order the course meets them (notebook 03's flat buffer first).
+#: The four layouts, in the order the course meets them (notebook 03's flat buffer first).
 LAYOUTS = {
     "flat": "one flat buffer per unit (ours, FSDP1)",
+    "group_flat": "one flat buffer per group, to 2N (DeepSpeed 1-2)",
     "per_parameter_flat": "each parameter flat and padded (DeepSpeed 3)",
     "rows": "each parameter by rows of dim 0 (FSDP2)",
 }
 
 
+def deepspeed_group_numel(numel: int, nd: int) -> int:
+    """DeepSpeed 0.19.8's stages 1-2: a parameter group of ``numel`` elements, flattened (``bit16_groups_flat``) and
+    padded to a multiple of 2N (``stage_1_and_2.py:387`` ``nccl_start_alignment_factor = 2``, ``:441`` ``alignment =
+    2 * world``, ``:446``; no padding between parameters: ``parameter_alignment`` is false, ``zero/config.py:317``),
+    then cut into N equal slices (``:2559``). 25 elements on N = 4 pad to 32 (notebook 04)."""
+    return -(-int(numel) // (2 * int(nd))) * 2 * int(nd)
+
+
+def _flat_owner(shapes: dict, sizes: dict, padded: int, nd: int) -> dict:
+    """``{name: owner}``: the parameters end to end in one buffer of ``padded`` elements, Nd equal slices."""
+    owner, offset = {}, 0
+    for name, shape in shapes.items():
+        owner[name] = ((torch.arange(sizes[name]) + offset) // (padded // nd)).reshape(shape)
+        offset += sizes[name]
+    return owner
+
+
 def layouts(shapes: dict, nd: int) -> dict:
-    """Which rank keeps each element of one unit's parameters, in each of the three layouts (notebook 04).
+    """Which rank keeps each element of one unit's parameters, in each of the four layouts (notebook 04).
 
     ``shapes``: ``{name: shape}`` in the unit's order. Returns ``{layout: {"owner": {name: int tensor shaped like
     the parameter, the rank keeping each element}, "padding": zero elements added across the ranks}}`` for the
     layouts of ``LAYOUTS``: the unit end to end in Nd equal slices (``zero.padded_numel``: a slice can end inside a
-    matrix); each parameter's own Nd equal pieces (padded to a multiple of Nd); each parameter's rows, c =
-    ceil(dim0 / Nd) per rank (``chunk_rows``: a rank past the end keeps none, and pads c rows).
+    matrix); the same for DeepSpeed 1-2's parameter group (the unit here), padded to a multiple of 2N
+    (``deepspeed_group_numel``); each parameter's own Nd equal pieces (padded to a multiple of Nd); each
+    parameter's rows, c = ceil(dim0 / Nd) per rank (``chunk_rows``: a rank past the end keeps none, and pads c rows).
     """
     from .zero import padded_numel
 
     sizes = {n: int(torch.Size(s).numel()) for n, s in shapes.items()}
-    flat, offset, total = {}, 0, sum(sizes.values())
-    slice_size = padded_numel(total, nd) // nd
-    for name, shape in shapes.items():
-        flat[name] = ((torch.arange(sizes[name]) + offset) // slice_size).reshape(shape)
-        offset += sizes[name]
+    total = sum(sizes.values())
     pieces = {n: (torch.arange(sizes[n]) // (padded_numel(sizes[n], nd) // nd)).reshape(s) for n, s in shapes.items()}
     rows = {}
     for name, shape in shapes.items():
         dim0, per_row = shape[0], sizes[name] // shape[0]
         rows[name] = (torch.arange(dim0) // chunk_rows(dim0, nd)).repeat_interleave(per_row).reshape(shape)
     return {
-        "flat": {"owner": flat, "padding": padded_numel(total, nd) - total},
+        "flat": {
+            "owner": _flat_owner(shapes, sizes, padded_numel(total, nd), nd),
+            "padding": padded_numel(total, nd) - total,
+        },
+        "group_flat": {
+            "owner": _flat_owner(shapes, sizes, deepspeed_group_numel(total, nd), nd),
+            "padding": deepspeed_group_numel(total, nd) - total,
+        },
         "per_parameter_flat": {"owner": pieces, "padding": sum(padded_numel(n, nd) - n for n in sizes.values())},
         "rows": {
             "owner": rows,

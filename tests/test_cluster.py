@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT, pid_alive
 from listening import watch
 
-from course_utils import cable, cluster, comm, namespaces, plan
+from course_utils import cable, cluster, cluster_jobs, comm, namespaces, plan
 from course_utils.cli import main as cli_main
 from course_utils.errors import CourseInputError
 from course_utils.models import build_model, get_config, param_count, unit_modules, unit_table
@@ -279,7 +279,7 @@ def test_teardown_on_error_interrupt_and_timeout(as_root):
     with pytest.raises(TimeoutError):
         with namespaces.Cluster(link="1gbit") as c:
             procs = [c.start(node, ["sleep", "60"]) for node in c.nodes]
-            cluster._wait(procs, time.monotonic() + 0.3, c)
+            cluster_jobs.wait(procs, time.monotonic() + 0.3, c)
     assert all(p.poll() is not None for p in procs)
     _assert_nothing_left(before, c.run)
 
@@ -463,3 +463,30 @@ def test_a_lost_node_is_replaced_and_the_run_ends_bit_identical(as_root, tmp_pat
     assert lost["losses"] == reference["losses"]
     assert len(lost["commands"]) == 2 and namespaces.SUBNET + ".13" in lost["commands"][1]  # the replacement
     _assert_nothing_left(before, lost["commands"][0].split("--rdzv-id ")[1].split()[0])
+
+
+def test_link_split_parts_the_step_at_the_clocked_backward():
+    """Notebook 05's split of what a slow link added: the backward's cross-node collectives (here against the
+    unlimited cable) and the rest of the step; a crossing outside the clocked backward shows as a share below 1."""
+    from course_utils.comm import node_card_bytes
+    from course_utils.labs import lab05
+
+    def row(step_s, done, card_bytes):
+        crossing = {"kind": "all_reduce", "bytes": 1000, "group": 4, "spans_nodes": True, "issued": 0.1, "done": done}
+        inside = {**crossing, "spans_nodes": False, "done": 0.12}  # inside a node: not the link's
+        timeline = {"units": [[0.0, 0.1]], "collectives": [inside, crossing], "backward_end": done}
+        return {
+            "step_time_s": step_s,
+            "timeline": timeline,
+            "world_size": 4,
+            "card_bytes_per_step": [card_bytes] * 2,
+            "predicted_card_bytes": node_card_bytes("all_reduce", 1000, 4, 4),
+        }
+
+    slow, fast = row(1.0, 0.4, 3000.0), row(0.5, 0.15, 3000.0)
+    got = lab05.link_split(slow, fast, rate=10_000.0)
+    assert got["wire_s"] == pytest.approx(0.3) and got["added_s"] == pytest.approx(0.5)
+    assert (got["collectives_s"], got["base_collectives_s"]) == pytest.approx((0.3, 0.05))
+    assert got["outside_s"] == pytest.approx(0.25) and got["clocked_share"] == pytest.approx(1.0)
+    forward_too = {**slow, "predicted_card_bytes": 4 * slow["predicted_card_bytes"]}  # FULL_SHARD's forward gathers
+    assert lab05.link_split(forward_too, fast, rate=10_000.0)["clocked_share"] == pytest.approx(0.25)

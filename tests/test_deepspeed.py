@@ -8,10 +8,15 @@ keeps per rank to the formula read in DeepSpeed's source. ``make setup`` install
 
 from __future__ import annotations
 
-import pytest
+import importlib
 
-from course_utils import predict, timeline
+import pytest
+import torch
+
+from course_utils import dist as cdist
+from course_utils import per_param, predict, timeline
 from course_utils.labs import lab03_deepspeed as lab
+from course_utils.launch import launch
 from course_utils.models import build_model, param_count
 from course_utils.strategies import FULL_SHARD, PARAMS, ZERO1, ZERO2, ZERO3
 from course_utils.train import TrainConfig
@@ -102,7 +107,8 @@ def test_what_deepspeed_holds_is_the_formula_read_in_its_source(beside):
         for rank, held in enumerate(beside[name]["per_rank"]):
             measured = held["deepspeed"]
             assert {k: measured[k] for k in expected} == expected, (name, rank, measured)
-            assert 0 < measured[lab.SCALARS] <= 16, (name, rank)  # the global norm (and stage 3's overflow flag)
+            assert measured[lab.SCALARS] == sum(lab.expected_scalars(row).values()), (name, rank, measured)
+        assert lab.scalars(beside[name]["storages"]) == lab.expected_scalars(row), name  # rank 0's, path by path
 
 
 @needs_deepspeed
@@ -166,3 +172,39 @@ def test_the_partition_gradient_is_every_whole_parameter_over_the_slice():
     assert lab.partition_gradient_bytes("tiny", 1) == 4 * PSI
     parts = [lab.partition_gradient_bytes("tiny", ND, r) for r in range(ND)]
     assert all(p >= 4 * PSI // ND for p in parts) and 4 * PSI <= sum(parts) < 8 * PSI
+
+
+def _group_slice() -> dict:
+    """In every rank: DeepSpeed stage 1's partition of one parameter group, a 5 x 4 weight and a bias of 5 (each
+    element holds its flat index + 1, so a slice names the elements it keeps and its padding is the zeros)."""
+    with cdist.session("gloo") as info:
+        lab._no_shm_build()
+        deepspeed = importlib.import_module("deepspeed")
+        deepspeed.utils.logger.setLevel("ERROR")
+        model = torch.nn.Linear(4, 5)
+        with torch.no_grad():
+            model.weight.copy_(torch.arange(1.0, 21.0).reshape(5, 4))
+            model.bias.copy_(torch.arange(21.0, 26.0))
+        config = lab.ds_config(ZERO1, info.world_size, info.world_size)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=config)
+        out = {
+            "slice": engine.optimizer.single_partition_of_fp32_groups[0].tolist(),
+            "flat": engine.optimizer.bit16_groups_flat[0].numel(),
+        }
+        engine.destroy()
+        return out
+
+
+@needs_deepspeed
+def test_deepspeeds_stage1_group_buffer_is_per_params_layout(tmp_path):
+    """``per_param.layouts``' DeepSpeed 1-2 column (notebook 04's figure) against DeepSpeed's own flat partition
+    on 4 ranks: the buffer's length (the group padded to a multiple of 2N) and, rank by rank, the elements kept."""
+    nd = 4
+    env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    got = launch(_group_slice, nproc=nd, backend="gloo", env=env, echo=False, progress=False)
+    view = per_param.layouts({"weight": (5, 4), "bias": (5,)}, nd)["group_flat"]
+    owner = torch.cat([t.reshape(-1) for t in view["owner"].values()])
+    for rank in range(nd):
+        kept = torch.tensor(got[rank]["slice"])
+        assert got[rank]["flat"] == owner.numel() + view["padding"] == nd * kept.numel(), rank
+        assert (kept[kept != 0].long() - 1).tolist() == torch.nonzero(owner == rank).flatten().tolist(), rank

@@ -21,7 +21,8 @@ from listening import watching_this_process
 
 from course_utils import cli, cluster, failures, ft_nodes, namespaces
 from course_utils.ft import INSTALL_HINT, ft_run
-from course_utils.ft_groups import FTConfig, _Replica, _restarting
+from course_utils.ft_config import FTConfig
+from course_utils.ft_groups import _Replica, _restarting
 from course_utils.launch import LaunchTimeout
 from course_utils.models import get_config, param_count
 
@@ -279,7 +280,7 @@ def test_the_printed_command_line_runs_the_same_configuration(config):
     from dataclasses import fields
 
     from course_utils.ft import command_line, ft_arguments
-    from course_utils.ft_groups import FTConfig
+    from course_utils.ft_config import FTConfig
 
     line = command_line(FTConfig(**config))
     assert line.startswith("python -m course_utils ft --replicas ")

@@ -51,8 +51,10 @@ LAYERS = [
     | {"plots.timeline_views"},  # views
     {"plots.plan_views", "plots.recovery_views", "plots", "rehearse.views", "rehearse.cli", "rehearse"},
     {"widget_parts", "instant"},  # the parts of every view's controls; the charts that redraw in the browser
-    {"widgets", "bench", "cli", "__main__", "ft", "ft_groups", "ft_jobs", "ft_nodes", "hangs", "cluster"},
-    # views, commands; TorchFT (and DiLoCo), its processes and where they listen; hang detectors; namespace nodes
+    {"widgets", "bench", "cli", "__main__", "ft", "ft_config", "ft_groups", "ft_jobs", "ft_nodes", "hangs"}
+    | {"cluster", "cluster_jobs", "cluster_cli"},
+    # views, commands; TorchFT (and DiLoCo): what a run is, its processes and where they listen; hang detectors;
+    # runs on the namespace nodes, the torchrun plumbing under them, their command line
     {"labs.*", "exercises.*"},  # each notebook's experiments and exercises
 ]
 #: Arithmetic: what the course's numbers rest on. They start no process and never touch torch.distributed.

@@ -262,9 +262,10 @@ def clip_worker(max_norm: float = 0.05) -> dict:
         return {"norm": norm.item(), "reference_norm": reference_norm.item(), "max_rel_err": worst}
 
 
-def test_the_three_layouts_cut_where_torch_chunk_cuts():
-    """``per_param.layouts`` against torch.chunk (FSDP2 cuts dim 0 with it; a flat buffer and DeepSpeed stage 3's
-    per-parameter pieces are equal chunks of a padded 1-D tensor), for shapes that leave a rank empty."""
+def test_the_four_layouts_cut_where_torch_chunk_cuts():
+    """``per_param.layouts`` against torch.chunk (FSDP2 cuts dim 0 with it; a flat buffer, DeepSpeed 1-2's group
+    buffer and DeepSpeed stage 3's per-parameter pieces are equal chunks of a padded 1-D tensor), for shapes that
+    leave a rank empty (``test_deepspeed.py`` holds the group buffer to DeepSpeed's own partition)."""
     from course_utils.zero import padded_numel
 
     shapes = {"weight": (5, 4), "bias": (5,), "w2": (3, 7)}
@@ -280,6 +281,8 @@ def test_the_three_layouts_cut_where_torch_chunk_cuts():
         total = sum(torch.Size(s).numel() for s in shapes.values())
         flat = owners(torch.arange(padded_numel(total, nd)).chunk(nd), total)
         assert torch.equal(torch.cat([t.reshape(-1) for t in view["flat"]["owner"].values()]), flat)
+        group = owners(torch.arange(-(-total // (2 * nd)) * 2 * nd).chunk(nd), total)  # DeepSpeed 1-2: to 2N
+        assert torch.equal(torch.cat([t.reshape(-1) for t in view["group_flat"]["owner"].values()]), group)
         for name, shape in shapes.items():
             n = torch.Size(shape).numel()
             piece = owners(torch.arange(padded_numel(n, nd)).chunk(nd), n).reshape(shape)

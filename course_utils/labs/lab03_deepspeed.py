@@ -60,7 +60,9 @@ from .lab03_ds_census import (  # noqa: F401 (notebook 03 and its tests read the
     census_table,
     expected_held,
     expected_rest,
+    expected_scalars,
     partition_gradient_bytes,
+    scalars,
 )
 
 #: The version the section's claims were read in (``pyproject.toml``'s ``deepspeed`` extra pins it).

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..models import build_model, get_config
+from ..per_param import deepspeed_group_numel
 from ..predict.held import bill_bytes
 from ..strategies import GRADS, OPTIM, PARAMS, Strategy
 
@@ -39,6 +40,21 @@ PLACES = (
 SCALARS = "scalars (norm, overflow flag)"
 
 
+def expected_scalars(row: Strategy) -> dict:
+    """The scalars a rank of DeepSpeed's ``row`` stage keeps after ``engine.step``, ``{census path: bytes}``, read
+    in DeepSpeed 0.19.8: the global gradient norm, which stages 1-2 sum in fp32 (s12:2689 ``.float()``) and stage
+    3 in ``get_norm_dtype()``, fp64 where the accelerator has it (s3:2457, s3:2467; ``zero/utils.py:62``, the
+    CPU's); stage 3 also keeps its overflow flag, one bool (``inf_or_nan_tracker``, s3:335)."""
+    if not row.gathers_units:
+        return {"optimizer._global_grad_norm": FP32}
+    return {"optimizer._global_grad_norm": 8, "optimizer.inf_or_nan_tracker": 1}
+
+
+def scalars(storages: list) -> dict:
+    """``{path: bytes}`` of the census's ``storages`` that ``PLACES`` names no place for: ``SCALARS``."""
+    return {st["path"]: st["bytes"] for st in storages if st["category"] == SCALARS}
+
+
 def expected_held(row: Strategy, psi: int, nd: int) -> dict:
     """What a rank of DeepSpeed's ``row`` stage holds between steps in fp32, by ``PLACES``' categories.
 
@@ -61,9 +77,10 @@ def expected_held(row: Strategy, psi: int, nd: int) -> dict:
 def partition_gradient_bytes(model: str, nd: int, rank: int = 0) -> int:
     """Stages 1-2 in fp32: the gradient buffer ``copy_grads_in_partition`` allocates after the reduce
     (``stage_1_and_2.py:2187-2189``), every *whole* parameter that overlaps ``rank``'s partition of the flat
-    buffer (padded to a multiple of 2N, ``:441``); in the model's parameter order (notebook 03)."""
+    buffer (padded to a multiple of 2N, ``per_param.deepspeed_group_numel``); in the model's parameter order
+    (notebook 03)."""
     numels = [p.numel() for p in build_model(get_config(model)).parameters()]
-    padded = -(-sum(numels) // (2 * nd)) * 2 * nd
+    padded = deepspeed_group_numel(sum(numels), nd)
     lo, hi = rank * padded // nd, (rank + 1) * padded // nd
     starts = [sum(numels[:i]) for i in range(len(numels))]
     return FP32 * sum(n for s, n in zip(starts, numels) if s < hi and s + n > lo)
@@ -147,13 +164,13 @@ def census_table(result: dict, row: Strategy, psi: int, nd: int) -> tuple[list, 
                 WHY[(part, stage3)],
             ]
         )
-    total = sum(measured.values())
+    total, extra = sum(measured.values()), scalars(r["storages"])
     rows.append(
         [
             "total",
-            "",
+            "scalars: " + ", ".join(f"`{path}` {n} B" for path, n in extra.items()),
             f"{total:,}",
-            f"{sum(expected.values()):,} + scalars",
+            f"{sum(expected.values()):,} + {sum(extra.values())} B of scalars",
             f"{course['total']:,}",
             f"{paper['total']:,.0f}",
             "",

@@ -183,3 +183,30 @@ def backward_overlap(timeline: dict) -> dict:
         "exposed_s": cross_s - hidden_s,
         "planned_exposed_s": planned,
     }
+
+
+def link_split(row: dict, base: dict, rate: float) -> dict:
+    """What a slow link added to one timed step, split at the clocked backward (notebook 05). ``row`` and ``base``:
+    rows of ``cluster.links_vs_planner``, one strategy on the slow link and on the unlimited cable; ``rate``: the
+    link's bytes/s.
+
+    Returns ``wire_s`` (the busier card's bytes at ``rate``: the link model), ``added_s`` (the step's seconds over
+    ``base``'s), ``collectives_s`` and ``base_collectives_s`` (the clocked backward's cross-node collectives, here
+    and on the unlimited cable), ``clocked_share`` (their part of the step's card bytes, ``comm.node_card_bytes``:
+    below 1 where collectives outside the backward cross too, FULL_SHARD's forward all-gathers) and ``outside_s``:
+    ``added_s`` less what the collectives took longer, the part of the step's addition outside them.
+    """
+    from ..comm import node_card_bytes
+
+    here, there = (backward_overlap(r["timeline"])["cross_s"] for r in (row, base))
+    crossing = [c for c in row["timeline"]["collectives"] if c["spans_nodes"]]
+    clocked = sum(node_card_bytes(c["kind"], c["bytes"], c["group"], row["world_size"]) for c in crossing)
+    added = row["step_time_s"] - base["step_time_s"]
+    return {
+        "wire_s": max(row["card_bytes_per_step"]) / rate,
+        "added_s": added,
+        "collectives_s": here,
+        "base_collectives_s": there,
+        "clocked_share": clocked / row["predicted_card_bytes"],
+        "outside_s": added - (here - there),
+    }

@@ -196,7 +196,7 @@ RANK_COLORS = ("#7b5ea7", "#e8883a", "#3a7dc9", "#5aa469", "#c0504d", "#9a9a9a",
 
 
 def layouts_figure(view: dict, *, width: float = 12.0, height: float = 4.0):
-    """``per_param.layouts``' three layouts of one unit, side by side: every element of every parameter a square
+    """``per_param.layouts``' four layouts of one unit, side by side: every element of every parameter a square
     coloured by the rank that keeps it, a 1-D parameter as one row (notebook 04)."""
     from matplotlib.patches import Patch, Rectangle
 
