@@ -397,6 +397,45 @@ def test_offload_costs_the_cpu_step_not_pcie():
     assert fsdp2["step_s"] == pytest.approx(want)
 
 
+def test_ddps_gradient_buckets_outlive_every_step_as_the_planner_holds_them(tmp_path):
+    """A real DDP (one gloo rank, gradient_as_bucket_view=True, the planner's row): the buckets its comm hook sees
+    hold every parameter's fp32 gradient, at the same addresses step after step although zero_grad(set_to_none=True)
+    drops every .grad, and each .grad is a view into them; so the planner's row frees none of them after a step."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=0.02)
+        seen: dict[int, list] = {}
+
+        def hook(step, bucket):
+            seen.setdefault(step[0], []).append((bucket.buffer().data_ptr(), bucket.buffer().numel()))
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        step = [0]
+        ddp.register_comm_hook(step, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step[0] in range(4):
+            opt.zero_grad(set_to_none=True)
+            assert all(p.grad is None for p in model.parameters())
+            ddp(torch.randn(2, 64)).sum().backward()
+            opt.step()
+        numel = sum(p.numel() for p in model.parameters())
+        assert all(sum(n for _, n in buckets) == numel for buckets in seen.values())
+        assert len(seen[1]) > 1 and seen[1] == seen[2] == seen[3]  # rebuilt once after the first step, then kept
+        inside = [any(a <= p.grad.data_ptr() < a + 4 * n for a, n in seen[3]) for p in model.parameters()]
+        assert all(inside)
+    finally:
+        dist.destroy_process_group()
+    impl = plan.BY_KEY["pt-ddp"]
+    assert "gradient_as_bucket_view=True" in impl.options and impl.fresh_grads(None, impl, 8, 1) == 0
+
+
 def test_fsdp2_cpu_offload_keeps_what_the_planner_says_on_the_cpu(tmp_path, monkeypatch):
     """A real FSDP2 step with CPUOffloadPolicy (one gloo rank): the host bytes per parameter and the
     shard copies per all-gather, counted from torch's own objects, against the planner's row."""
@@ -718,7 +757,11 @@ def test_case_2_llama2_13b_on_two_nodes_over_10gbe_uses_one_node_and_says_what_t
 def test_case_3_stage_1_is_priced_as_the_implementation_that_is_named():
     """DDP + ZeroRedundancyOptimizer under autocast keeps fp32 weights and gradients and autocast's bf16
     copies (4 + 4 + 8/N + 2 bytes per parameter, read in torch's source) and sends 1.5x DDP's bytes (an
-    all-reduce, then every shard broadcast); DeepSpeed's stage 1 keeps 2 + 18/N plus its bucket."""
+    all-reduce, then every shard broadcast); DeepSpeed's stage 1 keeps 2 + 18/N plus its bucket, and with
+    overlap_comm off every whole bf16 gradient (2 more) at the backward's end. DDP's gradient buckets are allocated
+    at construction (measured: the reducer's bucket storages stay at the same addresses across
+    zero_grad(set_to_none=True)), so they are there at the end of the forward too: ZeroRedundancyOptimizer
+    does not fit."""
     from course_utils.presets import preset
 
     s = plan.shape_of_preset(preset("6.7B"))
@@ -731,13 +774,18 @@ def test_case_3_stage_1_is_priced_as_the_implementation_that_is_named():
     zero = rows["pt-ddp-zero"]
     assert sum(zero["memory"]["states"].values()) == pytest.approx((4 + 4 + 8 / 8 + 2) * psi)
     ds = sum(rows["ds-1"]["memory"]["states"].values())
-    assert ds == pytest.approx((2 + 18 / 8) * psi + 2 * 5e8)
+    assert ds == pytest.approx((2 + 2 + 18 / 8) * psi + 2 * 5e8)
+    for key in ("pt-ddp", "pt-ddp-zero"):  # every state at every moment but autocast's copies late in backward
+        phases = rows[key]["memory"]["phases"]
+        assert phases["end of forward"]["states"] == pytest.approx(sum(rows[key]["memory"]["states"].values()))
+    ds_phases = rows["ds-1"]["memory"]["phases"]
+    assert ds_phases["late backward"]["states"] - ds_phases["end of forward"]["states"] == pytest.approx(2 * psi)
     sent = {k: r["time"]["link_bytes_per_gpu"]["nvlink"] for k, r in rows.items()}
     assert sent["pt-ddp-zero"] / sent["pt-ddp"] == pytest.approx(1.5)
     # DeepSpeed 0.19 all-reduces each bf16 bucket (use_multi_rank_bucket_allreduce=True), then all-gathers the
     # bf16 parameters: 3(N-1)/N x 2 Psi, the count notebook 03 asserts on DeepSpeed's own collectives
     assert sent["ds-1"] == pytest.approx(3 * 7 / 8 * 2 * psi)
-    assert not rows["pt-ddp"]["fits"] and zero["fits"]
+    assert not rows["pt-ddp"]["fits"] and not zero["fits"] and rows["ds-1"]["fits"]
     assert zero["memory"]["total"] > rows["ds-1"]["memory"]["total"] + 15e9
 
 

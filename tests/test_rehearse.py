@@ -334,14 +334,22 @@ def test_the_planners_recomputation_policies_rehearse_in_order(small_runs):
 
 
 def test_the_throughput_planner_is_calibrated_per_term_on_llama_2_7b():
-    """Both extremes on a preset (Llama 2 7B, FULL_SHARD on 8 fake ranks): after calibration every term is
-    within 12% and the peak within 3% (before: the paper's activation rule, 35% short); the CPU kernels'
-    share is counted independently: RMSNorm's composite path keeps 12h more bytes per token per block and 6h
-    for the final norm (fp32 input and product instead of the bf16 input), none of which a CUDA run keeps."""
+    """Both extremes on a preset (Llama 2 7B, FULL_SHARD on 8 fake ranks), and SHARD_GRAD_OP with full
+    recomputation: after calibration every term is within 12% and the peak within 3% (before: the paper's
+    activation rule, 35% short); the CPU kernels' share is counted independently: RMSNorm's composite path keeps
+    12h more bytes per token per block and 6h for the final norm (fp32 input and product instead of the bf16
+    input), none of which a CUDA run keeps."""
     runs = [R.rehearse("6.7B", 8, "full_shard", recompute=p) for p in ("none", "full")]
+    keep = R.rehearse("6.7B", 8, "shard_grad_op", recompute="full")
     rows = {(r["policy"], r["term"]): r for r in R.calibration_rows(runs)}
-    for (policy, term), row in rows.items():
+    kept = {r["term"]: r for r in R.calibration_rows([keep])}
+    for (policy, term), row in [*rows.items(), *(((keep.label, t), r) for t, r in kept.items())]:
         assert abs(row["after_error"]) < (0.03 if term == "peak" else 0.12), (policy, term, row["after_error"])
+    # SHARD_GRAD_OP keeps every block's bf16 weights from its forward to its backward, and FSDP2 frees each block's
+    # after that block's backward (reshard_after_backward): the step peaks in the first block's backward, with every
+    # block's weights, as the planner puts it; late in the backward only one block's are left
+    assert keep.peak["Unsharded Param"] > 0.9 * 2 * keep.psi and kept["peak"]["moment"] == "first block's backward"
+    assert R.planner_terms(keep)["peak moment"] == "first block's backward"
     assert rows["none", "peak"]["before_error"] < -0.30
     # the cheap measurement of every preset (3 to 5 blocks, extrapolated block by block) is this one, to the byte
     whole = {row["term"]: row["measured"] for row in R.preset_calibration("6.7B", "full")}
@@ -437,6 +445,41 @@ def test_the_real_ranks_extra_temp_is_fsdp2s_own_reduce_scatter_buffers(monkeypa
     largest_in, largest_out, temp = max(seen)
     assert largest_in == r.category_peaks["Reduce Scatter"] and largest_out * 4 == largest_in
     assert temp == r.category_peaks["Temp"] + largest_in + largest_out
+
+
+def test_shard_grad_op_reduces_a_block_after_its_backward_freed_its_activations(monkeypatch):
+    """Notebook 05b §9: the calibrated planner's peak for SHARD_GRAD_OP on the small model comes in the first
+    block's backward, which it prices at once: the block's fp32 reduce-scatter input beside that block's saved
+    activations and backward working set. FSDP2 builds the input in ``post_backward``, after the backward freed
+    them: probed at each reduce-scatter on fake ranks, the tracker's activations are the not-yet-reduced blocks'
+    only, the same bytes for each, and at the last block's reduce-scatter nothing of any block."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    import course_utils.rehearse.run as run
+    from course_utils.rehearse.tracker import _categories
+
+    trackers, seen = [], []
+    make_tracker, call = run.tracker_class, collectives.DefaultReduceScatter.__call__
+
+    def capturing():
+        class Capturing(make_tracker()):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                trackers.append(self)
+
+        return Capturing
+
+    def probed(self, output_tensor, input_tensor, *args, **kwargs):
+        seen.append(_categories(trackers[-1].get_tracker_snapshot())["Activation"])
+        return call(self, output_tensor, input_tensor, *args, **kwargs)
+
+    monkeypatch.setattr(run, "tracker_class", capturing)
+    monkeypatch.setattr(collectives.DefaultReduceScatter, "__call__", probed)
+    r = R.rehearse("small", 4, "shard_grad_op")
+    L = r.cfg.layers
+    steps = [a - b for a, b in zip(seen[: L - 1], seen[1:L])]  # the blocks, last first
+    assert len(set(steps)) == 1 and steps[0] > 0 and seen[L - 1] < steps[0] / 100  # then nothing of any block
+    assert R.planner_terms(r)["peak moment"] == "first block's backward"
 
 
 def test_the_held_out_activation_residual_is_the_heads_gradient():

@@ -5,7 +5,9 @@ something else (read in the libraries' source; torch 2.13, DeepSpeed 0.19):
 
 - ``DistributedDataParallel`` under ``torch.autocast``: fp32 weights, fp32 gradients (one copy with
   ``gradient_as_bucket_view=True``; the default ``False`` keeps the buckets as a second), Adam's 8 bytes, and
-  autocast's bf16 casts of the weights, cached inside the region from forward to backward (2Ψ).
+  autocast's bf16 casts of the weights, cached inside the region from forward to backward (2Ψ). The buckets
+  are allocated when DDP is constructed (the reducer's ``initialize_buckets``) and live as long as the module:
+  ``zero_grad(set_to_none=True)`` drops the ``.grad`` views, not the 4Ψ of buckets under them.
 - DDP + ``ZeroRedundancyOptimizer``: the same, Adam sharded; its ``step()`` all-reduces nothing more but
   broadcasts every rank's updated shard (``_sync_params``, ``zero_redundancy_optimizer.py``): 1.5x DDP's bytes.
 - ``fully_shard`` (FSDP2) with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: fp32 shards of
@@ -14,7 +16,8 @@ something else (read in the libraries' source; torch 2.13, DeepSpeed 0.19):
   accumulation micro-batches, at the price of an fp32 shard-sized partial sum kept across them.
 - DeepSpeed ZeRO stages (bf16): 2Ψ of bf16 weights plus 18Ψ/N of partitions (fp32 master, Adam, fp32 and bf16
   gradient partitions; ``estimate_zero2_model_states_mem_needs``), its reduce buckets (``reduce_bucket_size``
-  5e8 elements), stage 1 keeping whole bf16 gradients across accumulation micro-steps. Stages 1 and 2
+  5e8 elements), stage 1 keeping whole bf16 gradients across accumulation micro-steps, and without
+  ``overlap_comm`` until the backward's end (its hooks reduce nothing then: ``reduce_gradients`` runs after it). Stages 1 and 2
   all-reduce each gradient bucket (``use_multi_rank_bucket_allreduce``, True by default), not the paper's
   reduce-scatter, and then all-gather the bf16 parameters: 3(N-1)/N of 2Ψ per step, as notebook 03 counts.
   With ``offload_optimizer`` the master, Adam and every gradient partition live on the host
@@ -51,11 +54,12 @@ class Impl:
     sharded ("replicated", "world", or "hybrid": a shard group inside a 2-D mesh); ``offload``: "",
     "optimizer" (DeepSpeed's ``offload_optimizer``) or "all" (FSDP2's ``CPUOffloadPolicy``);
     ``states(s, impl, n, shard, accum)``, ``buffers(s, impl)``: bytes per GPU by term; ``comm(...)``:
-    exposed seconds and bytes per link; ``fresh_grads(s, n, shard)``: the part of the states backward creates
-    (gradients are freed after each step); ``holds_head_grad``: the head's bf16 gradient waits for the root
-    unit (reduced last); ``step_copy``: bytes per updated parameter written besides Adam's (DeepSpeed's bf16
-    copy); ``reduce_bytes``: bytes per gradient element reduced; ``overlap_comm``: the reduction runs on a
-    side stream, behind the backward (DeepSpeed's flag; PyTorch's collectives always do)."""
+    exposed seconds and bytes per link; ``fresh_grads(s, impl, n, shard)``: the part of the states backward
+    creates (gradients freed after each step; not DDP's buckets, which outlive every step);
+    ``holds_head_grad``: the head's bf16 gradient waits for the root unit (reduced last); ``step_copy``: bytes
+    per updated parameter written besides Adam's (DeepSpeed's bf16 copy); ``reduce_bytes``: bytes per gradient
+    element reduced; ``overlap_comm``: the reduction runs on a side stream, behind the backward (DeepSpeed's
+    flag; PyTorch's collectives always do)."""
 
     key: str
     course: Strategy
@@ -91,7 +95,7 @@ def _replicated_states(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> 
     P = s.params
     return {
         "fp32 parameters": 4 * P,
-        "fp32 gradients (bucket view)": 4 * P,
+        "fp32 gradient buckets (.grad views into them)": 4 * P,
         "Adam moments" + (" (1/N)" if impl.stage else ""): 8 * P / impl.optimizer_share(n, shard),
         "autocast bf16 weight copies (fwd->bwd)": 2 * P,
     }
@@ -144,21 +148,31 @@ def _deepspeed_states(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> d
     out = {"bf16 parameters": 2 * P}
     out.update(host if impl.offload else {"fp32 master + Adam + fp32/bf16 gradient partitions": 18 * P / n})
     out["IPG reduce bucket(s), bf16"] = 2 * min(DS_REDUCE_BUCKET, P) * (2 if impl.stage == 2 else 1)
-    if impl.stage == 1 and accum > 1:
-        out["bf16 gradients kept across micro-steps"] = 2 * P
+    if _ds_keeps_whole_grads(impl, accum):
+        out["whole bf16 gradients (reduced after the backward)"] = 2 * P
     return out
 
 
-def _replicated_fresh(s: Shape, n: int, shard: int) -> float:
-    return 4 * s.params
+def _ds_keeps_whole_grads(impl: Impl, accum: int) -> bool:
+    """DeepSpeed stage 1 reduces at the accumulation boundary only, and there in its hooks only with
+    ``overlap_comm`` (``process_gradients``, ``stage_1_and_2.py``); without it the engine's ``reduce_gradients``
+    reduces every whole bf16 gradient after the backward, so they all exist at its end."""
+    return impl.stage == 1 and (accum > 1 or not impl.overlap_comm)
 
 
-def _sharded_fresh(s: Shape, n: int, shard: int) -> float:
+def _sharded_fresh(s: Shape, impl: Impl, n: int, shard: int) -> float:
     return 4 * s.params / shard
 
 
-def _no_fresh(s: Shape, n: int, shard: int) -> float:
+def _no_fresh(s: Shape, impl: Impl, n: int, shard: int) -> float:
+    """DDP's gradient buckets are allocated at construction and outlive every step (``.grad`` are views into
+    them); DeepSpeed's partitions are priced as its estimator counts them, held all step."""
     return 0.0
+
+
+def _deepspeed_fresh(s: Shape, impl: Impl, n: int, shard: int) -> float:
+    """Without accumulation, stage 1's whole bf16 gradients exist from the backward to the reduction."""
+    return 2 * s.params if _ds_keeps_whole_grads(impl, 1) else 0.0
 
 
 # --------------------------------------------------------------------------------------------- buffers
@@ -288,10 +302,10 @@ def _bucket_comm(s: Shape, impl: Impl, c, t) -> tuple[float, dict]:
 # --------------------------------------------------------------------------------------------- the rows
 
 _REPLICATED = dict(layout="replicated", states=_replicated_states, buffers=_no_buffers, comm=_allreduce_comm)
-_REPLICATED["fresh_grads"] = _replicated_fresh
+_REPLICATED["fresh_grads"] = _no_fresh
 _FSDP2 = dict(states=_fsdp2_states, buffers=_fsdp2_buffers, comm=_unit_comm, fresh_grads=_sharded_fresh)
 _FSDP2.update(holds_head_grad=True, options="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
-_DS = dict(layout="world", states=_deepspeed_states, fresh_grads=_no_fresh, step_copy=2, reduce_bytes=2)
+_DS = dict(layout="world", states=_deepspeed_states, fresh_grads=_deepspeed_fresh, step_copy=2, reduce_bytes=2)
 _DS12 = dict(_DS, buffers=_no_buffers, comm=_bucket_comm)
 _DS3 = dict(_DS, buffers=_deepspeed3_buffers, comm=_unit_comm)
 _CPU_ADAM = "DeepSpeedCPUAdam on the host"

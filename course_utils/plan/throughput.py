@@ -43,8 +43,13 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
     act = activation_terms(s, c.policy, T, c.kernels)
     st = sum(states.values())
     # gradients exist once backward made them; with accumulation they persist from the first micro-batch on
-    fresh = impl.fresh_grads(s, n, c.shard) if c.accum == 1 else 0.0
-    autocast = states.get("autocast bf16 weight copies (fwd->bwd)", 0.0)  # freed block by block in backward
+    fresh = impl.fresh_grads(s, impl, n, c.shard) if c.accum == 1 else 0.0
+    # bf16 weights held from forward to backward (autocast's casts; SHARD_GRAD_OP's unsharded units) are freed
+    # block by block in backward (FSDP2's post_backward reshards each unit: reshard_after_backward): late in it,
+    # only the block in backward still holds its own
+    held = states.get("autocast bf16 weight copies (fwd->bwd)", 0.0)
+    held += states.get("bf16 parameters held fwd->bwd (all units)", 0.0)
+    held_late = min(held, 2 * s.block_params)
     root = bufs.get("root bf16 parameters (not resharded after forward)", 0.0)
     gathered = bufs.get("two gathered blocks, bf16", 0.0)
     # a block's bf16 gradient is copied into the fp32 reduce-scatter input and freed: never both at once
@@ -61,7 +66,7 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
         "backward of the loss": {"states": st - fresh, "unsharded": root + head_grad, "activations": kept + 6 * V * T},
         "first block's backward": {"states": st - fresh, "unsharded": in_backward,
                                    "activations": kept - 4 * V * T + rebuilt},
-        "late backward": {"states": st - autocast, "unsharded": in_backward,
+        "late backward": {"states": st - held + held_late, "unsharded": in_backward,
                           "activations": act["blocks kept"] / s.layers + rebuilt},
     }  # fmt: skip
     for p in phases.values():
