@@ -265,12 +265,36 @@ def root_cause(log_dir: str) -> dict | None:
         return {"rank": silent[0], "message": "", "attempt": last, "silent": True, "after": after}
     ranks = causes + [r for r in ranks if r not in causes]
     rank, text, stack = ranks[0]
-    others = ", ".join(str(r) for r, _, _ in ranks[1:])
-    text = re.sub(r"\[/[^\]\s]*:\d+\] ", "", text, count=1)  # torch's build path ([/__w/...cc:78]): the logs keep it
-    message = f"rank {rank} raised first (attempt {last}): {text}\n\n{trim_traceback(stack).strip()}"
-    if others:
-        message += f"\nrank(s) {others} failed after it (stopped by the agent, or their collectives lost a peer)."
-    return {"rank": rank, "message": message, "attempt": last}
+    message = f"rank {rank} raised first (attempt {last}): {_no_build_path(text)}\n\n{trim_traceback(stack).strip()}"
+    return {"rank": rank, "message": message + _after_it(ranks[1:]), "attempt": last}
+
+
+def _no_build_path(text: str) -> str:
+    """gloo's message without the file torch was built from ([/__w/...cc:78]): the logs keep it."""
+    return re.sub(r"\[/[^\]\s]*:\d+\] ", "", text, count=1)
+
+
+def _after_it(later: list[tuple], shown: int = 4) -> str:
+    """The ranks that failed after the first, each with the first line of its own error and what that means.
+
+    Which error a survivor reports is a race: the agent's SIGTERM, or a collective that lost its peer first.
+    """
+    if not later:
+        return ""
+    lines = [f"\nrank(s) {', '.join(str(r) for r, _, _ in later)} failed after it:"]
+    for r, text, _ in later[:shown]:
+        why = (
+            "was stopped by the agent"
+            if any(c in text for c in STOPPED)
+            else "lost a peer"
+            if any(c in text for c in LOST_PEER)
+            else "raised"
+        )
+        first = (_no_build_path(text).strip().splitlines() or [""])[0].split(". ")[0]
+        lines.append(f"  rank {r} {why}: {first[:110]}")
+    if len(later) > shown:
+        lines.append(f"  ... and {len(later) - shown} more: every rank's error is in the run's logs")
+    return "\n".join(lines)
 
 
 def _watch_parent(parent: int) -> None:

@@ -94,6 +94,28 @@ def test_after_pass_text_is_shown_on_a_pass_only():
     assert "\n" not in str(passed) and passed.to_dict()["message"] == passed.message  # grading reads one line
 
 
+def test_the_bf16_predict_is_answered_from_the_measurement_on_a_pass_only():
+    """Exercise 01.3 asks whether bf16 halves a block's activations: a pass shows the reference's bytes, both
+    dtypes, their ratio and the tensors kept in fp32 (read from the graph); a wrong answer shows none of it."""
+    import torch
+
+    from course_utils import memory
+    from course_utils.exercises import nb01
+
+    measured = {(d, b): memory.measure_activation_bytes(nb01._OneBlock(blk), x) for blk, x, d, b in nb01.block_cases()}
+    fp32, bf16 = measured[torch.float32, 2]["total"], measured[torch.bfloat16, 2]["total"]
+    kept = sum(t.untyped_storage().nbytes() for _, t in nb01._kept_in_fp32(measured[torch.bfloat16, 2]["loss"]))
+    assert bf16 - kept == (fp32 - kept) // 2  # all but the fp32-kept tensors halve, to the byte
+    right, wrong = core.check_many(
+        [(core.get("01", "block_activation_bytes"), core.solution("01", "block_activation_bytes"))]
+        + [(core.get("01", "block_activation_bytes"), fn) for fn, _ in MISTAKES[("01", "block_activation_bytes")][:1]]
+    )
+    reading = f"{fp32:,} bytes saved in fp32, {bf16:,} in bf16, {bf16 / fp32:.3f}"
+    shown = " ".join(right.shown().split())  # shown() wraps its paragraphs at 100 characters
+    assert right.passed and reading in shown and f"still saves {kept:,} bytes in fp32" in shown
+    assert not wrong.passed and "bytes saved in fp32" not in wrong.shown()
+
+
 def test_after_check_replays_wait_for_a_pass():
     """The after-check cells that replay an answer (01.1, 05.2) ask ``passed`` first: false before any check,
     false after a wrong answer, true once the solution passes, false again after a later wrong answer."""

@@ -801,6 +801,32 @@ def test_the_summary_line_drops_torchs_build_path(tmp_path):
     assert "__w" not in cause["message"] and text in (attempt / "error.json").read_text()
 
 
+def test_each_later_rank_is_named_with_its_own_first_line(tmp_path):
+    """A survivor's own error is a race (the agent's SIGTERM, or a collective that lost its peer first): the
+    summary names each later rank with the first line of the error it really reported, not a guess."""
+    from course_utils import _agent
+
+    attempt = tmp_path / "logs" / "run3_x" / "attempt_0"
+    reports = {
+        1: "RuntimeError: rank 1 fails on purpose",
+        0: "SignalException: Process 27006 got signal: 15",
+        2: "RuntimeError: [/__w/gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:31895. This is typically...",
+    }
+    for rank, text in reports.items():  # written in this order: rank 1 first
+        (attempt / str(rank)).mkdir(parents=True)
+        (attempt / str(rank) / "error.json").write_text(
+            json.dumps({"message": {"message": text, "extraInfo": {"py_callstack": ""}}})
+        )
+        time.sleep(0.01)
+    cause = _agent.root_cause(str(tmp_path / "logs"))
+    assert cause["rank"] == 1, cause
+    assert cause["message"].endswith(
+        "rank(s) 0, 2 failed after it:\n"
+        "  rank 0 was stopped by the agent: SignalException: Process 27006 got signal: 15\n"
+        "  rank 2 lost a peer: RuntimeError: Connection closed by peer [127.0.0.1]:31895"
+    ), cause["message"]
+
+
 def test_an_error_file_cut_short_is_a_consequence_not_the_cause(tmp_path):
     """torch writes a worker's error.json in place; a survivor stopped by the agent while writing it leaves an
     empty file (seen once in a full test run). The rank with a whole report is still named as the cause, and the

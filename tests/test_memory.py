@@ -309,6 +309,9 @@ def test_a_pytorch_users_bill_is_measured_not_assumed():
     # the same step as the paper's recipe, to rounding: main_grad changes the bill, not the arithmetic
     paper = memory.measure_model_state_bytes("tiny", "adam_mixed")
     assert abs(mg["loss"] - paper["loss"]) < 1e-3 and abs(amp["loss"] - paper["loss"]) < 1e-2
+    fp32 = memory.measure_model_state_bytes("tiny", "adam_fp32")
+    for r in (paper, fp32, mg):  # the same watcher in every recipe: without autocast no 16-bit copy is made
+        assert r["copies_after_forward"] == r["copies_after_backward"] == 0, r["optimizer_name"]
     with pytest.raises(CourseInputError, match="autocast_adamw"):
         memory.measure_model_state_bytes("tiny", "sgd")
 

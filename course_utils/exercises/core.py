@@ -279,14 +279,16 @@ def run_on_ranks(jobs: list) -> list:
 
 def _judge_local(ex: Exercise, fn) -> Outcome:
     try:
-        ex.judge(fn)
+        said = ex.judge(fn)  # a judge may measure the Predict's answer: shown under a pass, before after_pass
     except NotImplementedError:
         return _not_done(ex)
     except Wrong as exc:
         return _outcome(ex, FAILED, str(exc))
     except Exception as exc:
         return _outcome(ex, FAILED, student_error(exc))
-    return _outcome(ex, PASSED, "matches the course's reference")
+    outcome = _outcome(ex, PASSED, "matches the course's reference")
+    outcome.after_pass = "\n".join(text for text in (said, outcome.after_pass) if text)
+    return outcome
 
 
 @contextmanager

@@ -266,9 +266,12 @@ def block_cases():
             yield model.blocks[0], x.requires_grad_(True), dtype, batch
 
 
-def judge_block_activation_bytes(fn) -> None:
+def judge_block_activation_bytes(fn) -> str:
+    """Every case against the reference; on a pass, the Predict's answer measured (``bf16_reading``)."""
+    measured = {}
     for block, x, dtype, batch in block_cases():
-        want = memory.measure_activation_bytes(_OneBlock(block), x)["total"]
+        measured[dtype, batch] = ref = memory.measure_activation_bytes(_OneBlock(block), x)
+        want = ref["total"]
         got = fn(block, x)
         if got == want:
             continue
@@ -284,6 +287,43 @@ def judge_block_activation_bytes(fn) -> None:
         else:
             why = "some saved tensors were missed: count every tensor the pack hook sees during the forward"
         raise Wrong(f"for {where} you measured {got!r} bytes, the reference {want} bytes: {why}")
+    return bf16_reading(measured[torch.float32, 2], measured[torch.bfloat16, 2])
+
+
+def _kept_in_fp32(output) -> list[tuple[str, torch.Tensor]]:
+    """The tensors autograd saved in fp32 behind ``output`` (a bf16 run's), read from its graph's nodes."""
+    kept, seen, todo = [], set(), [output.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for attr in (a for a in dir(node) if a.startswith("_saved_")):
+            value = getattr(node, attr)
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                kept.append((f"{type(node).__name__}.{attr}", value))
+        todo.extend(n for n, _ in node.next_functions)
+    return kept
+
+
+def bf16_reading(fp32: dict, bf16: dict) -> str:
+    """Exercise 01.3's Predict answered from the reference's measurement (batch 2): what bf16 saves, and why not half."""
+    f, h = fp32["total"], bf16["total"]
+    kept = {t.untyped_storage().data_ptr(): (name, t) for name, t in _kept_in_fp32(bf16["loss"])}.values()
+    k = sum(t.untyped_storage().nbytes() for _, t in kept)
+    names = ", ".join(f"{name} {tuple(t.shape)}" for name, t in kept) or "none"
+    why = (
+        " Flash attention keeps one log-sum-exp per query row and head (batch, heads, seq) in fp32, so that its "
+        "backward can rebuild the softmax exactly."
+        if kept and all("logsumexp" in name for name, _ in kept)
+        else ""
+    )
+    return (
+        f"Measured on one block of the tiny model, batch 2: {f:,} bytes saved in fp32, {h:,} in bf16, "
+        f"{h / f:.3f} of it{' and not 0.5' if 2 * h != f else ''}.\n"
+        f"The bf16 run still saves {k:,} bytes in fp32: {names}.{why} Without them: {h - k:,} bytes in bf16 "
+        f"against {f - k:,} in fp32, {(h - k) / (f - k):.3f}."
+    )
 
 
 register(

@@ -225,10 +225,10 @@ def measure_model_state_bytes(
     the gradients are counted after the step, before they are cleared, as they are at the step's peak.
 
     Returns ``measured_bill(...)`` plus ``psi`` (Ψ, from ``models.param_count``), ``optimizer_name``,
-    ``per_param`` ({part: bytes / Ψ}) and ``loss``; with "autocast_adamw" also ``copies_after_forward``
-    (bytes of 16-bit weight copies alive between the forward and the backward, seen by a
-    ``TorchDispatchMode``), ``copies_after_backward`` and ``linear_psi`` (parameters an ``nn.Linear``
-    reads, counted from the model's modules); with "main_grad_adamw" ``gradients`` counts the measured
+    ``per_param`` ({part: bytes / Ψ}), ``loss``, ``copies_after_forward`` (bytes of 16-bit copies of
+    the parameters alive between the forward and the backward, seen by a ``TorchDispatchMode`` in every
+    recipe: only autocast makes any), ``copies_after_backward`` and ``linear_psi`` (parameters an
+    ``nn.Linear`` reads, counted from the model's modules); with "main_grad_adamw" ``gradients`` counts the measured
     ``.grad`` bytes plus the ``main_grad`` buffers, and ``dot_grad`` the measured ``.grad`` bytes alone.
     """
     import torch
@@ -238,14 +238,14 @@ def measure_model_state_bytes(
     from ..models import build_model, get_config, param_count
 
     net = build_model(get_config(model), seed=seed)
-    forward, watcher = net, None
+    forward, watcher = net, _sixteen_bit_copies_watcher(net)  # every recipe: a 0 without autocast is measured
     if optimizer == "adam_mixed":
         opt = MixedPrecisionAdam(net, dtype=dtype)
     elif optimizer == "adam_fp32":
         opt = torch.optim.Adam(net.parameters(), lr=1e-3, foreach=False)
     elif optimizer == "autocast_adamw":
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
-        forward, watcher = Autocast(net), _sixteen_bit_copies_watcher(net)
+        forward = Autocast(net)
     elif optimizer == "main_grad_adamw":
         opt = MainGradAdamW(net)
     else:
@@ -255,17 +255,14 @@ def measure_model_state_bytes(
         copies: dict = {}
 
         def before_forward(self, step: int) -> None:
-            if watcher is not None:
-                watcher.__enter__()
+            watcher.__enter__()
 
         def after_forward(self, step: int, loss) -> None:
-            if watcher is not None:
-                self.copies["after_forward"] = watcher.alive()
+            self.copies["after_forward"] = watcher.alive()
 
         def after_backward(self, step: int) -> None:
-            if watcher is not None:
-                watcher.__exit__(None, None, None)
-                self.copies["after_backward"] = watcher.alive()
+            watcher.__exit__(None, None, None)
+            self.copies["after_backward"] = watcher.alive()
 
         def after_update(self, step: int) -> None:
             self.bill = measured_bill(net, opt)
@@ -280,13 +277,10 @@ def measure_model_state_bytes(
     out = counted.bill
     psi = param_count(net)
     out["per_param"] = {k: out[k] / psi for k in ("weights", "gradients", "optimizer", "total")}
-    out.update(psi=psi, optimizer_name=optimizer, loss=loss.item())
-    if watcher is not None:
-        out.update(
-            copies_after_forward=counted.copies["after_forward"],
-            copies_after_backward=counted.copies["after_backward"],
-            linear_psi=_linear_weight_numel(net),
-        )
+    out.update(psi=psi, optimizer_name=optimizer, loss=loss.item(), linear_psi=_linear_weight_numel(net))
+    out.update(
+        copies_after_forward=counted.copies["after_forward"], copies_after_backward=counted.copies["after_backward"]
+    )
     return out
 
 
