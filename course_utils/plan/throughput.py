@@ -42,8 +42,8 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
     bufs = impl.buffers(s, impl)
     act = activation_terms(s, c.policy, T, c.kernels)
     st = sum(states.values())
-    # gradients exist once backward made them; with accumulation they persist from the first micro-batch on
-    fresh = impl.fresh_grads(s, impl, n, c.shard) if c.accum == 1 else 0.0
+    # what backward makes and the step frees (with accumulation, what does not persist across micro-batches)
+    fresh = impl.fresh_grads(s, impl, n, c.shard, c.accum)
     # bf16 weights held from forward to backward (autocast's casts; SHARD_GRAD_OP's unsharded units) are freed
     # block by block in backward (FSDP2's post_backward reshards each unit: reshard_after_backward): late in it,
     # only the block in backward still holds its own
