@@ -758,9 +758,9 @@ def test_case_3_stage_1_is_priced_as_the_implementation_that_is_named():
     """DDP + ZeroRedundancyOptimizer under autocast keeps fp32 weights and gradients and autocast's bf16
     copies (4 + 4 + 8/N + 2 bytes per parameter, read in torch's source) and sends 1.5x DDP's bytes (an
     all-reduce, then every shard broadcast); DeepSpeed's stage 1 keeps 2 + 18/N plus its bucket, and with
-    overlap_comm off every whole bf16 gradient (2 more) at the backward's end, none of them at the forward's. DDP's gradient buckets are allocated
-    at construction (measured: the reducer's bucket storages stay at the same addresses across
-    zero_grad(set_to_none=True)), so they are there at the end of the forward too: ZeroRedundancyOptimizer
+    overlap_comm off every whole bf16 gradient (2 more) at the backward's end, none of them at the forward's.
+    DDP's gradient buckets are allocated at construction (measured: the reducer's bucket storages stay at the same
+    addresses across zero_grad(set_to_none=True)), so they are there at the end of the forward too: ZeroRedundancyOptimizer
     does not fit."""
     from course_utils.presets import preset
 
