@@ -794,10 +794,11 @@ def test_case_3_stage_1_is_priced_as_the_implementation_that_is_named():
 def test_deepspeeds_rows_hold_at_the_forwards_end_what_its_engine_keeps_between_steps():
     """What the planner prices at the end of the forward (one micro-batch) is what notebook 03's census finds in
     a live DeepSpeed 0.19.8 engine between steps (``expected_held``, held to the byte by tests/test_deepspeed.py),
-    in bf16: stages 1-2 no gradient partition and no bucket (the backward's first hook allocates the buckets,
-    its epilogue frees them, ``step()`` the partitions); stage 3 its bf16 gradient partitions and no fp32 one
-    (made inside ``step()``, a sub-group at a time): 16Ψ/N, not the estimator's 18Ψ/N. With accumulation stage 1
-    keeps its bucket (and whole gradients) to the boundary, stage 2 only its bf16 partition."""
+    in bf16: stages 1-2 no gradient partition and no bucket (the backward's first hook, the head's, allocates the
+    buckets, two with stage 2's overlap_comm; its epilogue frees them, ``step()`` the partitions); stage 3 its bf16
+    gradient partitions and no fp32 one (made inside ``step()``, a sub-group at a time): 16Ψ/N, not the
+    estimator's 18Ψ/N. With accumulation stage 1 keeps its bucket (and whole gradients) to the boundary, stage 2
+    only its bf16 partition."""
     from course_utils.labs.lab03_ds_census import expected_held
     from course_utils.presets import preset
 
@@ -810,6 +811,9 @@ def test_deepspeeds_rows_hold_at_the_forwards_end_what_its_engine_keeps_between_
         mem = plan.evaluate(s, cluster, plan.BY_KEY[key], plan.Config(key, "none", 1, 1, 1, n), 0.4)["memory"]
         buckets = sum(v for k, v in mem["states"].items() if "bucket" in k) if key == "ds-3" else 0.0
         assert mem["phases"]["end of forward"]["states"] - buckets == pytest.approx(want, rel=1e-6), key
+        if key != "ds-3":  # the head's gradient hook has allocated the bucket(s) by the first block's backward
+            early = mem["phases"]["first block's backward"]["states"] - mem["phases"]["end of forward"]["states"]
+            assert early == 2 * 5e8 * (2 if key == "ds-2" else 1), key
     for key, kept in (("ds-1", 2 * psi + 2 * 5e8), ("ds-2", 2 * psi / n)):  # 4 micro-batches a step
         mem = plan.evaluate(s, cluster, plan.BY_KEY[key], plan.Config(key, "none", 1, 4, 1, n), 0.4)["memory"]
         rest = (2 + 12 / n) * psi

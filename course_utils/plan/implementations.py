@@ -60,7 +60,8 @@ class Impl:
     exposed seconds and bytes per link; ``fresh_grads(s, impl, n, shard, accum)``: the part of the states the
     backward creates, absent at the end of the forward (gradients freed after each step; not DDP's buckets, which
     outlive every step);
-    ``holds_head_grad``: the head's bf16 gradient waits for the root unit (reduced last); ``step_copy``: bytes
+    ``holds_head_grad``: the head's bf16 gradient waits for the root unit (reduced last); ``hook_made(s, impl,
+    accum)``: the part of ``fresh_grads`` the backward's first gradient hook allocates (DeepSpeed's buckets); ``step_copy``: bytes
     per updated parameter written besides Adam's (DeepSpeed's bf16 copy); ``reduce_bytes``: bytes per gradient
     element reduced; ``overlap_comm``: the reduction runs on a side stream, behind the backward (DeepSpeed's
     flag; PyTorch's collectives always do)."""
@@ -79,6 +80,7 @@ class Impl:
     reshard_after_forward: bool = True
     offload: str = ""
     holds_head_grad: bool = False
+    hook_made: Callable | None = None
     step_copy: int = 0
     reduce_bytes: int = 4
     overlap_comm: bool = True
@@ -194,9 +196,15 @@ def _deepspeed_fresh(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> fl
         return 0.0
     P = s.params
     partitions = 0.0 if impl.offload else (4 if accum > 1 and impl.stage == 2 else 6) * P / n
-    buckets = _ds_ipg_buckets(s, impl) if accum == 1 or impl.stage == 2 else 0.0
+    buckets = _ds_hook_buckets(s, impl, accum)
     whole = 2 * P if accum == 1 and _ds_keeps_whole_grads(impl, 1) else 0.0
     return partitions + buckets + whole
+
+
+def _ds_hook_buckets(s: Shape, impl: Impl, accum: int) -> float:
+    """Stages 1-2's buckets where the backward's first gradient hook allocates them (``setup_buckets``, from the
+    head's gradient on): every backward, or stage 1's once a step (kept to the boundary)."""
+    return _ds_ipg_buckets(s, impl) if accum == 1 or impl.stage == 2 else 0.0
 
 
 # --------------------------------------------------------------------------------------------- buffers
@@ -330,7 +338,7 @@ _REPLICATED["fresh_grads"] = _no_fresh
 _FSDP2 = dict(states=_fsdp2_states, buffers=_fsdp2_buffers, comm=_unit_comm, fresh_grads=_sharded_fresh)
 _FSDP2.update(holds_head_grad=True, options="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
 _DS = dict(layout="world", states=_deepspeed_states, fresh_grads=_deepspeed_fresh, step_copy=2, reduce_bytes=2)
-_DS12 = dict(_DS, buffers=_no_buffers, comm=_bucket_comm)
+_DS12 = dict(_DS, buffers=_no_buffers, comm=_bucket_comm, hook_made=_ds_hook_buckets)
 _DS3 = dict(_DS, buffers=_deepspeed3_buffers, comm=_unit_comm)
 _CPU_ADAM = "DeepSpeedCPUAdam on the host"
 
