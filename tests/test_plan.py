@@ -433,7 +433,7 @@ def test_ddps_gradient_buckets_outlive_every_step_as_the_planner_holds_them(tmp_
     finally:
         dist.destroy_process_group()
     impl = plan.BY_KEY["pt-ddp"]
-    assert "gradient_as_bucket_view=True" in impl.options and impl.fresh_grads(None, impl, 8, 1) == 0
+    assert "gradient_as_bucket_view=True" in impl.options and impl.fresh_grads(None, impl, 8, 1, 1) == 0
 
 
 def test_fsdp2_cpu_offload_keeps_what_the_planner_says_on_the_cpu(tmp_path, monkeypatch):
@@ -758,9 +758,9 @@ def test_case_3_stage_1_is_priced_as_the_implementation_that_is_named():
     """DDP + ZeroRedundancyOptimizer under autocast keeps fp32 weights and gradients and autocast's bf16
     copies (4 + 4 + 8/N + 2 bytes per parameter, read in torch's source) and sends 1.5x DDP's bytes (an
     all-reduce, then every shard broadcast); DeepSpeed's stage 1 keeps 2 + 18/N plus its bucket, and with
-    overlap_comm off every whole bf16 gradient (2 more) at the backward's end. DDP's gradient buckets are allocated
-    at construction (measured: the reducer's bucket storages stay at the same addresses across
-    zero_grad(set_to_none=True)), so they are there at the end of the forward too: ZeroRedundancyOptimizer
+    overlap_comm off every whole bf16 gradient (2 more) at the backward's end, none of them at the forward's.
+    DDP's gradient buckets are allocated at construction (measured: the reducer's bucket storages stay at the same
+    addresses across zero_grad(set_to_none=True)), so they are there at the end of the forward too: ZeroRedundancyOptimizer
     does not fit."""
     from course_utils.presets import preset
 
@@ -779,7 +779,9 @@ def test_case_3_stage_1_is_priced_as_the_implementation_that_is_named():
         phases = rows[key]["memory"]["phases"]
         assert phases["end of forward"]["states"] == pytest.approx(sum(rows[key]["memory"]["states"].values()))
     ds_phases = rows["ds-1"]["memory"]["phases"]
-    assert ds_phases["late backward"]["states"] - ds_phases["end of forward"]["states"] == pytest.approx(2 * psi)
+    # the backward makes the whole bf16 gradients, the bucket and both gradient partitions (the next test)
+    made = ds_phases["late backward"]["states"] - ds_phases["end of forward"]["states"]
+    assert made == pytest.approx(2 * psi + 6 * psi / 8 + 2 * 5e8)
     sent = {k: r["time"]["link_bytes_per_gpu"]["nvlink"] for k, r in rows.items()}
     assert sent["pt-ddp-zero"] / sent["pt-ddp"] == pytest.approx(1.5)
     # DeepSpeed 0.19 all-reduces each bf16 bucket (use_multi_rank_bucket_allreduce=True), then all-gathers the
@@ -787,6 +789,35 @@ def test_case_3_stage_1_is_priced_as_the_implementation_that_is_named():
     assert sent["ds-1"] == pytest.approx(3 * 7 / 8 * 2 * psi)
     assert not rows["pt-ddp"]["fits"] and not zero["fits"] and rows["ds-1"]["fits"]
     assert zero["memory"]["total"] > rows["ds-1"]["memory"]["total"] + 15e9
+
+
+def test_deepspeeds_rows_hold_at_the_forwards_end_what_its_engine_keeps_between_steps():
+    """What the planner prices at the end of the forward (one micro-batch) is what notebook 03's census finds in
+    a live DeepSpeed 0.19.8 engine between steps (``expected_held``, held to the byte by tests/test_deepspeed.py),
+    in bf16: stages 1-2 no gradient partition and no bucket (the backward's first hook, the head's, allocates the
+    buckets, two with stage 2's overlap_comm; its epilogue frees them, ``step()`` the partitions); stage 3 its bf16
+    gradient partitions and no fp32 one (made inside ``step()``, a sub-group at a time): 16Ψ/N, not the
+    estimator's 18Ψ/N. With accumulation stage 1 keeps its bucket (and whole gradients) to the boundary, stage 2
+    only its bf16 partition."""
+    from course_utils.labs.lab03_ds_census import expected_held
+    from course_utils.presets import preset
+
+    s, cluster, n = plan.shape_of_preset(preset("6.7B")), plan.GPUCluster(H100), 8
+    psi = s.params
+    for key, row in (("ds-1", strategies.ZERO1), ("ds-2", strategies.ZERO2), ("ds-3", strategies.ZERO3)):
+        held = expected_held(row, psi, n)  # fp32 bytes; the working copies (weights, gradients) are bf16 here
+        want = (held["parameters"] + held["gradient partition"]) / 2 + held["fp32 master partition"]
+        want += held["Adam m, v, step"] - 4  # less Adam's step counter, a scalar
+        mem = plan.evaluate(s, cluster, plan.BY_KEY[key], plan.Config(key, "none", 1, 1, 1, n), 0.4)["memory"]
+        buckets = sum(v for k, v in mem["states"].items() if "bucket" in k) if key == "ds-3" else 0.0
+        assert mem["phases"]["end of forward"]["states"] - buckets == pytest.approx(want, rel=1e-6), key
+        if key != "ds-3":  # the head's gradient hook has allocated the bucket(s) by the first block's backward
+            early = mem["phases"]["first block's backward"]["states"] - mem["phases"]["end of forward"]["states"]
+            assert early == 2 * 5e8 * (2 if key == "ds-2" else 1), key
+    for key, kept in (("ds-1", 2 * psi + 2 * 5e8), ("ds-2", 2 * psi / n)):  # 4 micro-batches a step
+        mem = plan.evaluate(s, cluster, plan.BY_KEY[key], plan.Config(key, "none", 1, 4, 1, n), 0.4)["memory"]
+        rest = (2 + 12 / n) * psi
+        assert mem["phases"]["end of forward"]["states"] == pytest.approx(rest + kept), key
 
 
 def test_case_4_llama3_70b_full_shard_with_full_recomputation_and_ties_go_to_headroom():

@@ -17,7 +17,10 @@ something else (read in the libraries' source; torch 2.13, DeepSpeed 0.19):
 - DeepSpeed ZeRO stages (bf16): 2Ψ of bf16 weights plus 18Ψ/N of partitions (fp32 master, Adam, fp32 and bf16
   gradient partitions; ``estimate_zero2_model_states_mem_needs``), its reduce buckets (``reduce_bucket_size``
   5e8 elements), stage 1 keeping whole bf16 gradients across accumulation micro-steps, and without
-  ``overlap_comm`` until the backward's end (its hooks reduce nothing then: ``reduce_gradients`` runs after it). Stages 1 and 2
+  ``overlap_comm`` until the backward's end (its hooks reduce nothing then: ``reduce_gradients`` runs after it).
+  The gradients and buckets exist from the backward to the step (``_deepspeed_fresh``), not at the end of the
+  forward. Stage 3 holds 16Ψ/N, not its estimator's 18Ψ/N: its fp32 gradient partition exists only inside
+  ``step()``, one sub-group at a time. Stages 1 and 2
   all-reduce each gradient bucket (``use_multi_rank_bucket_allreduce``, True by default), not the paper's
   reduce-scatter, and then all-gather the bf16 parameters: 3(N-1)/N of 2Ψ per step, as notebook 03 counts.
   With ``offload_optimizer`` the master, Adam and every gradient partition live on the host
@@ -54,9 +57,11 @@ class Impl:
     sharded ("replicated", "world", or "hybrid": a shard group inside a 2-D mesh); ``offload``: "",
     "optimizer" (DeepSpeed's ``offload_optimizer``) or "all" (FSDP2's ``CPUOffloadPolicy``);
     ``states(s, impl, n, shard, accum)``, ``buffers(s, impl)``: bytes per GPU by term; ``comm(...)``:
-    exposed seconds and bytes per link; ``fresh_grads(s, impl, n, shard)``: the part of the states backward
-    creates (gradients freed after each step; not DDP's buckets, which outlive every step);
-    ``holds_head_grad``: the head's bf16 gradient waits for the root unit (reduced last); ``step_copy``: bytes
+    exposed seconds and bytes per link; ``fresh_grads(s, impl, n, shard, accum)``: the part of the states the
+    backward creates, absent at the end of the forward (gradients freed after each step; not DDP's buckets, which
+    outlive every step);
+    ``holds_head_grad``: the head's bf16 gradient waits for the root unit (reduced last); ``hook_made(s, impl,
+    accum)``: the part of ``fresh_grads`` the backward's first gradient hook allocates (DeepSpeed's buckets); ``step_copy``: bytes
     per updated parameter written besides Adam's (DeepSpeed's bf16 copy); ``reduce_bytes``: bytes per gradient
     element reduced; ``overlap_comm``: the reduction runs on a side stream, behind the backward (DeepSpeed's
     flag; PyTorch's collectives always do)."""
@@ -75,6 +80,7 @@ class Impl:
     reshard_after_forward: bool = True
     offload: str = ""
     holds_head_grad: bool = False
+    hook_made: Callable | None = None
     step_copy: int = 0
     reduce_bytes: int = 4
     overlap_comm: bool = True
@@ -137,7 +143,9 @@ def _deepspeed_states(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> d
     # offload_optimizer: the fp32 master, Adam and every gradient partition on the host (ds_offload_grad_bytes)
     host = {f"(host) {t}": 0.0 for t in ("fp32 master + Adam", *ds_offload_grad_bytes(impl.stage))}
     if impl.stage == 3:
-        out = {"bf16 parameter partitions + fp32 master + Adam + gradient partitions": 18 * P / n}
+        # the bf16 gradient partitions (grad_partitions_flat_buffer) are allocated once and held; the fp32 one is
+        # made inside step(), one sub-group at a time (_prepare_fp32_grad_for_sub_group, _release_sub_group)
+        out = {"bf16 parameter partitions + fp32 master + Adam + bf16 gradient partitions": 16 * P / n}
         if impl.offload:
             out = {"bf16 parameter partitions": 2 * P / n, **host}
         return {
@@ -147,10 +155,15 @@ def _deepspeed_states(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> d
         }
     out = {"bf16 parameters": 2 * P}
     out.update(host if impl.offload else {"fp32 master + Adam + fp32/bf16 gradient partitions": 18 * P / n})
-    out["IPG reduce bucket(s), bf16"] = 2 * min(DS_REDUCE_BUCKET, P) * (2 if impl.stage == 2 else 1)
+    out["IPG reduce bucket(s), bf16"] = _ds_ipg_buckets(s, impl)
     if _ds_keeps_whole_grads(impl, accum):
         out["whole bf16 gradients (reduced after the backward)"] = 2 * P
     return out
+
+
+def _ds_ipg_buckets(s: Shape, impl: Impl) -> float:
+    """Stages 1-2's bf16 reduce bucket, two with ``overlap_comm`` (``setup_buckets``, ``stage_1_and_2.py``)."""
+    return 2 * min(DS_REDUCE_BUCKET, s.params) * (2 if impl.overlap_comm else 1)
 
 
 def _ds_keeps_whole_grads(impl: Impl, accum: int) -> bool:
@@ -160,19 +173,38 @@ def _ds_keeps_whole_grads(impl: Impl, accum: int) -> bool:
     return impl.stage == 1 and (accum > 1 or not impl.overlap_comm)
 
 
-def _sharded_fresh(s: Shape, impl: Impl, n: int, shard: int) -> float:
-    return 4 * s.params / shard
+def _sharded_fresh(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> float:
+    return 4 * s.params / shard if accum == 1 else 0.0
 
 
-def _no_fresh(s: Shape, impl: Impl, n: int, shard: int) -> float:
+def _no_fresh(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> float:
     """DDP's gradient buckets are allocated at construction and outlive every step (``.grad`` are views into
-    them); DeepSpeed's partitions are priced as its estimator counts them, held all step."""
+    them)."""
     return 0.0
 
 
-def _deepspeed_fresh(s: Shape, impl: Impl, n: int, shard: int) -> float:
-    """Without accumulation, stage 1's whole bf16 gradients exist from the backward to the reduction."""
-    return 2 * s.params if _ds_keeps_whole_grads(impl, 1) else 0.0
+def _deepspeed_fresh(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> float:
+    """What of DeepSpeed's states the backward makes and the step frees, absent at the end of the forward
+    (DeepSpeed 0.19, ``stage_1_and_2.py``). Stages 1-2: the IPG buckets are allocated in the backward's first
+    gradient hook (``setup_buckets`` from ``process_gradients``) and freed in its epilogue
+    (``_release_ipg_buffers``, with the bf16 partition buffer); ``step()`` makes the fp32 gradient partition
+    and frees it with the bf16 one. With accumulation the epilogue runs each micro-step only in stage 2
+    (``allreduce_gradients``, ``engine.py``): its buckets go and its bf16 partition stays (``all_grad_tensors``);
+    stage 1's buckets stay to the boundary, its partitions do not exist yet. Without accumulation stage 1's
+    whole bf16 gradients exist from the backward to the reduction. Stage 3's states are all held."""
+    if impl.stage == 3:
+        return 0.0
+    P = s.params
+    partitions = 0.0 if impl.offload else (4 if accum > 1 and impl.stage == 2 else 6) * P / n
+    buckets = _ds_hook_buckets(s, impl, accum)
+    whole = 2 * P if accum == 1 and _ds_keeps_whole_grads(impl, 1) else 0.0
+    return partitions + buckets + whole
+
+
+def _ds_hook_buckets(s: Shape, impl: Impl, accum: int) -> float:
+    """Stages 1-2's buckets where the backward's first gradient hook allocates them (``setup_buckets``, from the
+    head's gradient on): every backward, or stage 1's once a step (kept to the boundary)."""
+    return _ds_ipg_buckets(s, impl) if accum == 1 or impl.stage == 2 else 0.0
 
 
 # --------------------------------------------------------------------------------------------- buffers
@@ -306,7 +338,7 @@ _REPLICATED["fresh_grads"] = _no_fresh
 _FSDP2 = dict(states=_fsdp2_states, buffers=_fsdp2_buffers, comm=_unit_comm, fresh_grads=_sharded_fresh)
 _FSDP2.update(holds_head_grad=True, options="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
 _DS = dict(layout="world", states=_deepspeed_states, fresh_grads=_deepspeed_fresh, step_copy=2, reduce_bytes=2)
-_DS12 = dict(_DS, buffers=_no_buffers, comm=_bucket_comm)
+_DS12 = dict(_DS, buffers=_no_buffers, comm=_bucket_comm, hook_made=_ds_hook_buckets)
 _DS3 = dict(_DS, buffers=_deepspeed3_buffers, comm=_unit_comm)
 _CPU_ADAM = "DeepSpeedCPUAdam on the host"
 

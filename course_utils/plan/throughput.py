@@ -42,8 +42,10 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
     bufs = impl.buffers(s, impl)
     act = activation_terms(s, c.policy, T, c.kernels)
     st = sum(states.values())
-    # gradients exist once backward made them; with accumulation they persist from the first micro-batch on
-    fresh = impl.fresh_grads(s, impl, n, c.shard) if c.accum == 1 else 0.0
+    # what backward makes and the step frees (with accumulation, what does not persist across micro-batches)
+    fresh = impl.fresh_grads(s, impl, n, c.shard, c.accum)
+    # of it, DeepSpeed's buckets come with the first gradient hook (the head's): there in the first block's backward
+    hooked = impl.hook_made(s, impl, c.accum) if impl.hook_made else 0.0
     # bf16 weights held from forward to backward (autocast's casts; SHARD_GRAD_OP's unsharded units) are freed
     # block by block in backward (FSDP2's post_backward reshards each unit: reshard_after_backward): late in it,
     # only the block in backward still holds its own
@@ -64,7 +66,7 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
                            "activations": kept + act["loss transient"]},
         # the fp32 gradient of the logits (4V) and its bf16 cast (2V) beside the kept log-probabilities
         "backward of the loss": {"states": st - fresh, "unsharded": root + head_grad, "activations": kept + 6 * V * T},
-        "first block's backward": {"states": st - fresh, "unsharded": in_backward,
+        "first block's backward": {"states": st - fresh + hooked, "unsharded": in_backward,
                                    "activations": kept - 4 * V * T + rebuilt},
         "late backward": {"states": st - held + held_late, "unsharded": in_backward,
                           "activations": act["blocks kept"] / s.layers + rebuilt},
