@@ -480,6 +480,13 @@ def test_shard_grad_op_reduces_a_block_after_its_backward_freed_its_activations(
     steps = [a - b for a, b in zip(seen[: L - 1], seen[1:L])]  # the blocks, last first
     assert len(set(steps)) == 1 and steps[0] > 0 and seen[L - 1] < steps[0] / 100  # then nothing of any block
     assert R.planner_terms(r)["peak moment"] == "first block's backward"
+    # the step itself peaks in the forward, right after the loss, with the last block's all-gather output still held
+    # (SHARD_GRAD_OP: only the root's post_forward frees it): the planner books it, and there it is within 5%
+    from course_utils.plan.implementations import LAST_GATHER
+
+    terms, booked = R.planner_terms(r), R.calibration._planned(r)["buffers"][LAST_GATHER]
+    assert r.peak_at == "forward of GPT" and terms["moment"] == "end of forward"
+    assert abs(r.peak["All Gather"] / booked - 1) < 0.01 and abs(terms["at moment"] / r.peak_bytes - 1) < 0.05
 
 
 def test_the_held_out_activation_residual_is_the_heads_gradient():

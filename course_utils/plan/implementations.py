@@ -45,6 +45,8 @@ from .shapes import Shape
 DS_REDUCE_BUCKET = 5e8  # elements: reduce_bucket_size's default (deepspeed/runtime/zero/config.py)
 DS_PREFETCH = 5e7  # elements: stage3_prefetch_bucket_size's default
 DDP_BUCKET = 25 * 2**20  # bytes: bucket_cap_mb=25
+#: SHARD_GRAD_OP's buffer from the last block's forward to the end of the root's (the loss included)
+LAST_GATHER = "the last block's all-gather output, bf16 (to the forward's end)"
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,8 @@ def _fsdp2_buffers(s: Shape, impl: Impl) -> dict:
     out = {"root bf16 parameters (not resharded after forward)": 2 * s.root_params}
     if impl.reshard_after_forward:
         out["two gathered blocks, bf16"] = 2 * 2 * s.block_params
+    else:  # kept gathered, but the last block's all-gather output lives on: only the root's post_forward frees it
+        out[LAST_GATHER] = 2 * s.block_params  # (_fsdp_state.py's _post_forward; each earlier one at the next copy-out)
     out["a block's bf16 gradient"] = 2 * s.block_params
     out["a block's reduce-scatter input, fp32"] = 4 * s.block_params
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .activations import activation_terms, block_saved_bytes, block_selective_bytes, policy_parts, rebuilt_blocks
-from .implementations import Impl, host_bytes_per_param
+from .implementations import LAST_GATHER, Impl, host_bytes_per_param
 from .shapes import GPUCluster, Shape
 
 
@@ -62,7 +62,7 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
     V = s.vocab
     in_backward = root + gathered + block_bwd + head_grad
     phases = {
-        "end of forward": {"states": st - fresh, "unsharded": root + gathered / 2,
+        "end of forward": {"states": st - fresh, "unsharded": root + gathered / 2 + bufs.get(LAST_GATHER, 0.0),
                            "activations": kept + act["loss transient"]},
         # the fp32 gradient of the logits (4V) and its bf16 cast (2V) beside the kept log-probabilities
         "backward of the loss": {"states": st - fresh, "unsharded": root + head_grad, "activations": kept + 6 * V * T},

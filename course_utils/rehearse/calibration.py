@@ -8,9 +8,10 @@ parameters, communication buffers); and the **peak** itself.
   activations, no logits or loss; buffers: DDP's two buckets where the weights are whole, a gathered block twice
   and its gradient where they are sharded); it knows only "none" and "full".
 - *after*: the throughput planner (``plan.throughput.memory``) for the same setting with the rehearsal's
-  CPU kernels, its terms taken at the moment the rehearsal peaked (in forward while no gradient shard
-  exists, else in backward). Its three fitted constants (the loss's 8V bytes per token, a block's backward
-  working set, what a selective block rebuilds) were fitted on these rehearsals; everything else is counted.
+  CPU kernels, its terms taken at the planner's moment: its larger phase in the half of the step where the
+  rehearsal peaked (forward while no gradient shard exists, else backward). Its three fitted constants (the
+  loss's 8V bytes per token, a block's backward working set, what a selective block rebuilds) were fitted on
+  these rehearsals; everything else is counted.
 - *cuda*: the same with CUDA's kernels, at the same moment: CPU kernels are not CUDA kernels. The difference
   is the artefact of rehearsing on a CPU (RMSNorm's composite path keeps fp32 copies a fused CUDA kernel does not).
 
@@ -30,7 +31,7 @@ ACTIVATION_CATEGORIES = ("Activation", "Temp", "Inputs", "Buffer")
 TERMS = ("activations", "states and buffers", "peak")
 _FORWARD = ("end of forward", "backward of the loss")
 _BACKWARD = ("first block's backward", "late backward")
-_AT = {"peak": "at moment"}  # the CPU kernels' share of the peak: at the moment the rehearsal peaked
+_AT = {"peak": "at moment"}  # the CPU kernels' share of the peak: at the planner's moment (``planner_terms``)
 
 
 def measured_terms(r: Rehearsal) -> dict:
@@ -70,9 +71,11 @@ def planned_peak(cfg, nproc: int, strategy: str, *, node_size: int = 8, micro_ba
 
 def planner_terms(r: Rehearsal, kernels: str = "cpu", at: str | None = None) -> dict | None:
     """The throughput planner's terms for the rehearsal's setting (no allocator reserve, no CUDA context),
-    at the moment the rehearsal peaked (or at the planner's phase ``at``); None for a strategy the planner
-    prices as another implementation. ``"at moment"``: the planner's total at that moment, where its
-    ``"peak"`` is its largest over the step, at ``"peak moment"``."""
+    at the planner's moment (or its phase ``at``): of the planner's two phases in the half of the step where the
+    rehearsal peaked (forward if no gradient shard existed yet, else backward), the larger. The moment is the
+    planner's, not measured (the tracker's is ``Rehearsal.peak_at``). None for a strategy the planner prices as
+    another implementation. ``"at moment"``: the planner's total at that moment, where its ``"peak"`` is its
+    largest over the step, at ``"peak moment"``."""
     if _impl_for(r) is None or r.mixed_precision != "bf16":
         return None
     m = _planned(r, kernels)
@@ -136,8 +139,8 @@ def preset_calibration(name: str, recompute: str, nproc: int = 8, strategy: str 
     gains a gradient shard per block), so d0 is the first depth from ``first`` at which the planner puts the peak
     where it puts the whole model's, and the three rehearsals must peak there too. ``linear``: the per-block step
     came out the same to the byte between the three depths. The measured term at the preset's L blocks is
-    T(d0) + (L - d0) x per-block; the planner's is priced at L blocks directly, at the moment the rehearsal
-    peaked. Where the three depths peak elsewhere than the whole model (Llama 2 without recomputation peaks in
+    T(d0) + (L - d0) x per-block; the planner's is priced at L blocks directly, at the planner's moment
+    (``planner_terms``). Where the three depths peak elsewhere than the whole model (Llama 2 without recomputation peaks in
     forward only from about 30 blocks on), the whole model is rehearsed once instead. Returns one row per term:
     ``{"preset", "policy", "term", "measured", "after", "after_error", "linear", "per_block", "depths", "moment"}``.
     """

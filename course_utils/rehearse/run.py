@@ -168,6 +168,7 @@ class Rehearsal:
     torch_version: str
     label: str = ""
     recompute: str = "none"  # the planner's policy: "none", "full", "selective", "every:K"
+    peak_at: str = ""  # where the tracker saw the peak: "forward of GPT.blocks.3", "backward of GPT"...
 
     @property
     def nd(self) -> int:
@@ -276,6 +277,7 @@ def rehearse(
         torch_version=torch.__version__,
         label=label or _default_label(strategy, act_ckpt, recompute),
         recompute="full" if act_ckpt else recompute,
+        peak_at=step.get("peak_at", ""),
     )
 
 
@@ -313,7 +315,7 @@ def tracked_step(net, opt, cfg, info, micro_batch: int, *, observers=(), data=No
     run_steps(prepared, run, info, range(1), [watch, *observers], data=data)  # the one loop
     peak = _categories(tracker.get_tracker_snapshot("peak"))
     parts = (watch.after_backward_parts, watch.after_step_parts, peak, _category_peaks(tracker, peak))
-    return dict(zip(TRACKED, parts))
+    return {**dict(zip(TRACKED, parts)), "peak_at": getattr(tracker, "peak_at", "")}  # not the stock tracker's
 
 
 def _default_label(strategy: str, act_ckpt: bool, recompute: str = "none") -> str:

@@ -166,6 +166,10 @@ def tracker_class():
                 if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
                     self._peak_mem[dev] = dev_snap["Total"]
                     self._peak_mem_snap[dev] = dict(dev_snap)
+                    # where the step peaked: forward or backward, of the innermost module running
+                    self.peak_at = f"{'backward' if self._mod_tracker.is_bw else 'forward'} of " + max(
+                        self._mod_tracker.parents, key=len
+                    ).removeprefix("FSDP")
 
     return Tracker
 

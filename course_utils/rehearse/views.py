@@ -51,12 +51,14 @@ def format_report(r: Rehearsal, rows: list[dict], unit: str = "GB", calibrated: 
         lines.append(f"  {'':<58} {'planner':>10} {'rehearsal':>10}  ratio")
         at = calibrated["moment"]
         for term in ("activations", "states and buffers", "peak"):
-            when = f"at the {at}"
+            when = f"at the planner's {at}"
             if term == "peak" and calibrated["peak moment"] != at:  # the planner's largest moment is another
                 when = (
-                    f"the planner's at the {calibrated['peak moment']}; at the rehearsal's, the {at}, it says "
+                    f"at the planner's peak moment, the {calibrated['peak moment']}; at its {at} it says "
                     f"{_fmt(calibrated['at moment'], unit)}, x{measured[term] / calibrated['at moment']:.2f}"
                 )
+            if term == "peak" and r.peak_at:  # the rehearsal's own moment, as the tracker saw it
+                when += f"; the rehearsal peaked in the {r.peak_at}"
             lines.append(
                 f"  {term:<58} {_fmt(calibrated[term], unit):>10} {_fmt(measured[term], unit):>10}"
                 f"  x{measured[term] / calibrated[term]:.2f}  ({when})"
