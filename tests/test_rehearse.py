@@ -413,12 +413,9 @@ def test_the_calibrated_planner_holds_on_models_and_policies_it_was_not_fitted_t
         assert abs(row["after_error"]) < tol, (policy, term, row["after_error"])
 
 
-def test_the_real_ranks_extra_temp_is_fsdp2s_own_reduce_scatter_buffers(monkeypatch):
-    """Notebook 05b §3: real gloo ranks record more Temp than the rehearsal, by the largest reduce-scatter's input
-    and one-shard output. Both worlds hold those buffers: FSDP2's ``foreach_reduce`` allocates them and the tracker
-    files them under Temp until ``c10d._reduce_scatter_base_`` relabels the input. Probed just before the call on
-    fake ranks, Temp is the rehearsal's Temp peak plus both: a moment the rehearsal never writes down (the fake
-    group allocates nothing inside the call, so no new peak), which gloo's clone of the input makes a peak."""
+def _probe_reduce_scatters(monkeypatch, look):
+    """Run ``look(tracker, output, input)`` just before each of FSDP2's reduce-scatters of the next rehearsal on fake
+    ranks (the tracker the rehearsal made, captured by subclassing it); returns the list of what it returned."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
     import course_utils.rehearse.run as run
@@ -435,12 +432,26 @@ def test_the_real_ranks_extra_temp_is_fsdp2s_own_reduce_scatter_buffers(monkeypa
         return Capturing
 
     def probed(self, output_tensor, input_tensor, *args, **kwargs):
-        snapshot = next(iter(trackers[-1].get_tracker_snapshot().values()))
-        seen.append((input_tensor.nbytes, output_tensor.nbytes, snapshot["Temp"]))
+        seen.append(look(trackers[-1], output_tensor, input_tensor))
         return call(self, output_tensor, input_tensor, *args, **kwargs)
 
     monkeypatch.setattr(run, "tracker_class", capturing)
     monkeypatch.setattr(collectives.DefaultReduceScatter, "__call__", probed)
+    return seen
+
+
+def test_the_real_ranks_extra_temp_is_fsdp2s_own_reduce_scatter_buffers(monkeypatch):
+    """Notebook 05b §3: real gloo ranks record more Temp than the rehearsal, by the largest reduce-scatter's input
+    and one-shard output. Both worlds hold those buffers: FSDP2's ``foreach_reduce`` allocates them and the tracker
+    files them under Temp until ``c10d._reduce_scatter_base_`` relabels the input. Probed just before the call on
+    fake ranks, Temp is the rehearsal's Temp peak plus both: a moment the rehearsal never writes down (the fake
+    group allocates nothing inside the call, so no new peak), which gloo's clone of the input makes a peak."""
+
+    def temp_before(tracker, output_tensor, input_tensor):
+        snapshot = next(iter(tracker.get_tracker_snapshot().values()))
+        return input_tensor.nbytes, output_tensor.nbytes, snapshot["Temp"]
+
+    seen = _probe_reduce_scatters(monkeypatch, temp_before)
     r = R.rehearse("tiny", 4, "full_shard")
     largest_in, largest_out, temp = max(seen)
     assert largest_in == r.category_peaks["Reduce Scatter"] and largest_out * 4 == largest_in
@@ -453,28 +464,11 @@ def test_shard_grad_op_reduces_a_block_after_its_backward_freed_its_activations(
     activations and backward working set. FSDP2 builds the input in ``post_backward``, after the backward freed
     them: probed at each reduce-scatter on fake ranks, the tracker's activations are the not-yet-reduced blocks'
     only, the same bytes for each, and at the last block's reduce-scatter nothing of any block."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
-
-    import course_utils.rehearse.run as run
     from course_utils.rehearse.tracker import _categories
 
-    trackers, seen = [], []
-    make_tracker, call = run.tracker_class, collectives.DefaultReduceScatter.__call__
-
-    def capturing():
-        class Capturing(make_tracker()):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
-                trackers.append(self)
-
-        return Capturing
-
-    def probed(self, output_tensor, input_tensor, *args, **kwargs):
-        seen.append(_categories(trackers[-1].get_tracker_snapshot())["Activation"])
-        return call(self, output_tensor, input_tensor, *args, **kwargs)
-
-    monkeypatch.setattr(run, "tracker_class", capturing)
-    monkeypatch.setattr(collectives.DefaultReduceScatter, "__call__", probed)
+    seen = _probe_reduce_scatters(
+        monkeypatch, lambda tracker, *_: _categories(tracker.get_tracker_snapshot())["Activation"]
+    )
     r = R.rehearse("small", 4, "shard_grad_op")
     L = r.cfg.layers
     steps = [a - b for a, b in zip(seen[: L - 1], seen[1:L])]  # the blocks, last first
