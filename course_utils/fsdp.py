@@ -132,7 +132,7 @@ def shard_model(
     model: nn.Module,
     mesh,
     *,
-    reshard_after_forward: bool,
+    reshard_after_forward: bool | int,
     granularity: str = "block",
     mp_policy=None,
     offload=None,
