@@ -316,6 +316,25 @@ def test_a_pytorch_users_bill_is_measured_not_assumed():
         memory.measure_model_state_bytes("tiny", "sgd")
 
 
+@pytest.mark.parametrize("recipe", ["adam_mixed", "main_grad_adamw", "adam_fp32", "autocast_adamw"])
+def test_the_copy_watcher_knows_the_weights_the_step_reads(recipe, monkeypatch):
+    """Notebook 01 §2: the 16-bit copy watcher knows the parameters by their storages' addresses, so it must be
+    built after a recipe recasts the weights (the paper's and main_grad's hold bf16 weights): else its 0 for
+    those recipes watches freed fp32 memory, not the weights the step reads."""
+    from course_utils.memory import measure
+
+    built, real = [], measure._sixteen_bit_copies_watcher
+
+    def spy(net):
+        built.append((net, {p.untyped_storage().data_ptr() for p in net.parameters()}))
+        return real(net)
+
+    monkeypatch.setattr(measure, "_sixteen_bit_copies_watcher", spy)
+    memory.measure_model_state_bytes("tiny", recipe)
+    ((net, watched),) = built
+    assert watched == {p.untyped_storage().data_ptr() for p in net.parameters()}
+
+
 def test_whole_tensor_partition_is_torchs_zero_redundancy_optimizer_partition():
     """memory.whole_tensor_partition against torch's own _partition_parameters, run on the course model's
     real parameters (no process group: torch's method on a stand-in that holds what it reads)."""

@@ -238,7 +238,7 @@ def measure_model_state_bytes(
     from ..models import build_model, get_config, param_count
 
     net = build_model(get_config(model), seed=seed)
-    forward, watcher = net, _sixteen_bit_copies_watcher(net)  # every recipe: a 0 without autocast is measured
+    forward = net
     if optimizer == "adam_mixed":
         opt = MixedPrecisionAdam(net, dtype=dtype)
     elif optimizer == "adam_fp32":
@@ -250,6 +250,9 @@ def measure_model_state_bytes(
         opt = MainGradAdamW(net)
     else:
         raise CourseInputError(f"optimizer must be one of {', '.join(RECIPES)}, got {optimizer!r}")
+    # every recipe: a 0 without autocast is measured. Built after the recipe's set-up, which may recast the weights
+    # (MixedPrecisionAdam, MainGradAdamW): the watcher knows the parameters by their storages' addresses
+    watcher = _sixteen_bit_copies_watcher(net)
 
     class BillAfterTheStep(Observer):
         copies: dict = {}
