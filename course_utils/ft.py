@@ -56,7 +56,7 @@ from pathlib import Path
 from . import ft_nodes, scratch
 from .errors import CourseInputError
 from .ft_config import FTConfig
-from .ft_jobs import job_manager
+from .ft_jobs import JOIN_TIMEOUT_MS, job_manager
 
 __all__ = ["INSTALL_HINT", "FTConfig", "ft_run", "summarize"]
 
@@ -240,6 +240,7 @@ def summarize(cfg: FTConfig, run_dir: Path, wall_s: float, started: dict) -> dic
         "diloco": cfg.diloco,
         "sync_every": cfg.sync_every if cfg.diloco else 1,
         "heartbeat_timeout_ms": cfg.heartbeat_timeout_ms,
+        "join_timeout_ms": JOIN_TIMEOUT_MS,
         "per_step": per_step,
         "steps_discarded": sum(not r["committed"] for r in tries),
         "discarded_steps": sorted({r["step"] for r in tries if not r["committed"]}),

@@ -44,6 +44,12 @@ def _fork(log: Path, main, *args) -> int:
         os._exit(code)
 
 
+# How long the lighthouse waits for heartbeating stragglers to ask before it forms a quorum without them. torchft's
+# default is 60000 ms (`torchft_lighthouse --help`), as long as the Manager's default quorum_timeout (60 s): short
+# here so a notebook run with three or more groups does not wait a minute (notebook 06, sections 13-14)
+JOIN_TIMEOUT_MS = 5000
+
+
 def lighthouse_main(cfg: FTConfig, place: dict, run_dir: Path) -> None:
     """torchft's lighthouse on ``place``'s address, until the job manager ends it (notebook 06)."""
     ft_nodes.enter(place)
@@ -52,7 +58,7 @@ def lighthouse_main(cfg: FTConfig, place: dict, run_dir: Path) -> None:
     server = LighthouseServer(
         bind=f"{place['addr']}:0",
         min_replicas=1,
-        join_timeout_ms=5000,
+        join_timeout_ms=JOIN_TIMEOUT_MS,
         quorum_tick_ms=20,
         heartbeat_timeout_ms=cfg.heartbeat_timeout_ms,
     )
