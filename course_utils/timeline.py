@@ -35,8 +35,11 @@ their life end with the collective in every run (measured: two runs of nine stra
 operation by operation). Only those copies: a collective's input, which gloo's thread may also keep a
 moment after ``wait()`` returns, is not waited for (its caller may keep it on purpose). (2) What a kernel
 allocates and frees inside itself is invisible at operation granularity: the peak is a lower bound by at
-most one such workspace. (3) On a GPU the caching allocator rounds each block up (512 B at least) and keeps freed blocks: compare
-``torch.cuda.max_memory_allocated`` within 512 B per live storage, never to the byte.
+most one such workspace. (3) On a GPU the caching allocator rounds each block up (by 512 B, and a large block it does
+not split by up to about 1 MiB) and keeps freed blocks, cuBLAS's workspace among them (allocated once through the
+allocator and kept: 8 x 4 MiB under the course's ``CUBLAS_WORKSPACE_CONFIG=:4096:8``): compare the rise over the
+step, ``torch.cuda.memory_stats()["requested_bytes.all.peak"]`` after a ``reset_peak_memory_stats()`` at the step's
+start minus the requested bytes at rest, with the timeline's peak minus rest, never the allocated bytes.
 """
 
 from __future__ import annotations

@@ -365,6 +365,7 @@ def timelines_worker(config: dict, names=TIMELINE_STRATEGIES, watch_step: int = 
                 "info": report,
                 "world": info.world_size,
                 "watch_step": watch_step,
+                "backend": info.backend,  # gloo clones a reduce-scatter's input; NCCL does not (predict.timeline)
             }
             del prepared
     return out

@@ -131,7 +131,11 @@ def bucket_reduce_states_peak(strategy: str | Strategy, run: dict) -> dict:
     "states"}`` (notebook 03)."""
     row = get(strategy)
     shard = row.shard_group_size(run["world"], 2)
-    return max(bucket_reduce_states(row, run["info"]["units"], run["tensors"], shard), key=lambda s: s["states"])
+    clones = run.get("backend", "gloo") == "gloo"
+    units = run["info"]["units"]
+    return max(
+        bucket_reduce_states(row, units, run["tensors"], shard, backend_clones=clones), key=lambda s: s["states"]
+    )
 
 
 def bucket_and_gradients_states_peak(rest_states: int, psi: int, bucket_elements: int) -> int:
@@ -229,6 +233,6 @@ def unit_reduce_states_peak(strategy: str | Strategy, run: dict) -> dict:
         shard,
         tail_grads=run["tail_grads"],
         prefetch=prefetch,
-        backend_clones=shard > 1,
+        backend_clones=shard > 1 and run.get("backend", "gloo") == "gloo",
     )
     return max(steps, key=lambda s: s["states"])
