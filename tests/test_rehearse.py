@@ -156,6 +156,7 @@ def test_tables_and_charts_render(small_runs):
     )
     for text in tables:
         assert text.count("\n|") >= 3
+    assert all(f"| {r.peak_at} |" in tables[0] for r in runs)  # each rehearsal's own moment, as the tracker saw it
 
 
 def test_fp32_mode_maps_to_plain_fp32_adam():
@@ -474,6 +475,7 @@ def test_shard_grad_op_reduces_a_block_after_its_backward_freed_its_activations(
     steps = [a - b for a, b in zip(seen[: L - 1], seen[1:L])]  # the blocks, last first
     assert len(set(steps)) == 1 and steps[0] > 0 and seen[L - 1] < steps[0] / 100  # then nothing of any block
     assert R.planner_terms(r)["peak moment"] == "first block's backward"
+    assert R.planner_moments(r)["one block kept"] == steps[0]  # the block the planner prices there, to the byte
     # the step itself peaks in the forward, right after the loss, with the last block's all-gather output still held
     # (SHARD_GRAD_OP: only the root's post_forward frees it): the planner books it, and there it is within 5%
     from course_utils.plan.implementations import LAST_GATHER

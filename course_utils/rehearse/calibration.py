@@ -87,6 +87,17 @@ def planner_terms(r: Rehearsal, kernels: str = "cpu", at: str | None = None) -> 
             "peak moment": m["peak_phase"]}  # fmt: skip
 
 
+def planner_moments(r: Rehearsal, kernels: str = "cpu") -> dict:
+    """The throughput planner's total at each of its four moments of the step for the rehearsal's setting
+    (``{"end of forward": bytes, ...}``), and ``"one block kept"``: the activations it books per block kept to the
+    backward (notebook 05b: where its peak moment prices one block's activations twice)."""
+    m = _planned(r, kernels)
+    return {
+        **{k: p["total"] for k, p in m["phases"].items()},
+        "one block kept": m["activations"]["blocks kept"] / r.cfg.layers,
+    }
+
+
 def before_terms(r: Rehearsal) -> dict | None:
     """The first planner's terms (it knew no policy but none and full)."""
     if r.recompute not in ("none", "full"):

@@ -331,6 +331,7 @@ def kept_beyond_rule(cfg: GPTConfig) -> str:
     else:
         kept = (
             "this Llama block keeps more: SwiGLU's gate, SiLU output, up and product "
-            f"({4 * cfg.hidden / cfg.width:.1f}h of them), RMSNorm's input and output in fp32, rotated copies of q and k"
+            f"({4 * cfg.hidden / cfg.width:.1f}h of them), RMSNorm's fp32 input and fp32 normalised product (before the "
+            "weight), rotated copies of q and k"
         )
     return f"{kept}; the loss keeps log_softmax's fp32 log-probabilities over the {cfg.vocab:,}-token vocabulary"

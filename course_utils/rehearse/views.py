@@ -130,13 +130,15 @@ def _unit_name(unit: str) -> str:
 
 
 def markdown_table(rehearsals: list[Rehearsal], unit: str = "GB", *, gpu_mem: float | None = None) -> str:
-    """The peak per rank by part, one row per rehearsal, as a Markdown table (notebook 05b)."""
-    heads = ["setting", "N", "Nd"] + list(PARTS) + ["**peak**"] + (["fits?"] if gpu_mem else []) + ["rehearsal"]
+    """The peak per rank by part, and where in the step the tracker saw it, one row per rehearsal, as a Markdown
+    table (notebook 05b)."""
+    heads = ["setting", "N", "Nd"] + list(PARTS) + ["**peak**", "peak in the"] + (["fits?"] if gpu_mem else [])
+    heads.append("rehearsal")
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in rehearsals:
         parts = r.parts("peak")
         cells = [r.label, str(r.nproc), str(r.nd)] + [_fmt(parts[p], unit) for p in PARTS]
-        cells.append(f"**{_fmt(r.peak_bytes, unit)}**")
+        cells += [f"**{_fmt(r.peak_bytes, unit)}**", r.peak_at or "n/a"]  # the tracker's moment: "backward of GPT"
         if gpu_mem:
             cells.append("yes" if r.peak_bytes <= usable(gpu_mem) else "no")
         cells.append(f"{r.wall_s:.1f} s")
