@@ -91,7 +91,7 @@ def model_sha256(model: str = "tiny", seed: int = 0) -> dict:
 
 
 def three_collectives(psi: int = 8) -> dict:
-    """Broadcast, all-gather and reduce-scatter on the ZeRO paper's tiny example: Ψ = 8 on Nd ranks (notebook 00).
+    """Broadcast, all-gather and reduce-scatter on a tiny example to check by hand: Ψ = 8 on Nd ranks (notebook 00).
 
     The Ψ parameters are the numbers 0 … Ψ−1, cut into Nd equal slices; rank r owns slice r.
     - broadcast: rank 0 sends its whole vector (r + 1 everywhere on rank r) to every rank;

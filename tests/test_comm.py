@@ -35,7 +35,7 @@ def test_ring_traffic_matches_the_formula(n, psi):
 
 
 def test_the_papers_tiny_example():
-    # ZeRO paper walk-through: Ψ = 8 on 4 GPUs, three steps of two elements per phase.
+    # the tiny example, by hand: Ψ = 8 on 4 GPUs, three steps of two elements per phase.
     trace = comm.ring_all_reduce([[rank + 1.0] * 8 for rank in range(4)])
     assert trace.sent_reduce_scatter == [6] * 4 and trace.sent_all_gather == [6] * 4
     assert comm.all_reduce_sent(8, 4) == 12

@@ -47,7 +47,7 @@ def test_buckets_fill_from_the_last_parameter():
 
 
 def test_held_formulas_are_the_papers():
-    # the annotated paper's tiny example: Ψ = 8 on 4 GPUs: 56, 44 and 32 bytes
+    # a tiny example checked by hand: Ψ = 8 on 4 GPUs: 56, 44 and 32 bytes
     assert [predict.bill_bytes(s, 8, 4)["total"] for s in STAGES] == [56, 44, 32]
     for s in ("ddp",) + STAGES:
         for nd in (1, 4, 64):
@@ -79,7 +79,7 @@ def test_traffic_formulas():
 
 
 def test_freed_memory_buys_batch():
-    # Ψ = 8 (the annotated paper's toy), a 16Ψ = 128-byte GPU, 10 bytes of activations per sample
+    # Ψ = 8 (the tiny example), a 16Ψ = 128-byte GPU, 10 bytes of activations per sample
     fits = [predict.samples_that_fit(8, nd, "zero2", 128, 10) for nd in (1, 2, 4, 8)]
     assert fits == [0, 8 * 7 // 10, (128 - 44) // 10, int((128 - 2 * 8 - 14 * 8 / 8) // 10)]
     assert [nd * f for nd, f in zip((1, 2, 4, 8), fits)] == [0, 10, 32, 72]  # the global batch outgrows Nd

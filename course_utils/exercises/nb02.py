@@ -401,12 +401,12 @@ register(
         "which bucket each all-reduce carries and when it starts, with the buckets filling in the order 1, 0, 3, 2, "
         "...; every all-reduce started inside a real backward, the buckets' bytes on the calls and on gloo's sockets "
         "(to the byte); 3 AdamW steps bit-identical to torch's DDP (2 ranks)",
-        task="Write `overlapped_buckets(buckets)`: `buckets` lists lists of parameters (bucket 0 fills first in the "
-        "backward). Hook every parameter (`p.register_post_accumulate_grad_hook`) to copy `p.grad` into its "
-        "bucket's flat tensor; once a bucket and every bucket before it are full, start "
-        "`dist.all_reduce(flat, async_op=True)`. Return `finish()`: after `loss.backward()` it waits on every "
-        "handle and leaves the mean over ranks in each `p.grad`. Predict first: with "
-        f"{len(bucket_names(_model()))} buckets, how many "
+        task="Write `overlapped_buckets(buckets)`: `buckets` lists lists of parameters (bucket 0 fills first in a real "
+        "backward; the check also fills them out of order). Hook every parameter "
+        "(`p.register_post_accumulate_grad_hook`) to copy `p.grad` into its bucket's flat tensor; once a bucket "
+        "and every bucket before it are full, start `dist.all_reduce(flat, async_op=True)`. Return `finish()`: "
+        "after `loss.backward()` it waits on every handle and leaves the mean over ranks in each `p.grad`. "
+        f"Predict first: with {len(bucket_names(_model()))} buckets, how many "
         "all-reduces are still in flight when the backward returns?",
         stub="def overlapped_buckets(buckets):\n"
         '    """Hook every parameter; start each bucket\'s async all-reduce from the hooks; return finish()."""\n'
