@@ -153,3 +153,19 @@ def test_stage2_stage3_and_full_shard_peaks_on_4_ranks():
     for rank, o in out.items():
         want = predict_timeline.bucket_reduce_states_peak("zero2", {**o["zero2"], "tensors": tensors})
         assert o["zero2"]["timeline"]["states_peak"]["states"] == want["states"], (rank, want)
+
+
+def test_a_run_on_nccl_is_predicted_without_glooss_clone(watched):
+    """Notebook 03 §4 on two GPUs: the timelines record their backend, and every prediction drops gloo's clone of a
+    reduce-scatter's input (NCCL makes none): by exactly the clone's bytes, the reduced unit's padded fp32 size."""
+    for out in watched.values():
+        assert {out[n]["backend"] for n in ("zero2", "zero3", "full_shard")} == {"gloo"}
+        for name, predict in (
+            ("zero2", predict_timeline.bucket_reduce_states_peak),
+            ("zero3", predict_timeline.unit_reduce_states_peak),
+        ):
+            run = _run(out, name, NPROC)
+            on_gloo, on_nccl = predict(name, run), predict(name, {**run, "backend": "nccl"})
+            padded = {u["name"]: u["padded"] for u in run["info"]["units"]}
+            assert on_gloo["states"] - on_nccl["states"] <= 4 * max(padded.values()), name
+            assert on_gloo["states"] > on_nccl["states"], name

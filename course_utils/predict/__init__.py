@@ -59,6 +59,7 @@ from .runs import (
 )
 from .sent import fsdp_collectives, paper_sent_bytes, traffic_in_psi, zero_traffic
 from .timeline import (
+    backend_clones,
     bucket_and_gradients_states_peak,
     bucket_buffers_peak,
     bucket_reduce_states,
@@ -80,6 +81,7 @@ __all__ = [
     "forward_end_states",
     "full_gradients_states_peak",
     "kept_all_gather_outputs",
+    "backend_clones",
     "reduce_at_step_states_peak",
     "bucket_and_gradients_states_peak",
     "rest_bytes",

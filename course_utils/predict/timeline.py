@@ -19,6 +19,12 @@ FP32 = 4
 TOKEN_BYTES = 8  # int64 token ids
 
 
+def backend_clones(run: dict) -> bool:
+    """Whether a watched run's reduce-scatters cloned their inputs: gloo does (it all-reduces a clone), NCCL does not.
+    ``run`` is a row of ``labs.lab03.timelines``, which records the backend it ran on (notebooks 03, 04)."""
+    return run.get("backend", "gloo") == "gloo"
+
+
 def batch_bytes(batch: int, seq: int) -> int:
     """The global batch of tokens each rank makes (inputs and targets are views of one tensor): batch·(seq+1)·8."""
     return batch * (seq + 1) * TOKEN_BYTES
@@ -131,7 +137,7 @@ def bucket_reduce_states_peak(strategy: str | Strategy, run: dict) -> dict:
     "states"}`` (notebook 03)."""
     row = get(strategy)
     shard = row.shard_group_size(run["world"], 2)
-    clones = run.get("backend", "gloo") == "gloo"
+    clones = backend_clones(run)
     units = run["info"]["units"]
     return max(
         bucket_reduce_states(row, units, run["tensors"], shard, backend_clones=clones), key=lambda s: s["states"]
@@ -233,6 +239,6 @@ def unit_reduce_states_peak(strategy: str | Strategy, run: dict) -> dict:
         shard,
         tail_grads=run["tail_grads"],
         prefetch=prefetch,
-        backend_clones=shard > 1 and run.get("backend", "gloo") == "gloo",
+        backend_clones=shard > 1 and backend_clones(run),
     )
     return max(steps, key=lambda s: s["states"])
