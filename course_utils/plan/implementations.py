@@ -19,12 +19,14 @@ something else (read in the libraries' source; torch 2.13, DeepSpeed 0.19):
   5e8 elements), stage 1 keeping whole bf16 gradients across accumulation micro-steps, and without
   ``overlap_comm`` until the backward's end (its hooks reduce nothing then: ``reduce_gradients`` runs after it).
   The gradients and buckets exist from the backward to the step (``_deepspeed_fresh``), not at the end of the
-  forward. Stage 3 holds 16Ψ/N, not its estimator's 18Ψ/N: its fp32 gradient partition exists only inside
-  ``step()``, one sub-group at a time. Stages 1 and 2
-  all-reduce each gradient bucket (``use_multi_rank_bucket_allreduce``, True by default), not the paper's
-  reduce-scatter, and then all-gather the bf16 parameters: 3(N-1)/N of 2Ψ per step, as notebook 03 counts.
-  With ``offload_optimizer`` the master, Adam and every gradient partition live on the host
-  (``ds_offload_grad_bytes``); the GPU keeps the bf16 weights (stage 3: their partitions) and the buckets.
+  forward; the fp32 gradient partition (and stage 1's bf16 one) after it (``_ds_after_backward``). Stage 3
+  allocates one reduce bucket per communication dtype at set-up; a second bucket-sized tensor (``BUCKET_CAT``)
+  only while one is reduced.
+  Stage 3 holds 16Ψ/N, not its estimator's 18Ψ/N: its fp32 gradient partition exists only inside ``step()``,
+  one sub-group at a time. Stages 1 and 2 all-reduce each gradient bucket (``use_multi_rank_bucket_allreduce``,
+  True by default), not the paper's reduce-scatter, and then all-gather the bf16 parameters: 3(N-1)/N of 2Ψ
+  per step, as notebook 03 counts. With ``offload_optimizer`` the master, Adam and every gradient partition
+  live on the host (``ds_offload_grad_bytes``); the GPU keeps the bf16 weights (stage 3: their partitions) and the buckets.
 
 A row carries its behaviour (``states``, ``buffers``, ``comm``) as callables, and its course row (a
 ``Strategy`` of the record) for the course's name; the planner branches on no name.

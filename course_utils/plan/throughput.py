@@ -46,7 +46,7 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
     fresh = impl.fresh_grads(s, impl, n, c.shard, c.accum)
     # of it, DeepSpeed's buckets come with the first gradient hook (the head's): there in the first block's backward
     hooked = impl.hook_made(s, impl, c.accum) if impl.hook_made else 0.0
-    # and of it, what only step() or the backward's epilogue makes (DeepSpeed's partitions): not there in it
+    # and of it, what only step() or the backward's epilogue makes (DeepSpeed's partitions): not there late in it
     after = impl.after_backward(s, impl, n, c.accum) if impl.after_backward else 0.0
     # bf16 weights held from forward to backward (autocast's casts; SHARD_GRAD_OP's unsharded units) are freed
     # block by block in backward (FSDP2's post_backward reshards each unit: reshard_after_backward): late in it,
