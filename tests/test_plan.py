@@ -199,14 +199,17 @@ def test_offload_rows_lay_out_bytes_as_deepspeed():
     assert z3["host_bytes"] * n == pytest.approx(cpu3 + 2 * P, rel=1e-6)
     # stage 2: bf16 weights whole on the GPU; fp32 master 4, Adam 8, fp32 gradient 4 per partition parameter
     assert z2["model_states"] == pytest.approx(2 * P) and z2["host_bytes"] == pytest.approx((4 + 8 + 4) * P / n)
-    # the search's rows: the same host bytes, and nothing of the gradients on the GPU but the reduce buckets
+    # the search's rows: the same host bytes, and nothing of the gradients on the GPU but the reduce buckets (stage 2's
+    # overlap_comm two; stage 3's one, allocated at set-up: before fix14 this subtracted two for stage 3 too)
     from course_utils.plan.implementations import DS_PREFETCH, DS_REDUCE_BUCKET, host_bytes_per_param
 
     for key, mem in (("ds-3-offload", z3), ("ds-2-offload", z2)):
         impl = plan.BY_KEY[key]
         assert host_bytes_per_param(impl) * P / n == pytest.approx(mem["host_bytes"])
         on_gpu = (
-            sum(impl.states(s, impl, n, n, 1).values()) - 4 * DS_REDUCE_BUCKET - 2 * DS_PREFETCH * (impl.stage == 3)
+            sum(impl.states(s, impl, n, n, 1).values())
+            - 2 * DS_REDUCE_BUCKET * (1 if impl.stage == 3 else 2)
+            - 2 * DS_PREFETCH * (impl.stage == 3)
         )
         assert on_gpu == pytest.approx(2 * P / n if impl.stage == 3 else 2 * P)
 
@@ -779,9 +782,11 @@ def test_case_3_stage_1_is_priced_as_the_implementation_that_is_named():
         phases = rows[key]["memory"]["phases"]
         assert phases["end of forward"]["states"] == pytest.approx(sum(rows[key]["memory"]["states"].values()))
     ds_phases = rows["ds-1"]["memory"]["phases"]
-    # the backward makes the whole bf16 gradients, the bucket and both gradient partitions (the next test)
+    # the backward makes the whole bf16 gradients and the bucket; not the gradient partitions, which its epilogue
+    # (bf16, get_flat_partition) and step() (fp32) make after it. Before fix14 this asserted + 6Ψ/8 (both partitions
+    # in the late backward), the planner's error encoded: with them 70B's stage 1 floor was 328.2 GB, not 315.0
     made = ds_phases["late backward"]["states"] - ds_phases["end of forward"]["states"]
-    assert made == pytest.approx(2 * psi + 6 * psi / 8 + 2 * 5e8)
+    assert made == pytest.approx(2 * psi + 2 * 5e8)
     sent = {k: r["time"]["link_bytes_per_gpu"]["nvlink"] for k, r in rows.items()}
     assert sent["pt-ddp-zero"] / sent["pt-ddp"] == pytest.approx(1.5)
     # DeepSpeed 0.19 all-reduces each bf16 bucket (use_multi_rank_bucket_allreduce=True), then all-gathers the
@@ -809,15 +814,47 @@ def test_deepspeeds_rows_hold_at_the_forwards_end_what_its_engine_keeps_between_
         want = (held["parameters"] + held["gradient partition"]) / 2 + held["fp32 master partition"]
         want += held["Adam m, v, step"] - 4  # less Adam's step counter, a scalar
         mem = plan.evaluate(s, cluster, plan.BY_KEY[key], plan.Config(key, "none", 1, 1, 1, n), 0.4)["memory"]
+        # stage 3: one reduce buffer per communication dtype, allocated at set-up, as the census finds one bucket
+        # (held["reduce bucket"]), in bf16 here; overlap_comm only picks its stream. Before fix14 the planner held two
         buckets = sum(v for k, v in mem["states"].items() if "bucket" in k) if key == "ds-3" else 0.0
+        if key == "ds-3":
+            assert held["reduce bucket"] and sum(v for k, v in mem["states"].items() if "reduce bucket" in k) == 2 * 5e8
         assert mem["phases"]["end of forward"]["states"] - buckets == pytest.approx(want, rel=1e-6), key
         if key != "ds-3":  # the head's gradient hook has allocated the bucket(s) by the first block's backward
             early = mem["phases"]["first block's backward"]["states"] - mem["phases"]["end of forward"]["states"]
-            assert early == 2 * 5e8 * (2 if key == "ds-2" else 1), key
+            # stage 1 (overlap_comm off) reduces nothing in its hooks: the head's and that block's whole bf16
+            # gradients are there too (before fix14 this asserted the bucket alone, and stage 1 peaked too early)
+            whole = 2 * (s.head_params + s.block_params) if key == "ds-1" else 0.0
+            assert early == pytest.approx(2 * 5e8 * (2 if key == "ds-2" else 1) + whole), key
     for key, kept in (("ds-1", 2 * psi + 2 * 5e8), ("ds-2", 2 * psi / n)):  # 4 micro-batches a step
         mem = plan.evaluate(s, cluster, plan.BY_KEY[key], plan.Config(key, "none", 1, 4, 1, n), 0.4)["memory"]
         rest = (2 + 12 / n) * psi
         assert mem["phases"]["end of forward"]["states"] == pytest.approx(rest + kept), key
+
+
+def test_deepspeed_stage_3_copies_a_bucket_only_while_it_reduces_one_in_the_backward():
+    """Stage 3's second bucket-sized tensor is reduce_scatter_coalesced's torch.cat copy (coalesced_collectives.py),
+    made while a bucket is reduced, in the backward: not at the end of the forward, where the planner priced
+    overlap_comm's "two buckets" before fix14 (70B on 4 nodes: 75.2 GB, now 74.1)."""
+    from course_utils.presets import preset
+
+    s, n = plan.shape_of_preset(preset("70B")), 32
+    cluster = plan.GPUCluster(H100, nodes=4)
+    mem = plan.evaluate(s, cluster, plan.BY_KEY["ds-3"], plan.Config("ds-3", "full", 1, 8, 4, n), 0.4)["memory"]
+    fwd, late = mem["phases"]["end of forward"], mem["phases"]["late backward"]
+    assert fwd["states"] == pytest.approx(16 * s.params / n + 2 * 5e8 + 2 * 5e7)  # one bucket, the prefetch one
+    gathered = 2 * 2 * s.block_params + 2 * s.root_params
+    assert late["unsharded"] == pytest.approx(gathered + 2 * 5e8)  # the cat copy beside the gathered blocks
+    assert fwd["unsharded"] == pytest.approx(gathered / 2 + s.root_params)
+
+
+def test_deepspeed_stage_3_reuse_distance_term_that_notebook_05_states_unpriced():
+    """stage3_max_reuse_distance (1e9 elements): 70B's head alone is longer, so not even the last block stays
+    gathered (minus the one block priced); 7B's last block comes back within it whole, and part of the one before."""
+    s7, s70 = plan.shape_for("6.7B")[0], plan.shape_for("70B")[0]
+    assert s70.head_params > 1e9 and plan.ds3_reuse_unpriced(s70) == -2 * s70.block_params
+    assert 2 * (s7.block_params + s7.head_params) < 1e9 < 2 * (2 * s7.block_params + s7.head_params)
+    assert 0 < plan.ds3_reuse_unpriced(s7) < 2 * s7.block_params
 
 
 def test_case_4_llama3_70b_full_shard_with_full_recomputation_and_ties_go_to_headroom():

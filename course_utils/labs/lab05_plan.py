@@ -67,6 +67,7 @@ def stage1_as_implemented(keys=STAGE1_ROWS) -> list[dict]:
             "course": impl.course.name,
             "states": sum(r["memory"]["states"].values()),
             "peak": r["memory"]["total"],
+            "peak_phase": r["memory"]["peak_phase"],
             "fits": r["fits"],
             "headroom": r["memory"]["headroom"],
             "sent": sum(r["time"]["link_bytes_per_gpu"].values()),

@@ -58,7 +58,7 @@ from .hostfit import (
     line_s,
     tensor_backward_caps,
 )
-from .implementations import BY_KEY, IMPLS, Impl
+from .implementations import BY_KEY, IMPLS, Impl, ds3_reuse_unpriced
 from .inputs import DEFAULT_GPU, HEAD_DIM, WIDTH_STEP, Cluster, ModelSpec, model_spec, shape_block_params, shape_params
 from .network import (
     NETWORK_CLASSES,
@@ -115,6 +115,7 @@ __all__ = [
     "shape_of_preset",
     "Config",
     "evaluate",
+    "ds3_reuse_unpriced",
     "DEFAULT_GPU",
     "HEAD_DIM",
     "WIDTH_STEP",

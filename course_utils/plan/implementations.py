@@ -19,12 +19,14 @@ something else (read in the libraries' source; torch 2.13, DeepSpeed 0.19):
   5e8 elements), stage 1 keeping whole bf16 gradients across accumulation micro-steps, and without
   ``overlap_comm`` until the backward's end (its hooks reduce nothing then: ``reduce_gradients`` runs after it).
   The gradients and buckets exist from the backward to the step (``_deepspeed_fresh``), not at the end of the
-  forward. Stage 3 holds 16Ψ/N, not its estimator's 18Ψ/N: its fp32 gradient partition exists only inside
-  ``step()``, one sub-group at a time. Stages 1 and 2
-  all-reduce each gradient bucket (``use_multi_rank_bucket_allreduce``, True by default), not the paper's
-  reduce-scatter, and then all-gather the bf16 parameters: 3(N-1)/N of 2Ψ per step, as notebook 03 counts.
-  With ``offload_optimizer`` the master, Adam and every gradient partition live on the host
-  (``ds_offload_grad_bytes``); the GPU keeps the bf16 weights (stage 3: their partitions) and the buckets.
+  forward; the fp32 gradient partition (and stage 1's bf16 one) after it (``_ds_after_backward``). Stage 3
+  allocates one reduce bucket per communication dtype at set-up; a second bucket-sized tensor (``BUCKET_CAT``)
+  only while one is reduced.
+  Stage 3 holds 16Ψ/N, not its estimator's 18Ψ/N: its fp32 gradient partition exists only inside ``step()``,
+  one sub-group at a time. Stages 1 and 2 all-reduce each gradient bucket (``use_multi_rank_bucket_allreduce``,
+  True by default), not the paper's reduce-scatter, and then all-gather the bf16 parameters: 3(N-1)/N of 2Ψ
+  per step, as notebook 03 counts. With ``offload_optimizer`` the master, Adam and every gradient partition
+  live on the host (``ds_offload_grad_bytes``); the GPU keeps the bf16 weights (stage 3: their partitions) and the buckets.
 
 A row carries its behaviour (``states``, ``buffers``, ``comm``) as callables, and its course row (a
 ``Strategy`` of the record) for the course's name; the planner branches on no name.
@@ -44,7 +46,11 @@ from .shapes import Shape
 
 DS_REDUCE_BUCKET = 5e8  # elements: reduce_bucket_size's default (deepspeed/runtime/zero/config.py)
 DS_PREFETCH = 5e7  # elements: stage3_prefetch_bucket_size's default
+DS_REUSE = 1e9  # elements: stage3_max_reuse_distance's default
 DDP_BUCKET = 25 * 2**20  # bytes: bucket_cap_mb=25
+#: DeepSpeed stage 3's second bucket-sized tensor, only while a bucket is reduced (in the backward):
+#: ``reduce_scatter_coalesced``'s ``torch.cat`` of the bucket's padded partitions (``coalesced_collectives.py``)
+BUCKET_CAT = "a bucket's torch.cat copy while it is reduce-scattered, bf16 (backward)"
 #: SHARD_GRAD_OP's buffer from the last block's forward to the end of the root's (the loss included)
 LAST_GATHER = "the last block's all-gather output, bf16 (to the forward's end)"
 
@@ -63,7 +69,8 @@ class Impl:
     backward creates, absent at the end of the forward (gradients freed after each step; not DDP's buckets, which
     outlive every step);
     ``holds_head_grad``: the head's bf16 gradient waits for the root unit (reduced last); ``hook_made(s, impl,
-    accum)``: the part of ``fresh_grads`` the backward's first gradient hook allocates (DeepSpeed's buckets); ``step_copy``: bytes
+    accum)``: the part of ``fresh_grads`` the backward's first gradient hook allocates (DeepSpeed's buckets);
+    ``after_backward(s, impl, n, accum)``: the part made only after the backward (DeepSpeed's partitions); ``step_copy``: bytes
     per updated parameter written besides Adam's (DeepSpeed's bf16 copy); ``reduce_bytes``: bytes per gradient
     element reduced; ``overlap_comm``: the reduction runs on a side stream, behind the backward (DeepSpeed's
     flag; PyTorch's collectives always do)."""
@@ -83,6 +90,7 @@ class Impl:
     offload: str = ""
     holds_head_grad: bool = False
     hook_made: Callable | None = None
+    after_backward: Callable | None = None
     step_copy: int = 0
     reduce_bytes: int = 4
     overlap_comm: bool = True
@@ -152,7 +160,9 @@ def _deepspeed_states(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> d
             out = {"bf16 parameter partitions": 2 * P / n, **host}
         return {
             **out,
-            "reduce buckets (overlap_comm: two), bf16": 2 * 2 * min(DS_REDUCE_BUCKET, P),
+            # one reduce buffer per communication dtype, allocated at set-up (stage3.py); overlap_comm only picks
+            # the stream it is reduced on
+            "reduce bucket (one per comm dtype), bf16": 2 * min(DS_REDUCE_BUCKET, P),
             "prefetch bucket, bf16": 2 * min(DS_PREFETCH, P),
         }
     out = {"bf16 parameters": 2 * P}
@@ -161,6 +171,18 @@ def _deepspeed_states(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> d
     if _ds_keeps_whole_grads(impl, accum):
         out["whole bf16 gradients (reduced after the backward)"] = 2 * P
     return out
+
+
+def ds3_reuse_unpriced(s: Shape) -> float:
+    """Bytes stage 3 keeps gathered at the forward's end beyond the one block the planner counts, without
+    recomputation (not priced; negative where that block is not kept either). ``stage3_max_reuse_distance``
+    (1e9 elements, ``zero/config.py``) keeps a module's parameters when they come back within 1e9 elements of
+    the traced order (``partitioned_param_coordinator.py``). A module of the k-th block from the end, x elements
+    before its block's end, comes back after 2x + 2(k-1) blocks + the head twice (forward, then backward): a
+    block keeps the part with 2x under what is left of 1e9, to the submodule (here: to the element)."""
+    B, H = s.block_params, s.head_params
+    kept = sum(min(B, max(0.0, (DS_REUSE - 2 * (k - 1) * B - 2 * H) / 2)) for k in range(1, s.layers + 1))
+    return 2 * (kept - B)
 
 
 def _ds_ipg_buckets(s: Shape, impl: Impl) -> float:
@@ -189,24 +211,38 @@ def _deepspeed_fresh(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> fl
     """What of DeepSpeed's states the backward makes and the step frees, absent at the end of the forward
     (DeepSpeed 0.19, ``stage_1_and_2.py``). Stages 1-2: the IPG buckets are allocated in the backward's first
     gradient hook (``setup_buckets`` from ``process_gradients``) and freed in its epilogue
-    (``_release_ipg_buffers``, with the bf16 partition buffer); ``step()`` makes the fp32 gradient partition
-    and frees it with the bf16 one. With accumulation the epilogue runs each micro-step only in stage 2
-    (``allreduce_gradients``, ``engine.py``): its buckets go and its bf16 partition stays (``all_grad_tensors``);
-    stage 1's buckets stay to the boundary, its partitions do not exist yet. Without accumulation stage 1's
-    whole bf16 gradients exist from the backward to the reduction. Stage 3's states are all held."""
+    (``_release_ipg_buffers``), the gradient partitions in it (stage 2's bf16 one) or after it
+    (``_ds_after_backward``).
+    With accumulation the epilogue runs each micro-step only in stage 2 (``allreduce_gradients``,
+    ``engine.py``): its buckets go and its bf16 partition stays (``all_grad_tensors``); stage 1's buckets stay
+    to the boundary, its partitions do not exist yet. Without accumulation stage 1's whole bf16 gradients exist
+    from the backward to the reduction. Stage 3's states are all held."""
     if impl.stage == 3:
         return 0.0
     P = s.params
     partitions = 0.0 if impl.offload else (4 if accum > 1 and impl.stage == 2 else 6) * P / n
-    buckets = _ds_hook_buckets(s, impl, accum)
     whole = 2 * P if accum == 1 and _ds_keeps_whole_grads(impl, 1) else 0.0
-    return partitions + buckets + whole
+    return partitions + _ds_ipg_buckets(s, impl) * (accum == 1 or impl.stage == 2) + whole
+
+
+def _ds_after_backward(s: Shape, impl: Impl, n: int, accum: int) -> float:
+    """Stages 1-2's gradient partitions the backward does not hold: ``step()`` makes the fp32 one
+    (``single_partition_of_fp32_groups[i].grad``) and frees both; stage 1's bf16 one is made by the
+    backward's epilogue (``get_flat_partition``, at the boundary), stage 2's by its hooks' reduction
+    (``copy_grads_in_partition``), kept across micro-steps with accumulation. On the host with offload."""
+    if impl.stage == 3 or impl.offload:
+        return 0.0
+    return (4 if impl.stage == 2 else 6) * s.params / n
 
 
 def _ds_hook_buckets(s: Shape, impl: Impl, accum: int) -> float:
-    """Stages 1-2's buckets where the backward's first gradient hook allocates them (``setup_buckets``, from the
-    head's gradient on): every backward, or stage 1's once a step (kept to the boundary)."""
-    return _ds_ipg_buckets(s, impl) if accum == 1 or impl.stage == 2 else 0.0
+    """What the backward's first gradient hooks have made by the first block's backward: stages 1-2's buckets
+    (``setup_buckets``, from the head's gradient on), every backward or stage 1's once a step (kept to the
+    boundary); and stage 1 without ``overlap_comm`` (one micro-batch), whose hooks only set the bucket up
+    (``process_gradients``), the head's and that block's whole bf16 gradients, kept to the reduction."""
+    buckets = _ds_ipg_buckets(s, impl) * (accum == 1 or impl.stage == 2)
+    whole = 2 * (s.head_params + s.block_params) if accum == 1 and _ds_keeps_whole_grads(impl, 1) else 0.0
+    return buckets + whole
 
 
 # --------------------------------------------------------------------------------------------- buffers
@@ -232,6 +268,7 @@ def _deepspeed3_buffers(s: Shape, impl: Impl) -> dict:
         "two gathered blocks, bf16": 2 * 2 * s.block_params,
         "a block's bf16 gradient": 2 * s.block_params,
         "root bf16 parameters (not resharded after forward)": 2 * s.root_params,
+        BUCKET_CAT: 2 * min(DS_REDUCE_BUCKET, s.params),
     }
 
 
@@ -342,7 +379,7 @@ _REPLICATED["fresh_grads"] = _no_fresh
 _FSDP2 = dict(states=_fsdp2_states, buffers=_fsdp2_buffers, comm=_unit_comm, fresh_grads=_sharded_fresh)
 _FSDP2.update(holds_head_grad=True, options="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
 _DS = dict(layout="world", states=_deepspeed_states, fresh_grads=_deepspeed_fresh, step_copy=2, reduce_bytes=2)
-_DS12 = dict(_DS, buffers=_no_buffers, comm=_bucket_comm, hook_made=_ds_hook_buckets)
+_DS12 = dict(_DS, buffers=_no_buffers, comm=_bucket_comm, hook_made=_ds_hook_buckets, after_backward=_ds_after_backward)
 _DS3 = dict(_DS, buffers=_deepspeed3_buffers, comm=_unit_comm)
 _CPU_ADAM = "DeepSpeedCPUAdam on the host"
 

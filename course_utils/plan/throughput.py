@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .activations import activation_terms, block_saved_bytes, block_selective_bytes, policy_parts, rebuilt_blocks
-from .implementations import LAST_GATHER, Impl, host_bytes_per_param
+from .implementations import BUCKET_CAT, LAST_GATHER, Impl, host_bytes_per_param
 from .shapes import GPUCluster, Shape
 
 
@@ -46,6 +46,8 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
     fresh = impl.fresh_grads(s, impl, n, c.shard, c.accum)
     # of it, DeepSpeed's buckets come with the first gradient hook (the head's): there in the first block's backward
     hooked = impl.hook_made(s, impl, c.accum) if impl.hook_made else 0.0
+    # and of it, what only step() or the backward's epilogue makes (DeepSpeed's partitions): not there late in it
+    after = impl.after_backward(s, impl, n, c.accum) if impl.after_backward else 0.0
     # bf16 weights held from forward to backward (autocast's casts; SHARD_GRAD_OP's unsharded units) are freed
     # block by block in backward (FSDP2's post_backward reshards each unit: reshard_after_backward): late in it,
     # only the block in backward still holds its own
@@ -60,7 +62,7 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
     kept = act["blocks kept"] + act["tail kept"]
     rebuilt = act["one block rebuilt"] + act["block backward working set"]
     V = s.vocab
-    in_backward = root + gathered + block_bwd + head_grad
+    in_backward = root + gathered + block_bwd + head_grad + bufs.get(BUCKET_CAT, 0.0)
     phases = {
         "end of forward": {"states": st - fresh, "unsharded": root + gathered / 2 + bufs.get(LAST_GATHER, 0.0),
                            "activations": kept + act["loss transient"]},
@@ -68,7 +70,7 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
         "backward of the loss": {"states": st - fresh, "unsharded": root + head_grad, "activations": kept + 6 * V * T},
         "first block's backward": {"states": st - fresh + hooked, "unsharded": in_backward,
                                    "activations": kept - 4 * V * T + rebuilt},
-        "late backward": {"states": st - held + held_late, "unsharded": in_backward,
+        "late backward": {"states": st - held + held_late - after, "unsharded": in_backward,
                           "activations": act["blocks kept"] / s.layers + rebuilt},
     }  # fmt: skip
     for p in phases.values():
