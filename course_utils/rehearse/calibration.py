@@ -73,8 +73,8 @@ def planner_terms(r: Rehearsal, kernels: str = "cpu", at: str | None = None) -> 
     """The throughput planner's terms for the rehearsal's setting (no allocator reserve, no CUDA context),
     at the planner's moment (or its phase ``at``): of the planner's two phases in the half of the step where the
     rehearsal peaked (the forward and the loss's backward if no gradient shard existed yet, else the backward), the
-    larger. The moment is the planner's, not measured (the tracker's is ``Rehearsal.peak_at``). None for a strategy the planner prices as
-    another implementation. ``"at moment"``: the planner's total at that moment, where its ``"peak"`` is its
+    larger. The moment is the planner's, not measured (the tracker's is ``Rehearsal.peak_at``). None for a strategy
+    the planner prices as another implementation. ``"at moment"``: the planner's total at that moment, where its ``"peak"`` is its
     largest over the step, at ``"peak moment"``."""
     if _impl_for(r) is None or r.mixed_precision != "bf16":
         return None
