@@ -208,3 +208,86 @@ def test_deepspeeds_stage1_group_buffer_is_per_params_layout(tmp_path):
         kept = torch.tensor(got[rank]["slice"])
         assert got[rank]["flat"] == owner.numel() + view["padding"] == nd * kept.numel(), rank
         assert (kept[kept != 0].long() - 1).tolist() == torch.nonzero(owner == rank).flatten().tolist(), rank
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 3's reuse rule, live (the planner's HEAD_HELD: no root unit, the head kept for its backward)
+# ---------------------------------------------------------------------------------------------
+
+_V, _H, _L = 512, 32, 4  # embeddings and head 16,384 elements each, four 1,024-element blocks
+
+
+def _reuse_worker(distances: list) -> dict:
+    """One gloo rank: a toy embeddings-blocks-head model under DeepSpeed stage 3 for each reuse distance; the
+    parameters still gathered when the head's forward ends, in the third step (the trace is complete from the
+    second: ``is_complete_trace``)."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(_V, _H)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(_H, _H, bias=False) for _ in range(_L))
+            self.head = torch.nn.Linear(_H, _V, bias=False)
+
+        def forward(self, x):
+            z = self.emb(x)
+            for b in self.blocks:
+                z = torch.relu(b(z))
+            return torch.nn.functional.cross_entropy(self.head(z).flatten(0, 1), x.flatten())
+
+    out = {}
+    with cdist.session("gloo"):
+        lab._no_shm_build()
+        deepspeed.utils.logger.setLevel("ERROR")
+        for reuse in distances:
+            torch.manual_seed(0)
+            model, seen = Toy(), {}
+
+            def at_head_end(mod, inp, o, model=model, seen=seen):
+                seen["names"] = sorted(
+                    n for n, p in model.named_parameters() if p.ds_status == ZeroParamStatus.AVAILABLE
+                )
+
+            model.head.register_forward_hook(at_head_end)
+            zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0}
+            config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+                      "zero_optimization": {**zero, "stage3_max_reuse_distance": reuse}}  # fmt: skip
+            engine, *_ = deepspeed.initialize(
+                model=model, optimizer=torch.optim.Adam(model.parameters()), config=config
+            )
+            for _ in range(3):
+                engine.backward(engine(torch.randint(0, _V, (2, 8))))
+                engine.step()
+            out[reuse] = seen["names"]
+    return out
+
+
+def _kept_by_rule(reuse: int) -> list:
+    """``__params_to_release`` (partitioned_param_coordinator.py) on the toy's trace: after a module's forward,
+    walk the modules that follow (forward, then backward in reverse), summing their elements; the module stays
+    gathered if it comes back before the sum reaches ``reuse``."""
+    size = {"emb.weight": _V * _H, **{f"blocks.{i}.weight": _H * _H for i in range(_L)}, "head.weight": _V * _H}
+    order = list(size)
+    trace = order + order[::-1]
+    kept = []
+    for i, name in enumerate(order):
+        walked = 0
+        for nxt in trace[i + 1 :]:
+            if walked >= reuse:
+                break
+            if nxt == name:
+                kept.append(name)
+                break
+            walked += size[nxt]
+    return sorted(kept)
+
+
+@needs_deepspeed
+def test_stage3_keeps_gathered_what_its_reuse_distance_says_and_the_head_not_the_embeddings():
+    distances = [20_000, 34_000]  # below 2 heads: the head alone; above: and the last block
+    got = launch(_reuse_worker, nproc=1, args=(distances,), backend="gloo", progress=False, echo=False)[0]
+    assert got == {r: _kept_by_rule(r) for r in distances}
+    assert got[20_000] == ["head.weight"]  # the planner's HEAD_HELD: no root unit, the embeddings released
+    assert got[34_000] == ["blocks.3.weight", "head.weight"]

@@ -53,6 +53,12 @@ DDP_BUCKET = 25 * 2**20  # bytes: bucket_cap_mb=25
 BUCKET_CAT = "a bucket's torch.cat copy while it is reduce-scattered, bf16 (backward)"
 #: SHARD_GRAD_OP's buffer from the last block's forward to the end of the root's (the loss included)
 LAST_GATHER = "the last block's all-gather output, bf16 (to the forward's end)"
+#: DeepSpeed stage 3 has no root unit: each module is released after use unless it comes back within
+#: stage3_max_reuse_distance (``__params_to_release``, partitioned_param_coordinator.py). The head comes back
+#: first (its backward), so it stays gathered from its forward through the loss's backward; the embeddings
+#: come back only at the backward's end, about 2Ψ later, and are released where that is beyond 1e9 elements
+#: (Ψ over about 0.5B). Not priced: below that, what the reuse distance keeps (ds3_reuse_unpriced for blocks)
+HEAD_HELD = "the head's bf16 parameters (its forward to its backward)"
 
 
 @dataclass(frozen=True)
@@ -267,7 +273,7 @@ def _deepspeed3_buffers(s: Shape, impl: Impl) -> dict:
     return {
         "two gathered blocks, bf16": 2 * 2 * s.block_params,
         "a block's bf16 gradient": 2 * s.block_params,
-        "root bf16 parameters (not resharded after forward)": 2 * s.root_params,
+        HEAD_HELD: 2 * s.head_params,
         BUCKET_CAT: 2 * min(DS_REDUCE_BUCKET, s.params),
     }
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .activations import activation_terms, block_saved_bytes, block_selective_bytes, policy_parts, rebuilt_blocks
-from .implementations import BUCKET_CAT, LAST_GATHER, Impl, host_bytes_per_param
+from .implementations import BUCKET_CAT, HEAD_HELD, LAST_GATHER, Impl, host_bytes_per_param
 from .shapes import GPUCluster, Shape
 
 
@@ -55,6 +55,7 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
     held += states.get("bf16 parameters held fwd->bwd (all units)", 0.0)
     held_late = min(held, 2 * s.block_params)
     root = bufs.get("root bf16 parameters (not resharded after forward)", 0.0)
+    head = bufs.get(HEAD_HELD, 0.0)  # DeepSpeed stage 3's head: gathered to its backward, released there
     gathered = bufs.get("two gathered blocks, bf16", 0.0)
     # a block's bf16 gradient is copied into the fp32 reduce-scatter input and freed: never both at once
     block_bwd = bufs.get("a block's reduce-scatter input, fp32", 0.0)
@@ -64,10 +65,11 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
     V = s.vocab
     in_backward = root + gathered + block_bwd + head_grad + bufs.get(BUCKET_CAT, 0.0)
     phases = {
-        "end of forward": {"states": st - fresh, "unsharded": root + gathered / 2 + bufs.get(LAST_GATHER, 0.0),
+        "end of forward": {"states": st - fresh, "unsharded": root + head + gathered / 2 + bufs.get(LAST_GATHER, 0.0),
                            "activations": kept + act["loss transient"]},
         # the fp32 gradient of the logits (4V) and its bf16 cast (2V) beside the kept log-probabilities
-        "backward of the loss": {"states": st - fresh, "unsharded": root + head_grad, "activations": kept + 6 * V * T},
+        "backward of the loss": {"states": st - fresh, "unsharded": root + head + head_grad,
+                                 "activations": kept + 6 * V * T},
         "first block's backward": {"states": st - fresh + hooked, "unsharded": in_backward,
                                    "activations": kept - 4 * V * T + rebuilt},
         "late backward": {"states": st - held + held_late - after, "unsharded": in_backward,
