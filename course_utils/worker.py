@@ -88,6 +88,10 @@ def dump_stacks_on(path: str) -> None:
         _stack_file.close()
     _stack_file = open(path, "a")
     faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)
+    # a native crash (SIGABRT from glibc's heap checks, SIGSEGV) leaves no Python error: dump every thread's stack
+    # to the same file first, so the launcher's error says where the rank was (the file outlives pytest's tmp dirs
+    # only through that message)
+    faulthandler.enable(file=_stack_file, all_threads=True)
 
 
 def adopt_sys_path(caller_path: list) -> None:

@@ -850,3 +850,23 @@ def test_an_error_file_cut_short_is_a_consequence_not_the_cause(tmp_path):
         (0, 2, recovery.ENDINGS["stopped"]),
         (1, 2, recovery.ENDINGS["raised"]),
     ]
+
+
+def _abort_on_rank_1():
+    import torch.distributed as dist
+
+    from course_utils import dist as cdist
+
+    with cdist.session() as info:
+        if info.rank == 1:
+            os.abort()  # a native crash: SIGABRT, no Python error (the glibc heap checks end a process this way)
+        dist.barrier()
+
+
+def test_a_native_crash_says_where_the_rank_was(tmp_path):
+    """A rank ended by SIGABRT leaves no Python error; faulthandler dumps its stack first, so the error names the
+    signal and the frame the rank was in (the run's folder, where the dump lives, may be gone when CI reads it)."""
+    with pytest.raises(WorkerFailed) as info:
+        launch(_abort_on_rank_1, nproc=2, run_dir=tmp_path, echo=False)
+    text = str(info.value)
+    assert "SIGABRT" in text and "rank 1 was" in text and "_abort_on_rank_1" in text, text
