@@ -9,7 +9,7 @@ parameters, communication buffers); and the **peak** itself.
   and its gradient where they are sharded); it knows only "none" and "full".
 - *after*: the throughput planner (``plan.throughput.memory``) for the same setting with the rehearsal's
   CPU kernels, its terms taken at the planner's moment: its larger phase in the half of the step where the
-  rehearsal peaked (forward while no gradient shard exists, else backward). Its three fitted constants (the
+  rehearsal peaked (the forward and the loss's backward while no gradient shard exists, else the backward). Its three fitted constants (the
   loss's 8V bytes per token, a block's backward working set, what a selective block rebuilds) were fitted on
   these rehearsals; everything else is counted.
 - *cuda*: the same with CUDA's kernels, at the same moment: CPU kernels are not CUDA kernels. The difference
@@ -89,12 +89,16 @@ def planner_terms(r: Rehearsal, kernels: str = "cpu", at: str | None = None) -> 
 
 def planner_moments(r: Rehearsal, kernels: str = "cpu") -> dict:
     """The throughput planner's total at each of its four moments of the step for the rehearsal's setting
-    (``{"end of forward": bytes, ...}``), and ``"one block kept"``: the activations it books per block kept to the
-    backward (notebook 05b: where its peak moment prices one block's activations twice)."""
+    (``{"end of forward": bytes, ...}``), ``"one block kept"``: the activations it books per block kept to the
+    backward, and ``"block in backward"``: what it books for the block whose backward runs at its first block's
+    backward, that block's activations (kept, plus what its policy rebuilds) and its backward working set (notebook
+    05b: FSDP2 frees them before it builds the reduce-scatter input the planner prices beside them)."""
     m = _planned(r, kernels)
+    act, kept = m["activations"], m["activations"]["blocks kept"] / r.cfg.layers
     return {
         **{k: p["total"] for k, p in m["phases"].items()},
-        "one block kept": m["activations"]["blocks kept"] / r.cfg.layers,
+        "one block kept": kept,
+        "block in backward": kept + act["one block rebuilt"] + act["block backward working set"],
     }
 
 
