@@ -10,8 +10,8 @@ parameters, communication buffers); and the **peak** itself.
 - *after*: the throughput planner (``plan.throughput.memory``) for the same setting with the rehearsal's
   CPU kernels, its terms taken at the planner's moment: its larger phase in the half of the step where the
   rehearsal peaked (the forward and the loss's backward while no gradient shard exists, else the backward). Its
-  three fitted constants (the loss's 8V bytes per token, a block's backward working set, what a selective block rebuilds) were fitted on
-  these rehearsals; everything else is counted.
+  three fitted constants (the loss's 8V bytes per token, a block's backward working set, what a selective block
+  rebuilds) were fitted on these rehearsals; everything else is counted.
 - *cuda*: the same with CUDA's kernels, at the same moment: CPU kernels are not CUDA kernels. The difference
   is the artefact of rehearsing on a CPU (RMSNorm's composite path keeps fp32 copies a fused CUDA kernel does not).
 
