@@ -196,6 +196,12 @@ def _ds_ipg_buckets(s: Shape, impl: Impl) -> float:
     return 2 * min(DS_REDUCE_BUCKET, s.params) * (2 if impl.overlap_comm else 1)
 
 
+def _ds_backward_buckets(s: Shape, impl: Impl, accum: int) -> float:
+    """Stages 1-2's buckets as the backward holds them: every backward (stage 2's epilogue frees them each
+    micro-step; without accumulation both), or stage 1's once per step (kept to the boundary, not re-made)."""
+    return _ds_ipg_buckets(s, impl) * (accum == 1 or impl.stage == 2)
+
+
 def _ds_keeps_whole_grads(impl: Impl, accum: int) -> bool:
     """DeepSpeed stage 1 reduces at the accumulation boundary only, and there in its hooks only with
     ``overlap_comm`` (``process_gradients``, ``stage_1_and_2.py``); without it the engine's ``reduce_gradients``
@@ -228,7 +234,7 @@ def _deepspeed_fresh(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> fl
     P = s.params
     partitions = 0.0 if impl.offload else (4 if accum > 1 and impl.stage == 2 else 6) * P / n
     whole = 2 * P if accum == 1 and _ds_keeps_whole_grads(impl, 1) else 0.0
-    return partitions + _ds_ipg_buckets(s, impl) * (accum == 1 or impl.stage == 2) + whole
+    return partitions + _ds_backward_buckets(s, impl, accum) + whole
 
 
 def _ds_after_backward(s: Shape, impl: Impl, n: int, accum: int) -> float:
@@ -246,7 +252,7 @@ def _ds_hook_buckets(s: Shape, impl: Impl, accum: int) -> float:
     (``setup_buckets``, from the head's gradient on), every backward or stage 1's once a step (kept to the
     boundary); and stage 1 without ``overlap_comm`` (one micro-batch), whose hooks only set the bucket up
     (``process_gradients``), the head's and that block's whole bf16 gradients, kept to the reduction."""
-    buckets = _ds_ipg_buckets(s, impl) * (accum == 1 or impl.stage == 2)
+    buckets = _ds_backward_buckets(s, impl, accum)
     whole = 2 * (s.head_params + s.block_params) if accum == 1 and _ds_keeps_whole_grads(impl, 1) else 0.0
     return buckets + whole
 
