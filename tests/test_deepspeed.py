@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from course_utils import dist as cdist
-from course_utils import per_param, predict, timeline
+from course_utils import per_param, plan, predict, timeline
 from course_utils.labs import lab03_deepspeed as lab
 from course_utils.launch import launch
 from course_utils.models import build_model, param_count
+from course_utils.plan import deepspeed3
 from course_utils.strategies import FULL_SHARD, PARAMS, ZERO1, ZERO2, ZERO3
 from course_utils.train import TrainConfig
 
@@ -211,83 +212,120 @@ def test_deepspeeds_stage1_group_buffer_is_per_params_layout(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 3's reuse rule, live (the planner's HEAD_HELD: no root unit, the head kept for its backward)
+# Stage 3's gathers and releases, live, against the planner's replay (plan.deepspeed3)
 # ---------------------------------------------------------------------------------------------
 
-_V, _H, _L = 512, 32, 4  # embeddings and head 16,384 elements each, four 1,024-element blocks
+#: a small Llama of the course model (grouped-query attention, SwiGLU, RMSNorm, untied head): the
+#: embeddings and the head 8,192 elements each, blocks of 9,280 (qkv 2,048, proj 1,024, gate, fc and proj
+#: 2,048 each, the norms 32)
+_TINY_LLAMA = dict(arch="llama", vocab=256, seq=8, layers=4, width=32, heads=4, kv_heads=2, mlp_hidden=64,
+                   tie_weights=False)  # fmt: skip
 
 
-def _reuse_worker(distances: list) -> dict:
-    """One gloo rank: a toy embeddings-blocks-head model under DeepSpeed stage 3 for each reuse distance; the
-    parameters still gathered when the head's forward ends, in the third step (the trace is complete from the
-    second: ``is_complete_trace``)."""
+_BUCKET = 5_000  # elements: reduce_bucket_size, so that a step reduces several buckets, and the head's gradient
+# (8,192 elements) does not fit one
+
+
+def _strip(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def _ds3_worker(cases: list) -> dict:
+    """One gloo rank: the tiny Llama under DeepSpeed stage 3 for each (policy, reuse distance), every parameter
+    released (no persistence threshold, no prefetch); in the third step (the trace is complete from the
+    second: ``is_complete_trace``) the parameters gathered when the head's forward ends, and when each
+    weight's gradient is made."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    class Toy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = torch.nn.Embedding(_V, _H)
-            self.blocks = torch.nn.ModuleList(torch.nn.Linear(_H, _H, bias=False) for _ in range(_L))
-            self.head = torch.nn.Linear(_H, _V, bias=False)
-
-        def forward(self, x):
-            z = self.emb(x)
-            for b in self.blocks:
-                z = torch.relu(b(z))
-            return torch.nn.functional.cross_entropy(self.head(z).flatten(0, 1), x.flatten())
+    from course_utils.models import GPT
+    from course_utils.presets import GPTConfig
+    from course_utils.rehearse.recompute import wrap_blocks
 
     out = {}
     with cdist.session("gloo"):
         lab._no_shm_build()
         deepspeed.utils.logger.setLevel("ERROR")
-        for reuse in distances:
+        for policy, reuse in cases:
             torch.manual_seed(0)
-            model, seen = Toy(), {}
+            model, seen = GPT(GPTConfig(**_TINY_LLAMA)), {"backward": {}}
+            wrap_blocks(model, policy)
+            params = dict(model.named_parameters())
 
-            def at_head_end(mod, inp, o, model=model, seen=seen):
-                seen["names"] = sorted(
-                    n for n, p in model.named_parameters() if p.ds_status == ZeroParamStatus.AVAILABLE
-                )
+            def gathered(params=params):
+                return frozenset(_strip(n) for n, p in params.items() if p.ds_status == ZeroParamStatus.AVAILABLE)
+
+            def at_head_end(mod, inp, o, seen=seen, gathered=gathered):
+                seen["forward_end"] = gathered()
 
             model.head.register_forward_hook(at_head_end)
-            zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0}
-            config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
-                      "zero_optimization": {**zero, "stage3_max_reuse_distance": reuse}}  # fmt: skip
+            for name, p in params.items():
+                if name.endswith(".weight") and p.dim() == 2:
+                    module = _strip(name).rsplit(".", 1)[0]
+                    p.register_hook(
+                        lambda g, m=module, seen=seen, gathered=gathered: seen["backward"].__setitem__(m, gathered())
+                    )
+            zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+                    "stage3_max_reuse_distance": reuse, "reduce_bucket_size": _BUCKET}  # fmt: skip
+            config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": zero}
             engine, *_ = deepspeed.initialize(
                 model=model, optimizer=torch.optim.Adam(model.parameters()), config=config
             )
+            flush = engine.optimizer._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads
+
+            def counted(dtype, flush=flush, optimizer=engine.optimizer, seen=seen):
+                seen["flushes"].append(sum(p.ds_numel for p in optimizer.ipg_buckets[dtype].params))
+                return flush(dtype)
+
+            engine.optimizer._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads = counted
             for _ in range(3):
-                engine.backward(engine(torch.randint(0, _V, (2, 8))))
+                seen["backward"].clear()
+                seen["flushes"] = []
+                x = torch.randint(0, 256, (2, 8))
+                engine.backward(engine(x, x))
                 engine.step()
-            out[reuse] = seen["names"]
+            out[(policy, reuse)] = {k: seen[k] for k in ("forward_end", "flushes")} | {
+                "backward": dict(seen["backward"])
+            }
     return out
 
 
-def _kept_by_rule(reuse: int) -> list:
-    """``__params_to_release`` (partitioned_param_coordinator.py) on the toy's trace: after a module's forward,
-    walk the modules that follow (forward, then backward in reverse), summing their elements; the module stays
-    gathered if it comes back before the sum reaches ``reuse``."""
-    size = {"emb.weight": _V * _H, **{f"blocks.{i}.weight": _H * _H for i in range(_L)}, "head.weight": _V * _H}
-    order = list(size)
-    trace = order + order[::-1]
-    kept = []
-    for i, name in enumerate(order):
-        walked = 0
-        for nxt in trace[i + 1 :]:
-            if walked >= reuse:
-                break
-            if nxt == name:
-                kept.append(name)
-                break
-            walked += size[nxt]
-    return sorted(kept)
+#: (policy, reuse distance): below the head's two passes (16,384 elements) only the head stays gathered at the
+#: forward's end; at 40,000 the last block and what the walk reaches of the one before. Each policy's blocks
+#: run again (full, every 2nd, and selective: every block's modules called again) change the trace
+_DS3_CASES = [("none", 16_000), ("none", 40_000), ("full", 16_000), ("full", 40_000), ("every:2", 40_000),
+              ("selective", 40_000)]  # fmt: skip
 
 
 @needs_deepspeed
-def test_stage3_keeps_gathered_what_its_reuse_distance_says_and_the_head_not_the_embeddings():
-    distances = [20_000, 34_000]  # below 2 heads: the head alone; above: and the last block
-    got = launch(_reuse_worker, nproc=1, args=(distances,), backend="gloo", progress=False, echo=False)[0]
-    assert got == {r: _kept_by_rule(r) for r in distances}
-    assert got[20_000] == ["head.weight"]  # the planner's HEAD_HELD: no root unit, the embeddings released
-    assert got[34_000] == ["blocks.3.weight", "head.weight"]
+def test_stage3_gathers_and_releases_module_by_module_as_the_planner_replays_it():
+    """What the planner prices for DeepSpeed stage 3 (``plan.deepspeed3.replay``: the coordinator's reuse walk
+    played on the course model's trace) is what DeepSpeed 0.19.8 holds gathered, parameter by parameter, at the
+    forward's end and whenever a weight's gradient is made, under every recomputation policy."""
+    from course_utils.presets import GPTConfig
+
+    s = plan.shape_of_config(GPTConfig(**_TINY_LLAMA))
+    got = launch(_ds3_worker, nproc=1, args=(_DS3_CASES,), backend="gloo", progress=False, echo=False)[0]
+    matrices = {m for m, _ in deepspeed3.submodules(s) if not m.rpartition(".")[2].startswith("ln")}
+    for policy, reuse in _DS3_CASES:
+        want = deepspeed3.replay(s, policy, reuse=reuse, bucket=_BUCKET, persist=0)
+        live = got[(policy, reuse)]
+        assert live["forward_end"] == want["forward_end"], (policy, reuse)
+        assert [x for x in live["flushes"] if x] == list(want["flushes"]), (policy, reuse)
+        assert set(live["backward"]) == matrices
+        for module, names in live["backward"].items():
+            assert names == want["at_backward"][module], (policy, reuse, module)
+
+    def weights(names):
+        return {n for n in names if ".ln" not in n and not n.startswith("ln")}
+
+    # no root unit: the head kept for its backward, the embeddings released (they come back last)
+    assert got[("none", 16_000)]["forward_end"] == {"head.weight"}
+    last = {f"blocks.3.{m}.weight" for m in ("attn.qkv", "attn.proj", "mlp.gate", "mlp.fc", "mlp.proj")}
+    assert last | {"head.weight"} <= got[("none", 40_000)]["forward_end"]
+    # the backward gathers one module at a time...
+    for module, names in got[("none", 16_000)]["backward"].items():
+        assert weights(names) == {f"{module}.weight"}, module
+    # ...but a block run again is gathered whole by its recomputation and kept for its backward
+    assert got[("full", 16_000)]["forward_end"] == {"head.weight"}
+    assert weights(got[("full", 16_000)]["backward"]["blocks.3.mlp.proj"]) == last

@@ -13,6 +13,7 @@ from conftest import ROOT
 from course_utils import memory, plan, strategies
 from course_utils.cli import main
 from course_utils.errors import CourseInputError
+from course_utils.plan import deepspeed3
 from course_utils.units import GB, parse_count
 
 ZERO_100B = dict(
@@ -833,32 +834,49 @@ def test_deepspeeds_rows_hold_at_the_forwards_end_what_its_engine_keeps_between_
         assert mem["phases"]["end of forward"]["states"] == pytest.approx(rest + kept), key
 
 
-def test_deepspeed_stage_3_copies_a_bucket_only_while_it_reduces_one_in_the_backward():
-    """Stage 3's second bucket-sized tensor is reduce_scatter_coalesced's torch.cat copy (coalesced_collectives.py),
-    made while a bucket is reduced, in the backward: not at the end of the forward, where the planner priced
-    overlap_comm's "two buckets" before fix14 (70B on 4 nodes: 75.2 GB, now 74.1)."""
+def test_deepspeed_stage_3_is_priced_by_its_coordinator_replayed_module_by_module():
+    """No units in stage 3: the planner's gathered bytes at each moment are ``deepspeed3.replay``'s (held to
+    DeepSpeed itself in test_deepspeed.py). At the forward's end stage3_max_reuse_distance (1e9 elements)
+    keeps the head (its backward comes next) and what comes back within 1e9 elements: 70B's head alone is
+    longer, so no block (before fix18 the planner counted one, 1.7 GB); 13B keeps its last block and the
+    block before's mlp.proj; the embeddings come back only at the backward's end. Its one reduce bucket and
+    the prefetch are states, allocated at set-up (fix14)."""
     from course_utils.presets import preset
 
     s, n = plan.shape_of_preset(preset("70B")), 32
     cluster = plan.GPUCluster(H100, nodes=4)
     mem = plan.evaluate(s, cluster, plan.BY_KEY["ds-3"], plan.Config("ds-3", "full", 1, 8, 4, n), 0.4)["memory"]
-    fwd, late = mem["phases"]["end of forward"], mem["phases"]["late backward"]
+    fwd = mem["phases"]["end of forward"]
     assert fwd["states"] == pytest.approx(16 * s.params / n + 2 * 5e8 + 2 * 5e7)  # one bucket, the prefetch one
-    # no root unit: the head stays gathered from its forward to its backward (the next module in the trace), the
-    # embeddings come back 2Ψ later, beyond stage3_max_reuse_distance (1e9 elements): released after their forward
-    assert 2 * (s.params - s.root_params) > 1e9
-    assert late["unsharded"] == pytest.approx(2 * 2 * s.block_params + 2 * 5e8)  # the cat copy beside two blocks
-    assert fwd["unsharded"] == pytest.approx(2 * s.block_params + 2 * s.head_params)
-    assert mem["phases"]["backward of the loss"]["unsharded"] == pytest.approx(2 * s.head_params)
+    assert s.head_params > 1e9 / 2 and 2 * (s.params - s.root_params) > 1e9
+    assert fwd["unsharded"] == 2 * s.head_params
+    for phase, gathered in plan.BY_KEY["ds-3"].unsharded(s, "full").items():
+        assert mem["phases"][phase]["unsharded"] == gathered, phase
+    weights = {m: ps[0][1] for m, ps in deepspeed3.submodules(plan.shape_for("13B")[0])}
+    kept = {p for p in deepspeed3.replay(plan.shape_for("13B")[0], "none")["forward_end"] if "ln" not in p}
+    assert kept == {"head.weight", "blocks.38.mlp.proj.weight"} | {
+        f"blocks.39.{m}.weight" for m in ("attn.qkv", "attn.proj", "mlp.gate", "mlp.fc", "mlp.proj")
+    }
+    # block 38's mlp.proj comes back after the last block, ln_f and the head, each twice: under 1e9 elements;
+    # its mlp.fc after mlp.proj too, twice: over
+    s13 = plan.shape_for("13B")[0]
+    follows = s13.block_params + s13.width + s13.head_params
+    assert 2 * follows < 1e9 < 2 * (follows + weights["blocks.38.mlp.proj"])
 
 
-def test_deepspeed_stage_3_reuse_distance_term_that_notebook_05_states_unpriced():
-    """stage3_max_reuse_distance (1e9 elements): 70B's head alone is longer, so not even the last block stays
-    gathered (minus the one block priced); 7B's last block comes back within it whole, and part of the one before."""
-    s7, s70 = plan.shape_for("6.7B")[0], plan.shape_for("70B")[0]
-    assert s70.head_params > 1e9 and plan.ds3_reuse_unpriced(s70) == -2 * s70.block_params
-    assert 2 * (s7.block_params + s7.head_params) < 1e9 < 2 * (2 * s7.block_params + s7.head_params)
-    assert 0 < plan.ds3_reuse_unpriced(s7) < 2 * s7.block_params
+def test_deepspeed_stage_3_backward_gathers_a_module_at_a_time_and_copies_a_bucket_only_when_it_fills():
+    """13B, nothing recomputed: the backward gathers one module (and makes its gradient) at a time, not two whole
+    blocks as priced before fix18; its first bucket (head, ln_f and the last block: 481,049,600 elements, under 5e8)
+    is reduced only when block 38's first gradient would overflow it, so the last block's backward has no
+    ``torch.cat`` copy of a bucket beside it, and a later one has."""
+    s = plan.shape_for("13B")[0]
+    r = deepspeed3.replay(s, "none")
+    assert r["flushes"][0] == s.head_params + s.width + s.block_params < 5e8
+    biggest = max(ps[0][1] for m, ps in deepspeed3.submodules(s) if m.startswith("blocks."))
+    forward_end_blocks = r["end of forward"] - 2 * s.head_params
+    assert r["first block's backward"] <= forward_end_blocks + 2 * biggest + 2 * 2 * s.width
+    assert 2 * r["flushes"][0] < r["late backward"] <= 2 * 5e8 + 2 * 2 * biggest + 2 * 2 * s.width
+    assert r["late backward"] < 2 * 2 * s.block_params + 2 * 5e8  # the old price: two blocks and a copy
 
 
 def test_case_4_llama3_70b_stage_3_with_full_recomputation_and_ties_go_to_headroom():

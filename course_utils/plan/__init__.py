@@ -24,12 +24,13 @@ host's rates, ``labs.lab05.block_overlap_worker``, lives with notebook 05's expe
 strategy is a row of the record (``course_utils.strategies``): the planner prices what a row shards,
 offloads and sends, never its name, so it weighs rows the training loop cannot run.
 
-The throughput planner (the question a person planning a run asks): ``plan.shapes`` (a preset's shape, the
-GPUs), ``plan.activations`` (what a block keeps per architecture and recomputation policy, with the logits and
-the loss), ``plan.implementations`` (DDP, ZeroRedundancyOptimizer, ``fully_shard`` and DeepSpeed's stages, each
-priced as it holds and sends), ``plan.throughput`` (one configuration's peak and step time, term by term),
-``plan.search`` (implementation x policy x micro-batch x accumulation x nodes x HSDP shard x offload: the most
-tokens per second per GPU that fits) and ``plan.report`` (the table within 100 columns).
+The throughput planner (the question a person planning a run asks): ``plan.shapes`` (a preset's shape, the GPUs),
+``plan.activations`` (what a block keeps per architecture and recomputation policy, with the logits and the loss),
+``plan.implementations`` (DDP, ZeroRedundancyOptimizer, ``fully_shard`` and DeepSpeed's stages, each priced as it
+holds and sends; ``plan.deepspeed3`` replays stage 3's gathers and releases module by module), ``plan.throughput``
+(one configuration's peak and step time, term by term), ``plan.search`` (implementation x policy x micro-batch x
+accumulation x nodes x HSDP shard x offload: the most tokens per second per GPU that fits) and ``plan.report``
+(the table within 100 columns).
 
 The memory-and-overlap plan of the first sections, and the door to its rooms:
 ``plan.inputs`` (the model and the cluster), ``plan.network`` (collectives
@@ -58,7 +59,7 @@ from .hostfit import (
     line_s,
     tensor_backward_caps,
 )
-from .implementations import BY_KEY, IMPLS, Impl, ds3_reuse_unpriced
+from .implementations import BY_KEY, IMPLS, Impl
 from .inputs import DEFAULT_GPU, HEAD_DIM, WIDTH_STEP, Cluster, ModelSpec, model_spec, shape_block_params, shape_params
 from .network import (
     NETWORK_CLASSES,
@@ -115,7 +116,6 @@ __all__ = [
     "shape_of_preset",
     "Config",
     "evaluate",
-    "ds3_reuse_unpriced",
     "DEFAULT_GPU",
     "HEAD_DIM",
     "WIDTH_STEP",

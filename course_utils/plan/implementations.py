@@ -20,8 +20,8 @@ something else (read in the libraries' source; torch 2.13, DeepSpeed 0.19):
   ``overlap_comm`` until the backward's end (its hooks reduce nothing then: ``reduce_gradients`` runs after it).
   The gradients and buckets exist from the backward to the step (``_deepspeed_fresh``), not at the end of the
   forward; the fp32 gradient partition (and stage 1's bf16 one) after it (``_ds_after_backward``). Stage 3
-  allocates one reduce bucket per communication dtype at set-up; a second bucket-sized tensor (``BUCKET_CAT``)
-  only while one is reduced.
+  allocates one reduce bucket per communication dtype at set-up; it has no units: what it holds gathered, and
+  its gradients in flight, are replayed submodule by submodule (``deepspeed3.replay``).
   Stage 3 holds 16Ψ/N, not its estimator's 18Ψ/N: its fp32 gradient partition exists only inside ``step()``,
   one sub-group at a time. Stages 1 and 2 all-reduce each gradient bucket (``use_multi_rank_bucket_allreduce``,
   True by default), not the paper's reduce-scatter, and then all-gather the bf16 parameters: 3(N-1)/N of 2Ψ
@@ -41,24 +41,13 @@ from dataclasses import dataclass
 
 from .. import strategies as rec
 from ..strategy_spec import Strategy
+from .deepspeed3 import DS_PREFETCH, DS_REDUCE_BUCKET, replay
 from .network import exposed_comm
 from .shapes import Shape
 
-DS_REDUCE_BUCKET = 5e8  # elements: reduce_bucket_size's default (deepspeed/runtime/zero/config.py)
-DS_PREFETCH = 5e7  # elements: stage3_prefetch_bucket_size's default
-DS_REUSE = 1e9  # elements: stage3_max_reuse_distance's default
 DDP_BUCKET = 25 * 2**20  # bytes: bucket_cap_mb=25
-#: DeepSpeed stage 3's second bucket-sized tensor, only while a bucket is reduced (in the backward):
-#: ``reduce_scatter_coalesced``'s ``torch.cat`` of the bucket's padded partitions (``coalesced_collectives.py``)
-BUCKET_CAT = "a bucket's torch.cat copy while it is reduce-scattered, bf16 (backward)"
 #: SHARD_GRAD_OP's buffer from the last block's forward to the end of the root's (the loss included)
 LAST_GATHER = "the last block's all-gather output, bf16 (to the forward's end)"
-#: DeepSpeed stage 3 has no root unit: each module is released after use unless it comes back within
-#: stage3_max_reuse_distance (``__params_to_release``, partitioned_param_coordinator.py). The head comes back
-#: first (its backward), so it stays gathered from its forward through the loss's backward; the embeddings
-#: come back only at the backward's end, about 2Ψ later, and are released where that is beyond 1e9 elements
-#: (Ψ over about 0.5B). Not priced: below that, what the reuse distance keeps (ds3_reuse_unpriced for blocks)
-HEAD_HELD = "the head's bf16 parameters (its forward to its backward)"
 
 
 @dataclass(frozen=True)
@@ -79,7 +68,8 @@ class Impl:
     ``after_backward(s, impl, n, accum)``: the part made only after the backward (DeepSpeed's partitions); ``step_copy``: bytes
     per updated parameter written besides Adam's (DeepSpeed's bf16 copy); ``reduce_bytes``: bytes per gradient
     element reduced; ``overlap_comm``: the reduction runs on a side stream, behind the backward (DeepSpeed's
-    flag; PyTorch's collectives always do)."""
+    flag; PyTorch's collectives always do); ``unsharded(s, policy)``: the gathered parameters and gradients in
+    flight at each moment of the step where no unit formula holds (DeepSpeed stage 3, ``deepspeed3.replay``)."""
 
     key: str
     course: Strategy
@@ -100,6 +90,7 @@ class Impl:
     step_copy: int = 0
     reduce_bytes: int = 4
     overlap_comm: bool = True
+    unsharded: Callable | None = None
 
     def shard(self, n: int, shard: int) -> int:
         """The GPUs one state is sharded over."""
@@ -177,18 +168,6 @@ def _deepspeed_states(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> d
     if _ds_keeps_whole_grads(impl, accum):
         out["whole bf16 gradients (reduced after the backward)"] = 2 * P
     return out
-
-
-def ds3_reuse_unpriced(s: Shape) -> float:
-    """Bytes stage 3 keeps gathered at the forward's end beyond the one block the planner counts, without
-    recomputation (not priced; negative where that block is not kept either). ``stage3_max_reuse_distance``
-    (1e9 elements, ``zero/config.py``) keeps a module's parameters when they come back within 1e9 elements of
-    the traced order (``partitioned_param_coordinator.py``). A module of the k-th block from the end, x elements
-    before its block's end, comes back after 2x + 2(k-1) blocks + the head twice (forward, then backward): a
-    block keeps the part with 2x under what is left of 1e9, to the submodule (here: to the element)."""
-    B, H = s.block_params, s.head_params
-    kept = sum(min(B, max(0.0, (DS_REUSE - 2 * (k - 1) * B - 2 * H) / 2)) for k in range(1, s.layers + 1))
-    return 2 * (kept - B)
 
 
 def _ds_ipg_buckets(s: Shape, impl: Impl) -> float:
@@ -275,13 +254,14 @@ def _fsdp2_buffers(s: Shape, impl: Impl) -> dict:
     return out
 
 
-def _deepspeed3_buffers(s: Shape, impl: Impl) -> dict:
-    return {
-        "two gathered blocks, bf16": 2 * 2 * s.block_params,
-        "a block's bf16 gradient": 2 * s.block_params,
-        HEAD_HELD: 2 * s.head_params,
-        BUCKET_CAT: 2 * min(DS_REDUCE_BUCKET, s.params),
-    }
+def _deepspeed3_unsharded(s: Shape, policy: str) -> dict:
+    """Stage 3's gathered bf16 parameters and gradients in flight at each of the planner's moments, as its
+    coordinator gathers and releases them submodule by submodule (``deepspeed3.replay``): at the forward's end
+    the head (its backward comes next) and what ``stage3_max_reuse_distance`` keeps of the last blocks, not the
+    embeddings; in the backward one submodule and its gradient, or the block a policy rebuilt whole."""
+    r = replay(s, policy)
+    moments = ("end of forward", "backward of the loss", "first block's backward", "late backward", "end of backward")
+    return {k: r[k] for k in moments}
 
 
 # --------------------------------------------------------------------------------------------- traffic
@@ -392,7 +372,7 @@ _FSDP2 = dict(states=_fsdp2_states, buffers=_fsdp2_buffers, comm=_unit_comm, fre
 _FSDP2.update(holds_head_grad=True, options="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
 _DS = dict(layout="world", states=_deepspeed_states, fresh_grads=_deepspeed_fresh, step_copy=2, reduce_bytes=2)
 _DS12 = dict(_DS, buffers=_no_buffers, comm=_bucket_comm, hook_made=_ds_hook_buckets, after_backward=_ds_after_backward)
-_DS3 = dict(_DS, buffers=_deepspeed3_buffers, comm=_unit_comm)
+_DS3 = dict(_DS, buffers=_no_buffers, comm=_unit_comm, unsharded=_deepspeed3_unsharded)
 _CPU_ADAM = "DeepSpeedCPUAdam on the host"
 
 IMPLS: tuple[Impl, ...] = (

@@ -1,8 +1,9 @@
 """One configuration priced: its peak memory per GPU and its step time, term by term (notebook 05).
 
-Memory is the largest of four moments of a step (end of forward; the loss's backward; the first block's
-backward; late backward), each split as notebook 05b's tracker splits it (``states``: shards, optimizer
-state and the gradients existing then; ``unsharded``: gathered 16-bit parameters, unsharded gradients and
+Memory is the largest of the moments of a step (end of forward; the loss's backward; the first block's
+backward; late backward; for DeepSpeed stage 3 also the end of the backward, where it gathers the
+embeddings), each split as notebook 05b's tracker splits it (``states``: shards, optimizer state and the
+gradients existing then; ``unsharded``: gathered 16-bit parameters, unsharded gradients and
 buffers; ``activations``), then the caching allocator's reserve and the CUDA context.
 
 Time per step = for each micro-batch compute (FLOPs at ``mfu`` x the GPU's peak) + recomputation +
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .activations import activation_terms, block_saved_bytes, block_selective_bytes, policy_parts, rebuilt_blocks
-from .implementations import BUCKET_CAT, HEAD_HELD, LAST_GATHER, Impl, host_bytes_per_param
+from .implementations import LAST_GATHER, Impl, host_bytes_per_param
 from .shapes import GPUCluster, Shape
 
 
@@ -55,7 +56,6 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
     held += states.get("bf16 parameters held fwd->bwd (all units)", 0.0)
     held_late = min(held, 2 * s.block_params)
     root = bufs.get("root bf16 parameters (not resharded after forward)", 0.0)
-    head = bufs.get(HEAD_HELD, 0.0)  # DeepSpeed stage 3's head: gathered to its backward, released there
     gathered = bufs.get("two gathered blocks, bf16", 0.0)
     # a block's bf16 gradient is copied into the fp32 reduce-scatter input and freed: never both at once
     block_bwd = bufs.get("a block's reduce-scatter input, fp32", 0.0)
@@ -63,18 +63,24 @@ def memory(s: Shape, impl: Impl, c: Config, cl: GPUCluster) -> dict:
     kept = act["blocks kept"] + act["tail kept"]
     rebuilt = act["one block rebuilt"] + act["block backward working set"]
     V = s.vocab
-    in_backward = root + gathered + block_bwd + head_grad + bufs.get(BUCKET_CAT, 0.0)
+    in_backward = root + gathered + block_bwd + head_grad
     phases = {
-        "end of forward": {"states": st - fresh, "unsharded": root + head + gathered / 2 + bufs.get(LAST_GATHER, 0.0),
+        "end of forward": {"states": st - fresh, "unsharded": root + gathered / 2 + bufs.get(LAST_GATHER, 0.0),
                            "activations": kept + act["loss transient"]},
         # the fp32 gradient of the logits (4V) and its bf16 cast (2V) beside the kept log-probabilities
-        "backward of the loss": {"states": st - fresh, "unsharded": root + head + head_grad,
+        "backward of the loss": {"states": st - fresh, "unsharded": root + head_grad,
                                  "activations": kept + 6 * V * T},
         "first block's backward": {"states": st - fresh + hooked, "unsharded": in_backward,
                                    "activations": kept - 4 * V * T + rebuilt},
         "late backward": {"states": st - held + held_late - after, "unsharded": in_backward,
                           "activations": act["blocks kept"] / s.layers + rebuilt},
     }  # fmt: skip
+    if impl.unsharded:  # DeepSpeed stage 3: no units; its coordinator's gathers and releases, replayed
+        # (and one more moment: the embeddings' backward, whose weight is as large as the head's, and the
+        # epilogue's reduction; no block's activations left, only the gradient reaching the embeddings, bf16)
+        phases["end of backward"] = dict(phases["late backward"], activations=2 * s.width * T)
+        for phase, gathered_then in impl.unsharded(s, c.policy).items():
+            phases[phase]["unsharded"] = gathered_then
     for p in phases.values():
         p["total"] = p["states"] + p["unsharded"] + p["activations"]
     peak_phase = max(phases, key=lambda k: phases[k]["total"])
