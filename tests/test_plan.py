@@ -1002,6 +1002,35 @@ def test_every_k_rebuilds_only_every_k_th_block_and_only_those_lengthen_the_back
     assert [b > 2.5 * f for b in t["every:4"].block_backwards] == list(rebuilt_blocks("every:4", s.layers))
 
 
+def test_the_last_block_s_activations_follow_whether_the_rehearsal_wraps_it():
+    """The block whose backward runs first is the last: the planner books for it what it keeps and what its policy
+    rebuilds of it, as the rehearsal's ``wrap_blocks`` wraps it (under "every:K" only when K divides L); the mean
+    over the blocks mixed kept and rebuilt ones (05b's "block in backward", noted at the eighteenth reading)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from course_utils.models import GPT
+    from course_utils.plan.activations import activation_terms, block_saved_bytes, block_selective_bytes
+    from course_utils.presets import GPTConfig
+    from course_utils.rehearse.recompute import wrap_blocks
+
+    cfg = GPTConfig(arch="llama", vocab=64, seq=8, layers=4, width=16, heads=2, kv_heads=1, mlp_hidden=32)
+    s, T = plan.shape_of_config(cfg), 8
+    whole, selective = sum(block_saved_bytes(s).values()) * T, sum(block_selective_bytes(s).values()) * T
+    for policy in ("none", "full", "every:2", "every:3", "selective"):
+        model = GPT(cfg)
+        wrap_blocks(model, policy)
+        wrapped = isinstance(model.blocks[-1], CheckpointWrapper)
+        act = activation_terms(s, policy, T)
+        if policy == "selective":
+            assert wrapped and act["last block kept"] == selective and act["last block rebuilt"] == whole - selective
+        elif wrapped:
+            assert act["last block kept"] == 2 * s.width * T and act["last block rebuilt"] == whole, policy
+        else:
+            assert act["last block kept"] == whole and act["last block rebuilt"] == 0, policy
+    r = activation_terms(s, "every:2", T)
+    assert r["blocks kept"] / s.layers != r["last block kept"]  # the mean is not the last block
+
+
 def test_the_first_planner_prices_block_gathers_with_exposed_comm(monkeypatch):
     """plan.plan's rows that gather block by block expose what ``exposed_comm`` says of their blocks, nothing
     else (one node: no cross-replica all-reduce, no offload)."""

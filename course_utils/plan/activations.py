@@ -112,12 +112,18 @@ def activation_terms(s: Shape, policy: str, tokens: int, kernels: str = "cuda") 
     # one block rebuilt at a time in backward; under the selective policy its saved outputs are handed back
     # by the policy's cache, so only the rest is new
     one_rebuilt = (whole if rebuilt else whole - selective) * tokens if (rebuilt or sel) else 0.0
+    # the last block, whose backward runs first: what it keeps, and whether it is rebuilt (under "every:K" only
+    # when K divides L)
+    last_rebuilt = rebuilt_blocks(policy, s.layers)[-1]
+    last_kept = selective if sel else 2 * s.width if last_rebuilt else whole
     return {
         "blocks kept": (keep * whole + rebuilt * 2 * s.width + sel * selective) * tokens,
         "one block rebuilt": one_rebuilt,
         "block backward working set": backward_working_bytes(s) * tokens,
         "tail kept": (tail["final norm input"] + tail["head input"] + tail["log-probabilities (fp32, kept)"]) * tokens,
         "loss transient": tail["loss transient"] * tokens,
+        "last block kept": last_kept * tokens,
+        "last block rebuilt": one_rebuilt if (sel or last_rebuilt) else 0.0,
         "per block (none)": whole * tokens,
         "per block (selective)": selective * tokens,
     }

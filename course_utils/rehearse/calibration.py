@@ -90,15 +90,16 @@ def planner_terms(r: Rehearsal, kernels: str = "cpu", at: str | None = None) -> 
 def planner_moments(r: Rehearsal, kernels: str = "cpu") -> dict:
     """The throughput planner's total at each of its four moments of the step for the rehearsal's setting
     (``{"end of forward": bytes, ...}``), ``"one block kept"``: the activations it books per block kept to the
-    backward, and ``"block in backward"``: what it books for the block whose backward runs at its first block's
-    backward, that block's activations (kept, plus what its policy rebuilds) and its backward working set (notebook
-    05b: FSDP2 frees them before it builds the reduce-scatter input the planner prices beside them)."""
+    backward (the mean over the blocks: under "every:K" kept and rebuilt ones), and ``"block in backward"``: what it
+    books for the last block, whose backward runs at its first block's backward, that block's activations (kept,
+    plus what its policy rebuilds of it) and its backward working set (notebook 05b: FSDP2 frees them before it
+    builds the reduce-scatter input the planner prices beside them)."""
     m = _planned(r, kernels)
     act, kept = m["activations"], m["activations"]["blocks kept"] / r.cfg.layers
     return {
         **{k: p["total"] for k, p in m["phases"].items()},
         "one block kept": kept,
-        "block in backward": kept + act["one block rebuilt"] + act["block backward working set"],
+        "block in backward": act["last block kept"] + act["last block rebuilt"] + act["block backward working set"],
     }
 
 
