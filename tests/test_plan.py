@@ -344,7 +344,9 @@ def _tensor_bill(mode: str, params: float, nd: int, k: float, on_gpu: float) -> 
         bill[where] += nbytes * p
     # per step: what crosses PCIe, named copy by copy
     copies = {
-        "zero3_offload": [bf16, bf16],  # gradient down, updated weight up
+        # stage3.py partition_grads: the reduced bf16 partition down into the host's buffer and back up (it
+        # accumulates on the GPU); _offload_grad_partition_at_boundary: fp32 down for CPU Adam; the weight up
+        "zero3_offload": [bf16, bf16, fp32, bf16],
         "fsdp2_cpu_offload": [fp32, fp32, fp32],  # shard up for the forward gather, the backward one, grad down
         "zero_infinity": [bf16, bf16, bf16],
     }[mode]  # shard up twice, gradient down
@@ -377,6 +379,35 @@ def test_offload_rows_match_a_tensor_by_tensor_bill(params, cluster):
     # ZeRO-Offload and ZeRO-3's offload are the planner's own rows, under their names
     assert p.offload["zero_offload"]["gpu_bytes"] == pytest.approx(p.strategies["zero2_offload"].total)
     assert p.offload["zero3_offload"]["step_s"] == pytest.approx(p.strategies["zero3_offload"].step_s)
+
+
+def test_deepspeed_offload_crosses_pcie_every_micro_batch_and_pays_cpu_adam_once_a_step():
+    """DeepSpeed 0.19's offload_optimizer, stage 3: ``partition_grads`` copies each micro-batch's reduced bf16
+    partition to the host buffer and back (4 bytes per element; the sum accumulates on the GPU), non-blocking
+    beside that micro-batch's backward; the boundary sends the fp32 gradient down and the weights come back (6);
+    CPU Adam runs once a step. 70B on one node at 64 micro-batches (section 2b of notebook 05): the copies hide,
+    so the offload term is the boundary's and CPU Adam's, about 1% of the step (the reviewer's reading: priced
+    once a step before the nineteenth reading, the per-micro-batch copies left out)."""
+    from course_utils.plan.throughput import Timing, cpu_adam_s, ds_offload_s
+
+    s, cluster = plan.shape_for("70B")[0], plan.GPUCluster(H100, nodes=1)
+    impl = plan.BY_KEY["ds-3-offload"]
+    c = plan.Config("ds-3-offload", "full", 1, 64, 1, 8)
+    r = plan.evaluate(s, cluster, impl, c, 0.4)["time"]
+    updated, t = s.params / 8, Timing(s, c, cluster, 0.4)
+    micro_copy = 4 * updated / H100.pcie_bw
+    assert micro_copy < t.backward_window(True)  # hidden behind each micro-batch's backward
+    adam = cpu_adam_s(updated, 8, cluster.host_bw)
+    assert r["terms"]["offload"] == pytest.approx(6 * updated / H100.pcie_bw + adam)
+    assert r["terms"]["offload"] < 0.02 * r["step_s"]
+    # on a link too slow to hide them, each micro-batch pays what its backward does not cover
+    back = t.backward_window(True)
+    slow_bw = 4 * updated / (2 * back)  # each micro-batch's copies take twice its backward
+    slow = ds_offload_s(3, updated, 64, back, slow_bw, cluster)
+    assert slow == pytest.approx(64 * back + 6 * updated / slow_bw + adam)
+    # stages 1-2 move nothing before the boundary without accumulation, then 2 bytes and 4 per micro-batch
+    micro, step = plan.implementations.ds_offload_pcie_bytes(2, 3)
+    assert (micro, step) == ((2.0, 4.0, 4.0), 6.0) and plan.implementations.ds_offload_pcie_bytes(2, 1)[0] == (0.0,)
 
 
 def test_offload_costs_the_cpu_step_not_pcie():

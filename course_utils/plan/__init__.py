@@ -9,8 +9,9 @@ The decision rule of the course (the lesson on the stages, and the ZeRO paper's 
 3. Stage 3 (or HSDP: stage 3 inside a node, replicas across nodes) only when nothing lower
    fits; its extra all-gathers (3Ψ instead of 2Ψ per step) are free only when they hide
    behind each block's compute.
-4. Offload (optimizer state in host memory) turns an impossible run into a slow one: slow because
-   the CPU runs the optimizer step, not because of PCIe. Each library offloads something else
+4. Offload (optimizer state in host memory) makes an impossible run fit. Its price is the CPU's
+   optimizer step, not PCIe, paid once per optimizer step: heavy at one micro-batch a step, spread
+   thin by gradient accumulation. Each library offloads something else
    (``offload_modes``: DeepSpeed's ZeRO-Offload and ZeRO-3 ``offload_optimizer``, FSDP2's
    ``CPUOffloadPolicy``, ZeRO-Infinity's NVMe).
 5. If even that does not fit, the limit is not the model states: activations, or a single

@@ -250,9 +250,11 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
         row = get(s)
         if row.offload:
             more = limits["zero3_min_nodes"]
-            reason += " Offload turns an impossible run into a slow one" + (
-                f"; with {more} nodes ({more * cluster.gpus_per_node} GPUs) stage 3 would fit without "
-                "it, the better answer."
+            reason += (
+                " Offload makes it fit, paying the CPU's Adam once per optimizer step: slow at one micro-batch a"
+                " step, as here; accumulation spreads it over more tokens"
+            ) + (
+                f". With {more} nodes ({more * cluster.gpus_per_node} GPUs) stage 3 would fit without it."
                 if more
                 else "."
             )

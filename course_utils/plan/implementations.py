@@ -136,6 +136,29 @@ def ds_offload_grad_bytes(stage: int) -> dict:
     return {"fp32 gradient partition": 4, **({"bf16 gradient partitions": 2} if stage == 3 else {})}
 
 
+def ds_offload_pcie_bytes(stage: int, accum: int) -> tuple[tuple[float, ...], float]:
+    """Bytes per element of a GPU's partition that DeepSpeed's ``offload_optimizer`` moves over PCIe (DeepSpeed
+    0.19, bf16, whose gradients accumulate in bf16 under ZeRO; both planners): for each micro-batch, as its
+    gradients are reduced (non-blocking, beside that micro-batch's backward), and once a step at the boundary.
+
+    - Stage 3 (``partition_grads``, ``stage3.py``): the bf16 gradient partitions live on the host
+      (``grad_partitions_flat_buffer``); the first micro-batch copies its partition down and back up (to
+      accumulate on the GPU), each later one brings the sum up, adds there ("adding directly to cpu is very
+      slow") and sends it down: 4 bytes every micro-batch.
+    - Stages 1-2 (``copy_grads_in_partition``, ``stage_1_and_2.py``): only with accumulation
+      (``async_accumulate_grad_in_cpu_via_gpu``, per parameter that overlaps the partition): the first
+      micro-batch sends its gradient down (2), each later one brings the sum up, adds and sends it down (4).
+    - At the boundary, both: the fp32 gradient down for CPU Adam (4: ``_offload_grad_partition_at_boundary``,
+      ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), the updated bf16 weights back up (2).
+
+    Returns (bytes per micro-batch, in order; bytes per step)."""
+    if stage == 3:
+        micro = (4.0,) * accum
+    else:
+        micro = (0.0,) if accum == 1 else (2.0,) + (4.0,) * (accum - 1)
+    return micro, 4.0 + 2.0
+
+
 def host_bytes_per_param(impl: Impl, k: float = 12.0) -> float:
     """Bytes per parameter of a GPU's shard an offload row keeps on the host (both planners): FSDP2's
     ``CPUOffloadPolicy`` the fp32 parameter and gradient shards and Adam's state (4 + 4 + K - 4); DeepSpeed's

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..memory import bill
 from ..strategies import ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD
 from ..units import GB
+from .implementations import ds_offload_pcie_bytes
 from .inputs import Cluster, ModelSpec
 from .price import block_overlap, memory_breakdown, step_time
 from .throughput import cpu_adam_s, fsdp2_cpu_offload_s
@@ -43,11 +44,13 @@ def offload_modes(
     With p = Ψ/Nm parameters per model-parallel rank and Nd replicas:
 
     - ``zero_offload``, DeepSpeed's ZeRO-Offload: the record's ``zero2_offload`` row. 16-bit
-      weights stay whole on every GPU, gradients are reduce-scattered, the K·p/Nd optimizer bytes
-      live on the host; per step the 16-bit gradient shard goes down and the updated 16-bit weights
-      come back: 4p/Nd over PCIe. DeepSpeed's vectorised CPU Adam runs the step.
+      weights stay whole on every GPU, gradients are reduced, the K·p/Nd optimizer bytes live on
+      the host; per step (one micro-batch) the fp32 gradient partition goes down and the updated
+      16-bit weights come back: 6p/Nd over PCIe (``implementations.ds_offload_pcie_bytes``, which
+      also says what accumulation adds). DeepSpeed's vectorised CPU Adam runs the step.
     - ``zero3_offload``, DeepSpeed ZeRO-3 with ``offload_optimizer``: the planner's row of that
-      name; the same 4p/Nd over PCIe, the same CPU Adam.
+      name; its bf16 gradient partitions live on the host too, so the reduced partition also goes
+      down and back up (to accumulate on the GPU): 10p/Nd over PCIe, the same CPU Adam.
     - ``fsdp2_cpu_offload``, FSDP2's ``CPUOffloadPolicy`` (torch 2.13,
       ``_fully_shard/_fsdp_api.py``): parameters, gradients and optimizer state all on the CPU. The
       sharded parameter is the fp32 master copy (``_fsdp_param.py`` copies the shard to the GPU,
@@ -66,7 +69,8 @@ def offload_modes(
     The CPU step is memory-bound: it reads and writes the K bytes of state, reads the gradient and
     writes the weight, (2K + 4)·p/Nd bytes for each of a node's GPUs through the node's
     ``host_bw``. That, not PCIe, is the cost: with Adam's K = 12, 28 bytes of CPU memory traffic per
-    parameter against 4 over PCIe, through a link (``host_bw``) only a few times faster.
+    parameter against 6 to 12 over PCIe, through a link (``host_bw``) only a few times faster. It is paid
+    once per optimizer step: gradient accumulation spreads it over more tokens (the search's term).
     ``step_s`` adds PCIe, CPU (and NVMe) time to the GPU-resident strategy's step (stage 2's or
     stage 3's), none of it hidden (an upper bound; ``pcie_s`` is what could hide behind the backward),
     except FSDP2's: the search's term (``throughput.fsdp2_cpu_offload_s``), whose copies in hide behind the
@@ -111,7 +115,8 @@ def offload_modes(
     deepspeed = {"zero_offload": (ZERO2_OFFLOAD, ZERO2), ZERO3_OFFLOAD.name: (ZERO3_OFFLOAD, ZERO3)}
     for name, (offloaded, on_gpu_row) in deepspeed.items():
         base = row_of(offloaded)
-        pcie = (bill.GRAD_BYTES + bill.WEIGHT_BYTES) * p / nd
+        micro, per_step = ds_offload_pcie_bytes(3 if offloaded.gathers_units else 2, 1)  # one micro-batch a step
+        pcie = (sum(micro) + per_step) * p / nd
         rows[name] = {
             "gpu_bytes": base["total"],
             "host_bytes": base["host_bytes"],

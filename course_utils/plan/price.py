@@ -14,9 +14,10 @@ import math
 from ..comm import ring_bytes_sent
 from ..memory import bill
 from ..strategies import GRADS, OPTIM, PARAMS, ZERO3, Strategy, get
-from .implementations import ds_offload_grad_bytes
+from .implementations import ds_offload_grad_bytes, ds_offload_pcie_bytes
 from .inputs import Cluster, ModelSpec
 from .network import _groups, _hsdp_shard, block_flops, exposed_comm, ring_time
+from .throughput import cpu_adam_s
 
 #: PyTorch DDP's default gradient bucket (bucket_cap_mb = 25); two are alive while one is reduced.
 BUCKET_BYTES = 25 * 10**6
@@ -178,12 +179,12 @@ def step_time(
         link = link if strategy.shard_over == "node" else block["link"]
     pcie = 0.0
     if strategy.offload:
-        # 16-bit gradients down to the host, updated 16-bit weights back up, over each GPU's PCIe;
-        # the CPU runs Adam over its shard: reads and writes K bytes of state, reads the gradient,
-        # writes the weight (K·2 + 4 bytes per parameter), sharing the node's memory bandwidth.
-        pcie = (bill.GRAD_BYTES + bill.WEIGHT_BYTES) * p / cluster.nd
-        cpu = (2 * k + 4) * p / cluster.nd * cluster.gpus_per_node / cluster.host_bw
-        exposed += pcie / cluster.pcie_bw + cpu
+        # DeepSpeed's offload_optimizer at one micro-batch a step (ds_offload_pcie_bytes: stage 3 sends its bf16
+        # gradient partition down and back up, both stages the fp32 gradient down and the bf16 weights up), none
+        # hidden; the CPU runs Adam over its shard (cpu_adam_s), sharing the node's memory bandwidth
+        micro, per_step = ds_offload_pcie_bytes(3 if strategy.gathers_units else 2, 1)
+        pcie = (sum(micro) + per_step) * p / cluster.nd
+        exposed += pcie / cluster.pcie_bw + cpu_adam_s(p / cluster.nd, cluster.gpus_per_node, cluster.host_bw, k)
     return link, volume, pcie, compute, exposed
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .activations import activation_terms, block_saved_bytes, block_selective_bytes, policy_parts, rebuilt_blocks
-from .implementations import LAST_GATHER, Impl, host_bytes_per_param
+from .implementations import LAST_GATHER, Impl, ds_offload_pcie_bytes, host_bytes_per_param
 from .shapes import GPUCluster, Shape
 
 
@@ -150,13 +150,14 @@ def step_time(s: Shape, impl: Impl, c: Config, cl: GPUCluster, mfu: float) -> di
     updated = s.params / impl.optimizer_share(t.n, c.shard)
     optimizer = (28 + impl.step_copy) * updated / g.hbm_bw
     offload, micro = 0.0, s.layers * 3 * t.f_blk + 3 * t.head
-    if impl.offload:  # DeepSpeed: bf16 out and in, once a step, then its CPU Adam
-        offload, optimizer = 4 * updated / g.pcie_bw + cpu_adam_s(updated, cl.gpus_per_node, cl.host_bw), 0.0
-    if impl.offload == "all":
+    if impl.offload == "optimizer":  # DeepSpeed: its gradient partition crosses PCIe every micro-batch, its CPU Adam
+        offload, optimizer = ds_offload_s(impl.stage, updated, c.accum, t.backward_window(True), g.pcie_bw, cl), 0.0
+    elif impl.offload == "all":  # FSDP2: the shards cross PCIe for every gather, torch.optim steps on the CPU
         gathers = 2 if impl.reshard_after_forward else 1
         offload = fsdp2_cpu_offload_s(
             updated, c.accum, micro + recompute, g.pcie_bw, cl.host_bw, cl.gpus_per_node, gathers
         )
+        optimizer = 0.0
     terms = {
         "compute": c.accum * micro,
         "recompute": c.accum * recompute,
@@ -181,6 +182,17 @@ def cpu_adam_s(updated: float, gpus_per_node: int, host_bw: float, k: float = 12
     gradient and writes the weight, (2K + 4) bytes, for each of the node's GPUs through the host's memory
     bandwidth (both planners: ``step_time`` and ``offload_modes``)."""
     return (2 * k + 4) * updated * gpus_per_node / host_bw
+
+
+def ds_offload_s(stage: int, updated: float, accum: int, backward: float, pcie_bw: float, cl, k=12.0) -> float:
+    """Seconds DeepSpeed's ``offload_optimizer`` adds to a step on a GPU that updates ``updated`` parameters (both
+    planners): each micro-batch's gradient copies (``implementations.ds_offload_pcie_bytes``) are non-blocking
+    and hide behind that micro-batch's ``backward`` where shorter; the boundary's copies (the fp32 gradient down,
+    the weights up) wait for the step, as does the CPU's Adam (``cpu_adam_s``), once a step: accumulation spreads
+    them over more tokens."""
+    micro, per_step = ds_offload_pcie_bytes(stage, accum)
+    hidden_not = sum(max(0.0, b * updated / pcie_bw - backward) for b in micro)
+    return hidden_not + per_step * updated / pcie_bw + cpu_adam_s(updated, cl.gpus_per_node, cl.host_bw, k)
 
 
 def fsdp2_cpu_offload_s(updated, accum, hidden, pcie_bw, host_bw, gpus_per_node, gathers=2, k=12.0) -> float:

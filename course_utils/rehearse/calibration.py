@@ -32,6 +32,16 @@ TERMS = ("activations", "states and buffers", "peak")
 _FORWARD = ("end of forward", "backward of the loss")
 _BACKWARD = ("first block's backward", "late backward")
 _AT = {"peak": "at moment"}  # the CPU kernels' share of the peak: at the planner's moment (``planner_terms``)
+#: The settings the three constants were fitted on (preset, policy): 05b's own rehearsals, Llama 2 7B and Llama 3
+#: 70B at both recomputation extremes and under the selective policy, and Llama 3 8B (the loss) under every policy.
+#: Any other row is held out (``tests/test_rehearse.py``: Llama 2 13B with full recomputation, GPT-2 XL).
+FITTED_ON = {(m, p) for m in ("6.7B", "70B") for p in ("none", "full", "selective")}
+
+
+def fitted_on(r: Rehearsal) -> bool:
+    """Whether the fit saw this rehearsal's setting (``FITTED_ON``; Llama 3 8B under any policy)."""
+    name = short_size(r.psi)
+    return name == "8B" or (name, r.recompute) in FITTED_ON
 
 
 def measured_terms(r: Rehearsal) -> dict:
@@ -122,6 +132,7 @@ def calibration_rows(rehearsals) -> list[dict]:
                 "label": r.label,
                 "setting": f"{short_size(r.psi)} on {r.nproc}: {r.label}",
                 "policy": r.recompute,
+                "in_sample": fitted_on(r),
                 "term": term,
                 "measured": m[term],
                 "before": b and b[term],
