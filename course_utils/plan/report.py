@@ -60,6 +60,12 @@ def format_search(result: dict, *, wide: bool = False, assumed: str = "") -> str
         why = f"does not fit: {r['memory']['total'] / GB:.1f} GB at least ({c['policy']}, b={c['micro_batch']})"
         lines.append(f"{typed(r):<40}  {BY_KEY[r['impl']].course.name[:13]:<13} {why}".rstrip())
     width = len(head) if wide else WIDTH
+    lines += textwrap.wrap(
+        "Each row is its implementation's pick by the recommendation's own rule (a tie within 5% of its fastest "
+        "goes to more nodes, then headroom); the runner-up named below is another implementation's fastest, "
+        "which its row may not show.",
+        width,
+    )
     lines += [""] + textwrap.wrap(("Recommended (*): " if best else "") + result["why"], width)
     if result["fewer_nodes_note"]:
         lines += textwrap.wrap(result["fewer_nodes_note"], width)
