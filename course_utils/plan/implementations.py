@@ -5,7 +5,8 @@ something else (read in the libraries' source; torch 2.13, DeepSpeed 0.19):
 
 - ``DistributedDataParallel`` under ``torch.autocast``: fp32 weights, fp32 gradients (one copy with
   ``gradient_as_bucket_view=True``; the default ``False`` keeps the buckets as a second), Adam's 8 bytes, and
-  autocast's bf16 casts of the weights, cached inside the region from forward to backward (2Ψ). The buckets
+  autocast's bf16 casts of the weights, saved by autograd from forward to backward (2Ψ; autocast's own cache is
+  cleared when its region exits). The buckets
   are allocated when DDP is constructed (the reducer's ``initialize_buckets``) and live as long as the module:
   ``zero_grad(set_to_none=True)`` drops the ``.grad`` views, not the 4Ψ of buckets under them.
 - DDP + ``ZeroRedundancyOptimizer``: the same, Adam sharded; its ``step()`` all-reduces nothing more but
