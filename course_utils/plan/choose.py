@@ -35,8 +35,10 @@ OVERLAP_TOKENS = np.geomspace(64, 1 << 20, 60)
 NOTHING_FITS = "no data-parallel strategy fits"
 #: What to do, by what is the limit: a GPU's own activations or one gathered unit, or the model states themselves.
 REMEDIES = {
-    "activations": "activations / a single FSDP unit are the limit; use activation checkpointing, a smaller "
-    "micro-batch, context (sequence) parallelism for long sequences, smaller FSDP units, tensor or pipeline parallelism",
+    "activations": "the activations are the limit; use {checkpointing}a smaller micro-batch, context (sequence) "
+    "parallelism for long sequences, or tensor or pipeline parallelism",
+    "layer": "a single FSDP unit is the limit; use smaller FSDP units (one per linear layer) or tensor parallelism",
+    "matrix": "a single weight matrix is the limit; use tensor parallelism, which splits it across GPUs",
     "states": "the model states are the limit; use more GPUs, offload to NVMe (ZeRO-Infinity), or tensor or pipeline "
     "parallelism",
 }
@@ -298,7 +300,7 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
             f"one gathered unit (a block: its bf16 weights and gradient, with its activations) needs {gb(limits['single_layer'])}"
             + (
                 f", and even one weight matrix (its bf16 weight and gradient, with one layer's activations) needs "
-                f"{gb(limits['single_matrix'])}: tensor parallelism splits it"
+                f"{gb(limits['single_matrix'])}"
                 if limits["single_matrix_limit"]
                 else f"; wrapped per linear layer the largest unit is one h x 4h matrix: its bf16 weight and gradient, "
                 f"with one layer's activations, {gb(limits['single_matrix'])}, which fits"
@@ -306,7 +308,14 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
         )
     if limits["activations_limit"] and model.seq >= 32768:
         causes.append(f"at sequence length {model.seq:,} context (sequence) parallelism is the standard remedy")
-    remedy = REMEDIES["activations" if causes else "states"]
+    remedies = []
+    if limits["activations_limit"]:  # checkpointing named only where it is off
+        remedies.append(
+            REMEDIES["activations"].format(checkpointing="" if model.checkpointing else "activation checkpointing, ")
+        )
+    if limits["single_layer_limit"]:
+        remedies.append(REMEDIES["matrix" if limits["single_matrix_limit"] else "layer"])
+    remedy = "; ".join(remedies) or REMEDIES["states"]
     if not causes:
         more = limits["zero3_min_nodes"]
         causes.append(

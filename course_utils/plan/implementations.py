@@ -149,15 +149,16 @@ def ds_offload_pcie_bytes(stage: int, accum: int) -> tuple[tuple[float, ...], fl
     - Stages 1-2 (``copy_grads_in_partition``, ``stage_1_and_2.py``): only with accumulation
       (``async_accumulate_grad_in_cpu_via_gpu``, per parameter that overlaps the partition): the first
       micro-batch sends its gradient down (2), each later one brings the sum up, adds and sends it down (4).
-    - At the boundary, both: the fp32 gradient down for CPU Adam (4: ``_offload_grad_partition_at_boundary``,
-      ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), the updated bf16 weights back up (2).
+    - The boundary micro-batch, both: the fp32 gradient down for CPU Adam (4, non-blocking into pinned memory,
+      beside that backward: ``_offload_grad_partition_at_boundary``, ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``);
+      after CPU Adam the updated bf16 weights back up (2, a blocking ``copy_`` the step waits for).
 
-    Returns (bytes per micro-batch, in order; bytes per step)."""
+    Returns (bytes per micro-batch, in order, the last with the fp32 gradient; bytes per step, after Adam)."""
     if stage == 3:
         micro = (4.0,) * accum
     else:
         micro = (0.0,) if accum == 1 else (2.0,) + (4.0,) * (accum - 1)
-    return micro, 4.0 + 2.0
+    return micro[:-1] + (micro[-1] + 4.0,), 2.0
 
 
 def host_bytes_per_param(impl: Impl, k: float = 12.0) -> float:

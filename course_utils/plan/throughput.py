@@ -187,9 +187,9 @@ def cpu_adam_s(updated: float, gpus_per_node: int, host_bw: float, k: float = 12
 def ds_offload_s(stage: int, updated: float, accum: int, backward: float, pcie_bw: float, cl, k=12.0) -> float:
     """Seconds DeepSpeed's ``offload_optimizer`` adds to a step on a GPU that updates ``updated`` parameters (both
     planners): each micro-batch's gradient copies (``implementations.ds_offload_pcie_bytes``) are non-blocking
-    and hide behind that micro-batch's ``backward`` where shorter; the boundary's copies (the fp32 gradient down,
-    the weights up) wait for the step, as does the CPU's Adam (``cpu_adam_s``), once a step: accumulation spreads
-    them over more tokens."""
+    and hide behind that micro-batch's ``backward`` where shorter (the last one's include the fp32 gradient for
+    Adam); the updated weights' copy back waits for the step, as does the CPU's Adam (``cpu_adam_s``), once a step:
+    accumulation spreads them over more tokens."""
     micro, per_step = ds_offload_pcie_bytes(stage, accum)
     hidden_not = sum(max(0.0, b * updated / pcie_bw - backward) for b in micro)
     return hidden_not + per_step * updated / pcie_bw + cpu_adam_s(updated, cl.gpus_per_node, cl.host_bw, k)
