@@ -296,7 +296,7 @@ def rehearsal_figure(view: dict, *, width: float = 7.5, height: float = 5.0):
                 edgecolor="#555555",
                 ls="--",
                 hatch="//",
-                label="not rehearsed: the calibrated planner's peak (this CPU's kernels)",
+                label="not rehearsed: the calibrated planner's peak\n(this CPU's kernels)",
             )
         )
     fig.legend(handles=handles, fontsize=11, loc="outside lower center", ncols=2)
