@@ -35,7 +35,8 @@ LAYERS = [
     {"memory.bill", "memory.chart", "memory.cli"},  # the bill
     {"predict.held", "predict.sent", "predict.runs", "predict.timeline", "predict"},  # the predictions
     {"plan.inputs", "plan.network", "plan.price", "plan.offload", "plan.choose", "plan.cli", "plan.hostfit", "plan"}
-    | {"plan.shapes", "plan.activations", "plan.implementations", "plan.throughput", "plan.search", "plan.report"},
+    | {"plan.shapes", "plan.activations", "plan.implementations", "plan.deepspeed3", "plan.throughput", "plan.search"}
+    | {"plan.report"},
     {"checkpoint", "launch", "background"},  # complete-only DCP checkpoints; the only place that starts processes
     {"runtypes"},  # TrainConfig, Prepared
     {"loop"},  # the one loop
@@ -75,6 +76,7 @@ ARITHMETIC = {
     "plan.shapes",
     "plan.activations",
     "plan.implementations",
+    "plan.deepspeed3",
     "plan.throughput",
     "plan.search",
     "plan.report",
