@@ -961,6 +961,29 @@ def test_a_tie_is_the_same_work_headroom_bought_with_recomputation_is_not_one():
     assert "a tie within 5%" in r["why"]
 
 
+def test_every_moment_of_every_configuration_holds_no_negative_bytes():
+    """A term the backward makes is subtracted at the forward's end only where the states hold it: FSDP2's
+    CPUOffloadPolicy keeps no gradient shard on the GPU (the twenty-first reading of 05: -0.42 GB at 131,072)."""
+    s, cl = plan.shape_for("6.7B", seq=131072)[0], plan.GPUCluster(H100, nodes=8)
+    for impl in plan.IMPLS:
+        for accum in (1, 4):
+            shard = impl.shard(64, 8)
+            mem = plan.evaluate(s, cl, impl, plan.Config(impl.key, "full", 1, accum, 8, shard), 0.4)["memory"]
+            for phase, p in mem["phases"].items():
+                assert min(p["states"], p["unsharded"], p["activations"]) >= 0, (impl.key, accum, phase, p)
+
+
+def test_a_long_context_that_fits_nowhere_names_the_logits_and_a_tiled_loss():
+    """7B at 131,072 tokens on 8 nodes: most of the smallest configuration's activations are the logits and the
+    loss (vocabulary x tokens, fp32), so the answer names a tiled loss (DeepSpeed's ALST), not only parallelism."""
+    r = plan.search(plan.shape_for("6.7B", seq=131072)[0], plan.GPUCluster(H100, nodes=8), 64)
+    assert r["best"] is None and "TiledFusedLogitsLoss" in r["why"] and "context parallelism" in r["why"]
+    least = min(r["smallest_unfit"].values(), key=lambda x: x["memory"]["total"])
+    act = least["memory"]["activations"]
+    assert least["memory"]["peak_phase"] == "end of forward"
+    assert act["tail kept"] + act["loss transient"] > 0.5 * least["memory"]["phases"]["end of forward"]["activations"]
+
+
 def test_nothing_fits_says_data_parallelism_cannot_cut_activations():
     r = _search("70B", batch=8, policies=("none",), micro_batches=(1,))
     assert r["best"] is None and "tensor, pipeline or context parallelism" in r["why"]

@@ -227,7 +227,7 @@ def _recommend(model: ModelSpec, cluster: Cluster, k: float, plans: dict, limits
         if runner_up is None:
             unfit = [o for o in plans if o != s and not plans[o].fits]
             floors = ", ".join(f"{name(o)} {gb(plans[o].total)}" for o in unfit[:3])
-            beat = f"it is the only strategy that fits ({floors} do not)"
+            beat = f"of this plan's rows (the ZeRO stages, HSDP, their offload) it is the only one that fits ({floors} do not)"
         else:
             t2 = times[runner_up]
             if t2 <= times[s] * (1 + TIE_MARGIN) and plans[runner_up].headroom <= p.headroom:

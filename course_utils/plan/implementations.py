@@ -214,7 +214,9 @@ def _ds_keeps_whole_grads(impl: Impl, accum: int) -> bool:
 
 
 def _sharded_fresh(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> float:
-    return 4 * s.params / shard if accum == 1 else 0.0
+    """FSDP2's fp32 gradient shards, made by the backward and freed by the step (none across micro-batches
+    with accumulation; none on the GPU with ``CPUOffloadPolicy``, whose states are all on the host)."""
+    return 4 * s.params / shard if accum == 1 and not impl.offload else 0.0
 
 
 def _no_fresh(s: Shape, impl: Impl, n: int, shard: int, accum: int) -> float:

@@ -72,10 +72,11 @@ def offload_modes(
     parameter against 6 to 12 over PCIe, through a link (``host_bw``) only a few times faster. It is paid
     once per optimizer step: gradient accumulation spreads it over more tokens (the search's term).
     ``step_s`` adds PCIe, CPU (and NVMe) time to the GPU-resident strategy's step (stage 2's or
-    stage 3's), none of it hidden (an upper bound; ``pcie_s`` is what could hide behind the backward),
-    except FSDP2's: the search's term (``throughput.fsdp2_cpu_offload_s``), whose copies in hide behind the
-    step's compute and the first micro-batch's copies out behind its backward (one micro-batch a step here;
-    the search pays the copies out from the second micro-batch on).
+    stage 3's) as the search prices it, at one micro-batch a step: DeepSpeed's rows with
+    ``throughput.ds_offload_s`` (the gradient copies beside the backward; the weights' copy back and the CPU's
+    Adam waited for), FSDP2's with ``throughput.fsdp2_cpu_offload_s`` (its copies in behind the step's compute,
+    the first micro-batch's copies out behind its backward); ZeRO-Infinity's none hidden (an upper bound;
+    ``pcie_s`` is what could hide behind the backward).
     Each row: ``{"name", "base", "gpu_bytes", "host_bytes", "nvme_bytes", "pcie_bytes",
     "nvme_step_bytes", "optimizer_step", "pcie_s", "cpu_step_s", "nvme_s", "step_s", "fits", "why_not"}``.
     """

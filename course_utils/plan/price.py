@@ -17,7 +17,7 @@ from ..strategies import GRADS, OPTIM, PARAMS, ZERO3, Strategy, get
 from .implementations import ds_offload_grad_bytes, ds_offload_pcie_bytes
 from .inputs import Cluster, ModelSpec
 from .network import _groups, _hsdp_shard, block_flops, exposed_comm, ring_time
-from .throughput import cpu_adam_s
+from .throughput import ds_offload_s
 
 #: PyTorch DDP's default gradient bucket (bucket_cap_mb = 25); two are alive while one is reduced.
 BUCKET_BYTES = 25 * 10**6
@@ -179,12 +179,12 @@ def step_time(
         link = link if strategy.shard_over == "node" else block["link"]
     pcie = 0.0
     if strategy.offload:
-        # DeepSpeed's offload_optimizer at one micro-batch a step (ds_offload_pcie_bytes: stage 3 sends its bf16
-        # gradient partition down and back up, both stages the fp32 gradient down and the bf16 weights up), none
-        # hidden; the CPU runs Adam over its shard (cpu_adam_s), sharing the node's memory bandwidth
-        micro, per_step = ds_offload_pcie_bytes(3 if strategy.gathers_units else 2, 1)
+        # DeepSpeed's offload_optimizer at one micro-batch a step, priced as the search prices it (ds_offload_s):
+        # the gradient copies beside the backward, the weights' copy back and the CPU's Adam waited for
+        stage = 3 if strategy.gathers_units else 2
+        micro, per_step = ds_offload_pcie_bytes(stage, 1)
         pcie = (sum(micro) + per_step) * p / cluster.nd
-        exposed += pcie / cluster.pcie_bw + cpu_adam_s(p / cluster.nd, cluster.gpus_per_node, cluster.host_bw, k)
+        exposed += ds_offload_s(stage, p / cluster.nd, 1, bwd_all, cluster.pcie_bw, cluster, k)
     return link, volume, pcie, compute, exposed
 
 

@@ -204,8 +204,20 @@ def why_nothing(rows: list[dict]) -> str:
         return "no configuration: the global batch does not divide over the GPUs at any micro-batch"
     least = min(rows, key=lambda r: r["memory"]["total"])
     m, c = least["memory"], least["config"]
+    act, at = m["activations"], m["phases"][m["peak_phase"]]["activations"]
+    # the logits and the loss at that moment: the kept log-probabilities and the head's and final norm's inputs, with
+    # the loss's temporaries at the forward's end (the loss's backward: its fp32 and bf16 gradient of the logits)
+    extra = {"end of forward": act["loss transient"], "backward of the loss": 6 * act["loss transient"] / 8}
+    loss = act["tail kept"] + extra.get(m["peak_phase"], 0.0)
+    tiled = (
+        "a loss computed in tiles that never holds the whole logits and a tiled MLP (DeepSpeed's ALST: "
+        "TiledFusedLogitsLoss, TiledMLP in runtime/sequence_parallel/ulysses_sp.py), or "
+        if loss >= at / 4
+        else ""
+    )
     return (
         f"nothing fits: the smallest is {typed(least)}, {_policy(c['policy'])} recomputation, b={c['micro_batch']}: "
-        f"{m['total'] / GB:.1f} GB ({m['peak_phase']}). Data parallelism cannot cut a sequence's activations: "
-        "tensor, pipeline or context parallelism (not planned here) can."
+        f"{m['total'] / GB:.1f} GB ({m['peak_phase']}), of which activations {at / GB:.1f} GB, the logits and the "
+        f"loss {loss / GB:.1f} GB of them (vocabulary x tokens, fp32). Data parallelism cannot cut a sequence's "
+        f"activations: {tiled}tensor, pipeline or context parallelism (not planned here) can."
     )
