@@ -516,3 +516,24 @@ def test_gpt2_xls_residual_is_its_tied_heads_three_gradients():
     assert cfg.tie_weights and planner_terms(r)["moment"] == "late backward"
     assert r.peak["Temp"] == 3 * cfg.vocab * cfg.width * 2 + cfg.seq * cfg.width * 2 + 2 * cfg.width * 2
     assert r.peak.get("Activation", 0) < cfg.width  # no block's tensor is alive
+
+
+def test_full_shard_gathers_the_root_and_one_block_padded_to_the_ranks():
+    """05b's "to the byte" check of FULL_SHARD's gathered bf16 weights holds where FSDP2 pads (the twenty-third
+    reading: GPT-2 XL's 50,257-row vocabulary on 8 ranks, and Llama 2 on 6, failed it unpadded)."""
+    for name, nproc in (("1.56B", 8), ("6.7B", 6)):
+        r = R.rehearse(R.model_config(name, layers=2), nproc, "full_shard")
+        g = R.gathered_unit_bytes(r.cfg, nproc)
+        assert r.category_peaks["Unsharded Param"] == g["root"] + g["block"], name
+    xl = R.model_config("1.56B")
+    unpadded = 2 * (xl.vocab * xl.width + xl.seq * xl.width + 2 * xl.width)
+    assert R.gathered_unit_bytes(xl, 8)["root"] - unpadded == 2 * (50264 - 50257) * xl.width
+
+
+def test_a_chart_label_names_the_recomputation_policy():
+    """05b's summary chart: "+full", "+selective" and "+every4" runs are told apart from the plain one."""
+    labels = {
+        s: R.short_label(R.rehearse(R.model_config("6.7B", layers=2), 8, **R.parse_setting(s)))
+        for s in ("full_shard", "full_shard+ckpt", "full_shard+selective", "full_shard+every4")
+    }
+    assert len(set(labels.values())) == 4 and labels["full_shard+every4"].endswith("+every4"), labels

@@ -411,6 +411,25 @@ def padded_shard_numel(cfg: GPTConfig, nd: int) -> int:
     return sum(math.ceil(shape[0] / nd) * math.prod(shape[1:]) for shape in _param_shapes(cfg))
 
 
+def gathered_unit_bytes(cfg: GPTConfig, nd: int, nbytes: int = 2) -> dict:
+    """Bytes of the root unit's and of one block's gathered parameters, ``nbytes`` per element (bf16: 2), FSDP2's
+    padding included: each parameter padded along dim 0 to a multiple of Nd, as the all-gather output holds it
+    (GPT-2 XL's 50,257-row vocabulary becomes 50,264 rows on 8 ranks) (notebook 05b). Tied weights count once."""
+    import torch
+
+    from ..models import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+
+    def padded(p) -> int:
+        return math.ceil(p.shape[0] / nd) * nd * math.prod(p.shape[1:])
+
+    root = sum(padded(p) for p in model.parameters() if id(p) not in in_blocks)
+    return {"root": nbytes * root, "block": nbytes * sum(padded(p) for p in model.blocks[0].parameters())}
+
+
 def short_size(psi: float) -> str:
     """Ψ as people say it: a preset's name when Ψ is that preset's (6.7B, 70B), else 1.6B, 65B (notebook 05b)."""
     named = next((name for name, p in PRESETS.items() if p.released == psi), None)
@@ -418,5 +437,7 @@ def short_size(psi: float) -> str:
 
 
 def short_label(r: Rehearsal) -> str:
-    """ "6.7B/8 FS+ckpt": model, ranks, strategy, for crowded charts (notebook 05b)."""
-    return f"{short_size(r.psi)}/{r.nproc} {get_fsdp(r.strategy).abbrev}" + ("+ckpt" if r.act_ckpt else "")
+    """ "6.7B/8 FS+ckpt", "6.7B/8 FS+every4": model, ranks, strategy and recomputation, for crowded charts (notebook
+    05b)."""
+    policy = "" if r.recompute == "none" else "+" + r.recompute.replace(":", "")
+    return f"{short_size(r.psi)}/{r.nproc} {get_fsdp(r.strategy).abbrev}" + ("+ckpt" if r.act_ckpt else policy)
