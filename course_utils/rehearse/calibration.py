@@ -142,6 +142,9 @@ def calibration_rows(rehearsals) -> list[dict]:
                 "cuda": cu and cu[term],
                 "cpu_artefact": (a and cu) and a[_AT.get(term, term)] - cu[_AT.get(term, term)],
                 "moment": a and a["moment"],
+                "peak_moment": a and a["peak moment"],
+                "nproc": r.nproc,
+                "micro_batch": r.micro_batch,
             })  # fmt: skip
     return rows
 
