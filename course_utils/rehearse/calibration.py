@@ -143,6 +143,7 @@ def calibration_rows(rehearsals) -> list[dict]:
                 "cpu_artefact": (a and cu) and a[_AT.get(term, term)] - cu[_AT.get(term, term)],
                 "moment": a and a["moment"],
                 "peak_moment": a and a["peak moment"],
+                "block_share": a and planner_moments(r, "cpu")["block in backward"] / r.peak_bytes,
                 "nproc": r.nproc,
                 "micro_batch": r.micro_batch,
             })  # fmt: skip
