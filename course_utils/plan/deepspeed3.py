@@ -32,6 +32,8 @@ DS_REDUCE_BUCKET = 5e8  # elements: reduce_bucket_size's default (deepspeed/runt
 DS_PREFETCH = 5e7  # elements: stage3_prefetch_bucket_size's default
 DS_REUSE = 1e9  # elements: stage3_max_reuse_distance's default
 DS_PERSIST = 1e5  # elements: stage3_param_persistence_threshold's default
+#: The planner's moments ``replay`` prices, in the order of a step (``throughput.memory``'s, and one more)
+MOMENTS = ("end of forward", "backward of the loss", "first block's backward", "late backward", "end of backward")
 
 
 def submodules(s: Shape) -> list[tuple[str, tuple[tuple[str, int], ...]]]:
@@ -109,8 +111,7 @@ def replay(s: Shape, policy: str, reuse: float = DS_REUSE, bucket: float = DS_RE
     in_bucket = 0.0
     held: dict = {}  # oversized gradients, kept to the next reduction
     flushes = []  # elements in the bucket at each reduction, in order
-    out = {"at_backward": {}, "end of forward": 0.0, "backward of the loss": 0.0,
-           "first block's backward": 0.0, "late backward": 0.0, "end of backward": 0.0}  # fmt: skip
+    out = {"at_backward": {}, **dict.fromkeys(MOMENTS, 0.0)}
     last_block = f"blocks.{s.layers - 1}."
 
     def gathered_bytes() -> float:

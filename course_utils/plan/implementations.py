@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from .. import strategies as rec
 from ..strategy_spec import Strategy
-from .deepspeed3 import DS_PREFETCH, DS_REDUCE_BUCKET, replay
+from .deepspeed3 import DS_PREFETCH, DS_REDUCE_BUCKET, MOMENTS, replay
 from .network import exposed_comm
 from .shapes import Shape
 
@@ -159,6 +159,12 @@ def ds_offload_pcie_bytes(stage: int, accum: int) -> tuple[tuple[float, ...], fl
     else:
         micro = (0.0,) if accum == 1 else (2.0,) + (4.0,) * (accum - 1)
     return micro[:-1] + (micro[-1] + 4.0,), 2.0
+
+
+def ds_offload_pcie_step_bytes(stage: int, accum: int = 1) -> float:
+    """All of ``ds_offload_pcie_bytes`` in a step, bytes per element of the partition (both planners' tables)."""
+    micro, per_step = ds_offload_pcie_bytes(stage, accum)
+    return sum(micro) + per_step
 
 
 def host_bytes_per_param(impl: Impl, k: float = 12.0) -> float:
@@ -287,8 +293,7 @@ def _deepspeed3_unsharded(s: Shape, policy: str) -> dict:
     the head (its backward comes next) and what ``stage3_max_reuse_distance`` keeps of the last blocks, not the
     embeddings; in the backward one submodule and its gradient, or the block a policy rebuilt whole."""
     r = replay(s, policy)
-    moments = ("end of forward", "backward of the loss", "first block's backward", "late backward", "end of backward")
-    return {k: r[k] for k in moments}
+    return {k: r[k] for k in MOMENTS}
 
 
 # --------------------------------------------------------------------------------------------- traffic

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..memory import bill
 from ..strategies import ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD
 from ..units import GB
-from .implementations import ds_offload_pcie_bytes
+from .implementations import ds_offload_pcie_step_bytes
 from .inputs import Cluster, ModelSpec
 from .price import block_overlap, memory_breakdown, step_time
 from .throughput import cpu_adam_s, fsdp2_cpu_offload_s
@@ -116,8 +116,7 @@ def offload_modes(
     deepspeed = {"zero_offload": (ZERO2_OFFLOAD, ZERO2), ZERO3_OFFLOAD.name: (ZERO3_OFFLOAD, ZERO3)}
     for name, (offloaded, on_gpu_row) in deepspeed.items():
         base = row_of(offloaded)
-        micro, per_step = ds_offload_pcie_bytes(3 if offloaded.gathers_units else 2, 1)  # one micro-batch a step
-        pcie = (sum(micro) + per_step) * p / nd
+        pcie = ds_offload_pcie_step_bytes(3 if offloaded.gathers_units else 2) * p / nd  # one micro-batch a step
         rows[name] = {
             "gpu_bytes": base["total"],
             "host_bytes": base["host_bytes"],

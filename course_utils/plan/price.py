@@ -14,7 +14,7 @@ import math
 from ..comm import ring_bytes_sent
 from ..memory import bill
 from ..strategies import GRADS, OPTIM, PARAMS, ZERO3, Strategy, get
-from .implementations import ds_offload_grad_bytes, ds_offload_pcie_bytes
+from .implementations import ds_offload_grad_bytes, ds_offload_pcie_step_bytes
 from .inputs import Cluster, ModelSpec
 from .network import _groups, _hsdp_shard, block_flops, exposed_comm, ring_time
 from .throughput import ds_offload_s
@@ -182,8 +182,7 @@ def step_time(
         # DeepSpeed's offload_optimizer at one micro-batch a step, priced as the search prices it (ds_offload_s):
         # the gradient copies beside the backward, the weights' copy back and the CPU's Adam waited for
         stage = 3 if strategy.gathers_units else 2
-        micro, per_step = ds_offload_pcie_bytes(stage, 1)
-        pcie = (sum(micro) + per_step) * p / cluster.nd
+        pcie = ds_offload_pcie_step_bytes(stage) * p / cluster.nd
         exposed += ds_offload_s(stage, p / cluster.nd, 1, bwd_all, cluster.pcie_bw, cluster, k)
     return link, volume, pcie, compute, exposed
 

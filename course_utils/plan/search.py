@@ -205,10 +205,10 @@ def why_nothing(rows: list[dict]) -> str:
     least = min(rows, key=lambda r: r["memory"]["total"])
     m, c = least["memory"], least["config"]
     act, at = m["activations"], m["phases"][m["peak_phase"]]["activations"]
-    # the logits and the loss at that moment: the kept log-probabilities and the head's and final norm's inputs, with
-    # the loss's temporaries at the forward's end (the loss's backward: its fp32 and bf16 gradient of the logits)
-    extra = {"end of forward": act["loss transient"], "backward of the loss": 6 * act["loss transient"] / 8}
-    loss = act["tail kept"] + extra.get(m["peak_phase"], 0.0)
+    # the logits and the loss at that moment: before the blocks' backward, everything but the blocks' kept tensors
+    # (the tail's kept inputs and log-probabilities, the loss's temporaries or its gradient of the logits)
+    before_blocks = m["peak_phase"] in ("end of forward", "backward of the loss")
+    loss = at - act["blocks kept"] if before_blocks else act["tail kept"]
     tiled = (
         "a loss computed in tiles that never holds the whole logits and a tiled MLP (DeepSpeed's ALST: "
         "TiledFusedLogitsLoss, TiledMLP in runtime/sequence_parallel/ulysses_sp.py), or "
